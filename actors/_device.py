@@ -1,0 +1,101 @@
+"""`DeviceAllocatorActor`: hands out and takes back device slots."""
+
+from __future__ import annotations
+
+from hicache.messages import (
+    ActorName,
+    AdoptLoadedSlots,
+    AllocateLoadSlots,
+    AllocateSlots,
+    CommitSlots,
+    DeviceStatistics,
+    FreeDeviceSlots,
+    Indices,
+    LedgerEntry,
+    Message,
+    ReleaseRequests,
+    RequestsReleased,
+    SlotGrant,
+    SlotsAllocated,
+    SlotsCommitted,
+    SlotsInsufficient,
+)
+from hicache.runtime._actor import Directory, HiActor
+from hicache.runtime._services import Services
+from hicache.runtime.config import Config
+
+from ._device_core import DeviceCore, Insufficient, LedgerView, PageOwner
+
+
+class DeviceAllocatorActor(HiActor):
+    name = ActorName.DEVICE
+
+    def __init__(self, *, config: Config, core: DeviceCore, services: Services, directory: Directory) -> None:
+        super().__init__(services=services, directory=directory)
+        self.core = core
+
+    def handle(self, sender: ActorName, message: Message) -> Message | None:
+        core = self.core
+        match message:
+            case AllocateSlots(op_id=op, demands=demands):
+                got = core.allocate([(d.request_id, d.tokens) for d in demands])
+                if isinstance(got, Insufficient):
+                    return _insufficient(op, got)
+                grants = tuple(
+                    SlotGrant(request_id=d.request_id, indices=Indices.from_tensor(got[d.request_id]))
+                    for d in demands
+                )
+                return SlotsAllocated(op_id=op, grants=grants)
+            case CommitSlots(op_id=op, demands=demands):
+                views = [core.commit(d.request_id, d.tokens) for d in demands]
+                return SlotsCommitted(op_id=op, entries=tuple(_entry(v) for v in views))
+            case ReleaseRequests(op_id=op, releases=releases):
+                views = [
+                    core.release(r.request_id, r.adopt.as_tensor(), r.reason)
+                    for r in releases
+                ]
+                return RequestsReleased(op_id=op, entries=tuple(_entry(v) for v in views))
+            case AllocateLoadSlots(op_id=op, tokens=n):
+                slots = core.allocate_load(n)
+                if isinstance(slots, Insufficient):
+                    return _insufficient(op, slots)
+                grant = SlotGrant(request_id="", indices=Indices.from_tensor(slots))
+                return SlotsAllocated(op_id=op, grants=(grant,))
+            case AdoptLoadedSlots(indices=idx):
+                self.require_sender(sender, ActorName.TREE, "adopting loaded device slots")
+                core.adopt_loaded(idx.as_tensor())
+                return None
+            case FreeDeviceSlots(indices=idx):
+                self.require_sender(sender, ActorName.TREE, "freeing tree-owned device slots")
+                core.free_tree(idx.as_tensor())
+                return None
+            case _:
+                self.unknown(message)
+        return None
+
+    def check_invariants(self) -> None:
+        self.core.check_invariants()
+
+    def statistics(self) -> DeviceStatistics:
+        c = self.core.counts()
+        return DeviceStatistics(
+            capacity_slots=self.core.capacity_slots,
+            free_slots=c[PageOwner.FREE],
+            request_slots=c[PageOwner.REQUEST],
+            tree_slots=c[PageOwner.TREE],
+            loading_slots=c[PageOwner.LOADING],
+            live_requests=self.core.live_requests(),
+        )
+
+
+def _entry(v: LedgerView) -> LedgerEntry:
+    return LedgerEntry(request_id=v.request_id, allocated=v.allocated, committed=v.committed, freed=v.freed)
+
+
+def _insufficient(op: int, got: Insufficient) -> SlotsInsufficient:
+    return SlotsInsufficient(
+        op_id=op,
+        requested_slots=got.requested_slots,
+        free_slots=got.free_slots,
+        shortfall_slots=got.shortfall_slots,
+    )

@@ -1,0 +1,265 @@
+"""`DeviceCore`: the device KV buffer, its page allocator and the request ledger.
+
+Every device page has exactly one owner: free, a live request, the tree, or an
+in-flight load. A request's ledger (seed 001) records how many slots it was
+handed (`allocated`) and how many hold real KV (`committed`); `allocated >=
+committed` always, and `release` gives back every page of the request exactly
+once, in one place: pages the tree adopts change owner, all others are freed.
+Running out of pages is not an error but an `Insufficient` result.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from hicache.messages import ReleaseReason
+from hicache.runtime.config import Config, DeviceKind, HostLayout
+
+from ._errors import InvariantError, LedgerError, SlotStateError
+from ._kv import KVBuffer, KVShape
+from ._pages import PagePool, pages_of
+
+RELEASED_REMEMBERED_MAX = 1 << 16
+"""Finished or aborted requests whose final ledger is kept (to catch use after release)."""
+
+
+class PageOwner(enum.IntEnum):
+    FREE = 0
+    REQUEST = 1
+    TREE = 2
+    LOADING = 3
+
+
+@dataclass(frozen=True, slots=True)
+class Insufficient:
+    """Not enough free pages; nothing was allocated."""
+
+    requested_slots: int
+    free_slots: int
+
+    @property
+    def shortfall_slots(self) -> int:
+        return self.requested_slots - self.free_slots
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerView:
+    request_id: str
+    allocated: int
+    committed: int
+    freed: int
+
+
+@dataclass(slots=True)
+class _Ledger:
+    request_id: str
+    pages: list[int] = field(default_factory=list)
+    allocated: int = 0
+    committed: int = 0
+
+
+class DeviceCore:
+    def __init__(self, config: Config) -> None:
+        self.page_size = config.page_size
+        self.capacity_slots = config.device_slots
+        device = "cuda" if config.device is DeviceKind.CUDA else "cpu"
+        self.kv = KVBuffer.allocate(KVShape.of(config), config.device_slots, HostLayout.LAYER_FIRST, device)
+        self._pool = PagePool(config.device_pages, config.page_size)
+        self._owner = torch.zeros(config.device_pages, dtype=torch.uint8)
+        self._ledgers: dict[str, _Ledger] = {}
+        self._released: OrderedDict[str, LedgerView] = OrderedDict()
+
+    # -- requests -------------------------------------------------------------
+
+    def allocate(self, demands: Sequence[tuple[str, int]]) -> dict[str, torch.Tensor] | Insufficient:
+        """Slots for several requests, all or nothing. Each request first gets the
+        rest of its last partial page, then whole pages."""
+        p = self.page_size
+        plan: list[tuple[_Ledger, int, int]] = []  # ledger, tokens, new pages
+        seen: set[str] = set()
+        for rid, n in demands:
+            if n < 0:
+                raise LedgerError(f"request {rid!r}: cannot allocate {n} slots")
+            if rid in seen:
+                raise LedgerError(f"request {rid!r} appears twice in one allocation")
+            seen.add(rid)
+            ledger = self._live_or_new(rid)
+            spare = (-ledger.allocated) % p
+            plan.append((ledger, n, -(-max(0, n - spare) // p)))
+        need = sum(k for _, _, k in plan)
+        if need > self._pool.free_pages:
+            return Insufficient(requested_slots=need * p, free_slots=self._pool.free_slots)
+        out: dict[str, torch.Tensor] = {}
+        for ledger, n, k in plan:
+            self._ledgers.setdefault(ledger.request_id, ledger)
+            start = ledger.allocated
+            if k:
+                new = self._pool.alloc(k)
+                assert new is not None
+                self._owner[new] = PageOwner.REQUEST
+                ledger.pages.extend(new.tolist())
+            ledger.allocated += n
+            out[ledger.request_id] = self._slots_of(ledger, start, ledger.allocated)
+        return out
+
+    def commit(self, rid: str, n: int) -> LedgerView:
+        ledger = self._live(rid, "commit")
+        if n < 0:
+            raise LedgerError(f"request {rid!r}: cannot commit {n} slots")
+        if ledger.committed + n > ledger.allocated:
+            raise LedgerError(
+                f"request {rid!r}: committing {n} more slots would make committed="
+                f"{ledger.committed + n} > allocated={ledger.allocated} (invariant: "
+                "allocated >= committed; allocate before writing KV)"
+            )
+        ledger.committed += n
+        return self._view(ledger, freed=0)
+
+    def release(self, rid: str, adopt: torch.Tensor, reason: ReleaseReason) -> LedgerView:
+        """Give back every page of the request: `adopt` (whole pages of it) to the
+        tree, the rest to the free list. Exactly once per request."""
+        ledger = self._live(rid, "release")
+        adopt_pages = pages_of(adopt, self.page_size, f"slots adopted from request {rid!r}")
+        mine = torch.tensor(ledger.pages, dtype=torch.int64)
+        if len(adopt_pages):
+            foreign = ~torch.isin(adopt_pages, mine)
+            if bool(foreign.any()) or len(torch.unique(adopt_pages)) != len(adopt_pages):
+                raise LedgerError(
+                    f"request {rid!r}: adopted pages {adopt_pages[foreign].tolist() or adopt_pages.tolist()}"
+                    " are not distinct pages of this request"
+                )
+        rest = mine[~torch.isin(mine, adopt_pages)]
+        self._owner[adopt_pages] = PageOwner.TREE
+        self._owner[rest] = PageOwner.FREE
+        self._pool.free(rest)
+        del self._ledgers[rid]
+        view = self._view(ledger, freed=ledger.allocated)
+        if reason is not ReleaseReason.RETRACTED:
+            self._released[rid] = view
+            while len(self._released) > RELEASED_REMEMBERED_MAX:
+                self._released.popitem(last=False)
+        return view
+
+    def ledger(self, rid: str) -> LedgerView:
+        if rid in self._ledgers:
+            return self._view(self._ledgers[rid], freed=0)
+        if rid in self._released:
+            return self._released[rid]
+        raise LedgerError(f"request {rid!r} has no ledger (never allocated, or retracted)")
+
+    # -- tree and loads -------------------------------------------------------
+
+    def allocate_load(self, n: int) -> torch.Tensor | Insufficient:
+        """Whole pages for a load from host; owner LOADING until adopted or freed."""
+        k = -(-n // self.page_size)
+        new = self._pool.alloc(k)
+        if new is None:
+            return Insufficient(requested_slots=k * self.page_size, free_slots=self._pool.free_slots)
+        self._owner[new] = PageOwner.LOADING
+        return _slots_of_pages(new, self.page_size)
+
+    def adopt_loaded(self, indices: torch.Tensor) -> None:
+        pages = pages_of(indices, self.page_size, "adopted loaded slots")
+        self._expect(pages, (PageOwner.LOADING,), "adopt loaded slots")
+        self._owner[pages] = PageOwner.TREE
+
+    def free_tree(self, indices: torch.Tensor) -> None:
+        """Free pages the tree owns, or a load's pages whose load failed or was dropped."""
+        pages = pages_of(indices, self.page_size, "freed device slots")
+        self._expect(pages, (PageOwner.TREE, PageOwner.LOADING), "free device slots")
+        self._owner[pages] = PageOwner.FREE
+        self._pool.free(pages)
+
+    # -- checks and numbers ---------------------------------------------------
+
+    def counts(self) -> dict[PageOwner, int]:
+        c = torch.bincount(self._owner.to(torch.int64), minlength=len(PageOwner))
+        return {o: int(c[o]) * self.page_size for o in PageOwner}
+
+    def live_requests(self) -> int:
+        return len(self._ledgers)
+
+    def check_invariants(self) -> None:
+        counts = self.counts()
+        if sum(counts.values()) != self.capacity_slots:
+            raise InvariantError(f"device: owners cover {sum(counts.values())} of {self.capacity_slots} slots")
+        free = self._pool.free_page_set()
+        if counts[PageOwner.FREE] != len(free) * self.page_size:
+            raise InvariantError(
+                f"device: {counts[PageOwner.FREE]} slots marked free but the free list holds {len(free)} pages"
+            )
+        if len(free) and (bool((self._owner[free] != PageOwner.FREE).any()) or len(torch.unique(free)) != len(free)):
+            raise InvariantError("device: the free list holds a page that is not free, or a page twice")
+        owned = [pg for led in self._ledgers.values() for pg in led.pages]
+        if len(owned) != len(set(owned)):
+            raise InvariantError("device: a page is in two request ledgers")
+        if len(owned) * self.page_size != counts[PageOwner.REQUEST]:
+            raise InvariantError(
+                f"device: ledgers hold {len(owned)} pages but {counts[PageOwner.REQUEST] // self.page_size} "
+                "pages are marked request-owned"
+            )
+        for led in self._ledgers.values():
+            if not (led.committed <= led.allocated and -(-led.allocated // self.page_size) == len(led.pages)):
+                raise InvariantError(
+                    f"device: ledger of {led.request_id!r} has committed={led.committed}, "
+                    f"allocated={led.allocated}, {len(led.pages)} pages (invariant: "
+                    "committed <= allocated, pages = ceil(allocated / page_size))"
+                )
+        for view in self._released.values():
+            if view.freed != view.allocated:
+                raise InvariantError(f"device: request {view.request_id!r} freed {view.freed} of {view.allocated}")
+
+    # -- helpers --------------------------------------------------------------
+
+    def _live_or_new(self, rid: str) -> _Ledger:
+        if rid in self._released:
+            raise LedgerError(
+                f"request {rid!r} was already released ({self._released[rid]}); allocating for a "
+                "finished or aborted request is a bug (seed 001: never allocate after finish)"
+            )
+        return self._ledgers.get(rid) or _Ledger(rid)
+
+    def _live(self, rid: str, what: str) -> _Ledger:
+        ledger = self._ledgers.get(rid)
+        if ledger is not None:
+            return ledger
+        if rid in self._released:
+            raise LedgerError(f"cannot {what} request {rid!r}: it was already released (released twice?)")
+        raise LedgerError(f"cannot {what} request {rid!r}: it has no slots (unknown request)")
+
+    def _slots_of(self, ledger: _Ledger, start: int, end: int) -> torch.Tensor:
+        pages = torch.tensor(ledger.pages, dtype=torch.int64)
+        return _slots_of_pages(pages, self.page_size)[start:end].clone()
+
+    def _expect(self, pages: torch.Tensor, owners: tuple[PageOwner, ...], what: str) -> None:
+        if not len(pages):
+            return
+        if len(torch.unique(pages)) != len(pages):
+            raise SlotStateError(f"{what}: a page appears twice in {pages.tolist()}")
+        have = self._owner[pages]
+        ok = torch.zeros_like(have, dtype=torch.bool)
+        for o in owners:
+            ok |= have == o
+        if not bool(ok.all()):
+            bad = (~ok).nonzero().flatten()[:8]
+            detail = ", ".join(
+                f"slots {int(pages[i]) * self.page_size}..{int(pages[i]) * self.page_size + self.page_size - 1} "
+                f"owned by {PageOwner(int(have[i])).name.lower()}"
+                for i in bad
+            )
+            allowed = " or ".join(o.name.lower() for o in owners)
+            hint = " (double free?)" if any(int(have[i]) == PageOwner.FREE for i in bad) else ""
+            raise SlotStateError(f"cannot {what}: {detail}; expected {allowed}{hint}")
+
+    @staticmethod
+    def _view(ledger: _Ledger, freed: int) -> LedgerView:
+        return LedgerView(ledger.request_id, ledger.allocated, ledger.committed, freed)
+
+
+def _slots_of_pages(pages: torch.Tensor, page_size: int) -> torch.Tensor:
+    return (pages.unsqueeze(1) * page_size + torch.arange(page_size)).reshape(-1)

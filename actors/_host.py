@@ -1,0 +1,52 @@
+"""`HostPoolActor`: owns host slot state; accepts a free only from the tree."""
+
+from __future__ import annotations
+
+from hicache.messages import (
+    ActorName,
+    AllocateHost,
+    FreeHostSlots,
+    HostAllocated,
+    HostInsufficient,
+    HostStatistics,
+    Indices,
+    Message,
+    SetHostState,
+)
+from hicache.runtime._actor import Directory, HiActor
+from hicache.runtime._services import Services
+from hicache.runtime.config import Config
+
+from ._host_core import HostCore
+
+
+class HostPoolActor(HiActor):
+    name = ActorName.HOST
+
+    def __init__(self, *, config: Config, core: HostCore, services: Services, directory: Directory) -> None:
+        super().__init__(services=services, directory=directory)
+        self.core = core
+
+    def handle(self, sender: ActorName, message: Message) -> Message | None:
+        match message:
+            case AllocateHost(op_id=op, tokens=n):
+                slots = self.core.allocate(n)
+                if slots is None:
+                    return HostInsufficient(op_id=op, requested_slots=n, free_slots=self.core.free_slots)
+                return HostAllocated(op_id=op, indices=Indices.from_tensor(slots))
+            case SetHostState(indices=idx, state=state):
+                self.core.transition(idx.as_tensor(), state)
+                return None
+            case FreeHostSlots(indices=idx):
+                self.require_sender(sender, ActorName.TREE, "freeing host slots")
+                self.core.free(idx.as_tensor())
+                return None
+            case _:
+                self.unknown(message)
+        return None
+
+    def check_invariants(self) -> None:
+        self.core.check_invariants()
+
+    def statistics(self) -> HostStatistics:
+        return HostStatistics(capacity_slots=self.core.capacity_slots, slots_by_state=self.core.counts())

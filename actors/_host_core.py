@@ -1,0 +1,107 @@
+"""`HostCore`: the host KV buffer, its page allocator and the slot state machine.
+
+Every host slot has a `HostSlotState`. Moves are checked against
+`HOST_TRANSITIONS` on every call, vectorised over the slots of the call (a
+lookup in an 8x8 table), so an illegal move raises at once, naming the slots,
+their states and the state asked for. This check is always on.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hicache.messages import HOST_TRANSITIONS, HostSlotState
+from hicache.runtime.config import Config, DeviceKind
+
+from ._errors import InvariantError, SlotStateError
+from ._kv import KVBuffer, KVShape
+from ._pages import PagePool, pages_of
+
+_N = len(HostSlotState)
+_LEGAL = torch.zeros((_N, _N), dtype=torch.bool)
+for _a, _b in HOST_TRANSITIONS:
+    _LEGAL[_a, _b] = True
+
+_FREEABLE = (HostSlotState.RESERVED, HostSlotState.SYNCED, HostSlotState.HOST_ONLY)
+
+
+class HostCore:
+    def __init__(self, config: Config) -> None:
+        self.page_size = config.page_size
+        self.capacity_slots = config.host_slots
+        pin = config.device is DeviceKind.CUDA and torch.cuda.is_available()
+        self.kv = KVBuffer.allocate(KVShape.of(config), config.host_slots, config.host_layout, "cpu", pin=pin)
+        self._pool = PagePool(config.host_pages, config.page_size)
+        self._state = torch.zeros(config.host_slots, dtype=torch.uint8)
+
+    @property
+    def free_slots(self) -> int:
+        return self._pool.free_slots
+
+    def allocate(self, n: int) -> torch.Tensor | None:
+        """`n` slots (whole pages) in state RESERVED, or None when too few are free."""
+        if n < 0 or n % self.page_size:
+            raise ValueError(f"host allocation of {n} slots is not whole pages of {self.page_size}")
+        pages = self._pool.alloc(n // self.page_size)
+        if pages is None:
+            return None
+        slots = (pages.unsqueeze(1) * self.page_size + torch.arange(self.page_size)).reshape(-1)
+        self._move(slots, HostSlotState.RESERVED, "allocate")
+        return slots
+
+    def transition(self, indices: torch.Tensor, to: HostSlotState) -> None:
+        """Move every slot in `indices` to `to`; all moves must be legal."""
+        if to is HostSlotState.FREE:
+            raise SlotStateError("freeing goes through free(), which returns the pages to the free list")
+        self._move(indices, to, f"move to {to.name}")
+
+    def free(self, indices: torch.Tensor) -> None:
+        """Free whole pages that hold no in-flight copy."""
+        pages = pages_of(indices, self.page_size, "freed host slots")
+        self._move(indices, HostSlotState.FREE, "free")
+        self._pool.free(pages)
+
+    def states(self, indices: torch.Tensor) -> torch.Tensor:
+        return self._state[indices].clone()
+
+    def counts(self) -> tuple[int, ...]:
+        c = torch.bincount(self._state.to(torch.int64), minlength=_N)
+        return tuple(int(x) for x in c)
+
+    def check_invariants(self) -> None:
+        counts = self.counts()
+        if sum(counts) != self.capacity_slots:
+            raise InvariantError(f"host: states cover {sum(counts)} of {self.capacity_slots} slots")
+        free_pages = self._pool.free_page_set()
+        if counts[HostSlotState.FREE] != len(free_pages) * self.page_size:
+            raise InvariantError(
+                f"host: {counts[HostSlotState.FREE]} slots are FREE but the free list holds "
+                f"{len(free_pages)} pages of {self.page_size}"
+            )
+        if len(free_pages):
+            slots = (free_pages.unsqueeze(1) * self.page_size + torch.arange(self.page_size)).reshape(-1)
+            if bool((self._state[slots] != HostSlotState.FREE).any()) or len(torch.unique(free_pages)) != len(free_pages):
+                raise InvariantError("host: the free list holds a page with a slot that is not FREE, or a page twice")
+
+    def _move(self, indices: torch.Tensor, to: HostSlotState, what: str) -> None:
+        if not len(indices):
+            return
+        if len(torch.unique(indices)) != len(indices):
+            raise SlotStateError(f"host {what}: a slot appears twice in one call")
+        if bool(((indices < 0) | (indices >= self.capacity_slots)).any()):
+            raise SlotStateError(f"host {what}: slot index out of range 0..{self.capacity_slots - 1}")
+        have = self._state[indices].to(torch.int64)
+        legal = _LEGAL[have, int(to)]
+        if not bool(legal.all()):
+            bad = (~legal).nonzero().flatten()
+            shown = ", ".join(
+                f"slot {int(indices[i])} is {HostSlotState(int(have[i])).name}" for i in bad[:8]
+            )
+            more = f" (and {len(bad) - 8} more)" if len(bad) > 8 else ""
+            hint = ""
+            if to is HostSlotState.FREE and bool((have[bad] == HostSlotState.FREE).any()):
+                hint = " (double free)"
+            elif to is HostSlotState.FREE:
+                hint = f" (only {', '.join(s.name for s in _FREEABLE)} slots may be freed)"
+            raise SlotStateError(f"illegal host slot transition to {to.name} on {what}: {shown}{more}{hint}")
+        self._state[indices] = int(to)

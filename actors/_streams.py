@@ -1,0 +1,318 @@
+"""The two transfer stream actors: D2H writes and layer-by-layer H2D loads.
+
+They take over seed 004's cache controller without its threads and polling:
+operations arrive as messages, queue in a `TransferQueue` (merge small, split
+large), are copied page-granular by `copy_kv`, and each completion is a message
+to the requester. A failed copy is reported as failed, never as done.
+
+On CUDA each stream has its own CUDA stream; it first orders itself after the
+compute stream (the KV to write, or the slots to fill, are the compute stream's),
+copies with `non_blocking`, records an event and completes an operation only when
+its event has completed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hicache.messages import (
+    ActorName,
+    CopyLayer,
+    DrainWrites,
+    LoadDone,
+    LoadFailed,
+    LoadKV,
+    LoadsStarted,
+    Message,
+    StartLoads,
+    StreamStatistics,
+    WriteDone,
+    WriteFailed,
+    WriteKV,
+)
+from hicache.runtime._actor import Directory, HiActor
+from hicache.runtime._layers import LayerDoneRing
+from hicache.runtime._services import Services
+from hicache.runtime.config import Config
+
+from ._errors import InvariantError
+from ._kv import KVBuffer, copy_kv
+from ._transfer_core import TransferOp, TransferQueue, batch_indices, op_problem
+
+_COPY_ERRORS = (RuntimeError, ValueError, IndexError)
+"""What a torch copy raises on bad input or a device fault; reported as a failed transfer."""
+
+
+class _CudaStream:
+    """A side CUDA stream, or nothing on CPU (copies are synchronous there)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def begin(self) -> Any:
+        if self.stream is None:
+            return _NULL
+        self.stream.wait_stream(torch.cuda.default_stream(self.stream.device))
+        return torch.cuda.stream(self.stream)
+
+    def record(self) -> Any:
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
+
+class _Null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_NULL = _Null()
+
+
+@dataclass(slots=True)
+class _Counters:
+    ops_done: int = 0
+    ops_failed: int = 0
+    slots_copied: int = 0
+    bytes_copied: int = 0
+    batches: int = 0
+
+    def record(self, queue: TransferQueue, queued: int) -> StreamStatistics:
+        return StreamStatistics(
+            ops_done=self.ops_done,
+            ops_failed=self.ops_failed,
+            slots_copied=self.slots_copied,
+            bytes_copied=self.bytes_copied,
+            batches=self.batches,
+            merged_ops=queue.merged_ops,
+            split_ops=queue.split_ops,
+            queued_ops=queued,
+        )
+
+
+class WriteStreamActor(HiActor):
+    """Copies device -> host. `WriteKV` in; `WriteDone` / `WriteFailed` to the requester."""
+
+    name = ActorName.WRITE
+
+    def __init__(
+        self, *, config: Config, device_kv: KVBuffer, host_kv: KVBuffer, services: Services, directory: Directory
+    ) -> None:
+        super().__init__(services=services, directory=directory)
+        self._device = device_kv
+        self._host = host_kv
+        self._queue = TransferQueue(config.transfer_pages_max * config.page_size, config.transfer_queue_ops_max)
+        self._cuda = _CudaStream(device_kv.device)
+        self._drain_pending = False
+        self._n = _Counters()
+
+    def handle(self, sender: ActorName, message: Message) -> Message | None:
+        match message:
+            case WriteKV(op_id=op_id, device=dev, host=host):
+                src, dst = dev.as_tensor(), host.as_tensor()
+                problem = op_problem(src, self._device.slots, dst, self._host.slots)
+                if problem is not None:
+                    self._n.ops_failed += 1
+                    return WriteFailed(op_id=op_id, reason=f"bad write: {problem}")
+                if not self._queue.push(TransferOp(op_id, sender, src, dst)):
+                    self._n.ops_failed += 1
+                    return WriteFailed(
+                        op_id=op_id, reason=f"write queue full ({self._queue.ops_max} ops, transfer_queue_ops_max)"
+                    )
+                self._schedule_drain()
+                return None
+            case DrainWrites():
+                self._drain_pending = False
+                self._copy_next_batch()
+                if len(self._queue):
+                    self._schedule_drain()
+                return None
+            case _:
+                self.unknown(message)
+        return None
+
+    def _schedule_drain(self) -> None:
+        if not self._drain_pending:
+            self._drain_pending = True
+            self.send(self.name, DrainWrites())
+
+    def _copy_next_batch(self) -> None:
+        batch = [p for p in self._queue.next_batch() if not p.op.failed]
+        if not batch:
+            return
+        ops = tuple(dict.fromkeys(p.op.op_id for p in batch))
+        reason = self._services.faults.transfer_fault(self.name, ops)
+        if reason is None:
+            src, dst = batch_indices(batch)
+            try:
+                with self._cuda.begin():
+                    nbytes = copy_kv(self._device, src, self._host, dst, non_blocking=self._cuda.stream is not None)
+                    event = self._cuda.record()
+                if event is not None:
+                    event.synchronize()
+            except _COPY_ERRORS as err:
+                reason = f"copy failed: {err}"
+        self._n.batches += 1
+        for piece in batch:
+            op = piece.op
+            if reason is not None:
+                if not op.failed:
+                    op.failed = True
+                    self._n.ops_failed += 1
+                    self.send(op.requester, WriteFailed(op_id=op.op_id, reason=reason))
+                continue
+            if piece.last:
+                self._n.ops_done += 1
+                self._n.slots_copied += op.slots
+                self.send(op.requester, WriteDone(op_id=op.op_id, slots=op.slots))
+        if reason is None:
+            self._n.bytes_copied += nbytes
+
+    def check_invariants(self) -> None:
+        self._queue.check_invariants()
+
+    def statistics(self) -> StreamStatistics:
+        return self._n.record(self._queue, len(self._queue))
+
+
+@dataclass(slots=True)
+class _LoadBatch:
+    batch: int
+    ops: list[TransferOp]
+    src: torch.Tensor
+    dst: torch.Tensor
+
+
+class LoadStreamActor(HiActor):
+    """Copies host -> device layer by layer. `LoadKV` queues, `StartLoads` starts a
+    batch; per-layer progress goes to the `LayerDoneRing` the forward pass waits on;
+    `LoadDone` / `LoadFailed` to each requester when the batch ends."""
+
+    name = ActorName.LOAD
+
+    def __init__(
+        self,
+        *,
+        config: Config,
+        device_kv: KVBuffer,
+        host_kv: KVBuffer,
+        ring: LayerDoneRing,
+        services: Services,
+        directory: Directory,
+    ) -> None:
+        super().__init__(services=services, directory=directory)
+        self._device = device_kv
+        self._host = host_kv
+        self._ring = ring
+        self._layers = config.layers
+        # Loads are merged per batch, never split: each step copies one layer.
+        self._queue = TransferQueue(config.host_slots, config.transfer_queue_ops_max)
+        self._started: deque[_LoadBatch] = deque()
+        self._running: _LoadBatch | None = None
+        self._next_batch = 1
+        self._cuda = _CudaStream(device_kv.device)
+        self._n = _Counters()
+
+    def handle(self, sender: ActorName, message: Message) -> Message | None:
+        match message:
+            case LoadKV(op_id=op_id, host=host, device=dev):
+                src, dst = host.as_tensor(), dev.as_tensor()
+                problem = op_problem(src, self._host.slots, dst, self._device.slots)
+                if problem is not None:
+                    self._n.ops_failed += 1
+                    return LoadFailed(op_id=op_id, reason=f"bad load: {problem}")
+                if not self._queue.push(TransferOp(op_id, sender, src, dst)):
+                    self._n.ops_failed += 1
+                    return LoadFailed(
+                        op_id=op_id, reason=f"load queue full ({self._queue.ops_max} ops, transfer_queue_ops_max)"
+                    )
+                return None
+            case StartLoads():
+                return self._start()
+            case CopyLayer(batch=b, layer=layer):
+                self._copy_layer(b, layer)
+                return None
+            case _:
+                self.unknown(message)
+        return None
+
+    def _start(self) -> LoadsStarted:
+        ops = self._queue.drain()
+        if not ops:
+            return LoadsStarted(batch=0, ops=())
+        if len(ops) > 1:
+            self._queue.merged_ops += len(ops)
+        b = self._next_batch
+        self._next_batch += 1
+        src = torch.cat([op.src for op in ops])
+        dst = torch.cat([op.dst for op in ops])
+        self._started.append(_LoadBatch(b, ops, src, dst))
+        self._run_next()
+        return LoadsStarted(batch=b, ops=tuple(op.op_id for op in ops))
+
+    def _run_next(self) -> None:
+        if self._running is not None or not self._started:
+            return
+        self._running = self._started.popleft()
+        self._ring.begin(self._running.batch)
+        self.send(self.name, CopyLayer(batch=self._running.batch, layer=0))
+
+    def _copy_layer(self, b: int, layer: int) -> None:
+        run = self._running
+        if run is None or run.batch != b:
+            raise AssertionError(f"load stream: CopyLayer for batch {b} but batch {run and run.batch} is running")
+        reason = None
+        if layer == 0:
+            reason = self._services.faults.transfer_fault(self.name, tuple(op.op_id for op in run.ops))
+        if reason is None:
+            try:
+                with self._cuda.begin():
+                    nbytes = copy_kv(
+                        self._host, run.src, self._device, run.dst, layer=layer,
+                        non_blocking=self._cuda.stream is not None,
+                    )
+                    event = self._cuda.record()
+                self._n.bytes_copied += nbytes
+                self._ring.layer_done(b, layer, event)
+            except _COPY_ERRORS as err:
+                reason = f"copy of layer {layer} failed: {err}"
+        if reason is not None:
+            self._ring.fail(b, reason)
+            self._finish(run, reason)
+        elif layer + 1 < self._layers:
+            self.send(self.name, CopyLayer(batch=b, layer=layer + 1))
+        else:
+            if event is not None:
+                event.synchronize()
+            self._finish(run, None)
+
+    def _finish(self, run: _LoadBatch, reason: str | None) -> None:
+        self._running = None
+        self._n.batches += 1
+        for op in run.ops:
+            if reason is None:
+                self._n.ops_done += 1
+                self._n.slots_copied += op.slots
+                self.send(op.requester, LoadDone(op_id=op.op_id, batch=run.batch, slots=op.slots))
+            else:
+                self._n.ops_failed += 1
+                self.send(op.requester, LoadFailed(op_id=op.op_id, reason=reason))
+        self._run_next()
+
+    def check_invariants(self) -> None:
+        self._queue.check_invariants()
+        if self._running is None and self._started:
+            raise InvariantError("load stream: batches wait although none is running")
+
+    def statistics(self) -> StreamStatistics:
+        waiting = len(self._queue) + sum(len(b.ops) for b in self._started)
+        return self._n.record(self._queue, waiting)

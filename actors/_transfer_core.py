@@ -1,0 +1,117 @@
+"""`TransferQueue`: the op merger/splitter both streams share (seed 004 without threads).
+
+Operations wait in FIFO order. `next_batch()` takes pieces from the head until the
+batch holds `slots_max` slots: small operations merge into one batch, an operation
+larger than the room left is split and continues in the next batch. An operation
+completes when its last piece is copied.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from hicache.messages import ActorName
+
+from ._errors import InvariantError
+
+
+@dataclass(slots=True, eq=False)
+class TransferOp:
+    """One requested copy. Mutable progress, owned by one stream actor."""
+
+    op_id: int
+    requester: ActorName
+    src: torch.Tensor
+    dst: torch.Tensor
+    taken: int = 0
+    """Slots handed out in pieces so far."""
+    pieces: int = 0
+    failed: bool = False
+
+    @property
+    def slots(self) -> int:
+        return len(self.src)
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    op: TransferOp
+    start: int
+    end: int
+    last: bool
+    """True when this piece completes its operation."""
+
+
+class TransferQueue:
+    def __init__(self, slots_max: int, ops_max: int) -> None:
+        if slots_max <= 0 or ops_max <= 0:
+            raise ValueError(f"slots_max={slots_max} and ops_max={ops_max} must be > 0")
+        self.slots_max = slots_max
+        self.ops_max = ops_max
+        self._ops: deque[TransferOp] = deque()
+        self.merged_ops = 0
+        self.split_ops = 0
+
+    def __len__(self) -> int:
+        return len(self._ops)
+
+    def push(self, op: TransferOp) -> bool:
+        """Queue an operation; False when `ops_max` are already waiting."""
+        if len(self._ops) >= self.ops_max:
+            return False
+        self._ops.append(op)
+        return True
+
+    def next_batch(self) -> list[Piece]:
+        """Pieces for one copy batch of at most `slots_max` slots (empty if idle)."""
+        room = self.slots_max
+        batch: list[Piece] = []
+        while self._ops and room > 0:
+            op = self._ops[0]
+            take = min(op.slots - op.taken, room)
+            start = op.taken
+            op.taken += take
+            op.pieces += 1
+            last = op.taken == op.slots
+            batch.append(Piece(op, start, op.taken, last))
+            room -= take
+            if last:
+                self._ops.popleft()
+                if op.pieces > 1:
+                    self.split_ops += 1
+        if len(batch) > 1:
+            self.merged_ops += len(batch)
+        return batch
+
+    def drain(self) -> list[TransferOp]:
+        """Remove and return every waiting operation."""
+        ops = list(self._ops)
+        self._ops.clear()
+        return ops
+
+    def check_invariants(self) -> None:
+        if len(self._ops) > self.ops_max:
+            raise InvariantError(f"transfer queue holds {len(self._ops)} ops, bound {self.ops_max}")
+        for op in self._ops:
+            if op.failed or not 0 <= op.taken < max(op.slots, 1):
+                raise InvariantError(f"queued op {op.op_id} is done or failed but still queued")
+
+
+def batch_indices(batch: list[Piece]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Concatenated source and destination slots of a batch, in piece order."""
+    src = torch.cat([p.op.src[p.start : p.end] for p in batch])
+    dst = torch.cat([p.op.dst[p.start : p.end] for p in batch])
+    return src, dst
+
+
+def op_problem(src: torch.Tensor, src_slots: int, dst: torch.Tensor, dst_slots: int) -> str | None:
+    """Why an operation's indices are unusable, or None when they are fine."""
+    if len(src) != len(dst):
+        return f"source has {len(src)} slots but destination has {len(dst)}"
+    for name, idx, cap in (("source", src, src_slots), ("destination", dst, dst_slots)):
+        if len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= cap):
+            return f"{name} slot out of range 0..{cap - 1}"
+    return None

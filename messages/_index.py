@@ -1,0 +1,139 @@
+"""`Indices`: an immutable sequence of slot indices that can travel in a message.
+
+Inside it is the little-endian int64 bytes of the indices, so a message never
+holds a list or a tensor, the codec ships the bytes as they are, and a pool turns
+them back into a tensor without a copy.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Iterable
+from typing import Final
+
+import torch
+
+_ITEM_BYTES: Final = 8
+_LITTLE: Final = sys.byteorder == "little"
+
+
+class Indices:
+    """Slot indices as an immutable value: hashable, comparable, cheap to ship.
+
+    Build one with `Indices.of(...)`, `Indices.from_tensor(...)`,
+    `Indices.from_range(...)` or `Indices.from_pages(...)`; read it with
+    `as_tensor()` (zero-copy) or `tolist()`.
+    """
+
+    __slots__ = ("_data",)
+
+    _data: bytes
+
+    def __init__(self, data: bytes = b"") -> None:
+        if not isinstance(data, bytes):
+            raise TypeError(f"Indices wants bytes of int64, got {type(data).__name__}")
+        if len(data) % _ITEM_BYTES:
+            raise ValueError(
+                f"Indices bytes must be a multiple of 8 (int64), got {len(data)} bytes"
+            )
+        object.__setattr__(self, "_data", data)
+
+    # -- construction -------------------------------------------------------
+
+    @classmethod
+    def of(cls, values: Iterable[int]) -> Indices:
+        """Indices from Python integers."""
+        return cls.from_tensor(torch.tensor(list(values), dtype=torch.int64))
+
+    @classmethod
+    def from_tensor(cls, tensor: torch.Tensor) -> Indices:
+        """Indices from a 1-D integer tensor (copied once into immutable bytes)."""
+        if tensor.dim() != 1:
+            raise ValueError(f"Indices need a 1-D tensor, got shape {tuple(tensor.shape)}")
+        if tensor.dtype.is_floating_point or tensor.dtype == torch.bool:
+            raise TypeError(f"Indices need an integer tensor, got {tensor.dtype}")
+        flat = tensor.detach().to(device="cpu", dtype=torch.int64).contiguous()
+        if not _LITTLE:  # pragma: no cover - every supported host is little-endian
+            flat = flat.byteswap()  # type: ignore[attr-defined]
+        return cls(_tensor_bytes(flat))
+
+    @classmethod
+    def from_range(cls, start: int, count: int) -> Indices:
+        """The contiguous indices `start, start + 1, ..., start + count - 1`."""
+        return cls.from_tensor(torch.arange(start, start + count, dtype=torch.int64))
+
+    @classmethod
+    def from_pages(cls, pages: torch.Tensor | Iterable[int], page_size: int) -> Indices:
+        """All slots of the given pages, in page order."""
+        p = pages if isinstance(pages, torch.Tensor) else torch.tensor(list(pages), dtype=torch.int64)
+        slots = p.to(torch.int64).unsqueeze(1) * page_size + torch.arange(page_size)
+        return cls.from_tensor(slots.reshape(-1))
+
+    @classmethod
+    def concat(cls, parts: Iterable[Indices]) -> Indices:
+        """The indices of all parts, one after another."""
+        return cls(b"".join(p._data for p in parts))
+
+    # -- reading ------------------------------------------------------------
+
+    def as_tensor(self) -> torch.Tensor:
+        """A zero-copy int64 CPU tensor over the bytes. Treat it as read-only:
+        writing into it would change a value that other messages share."""
+        if not self._data:
+            return torch.empty(0, dtype=torch.int64)
+        with warnings.catch_warnings():
+            # The buffer is immutable bytes; torch warns because it cannot mark
+            # tensors read-only. The contract above is the guard.
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.frombuffer(self._data, dtype=torch.int64)
+
+    def tolist(self) -> list[int]:
+        return self.as_tensor().tolist()
+
+    def to_bytes(self) -> bytes:
+        return self._data
+
+    def __getitem__(self, key: slice) -> Indices:
+        if not isinstance(key, slice) or key.step not in (None, 1):
+            raise TypeError("Indices support contiguous slices only, e.g. idx[2:10]")
+        start, stop, _ = key.indices(len(self))
+        return Indices(self._data[start * _ITEM_BYTES : max(start, stop) * _ITEM_BYTES])
+
+    def __len__(self) -> int:
+        return len(self._data) // _ITEM_BYTES
+
+    def __bool__(self) -> bool:
+        return bool(self._data)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Indices) and other._data == self._data
+
+    def __hash__(self) -> int:
+        return hash(self._data)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError("Indices are immutable")
+
+    def __repr__(self) -> str:
+        n = len(self)
+        if n <= 8:
+            return f"Indices({self.tolist()})"
+        head = self.as_tensor()[:4].tolist()
+        return f"Indices([{', '.join(map(str, head))}, ...] n={n})"
+
+    def __reduce__(self) -> tuple[type[Indices], tuple[bytes]]:
+        return (Indices, (self._data,))
+
+
+def _tensor_bytes(flat: torch.Tensor) -> bytes:
+    """The raw bytes of a contiguous CPU tensor, without numpy."""
+    out = bytearray(flat.numel() * _ITEM_BYTES)
+    if out:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            torch.frombuffer(out, dtype=torch.int64).copy_(flat)
+    return bytes(out)
+
+
+EMPTY: Final = Indices()

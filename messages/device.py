@@ -1,0 +1,188 @@
+"""Verbs of the device allocator: per-request slot ledger and tree-owned slots.
+
+Ownership of a device page moves between four owners: free, a request (through
+its ledger), the tree, and an in-flight load. See docs/messages.md.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from ._index import Indices
+from ._registry import Message, message, wire_enum
+
+
+@wire_enum(100)
+class ReleaseReason(enum.Enum):
+    """Why a request gives its slots back."""
+
+    FINISHED = "finished"
+    """Done; its id may never allocate again."""
+    ABORTED = "aborted"
+    """Cancelled; its id may never allocate again."""
+    RETRACTED = "retracted"
+    """Pushed back to the waiting queue under memory pressure; it may allocate again."""
+
+
+@message(100)
+class SlotDemand(Message):
+    """How many slots one request wants (allocate) or has filled (commit)."""
+
+    request_id: str
+    """The scheduler's request id."""
+    tokens: int
+    """Number of token slots, >= 0."""
+
+
+@message(101)
+class AllocateSlots(Message):
+    """Allocate slots for several requests at once; all or nothing."""
+
+    op_id: int
+    """Correlation id echoed in the reply."""
+    demands: tuple[SlotDemand, ...]
+    """One demand per request; a request appears at most once."""
+
+
+@message(102)
+class SlotGrant(Message):
+    """The slots granted to one request, in token order."""
+
+    request_id: str
+    """The request the slots now belong to."""
+    indices: Indices
+    """New slot indices: the rest of the request's last partial page, then whole pages."""
+
+
+@message(103)
+class SlotsAllocated(Message):
+    """Reply to `AllocateSlots` or `AllocateLoadSlots` when every demand was met."""
+
+    op_id: int
+    """The `op_id` of the allocation."""
+    grants: tuple[SlotGrant, ...]
+    """One grant per demand, in demand order."""
+
+
+@message(104)
+class SlotsInsufficient(Message):
+    """Reply when free pages do not cover an allocation; nothing was allocated."""
+
+    op_id: int
+    """The `op_id` of the allocation."""
+    requested_slots: int
+    """Slots that would have had to come from free pages."""
+    free_slots: int
+    """Slots free at the time."""
+    shortfall_slots: int
+    """How many more free slots the allocation needed."""
+
+
+@message(105)
+class CommitSlots(Message):
+    """Record that requests have written KV into more of their allocated slots."""
+
+    op_id: int
+    """Correlation id echoed in the reply."""
+    demands: tuple[SlotDemand, ...]
+    """Per request, how many more slots now hold real KV."""
+
+
+@message(106)
+class LedgerEntry(Message):
+    """A request's ledger as numbers."""
+
+    request_id: str
+    """The request."""
+    allocated: int
+    """Slots handed to the request so far."""
+    committed: int
+    """Slots that hold real KV; never more than `allocated`."""
+    freed: int
+    """Slots given back (freed or adopted by the tree) at release."""
+
+
+@message(107)
+class SlotsCommitted(Message):
+    """Reply to `CommitSlots`: the ledgers after the commit."""
+
+    op_id: int
+    """The `op_id` of the commit."""
+    entries: tuple[LedgerEntry, ...]
+    """One entry per demand."""
+
+
+@message(108)
+class SlotRelease(Message):
+    """Release one request: its `adopt` slots go to the tree, all others are freed."""
+
+    request_id: str
+    """The request being finished, retracted or aborted."""
+    adopt: Indices
+    """Whole pages of the request that the tree keeps (its cached prefix); may be empty."""
+    reason: ReleaseReason
+    """Finished and aborted ids are remembered as released; retracted ones may come back."""
+
+
+@message(109)
+class ReleaseRequests(Message):
+    """Release several requests in one place; each exactly once."""
+
+    op_id: int
+    """Correlation id echoed in the reply."""
+    releases: tuple[SlotRelease, ...]
+    """One release per request."""
+
+
+@message(110)
+class RequestsReleased(Message):
+    """Reply to `ReleaseRequests`: final ledgers (freed == allocated for each)."""
+
+    op_id: int
+    """The `op_id` of the release."""
+    entries: tuple[LedgerEntry, ...]
+    """One final entry per released request."""
+
+
+@message(111)
+class AllocateLoadSlots(Message):
+    """Allocate device slots that a load from host will fill (owner: loading)."""
+
+    op_id: int
+    """Correlation id echoed in the reply (`SlotsAllocated` with one grant, or `SlotsInsufficient`)."""
+    tokens: int
+    """Number of slots; rounded up to whole pages."""
+
+
+@message(112)
+class AdoptLoadedSlots(Message):
+    """A load into these slots completed: they now belong to the tree."""
+
+    indices: Indices
+    """Slots previously allocated with `AllocateLoadSlots`."""
+
+
+@message(113)
+class FreeDeviceSlots(Message):
+    """Free tree-owned or loading slots (eviction, a failed load). Tree only."""
+
+    indices: Indices
+    """Whole pages to free."""
+
+
+@message(114)
+class DeviceStatistics(Message):
+    """Counts of the device pool by owner."""
+
+    capacity_slots: int
+    """All slots of the device buffer."""
+    free_slots: int
+    """Slots in free pages."""
+    request_slots: int
+    """Slots in pages owned by live requests."""
+    tree_slots: int
+    """Slots in pages owned by the tree."""
+    loading_slots: int
+    """Slots in pages a load is filling."""
+    live_requests: int
+    """Requests with a ledger that were not released yet."""

@@ -1,0 +1,111 @@
+"""Verbs of the host pool: slot allocation and the per-slot state machine."""
+
+from __future__ import annotations
+
+import enum
+
+from ._index import Indices
+from ._registry import Message, message, wire_enum
+
+
+@wire_enum(200)
+class HostSlotState(enum.IntEnum):
+    """Lifecycle of one host slot. Legal moves are listed in `HOST_TRANSITIONS`."""
+
+    FREE = 0
+    """Not allocated."""
+    RESERVED = 1
+    """Allocated, holds no valid KV yet (a write or prefetch will fill it)."""
+    WRITING = 2
+    """A device -> host copy is in flight into it."""
+    SYNCED = 3
+    """Holds the same KV as a device slot."""
+    HOST_ONLY = 4
+    """Holds KV whose device copy was dropped; the only copy in memory."""
+    LOADING = 5
+    """A host -> device copy is reading it."""
+    PREFETCHING = 6
+    """A storage -> host read is in flight into it."""
+
+
+_S = HostSlotState
+
+HOST_TRANSITIONS: frozenset[tuple[HostSlotState, HostSlotState]] = frozenset(
+    {
+        (_S.FREE, _S.RESERVED),  # allocate
+        (_S.RESERVED, _S.WRITING),  # a write-through starts
+        (_S.RESERVED, _S.PREFETCHING),  # a storage read starts
+        (_S.RESERVED, _S.FREE),  # reservation returned unused
+        (_S.WRITING, _S.SYNCED),  # write done
+        (_S.WRITING, _S.RESERVED),  # write failed: bytes are not valid
+        (_S.SYNCED, _S.HOST_ONLY),  # device copy dropped
+        (_S.SYNCED, _S.FREE),  # host copy dropped while the device copy stays
+        (_S.HOST_ONLY, _S.LOADING),  # load-back starts
+        (_S.HOST_ONLY, _S.FREE),  # host eviction
+        (_S.LOADING, _S.SYNCED),  # load done: device and host agree
+        (_S.LOADING, _S.HOST_ONLY),  # load failed: the device copy is not valid
+        (_S.PREFETCHING, _S.HOST_ONLY),  # page read from storage
+        (_S.PREFETCHING, _S.RESERVED),  # storage read failed or stopped
+    }
+)
+"""Every legal (from, to) move of a host slot; anything else is a programmer error."""
+
+
+@message(201)
+class AllocateHost(Message):
+    """Reserve host slots (whole pages) for a write-through, a load or a prefetch."""
+
+    op_id: int
+    """Correlation id echoed in the reply."""
+    tokens: int
+    """Number of slots; must be a multiple of the page size."""
+
+
+@message(202)
+class HostAllocated(Message):
+    """Reply to `AllocateHost`: the reserved slots, in state RESERVED."""
+
+    op_id: int
+    """The `op_id` of the allocation."""
+    indices: Indices
+    """The reserved slots."""
+
+
+@message(203)
+class HostInsufficient(Message):
+    """Reply to `AllocateHost` when free pages do not cover it; nothing was reserved."""
+
+    op_id: int
+    """The `op_id` of the allocation."""
+    requested_slots: int
+    """Slots asked for."""
+    free_slots: int
+    """Slots free at the time."""
+
+
+@message(204)
+class SetHostState(Message):
+    """Move slots to a new state; every slot's move must be legal."""
+
+    indices: Indices
+    """Slots to move."""
+    state: HostSlotState
+    """The state they move to (not FREE: use `FreeHostSlots`)."""
+
+
+@message(205)
+class FreeHostSlots(Message):
+    """Free host slots. Accepted only from the tree."""
+
+    indices: Indices
+    """Whole pages in state RESERVED, SYNCED or HOST_ONLY."""
+
+
+@message(206)
+class HostStatistics(Message):
+    """Counts of the host pool by slot state."""
+
+    capacity_slots: int
+    """All slots of the host buffer."""
+    slots_by_state: tuple[int, ...]
+    """Number of slots in each `HostSlotState`, indexed by its value."""

@@ -1,0 +1,124 @@
+"""Verbs of the two transfer streams: device -> host writes, host -> device loads."""
+
+from __future__ import annotations
+
+from ._index import Indices
+from ._registry import Message, message
+
+
+@message(300)
+class WriteKV(Message):
+    """Copy KV from device slots into host slots (D2H). Replies `WriteDone` or `WriteFailed`."""
+
+    op_id: int
+    """The requester's id for this operation."""
+    device: Indices
+    """Source device slots."""
+    host: Indices
+    """Destination host slots, same length as `device`."""
+
+
+@message(301)
+class WriteDone(Message):
+    """Every byte of a write is in host memory."""
+
+    op_id: int
+    """The operation."""
+    slots: int
+    """Slots copied."""
+
+
+@message(302)
+class WriteFailed(Message):
+    """A write did not complete; its host slots hold no valid KV."""
+
+    op_id: int
+    """The operation."""
+    reason: str
+    """What went wrong."""
+
+
+@message(303)
+class LoadKV(Message):
+    """Queue a copy of KV from host slots into device slots (H2D); `StartLoads` starts it."""
+
+    op_id: int
+    """The requester's id for this operation."""
+    host: Indices
+    """Source host slots."""
+    device: Indices
+    """Destination device slots, same length as `host`."""
+
+
+@message(304)
+class StartLoads(Message):
+    """Start every queued load as one batch, layer by layer."""
+
+
+@message(305)
+class LoadsStarted(Message):
+    """Reply to `StartLoads`: which batch the forward pass waits on."""
+
+    batch: int
+    """Batch number (generation); 0 when nothing was queued."""
+    ops: tuple[int, ...]
+    """Operations in the batch."""
+
+
+@message(306)
+class LoadDone(Message):
+    """Every layer of a load is in device memory."""
+
+    op_id: int
+    """The operation."""
+    batch: int
+    """The batch it was part of."""
+    slots: int
+    """Slots copied."""
+
+
+@message(307)
+class LoadFailed(Message):
+    """A load did not complete; its device slots hold no valid KV."""
+
+    op_id: int
+    """The operation."""
+    reason: str
+    """What went wrong."""
+
+
+@message(308)
+class DrainWrites(Message):
+    """The write stream's note to itself: copy the next merged batch of queued writes."""
+
+
+@message(309)
+class CopyLayer(Message):
+    """The load stream's note to itself: copy one layer of the running batch."""
+
+    batch: int
+    """The running batch."""
+    layer: int
+    """The layer to copy next."""
+
+
+@message(310)
+class StreamStatistics(Message):
+    """Counters of one transfer stream."""
+
+    ops_done: int
+    """Operations completed."""
+    ops_failed: int
+    """Operations reported failed."""
+    slots_copied: int
+    """Slots copied by completed operations."""
+    bytes_copied: int
+    """Bytes copied."""
+    batches: int
+    """Copy batches run (merged writes, or load batches)."""
+    merged_ops: int
+    """Operations that shared a batch with another."""
+    split_ops: int
+    """Operations split over several batches."""
+    queued_ops: int
+    """Operations waiting now."""

@@ -1,0 +1,44 @@
+"""Configuration, the actor base and runtimes, the system wiring, and public tools."""
+
+from ._actor import Directory, HiActor, Mail, WrongSenderError
+from ._layers import LayerDoneRing, LayerWaiter, LoadFailedError, StaleWaiterError
+from ._services import FailedTransfers, FaultPlan, IdSource, NoFaults, Services
+from ._system import DEFAULT_ASK_TIMEOUT_S, ActorFailedError, System, ThreadedRuntime
+from .config import (
+    DTYPES,
+    Config,
+    ConfigError,
+    DeviceKind,
+    EvictionPolicy,
+    HostLayout,
+    PrefetchPolicy,
+    WritePolicy,
+)
+
+__all__ = [
+    "DEFAULT_ASK_TIMEOUT_S",
+    "DTYPES",
+    "ActorFailedError",
+    "Config",
+    "ConfigError",
+    "DeviceKind",
+    "Directory",
+    "EvictionPolicy",
+    "FailedTransfers",
+    "FaultPlan",
+    "HiActor",
+    "HostLayout",
+    "IdSource",
+    "LayerDoneRing",
+    "LayerWaiter",
+    "LoadFailedError",
+    "Mail",
+    "NoFaults",
+    "PrefetchPolicy",
+    "Services",
+    "StaleWaiterError",
+    "System",
+    "ThreadedRuntime",
+    "WritePolicy",
+    "WrongSenderError",
+]

@@ -1,0 +1,152 @@
+"""The project's actor base on pykka: mail with a sender, one delivery point.
+
+Every message travels in a `Mail` that names its sender, so a receiver can refuse
+what it must not accept (a host free that does not come from the tree).
+`HiActor.on_receive` is the single place every delivery goes through: it reports
+the delivery to the runtime's observer (structured logging hooks in there), then
+calls the subclass's `handle(sender, message)`.
+
+A handler returns its reply (or None). If the mail was an ask, pykka hands the
+reply to the asker's future; if it was a tell from another actor, the reply is
+sent back to the sender as a message of its own. Handlers never block on futures.
+"""
+
+from __future__ import annotations
+
+import abc
+from types import TracebackType
+from typing import Any, ClassVar
+
+import pykka
+
+from hicache.messages import (
+    ActorName,
+    CheckInvariants,
+    GetStatistics,
+    InvariantsHeld,
+    Message,
+)
+
+from ._services import Services
+
+
+class Mail:
+    """A message in transit: who sent it, and whether the sender waits for a reply."""
+
+    __slots__ = ("ask", "message", "sender")
+
+    def __init__(self, sender: ActorName, message: Message, *, ask: bool = False) -> None:
+        self.sender = sender
+        self.message = message
+        self.ask = ask
+
+    def __repr__(self) -> str:
+        kind = "ask" if self.ask else "tell"
+        return f"Mail({kind} from {self.sender.value}: {self.message!r})"
+
+
+class Directory:
+    """Actor name -> pykka ref, for one system. Filled once at start."""
+
+    def __init__(self) -> None:
+        self._refs: dict[ActorName, pykka.ActorRef[Any]] = {}
+
+    def register(self, name: ActorName, ref: pykka.ActorRef[Any]) -> None:
+        if name in self._refs:
+            raise RuntimeError(f"an actor named {name.value} is already registered")
+        self._refs[name] = ref
+
+    def ref(self, name: ActorName) -> pykka.ActorRef[Any]:
+        try:
+            return self._refs[name]
+        except KeyError:
+            raise LookupError(
+                f"no actor named {name.value!r} in this system; running: "
+                f"{', '.join(sorted(n.value for n in self._refs))}"
+            ) from None
+
+    def names(self) -> tuple[ActorName, ...]:
+        return tuple(self._refs)
+
+
+class WrongSenderError(RuntimeError):
+    """A message came from an actor that must never send it (a programmer error)."""
+
+
+class HiActor(pykka.ThreadingActor, abc.ABC):
+    """Base of the six actors: a thin shell that decodes mail and calls a plain core."""
+
+    name: ClassVar[ActorName]
+
+    def __init__(self, *, services: Services, directory: Directory) -> None:
+        super().__init__()
+        # Deterministic identity instead of pykka's uuid4 URN.
+        self.actor_urn = f"urn:hicache:{self.name.value}"
+        self._services = services
+        self._directory = directory
+
+    # -- the single delivery point -------------------------------------------
+
+    def on_receive(self, mail: Any) -> Any:
+        if not isinstance(mail, Mail):
+            raise TypeError(
+                f"{self.name.value} received {type(mail).__name__}; actors exchange Mail "
+                "(send through System.tell/ask or HiActor.send)"
+            )
+        self._services.observe(self.name, mail)
+        message = mail.message
+        if isinstance(message, CheckInvariants):
+            self.check_invariants()
+            reply: Message | None = InvariantsHeld(actor=self.name)
+        elif isinstance(message, GetStatistics):
+            reply = self.statistics()
+        else:
+            reply = self.handle(mail.sender, message)
+        if mail.ask:
+            return reply
+        if reply is not None:
+            self.send(mail.sender, reply)
+        return None
+
+    def on_failure(
+        self,
+        exception_type: type[BaseException] | None,
+        exception_value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if exception_value is not None:
+            self._services.failures.report(self.name, exception_value)
+
+    # -- what subclasses use and implement -----------------------------------
+
+    def send(self, to: ActorName, message: Message) -> None:
+        """Tell another actor (or this one) a message; never waits."""
+        self._directory.ref(to).tell(Mail(self.name, message))
+
+    def require_sender(self, sender: ActorName, allowed: ActorName, what: str) -> None:
+        """Fail loudly when `sender` is not the one actor allowed to send `what`."""
+        if sender is not allowed:
+            raise WrongSenderError(
+                f"{what} is accepted only from the {allowed.value} actor, got it from "
+                f"{sender.value} (invariant: only the {allowed.value} decides this; a second "
+                "deciding party is how the threaded original double-freed and leaked)"
+            )
+
+    @abc.abstractmethod
+    def handle(self, sender: ActorName, message: Message) -> Message | None:
+        """Handle one message; return the reply or None."""
+
+    @abc.abstractmethod
+    def check_invariants(self) -> None:
+        """Raise if an invariant of the core is broken."""
+
+    @abc.abstractmethod
+    def statistics(self) -> Message:
+        """A frozen statistics record."""
+
+    def unknown(self, message: Message) -> None:
+        """For the last `case _` of a handler's match: an unknown message is a bug."""
+        raise TypeError(
+            f"the {self.name.value} actor does not handle {type(message).__name__}; "
+            "check docs/messages.md for its receiver"
+        )

@@ -1,0 +1,110 @@
+"""What actors take from their runtime: time, ids, randomness, faults, observation.
+
+Actor and core code never import `time`, `random`, `uuid` or `threading`; they
+ask `Services`. The threaded runtime fills it with real clocks and locks; the
+deterministic runtime fills it with virtual time and a seeded scheduler, so the
+same actor classes run under both.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from hicache.messages import ActorName
+
+
+class Clock(Protocol):
+    def now_s(self) -> float:
+        """Seconds since the runtime started (virtual in the deterministic runtime)."""
+        ...
+
+
+class MonotonicClock:
+    """Wall-clock seconds since construction."""
+
+    def __init__(self) -> None:
+        self._t0 = time.monotonic()
+
+    def now_s(self) -> float:
+        return time.monotonic() - self._t0
+
+
+class IdSource:
+    """Sequential ids per kind ("op", "batch", ...): deterministic, never uuid4."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._next: dict[str, itertools.count[int]] = {}
+
+    def next(self, kind: str) -> int:
+        with self._lock:
+            counter = self._next.setdefault(kind, itertools.count(1))
+            return next(counter)
+
+
+class FaultPlan(Protocol):
+    def transfer_fault(self, stream: ActorName, op_ids: tuple[int, ...]) -> str | None:
+        """A reason to fail this copy batch, or None to let it run."""
+        ...
+
+
+class NoFaults:
+    """Production: nothing is injected."""
+
+    def transfer_fault(self, stream: ActorName, op_ids: tuple[int, ...]) -> str | None:
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class FailedTransfers:
+    """A fault plan that fails every copy batch containing one of `op_ids`."""
+
+    op_ids: frozenset[int]
+    reason: str = "injected transfer failure"
+
+    def transfer_fault(self, stream: ActorName, op_ids: tuple[int, ...]) -> str | None:
+        return self.reason if self.op_ids.intersection(op_ids) else None
+
+
+DeliveryObserver = Callable[[ActorName, Any], None]
+"""Called once per delivered mail, by the receiving actor, before it is handled."""
+
+
+@dataclass(slots=True)
+class Failures:
+    """Failures of actors (an exception in a handler of a told message)."""
+
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _items: list[tuple[ActorName, BaseException]] = field(default_factory=list)
+
+    def report(self, actor: ActorName, error: BaseException) -> None:
+        with self._lock:
+            self._items.append((actor, error))
+
+    def first(self) -> tuple[ActorName, BaseException] | None:
+        with self._lock:
+            return self._items[0] if self._items else None
+
+
+@dataclass(slots=True)
+class Services:
+    """Everything an actor may take from its runtime."""
+
+    clock: Clock
+    ids: IdSource
+    seed: int
+    faults: FaultPlan
+    failures: Failures
+    observe: DeliveryObserver
+    new_layer_ring: Callable[[int, int], Any]
+    """`(ring_size, layers) -> LayerDoneRing` (threaded or deterministic)."""
+
+    def rng(self, name: str) -> random.Random:
+        """A random source seeded by the runtime seed and `name` (stable across runs)."""
+        return random.Random(f"{self.seed}:{name}")

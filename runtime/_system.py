@@ -1,0 +1,179 @@
+"""`System`: builds the cores and buffers from a `Config`, starts the actors, stops them.
+
+The threaded runtime runs each actor on its own thread (pykka's ThreadingActor).
+Time, ids, randomness, faults and delivery observation come from `Services`, so
+the deterministic runtime can run the same actor classes without threads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import pykka
+
+from hicache.messages import ActorName, CheckInvariants, GetStatistics, Message
+
+from ._actor import Directory, HiActor, Mail
+from ._layers import LayerDoneRing
+from ._services import (
+    DeliveryObserver,
+    FaultPlan,
+    Failures,
+    IdSource,
+    MonotonicClock,
+    NoFaults,
+    Services,
+)
+from .config import Config
+
+DEFAULT_ASK_TIMEOUT_S = 60.0
+"""How long the caller waits for an actor's reply before raising TimeoutError."""
+
+
+class ActorFailedError(RuntimeError):
+    """An actor stopped because a handler raised; the original error is the cause."""
+
+
+class ThreadedRuntime:
+    """Production runtime: real threads, a monotonic clock, sequential ids."""
+
+    def __init__(
+        self, *, seed: int = 0, faults: FaultPlan | None = None, observe: DeliveryObserver | None = None
+    ) -> None:
+        self.services = Services(
+            clock=MonotonicClock(),
+            ids=IdSource(),
+            seed=seed,
+            faults=faults or NoFaults(),
+            failures=Failures(),
+            observe=observe or _ignore,
+            new_layer_ring=LayerDoneRing,
+        )
+
+    def start(self, cls: type[HiActor], **kwargs: Any) -> pykka.ActorRef[Any]:
+        return cls.start(**kwargs)
+
+
+def _ignore(receiver: ActorName, mail: Any) -> None:
+    return None
+
+
+class System:
+    """The running actors of one hicache instance (one per tensor-parallel rank).
+
+    Use as a context manager, or call `start()` and `stop()`. `stand_ins` starts
+    test `Probe` actors under names whose real actor does not exist yet.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        runtime: ThreadedRuntime | None = None,
+        stand_ins: Iterable[ActorName] = (),
+    ) -> None:
+        self.config = config
+        self.runtime = runtime or ThreadedRuntime()
+        self.services = self.runtime.services
+        self._stand_in_names = tuple(stand_ins)
+        self.directory = Directory()
+        self.probes: dict[ActorName, Any] = {}
+        self._started = False
+        self.device_kv: Any = None
+        self.host_kv: Any = None
+        self.ring: LayerDoneRing | None = None
+
+    # -- lifecycle ------------------------------------------------------------
+
+    def start(self) -> System:
+        from hicache.actors import (  # late: actors import this package
+            DeviceAllocatorActor,
+            DeviceCore,
+            HostCore,
+            HostPoolActor,
+            LoadStreamActor,
+            WriteStreamActor,
+        )
+
+        from .testing import Probe
+
+        if self._started:
+            raise RuntimeError("system already started")
+        cfg, svc, d = self.config, self.services, self.directory
+        device = DeviceCore(cfg)
+        host = HostCore(cfg)
+        self.device_kv, self.host_kv = device.kv, host.kv
+        self.ring = svc.new_layer_ring(cfg.load_ring_size, cfg.layers)
+        common = {"services": svc, "directory": d}
+        self._register(DeviceAllocatorActor, config=cfg, core=device, **common)
+        self._register(HostPoolActor, config=cfg, core=host, **common)
+        self._register(WriteStreamActor, config=cfg, device_kv=device.kv, host_kv=host.kv, **common)
+        self._register(
+            LoadStreamActor, config=cfg, device_kv=device.kv, host_kv=host.kv, ring=self.ring, **common
+        )
+        for name in self._stand_in_names:
+            probe = Probe(name)
+            d.register(name, self.runtime.start(probe.actor_class(), probe=probe, **common))
+            self.probes[name] = probe
+        self._started = True
+        return self
+
+    def _register(self, cls: type[HiActor], **kwargs: Any) -> None:
+        self.directory.register(cls.name, self.runtime.start(cls, **kwargs))
+
+    def stop(self) -> None:
+        if not self._started:
+            return
+        for name in self.directory.names():
+            ref = self.directory.ref(name)
+            if ref.is_alive():
+                ref.stop(block=True, timeout=DEFAULT_ASK_TIMEOUT_S)
+        self._started = False
+
+    def __enter__(self) -> System:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- talking to actors from outside --------------------------------------
+
+    def tell(self, to: ActorName, message: Message, *, sender: ActorName = ActorName.FACADE) -> None:
+        self.raise_if_failed()
+        self.directory.ref(to).tell(Mail(sender, message))
+
+    def ask(
+        self,
+        to: ActorName,
+        message: Message,
+        *,
+        sender: ActorName = ActorName.FACADE,
+        timeout_s: float = DEFAULT_ASK_TIMEOUT_S,
+    ) -> Any:
+        """Send `message` and wait for the reply. Errors the handler raised are raised here."""
+        self.raise_if_failed()
+        future = self.directory.ref(to).ask(Mail(sender, message, ask=True), block=False)
+        try:
+            return future.get(timeout=timeout_s)
+        except pykka.Timeout:
+            raise TimeoutError(
+                f"no reply from the {to.value} actor to {type(message).__name__} within {timeout_s}s"
+            ) from None
+
+    def raise_if_failed(self) -> None:
+        failed = self.services.failures.first()
+        if failed is not None:
+            name, error = failed
+            raise ActorFailedError(f"the {name.value} actor failed: {error}") from error
+
+    def check_invariants(self) -> None:
+        """Ask every actor to check its invariants; raises the first violation."""
+        for name in self._actor_names():
+            self.ask(name, CheckInvariants())
+
+    def statistics(self) -> dict[ActorName, Message]:
+        return {name: self.ask(name, GetStatistics()) for name in self._actor_names()}
+
+    def _actor_names(self) -> tuple[ActorName, ...]:
+        return tuple(n for n in self.directory.names() if n not in self.probes)

@@ -1,0 +1,93 @@
+"""The fingerprint oracle: KV values derived from (token prefix, layer, position).
+
+Each token position gets a hash of its whole prefix; the K and V of every layer
+at that position are small integers mixed from that hash and the layer, plus a
+fixed ramp over heads and head_dim (so a transposition shows). Whatever tier
+path the bytes took (L1 hit, L2 load-back, L3 prefetch, after eviction and slot
+reuse), reading a cached prefix back must give exactly the values computed for
+it; `verify` reports the first slot and layer that does not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from hicache.actors import KVBuffer, KVShape
+
+_MIX_A = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
+_MIX_B = 0x2545F4914F6CDD1D
+_SPREAD = 241  # values in -120..120: exact in float16 and bfloat16
+
+
+class FingerprintMismatchError(AssertionError):
+    """KV read back differs from what was computed for its prefix."""
+
+    def __init__(self, message: str, *, slot: int, position: int, layer: int, kv: str) -> None:
+        super().__init__(message)
+        self.slot = slot
+        self.position = position
+        self.layer = layer
+        self.kv = kv
+
+
+class FingerprintOracle:
+    def __init__(self, shape: KVShape, *, seed: int = 0) -> None:
+        self.shape = shape
+        self._seed = seed
+        self._weights = torch.empty(0, dtype=torch.int64)
+        h, d = shape.heads, shape.head_dim
+        self._ramp = (torch.arange(h * d, dtype=torch.float32) % 7 - 3).view(h, d)
+        self._layer_salt = (torch.arange(2 * shape.layers, dtype=torch.int64) + 1).view(2, shape.layers, 1) * _MIX_B
+
+    def prefix_hashes(self, tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """One int64 per position, depending on every token up to and including it."""
+        t = torch.as_tensor(tokens, dtype=torch.int64)
+        self._grow(len(t))
+        return torch.cumsum((t + 1) * self._weights[: len(t)], dim=0)
+
+    def expected(self, tokens: Sequence[int] | torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """The KV of positions `start..end` of `tokens`, as `[2, L, end - start, H, D]`."""
+        if not 0 <= start <= end <= len(tokens):
+            raise ValueError(f"positions {start}..{end} outside a prefix of {len(tokens)} tokens")
+        h = self.prefix_hashes(tokens[:end])[start:end]
+        x = h.view(1, 1, -1) * _MIX_A + self._layer_salt
+        x = x ^ (x >> 29)
+        x = x * _MIX_A
+        base = (x >> 33).remainder(_SPREAD) - _SPREAD // 2
+        values = base.to(torch.float32).unsqueeze(-1).unsqueeze(-1) + self._ramp
+        return values.to(self.shape.dtype)
+
+    def write(self, buffer: KVBuffer, tokens: Sequence[int] | torch.Tensor, slots: torch.Tensor, start: int = 0) -> None:
+        """Write the KV of positions `start .. start + len(slots)` into `slots`."""
+        buffer.write(slots, self.expected(tokens, start, start + len(slots)))
+
+    def verify(self, buffer: KVBuffer, tokens: Sequence[int] | torch.Tensor, slots: torch.Tensor, start: int = 0) -> None:
+        """Raise `FingerprintMismatchError` at the first wrong slot (lowest position, then layer)."""
+        if not len(slots):
+            return
+        actual = buffer.read(slots)
+        want = self.expected(tokens, start, start + len(slots)).to(actual.device)
+        wrong = (actual != want).flatten(3).any(-1)  # [2, L, n]
+        if not bool(wrong.any()):
+            return
+        by_pos = wrong.any(0).any(0).nonzero()
+        pos = int(by_pos[0, 0])
+        kv_i, layer = (int(v) for v in wrong[:, :, pos].nonzero()[0])
+        kv = "KV"[kv_i]
+        slot = int(slots[pos])
+        raise FingerprintMismatchError(
+            f"slot {slot} (position {start + pos}) layer {layer} {kv}: expected "
+            f"{want[kv_i, layer, pos].flatten()[:4].tolist()}..., found "
+            f"{actual[kv_i, layer, pos].flatten()[:4].tolist()}...",
+            slot=slot, position=start + pos, layer=layer, kv=kv,
+        )
+
+    def _grow(self, n: int) -> None:
+        """Position weights: a pure function of (seed, position), so two oracles agree."""
+        if n > len(self._weights):
+            j = torch.arange(max(n, 2 * len(self._weights)), dtype=torch.int64) + self._seed * _MIX_B
+            x = j * _MIX_A
+            x = (x ^ (x >> 31)) * _MIX_B
+            self._weights = (x ^ (x >> 27)) | 1
