@@ -1,5 +1,10 @@
 """Configuration, the actor base and runtimes, the system wiring, and public tools."""
 
+import warnings as _warnings
+
+# torch warns at import when numpy is absent; hicache does not use numpy.
+_warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+
 from ._actor import Directory, HiActor, Mail, WrongSenderError
 from ._layers import LayerDoneRing, LayerWaiter, LoadFailedError, StaleWaiterError
 from ._services import FailedTransfers, FaultPlan, IdSource, NoFaults, Services

@@ -87,7 +87,7 @@ class FingerprintOracle:
     def _grow(self, n: int) -> None:
         """Position weights: a pure function of (seed, position), so two oracles agree."""
         if n > len(self._weights):
-            j = torch.arange(max(n, 2 * len(self._weights)), dtype=torch.int64) + self._seed * _MIX_B
+            j = torch.arange(max(n, 2 * len(self._weights)), dtype=torch.int64) + (self._seed * _MIX_B + 2**63) % 2**64 - 2**63
             x = j * _MIX_A
             x = (x ^ (x >> 31)) * _MIX_B
             self._weights = (x ^ (x >> 27)) | 1

@@ -1,0 +1,42 @@
+"""`hicache`: the command line (demo, benchmarks)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from collections.abc import Sequence
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hicache", description="Hierarchical KV-cache manager for LLM serving.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    demo = sub.add_parser("demo", help="run the main job end to end on an embedded default")
+    demo.add_argument("--requests", type=int, default=None, help="requests of the trace to serve")
+    demo.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+
+    bench = sub.add_parser("bench", help="benchmarks, each measured side by side in one run")
+    bsub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    tr = bsub.add_parser("transfer", help="D2H/H2D throughput of the stream actors vs a raw copy")
+    tr.add_argument("--json", action="store_true", help="print one JSON object with `results`")
+    tr.add_argument("--quick", action="store_true", help="a small, fast run (for smoke tests)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+    args = _parser().parse_args(argv)
+    if args.command == "demo":
+        from ._demo import run_demo
+
+        return run_demo(requests=args.requests, as_json=args.json)
+    if args.command == "bench" and args.bench == "transfer":
+        from ._bench_transfer import run_bench_transfer
+
+        return run_bench_transfer(as_json=args.json, quick=args.quick)
+    raise AssertionError(f"unhandled command {args}")  # argparse rejects unknown commands
+
+
+if __name__ == "__main__":
+    sys.exit(main())
