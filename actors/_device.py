@@ -47,13 +47,10 @@ class DeviceAllocatorActor(HiActor):
                 )
                 return SlotsAllocated(op_id=op, grants=grants)
             case CommitSlots(op_id=op, demands=demands):
-                views = [core.commit(d.request_id, d.tokens) for d in demands]
+                views = core.commit_many([(d.request_id, d.tokens) for d in demands])
                 return SlotsCommitted(op_id=op, entries=tuple(_entry(v) for v in views))
             case ReleaseRequests(op_id=op, releases=releases):
-                views = [
-                    core.release(r.request_id, r.adopt.as_tensor(), r.reason)
-                    for r in releases
-                ]
+                views = core.release_many([(r.request_id, r.adopt.as_tensor(), r.reason) for r in releases])
                 return RequestsReleased(op_id=op, entries=tuple(_entry(v) for v in views))
             case AllocateLoadSlots(op_id=op, tokens=n):
                 slots = core.allocate_load(n)

@@ -108,22 +108,51 @@ class DeviceCore:
         return out
 
     def commit(self, rid: str, n: int) -> LedgerView:
-        ledger = self._live(rid, "commit")
-        if n < 0:
-            raise LedgerError(f"request {rid!r}: cannot commit {n} slots")
-        if ledger.committed + n > ledger.allocated:
-            raise LedgerError(
-                f"request {rid!r}: committing {n} more slots would make committed="
-                f"{ledger.committed + n} > allocated={ledger.allocated} (invariant: "
-                "allocated >= committed; allocate before writing KV)"
-            )
-        ledger.committed += n
-        return self._view(ledger, freed=0)
+        return self.commit_many([(rid, n)])[0]
+
+    def commit_many(self, demands: Sequence[tuple[str, int]]) -> list[LedgerView]:
+        """Commit for several requests, all or nothing: every demand is checked first."""
+        ledgers = self._distinct_live([rid for rid, _ in demands], "commit")
+        for (rid, n), ledger in zip(demands, ledgers, strict=True):
+            if n < 0:
+                raise LedgerError(f"request {rid!r}: cannot commit {n} slots")
+            if ledger.committed + n > ledger.allocated:
+                raise LedgerError(
+                    f"request {rid!r}: committing {n} more slots would make committed="
+                    f"{ledger.committed + n} > allocated={ledger.allocated} (invariant: "
+                    "allocated >= committed; allocate before writing KV)"
+                )
+        for (_, n), ledger in zip(demands, ledgers, strict=True):
+            ledger.committed += n
+        return [self._view(ledger, freed=0) for ledger in ledgers]
 
     def release(self, rid: str, adopt: torch.Tensor, reason: ReleaseReason) -> LedgerView:
-        """Give back every page of the request: `adopt` (whole pages of it) to the
-        tree, the rest to the free list. Exactly once per request."""
-        ledger = self._live(rid, "release")
+        return self.release_many([(rid, adopt, reason)])[0]
+
+    def release_many(self, releases: Sequence[tuple[str, torch.Tensor, ReleaseReason]]) -> list[LedgerView]:
+        """Give back every page of each request: its `adopt` pages to the tree, the
+        rest to the free list. Exactly once per request; all or nothing."""
+        ledgers = self._distinct_live([rid for rid, _, _ in releases], "release")
+        plans = [
+            self._split_release(ledger, adopt)
+            for ledger, (_, adopt, _) in zip(ledgers, releases, strict=True)
+        ]
+        views = []
+        for ledger, (adopt_pages, rest), (rid, _, reason) in zip(ledgers, plans, releases, strict=True):
+            self._owner[adopt_pages] = PageOwner.TREE
+            self._owner[rest] = PageOwner.FREE
+            self._pool.free(rest)
+            del self._ledgers[rid]
+            view = self._view(ledger, freed=ledger.allocated)
+            if reason is not ReleaseReason.RETRACTED:
+                self._released[rid] = view
+                while len(self._released) > RELEASED_REMEMBERED_MAX:
+                    self._released.popitem(last=False)
+            views.append(view)
+        return views
+
+    def _split_release(self, ledger: _Ledger, adopt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rid = ledger.request_id
         adopt_pages = pages_of(adopt, self.page_size, f"slots adopted from request {rid!r}")
         mine = torch.tensor(ledger.pages, dtype=torch.int64)
         if len(adopt_pages):
@@ -133,17 +162,13 @@ class DeviceCore:
                     f"request {rid!r}: adopted pages {adopt_pages[foreign].tolist() or adopt_pages.tolist()}"
                     " are not distinct pages of this request"
                 )
-        rest = mine[~torch.isin(mine, adopt_pages)]
-        self._owner[adopt_pages] = PageOwner.TREE
-        self._owner[rest] = PageOwner.FREE
-        self._pool.free(rest)
-        del self._ledgers[rid]
-        view = self._view(ledger, freed=ledger.allocated)
-        if reason is not ReleaseReason.RETRACTED:
-            self._released[rid] = view
-            while len(self._released) > RELEASED_REMEMBERED_MAX:
-                self._released.popitem(last=False)
-        return view
+        return adopt_pages, mine[~torch.isin(mine, adopt_pages)]
+
+    def _distinct_live(self, rids: list[str], what: str) -> list[_Ledger]:
+        if len(set(rids)) != len(rids):
+            twice = sorted({r for r in rids if rids.count(r) > 1})
+            raise LedgerError(f"cannot {what} request(s) {twice} twice in one call")
+        return [self._live(rid, what) for rid in rids]
 
     def ledger(self, rid: str) -> LedgerView:
         if rid in self._ledgers:
@@ -239,6 +264,8 @@ class DeviceCore:
     def _expect(self, pages: torch.Tensor, owners: tuple[PageOwner, ...], what: str) -> None:
         if not len(pages):
             return
+        if bool(((pages < 0) | (pages >= len(self._owner))).any()):
+            raise SlotStateError(f"cannot {what}: slot index out of range 0..{self.capacity_slots - 1}")
         if len(torch.unique(pages)) != len(pages):
             raise SlotStateError(f"{what}: a page appears twice in {pages.tolist()}")
         have = self._owner[pages]

@@ -30,11 +30,13 @@ class HostPoolActor(HiActor):
     def handle(self, sender: ActorName, message: Message) -> Message | None:
         match message:
             case AllocateHost(op_id=op, tokens=n):
+                self.require_sender(sender, ActorName.TREE, "reserving host slots")
                 slots = self.core.allocate(n)
                 if slots is None:
                     return HostInsufficient(op_id=op, requested_slots=n, free_slots=self.core.free_slots)
                 return HostAllocated(op_id=op, indices=Indices.from_tensor(slots))
             case SetHostState(indices=idx, state=state):
+                self.require_sender(sender, ActorName.TREE, "moving host slot states")
                 self.core.transition(idx.as_tensor(), state)
                 return None
             case FreeHostSlots(indices=idx):

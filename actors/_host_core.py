@@ -24,6 +24,11 @@ for _a, _b in HOST_TRANSITIONS:
 
 _FREEABLE = (HostSlotState.RESERVED, HostSlotState.SYNCED, HostSlotState.HOST_ONLY)
 
+# transition() never moves a FREE slot: leaving FREE is allocation, which takes the page
+# off the free list (allocate()).
+_MOVABLE = _LEGAL.clone()
+_MOVABLE[HostSlotState.FREE, :] = False
+
 
 class HostCore:
     def __init__(self, config: Config) -> None:
@@ -53,7 +58,7 @@ class HostCore:
         """Move every slot in `indices` to `to`; all moves must be legal."""
         if to is HostSlotState.FREE:
             raise SlotStateError("freeing goes through free(), which returns the pages to the free list")
-        self._move(indices, to, f"move to {to.name}")
+        self._move(indices, to, f"move to {to.name}", _MOVABLE)
 
     def free(self, indices: torch.Tensor) -> None:
         """Free whole pages that hold no in-flight copy."""
@@ -83,7 +88,7 @@ class HostCore:
             if bool((self._state[slots] != HostSlotState.FREE).any()) or len(torch.unique(free_pages)) != len(free_pages):
                 raise InvariantError("host: the free list holds a page with a slot that is not FREE, or a page twice")
 
-    def _move(self, indices: torch.Tensor, to: HostSlotState, what: str) -> None:
+    def _move(self, indices: torch.Tensor, to: HostSlotState, what: str, table: torch.Tensor = _LEGAL) -> None:
         if not len(indices):
             return
         if len(torch.unique(indices)) != len(indices):
@@ -91,7 +96,7 @@ class HostCore:
         if bool(((indices < 0) | (indices >= self.capacity_slots)).any()):
             raise SlotStateError(f"host {what}: slot index out of range 0..{self.capacity_slots - 1}")
         have = self._state[indices].to(torch.int64)
-        legal = _LEGAL[have, int(to)]
+        legal = table[have, int(to)]
         if not bool(legal.all()):
             bad = (~legal).nonzero().flatten()
             shown = ", ".join(
@@ -103,5 +108,7 @@ class HostCore:
                 hint = " (double free)"
             elif to is HostSlotState.FREE:
                 hint = f" (only {', '.join(s.name for s in _FREEABLE)} slots may be freed)"
+            elif bool((have[bad] == HostSlotState.FREE).any()):
+                hint = " (FREE slots are allocated with allocate(), not moved)"
             raise SlotStateError(f"illegal host slot transition to {to.name} on {what}: {shown}{more}{hint}")
         self._state[indices] = int(to)

@@ -40,7 +40,7 @@ from hicache.runtime._services import Services
 from hicache.runtime.config import Config
 
 from ._errors import InvariantError
-from ._kv import KVBuffer, copy_kv
+from ._kv import CopyPlan, KVBuffer, copy_kv
 from ._transfer_core import TransferOp, TransferQueue, batch_indices, op_problem
 
 _COPY_ERRORS = (RuntimeError, ValueError, IndexError)
@@ -167,6 +167,7 @@ class WriteStreamActor(HiActor):
             if reason is not None:
                 if not op.failed:
                     op.failed = True
+                    self._queue.cancel(op)
                     self._n.ops_failed += 1
                     self.send(op.requester, WriteFailed(op_id=op.op_id, reason=reason))
                 continue
@@ -190,6 +191,8 @@ class _LoadBatch:
     ops: list[TransferOp]
     src: torch.Tensor
     dst: torch.Tensor
+    plan: CopyPlan | None = None
+    """The batch's pieces, planned at its first layer and run for every layer."""
 
 
 class LoadStreamActor(HiActor):
@@ -276,10 +279,9 @@ class LoadStreamActor(HiActor):
         if reason is None:
             try:
                 with self._cuda.begin():
-                    nbytes = copy_kv(
-                        self._host, run.src, self._device, run.dst, layer=layer,
-                        non_blocking=self._cuda.stream is not None,
-                    )
+                    if run.plan is None:
+                        run.plan = CopyPlan(self._host, run.src, self._device, run.dst)
+                    nbytes = run.plan.run(layer=layer, non_blocking=self._cuda.stream is not None)
                     event = self._cuda.record()
                 self._n.bytes_copied += nbytes
                 self._ring.layer_done(b, layer, event)

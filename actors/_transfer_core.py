@@ -30,6 +30,8 @@ class TransferOp:
     """Slots handed out in pieces so far."""
     pieces: int = 0
     failed: bool = False
+    merged: bool = False
+    """True once the operation shared a batch with another (counted once in `merged_ops`)."""
 
     @property
     def slots(self) -> int:
@@ -83,8 +85,16 @@ class TransferQueue:
                 if op.pieces > 1:
                     self.split_ops += 1
         if len(batch) > 1:
-            self.merged_ops += len(batch)
+            for piece in batch:
+                if not piece.op.merged:
+                    piece.op.merged = True
+                    self.merged_ops += 1
         return batch
+
+    def cancel(self, op: TransferOp) -> None:
+        """Drop a failed operation: its pieces not handed out yet are never copied."""
+        if op in self._ops:
+            self._ops.remove(op)
 
     def drain(self) -> list[TransferOp]:
         """Remove and return every waiting operation."""

@@ -11,6 +11,9 @@ not plain msgpack travel as extension types:
 | 3   | a nested registered record | msgpack `[type_code, fields...]`     |
 
 Arrays decode as tuples, so every message round-trips to an equal value.
+Packing uses msgpack's `strict_types`: an `int` or `str` subclass (an `IntEnum`
+such as `HostSlotState`) goes through the extension hook instead of decaying to
+a plain int that would decode as the wrong type.
 """
 
 from __future__ import annotations
@@ -27,6 +30,11 @@ from ._registry import ENUM_TYPES, MESSAGE_TYPES, Message, field_names
 _EXT_INDICES: Final = 1
 _EXT_ENUM: Final = 2
 _EXT_RECORD: Final = 3
+
+_RECORD_DEPTH_MAX: Final = 8
+"""Most levels of records nested in records a payload may hold. Real messages nest
+two deep; a crafted payload nested a few hundred deep would overflow the C stack
+of the msgpack unpacker (a segfault, not an exception), so decoding stops here."""
 
 
 class CodecError(ValueError):
@@ -66,7 +74,9 @@ def _encoder_for(cls: type) -> Callable[[Any], list[Any]]:
     return enc
 
 
-def _default(value: Any) -> msgpack.ExtType:
+def _default(value: Any) -> msgpack.ExtType | list[Any]:
+    if type(value) is tuple:  # strict_types sends tuples here; they travel as arrays
+        return list(value)
     if isinstance(value, Indices):
         return msgpack.ExtType(_EXT_INDICES, value.to_bytes())
     if isinstance(value, enum.Enum):
@@ -78,6 +88,8 @@ def _default(value: Any) -> msgpack.ExtType:
         return msgpack.ExtType(_EXT_ENUM, msgpack.packb([code, value.value]))
     if isinstance(value, Message):
         return msgpack.ExtType(_EXT_RECORD, _pack(_encoder_for(type(value))(value)))
+    if type(value) is int:  # strict_types hands over the ints msgpack cannot hold
+        raise CodecError(f"integer {value} is outside msgpack's range -2**63 .. 2**64-1")
     raise CodecError(
         f"cannot encode a value of type {type(value).__name__}; messages carry ints, "
         "floats, str, bytes, bools, None, tuples, Indices, registered enums and records"
@@ -85,10 +97,10 @@ def _default(value: Any) -> msgpack.ExtType:
 
 
 def _pack(values: list[Any]) -> bytes:
-    return msgpack.packb(values, default=_default, use_bin_type=True)
+    return msgpack.packb(values, default=_default, use_bin_type=True, strict_types=True)
 
 
-def _ext_hook(code: int, data: bytes) -> Any:
+def _ext_value(code: int, data: bytes, depth: int) -> Any:
     if code == _EXT_INDICES:
         return Indices(data)
     if code == _EXT_ENUM:
@@ -101,20 +113,28 @@ def _ext_hook(code: int, data: bytes) -> Any:
         except ValueError:
             raise CodecError(f"{value!r} is not a member of enum {cls.__name__}") from None
     if code == _EXT_RECORD:
-        return _build(_unpack(data))
+        if depth >= _RECORD_DEPTH_MAX:
+            raise CodecError(f"records nested deeper than {_RECORD_DEPTH_MAX} levels (the codec's bound)")
+        return _build(_unpack(data, depth + 1))
     raise CodecError(f"unknown msgpack extension type {code}")
 
 
-def _unpack(data: bytes) -> Any:
-    return msgpack.unpackb(data, use_list=False, raw=False, ext_hook=_ext_hook)
+def _unpack(data: bytes, depth: int = 0) -> Any:
+    def hook(code: int, payload: bytes) -> Any:
+        return _ext_value(code, payload, depth)
+
+    return msgpack.unpackb(data, use_list=False, raw=False, ext_hook=hook)
 
 
 def _build(values: Any) -> Message:
-    if not isinstance(values, tuple) or not values or not isinstance(values[0], int):
-        raise CodecError(
-            f"malformed payload: expected [type_code, fields...], got {type(values).__name__}"
-        )
+    expected = "malformed payload: expected [type_code, fields...], got"
+    if not isinstance(values, tuple):
+        raise CodecError(f"{expected} {type(values).__name__}")
+    if not values:
+        raise CodecError(f"{expected} an empty array")
     code = values[0]
+    if not isinstance(code, int) or isinstance(code, bool):
+        raise CodecError(f"{expected} type code {code!r}")
     cls = MESSAGE_TYPES.get(code)
     if cls is None:
         raise CodecError(
@@ -141,7 +161,7 @@ def encode(msg: Message) -> bytes:
     """The msgpack bytes of a registered message."""
     try:
         return _pack(_encoder_for(type(msg))(msg))
-    except (TypeError, OverflowError) as err:
+    except (TypeError, OverflowError, UnicodeEncodeError) as err:
         raise CodecError(f"cannot encode {type(msg).__name__}: {err}") from err
 
 
@@ -154,5 +174,5 @@ def decode(data: bytes) -> Message:
     except CodecError:
         raise
     except (msgpack.UnpackException, ValueError, TypeError, IndexError) as err:
-        raise CodecError(f"malformed payload ({len(data)} bytes): {err}") from err
+        raise CodecError(f"malformed payload ({len(data)} bytes): {type(err).__name__}: {err}") from err
     return _build(values)

@@ -7,6 +7,7 @@ them back into a tensor without a copy.
 
 from __future__ import annotations
 
+import operator
 import sys
 import warnings
 from collections.abc import Iterable
@@ -43,8 +44,8 @@ class Indices:
 
     @classmethod
     def of(cls, values: Iterable[int]) -> Indices:
-        """Indices from Python integers."""
-        return cls.from_tensor(torch.tensor(list(values), dtype=torch.int64))
+        """Indices from Python integers (a float or other non-integer raises TypeError)."""
+        return cls.from_tensor(torch.tensor([operator.index(v) for v in values], dtype=torch.int64))
 
     @classmethod
     def from_tensor(cls, tensor: torch.Tensor) -> Indices:
@@ -113,6 +114,9 @@ class Indices:
         return hash(self._data)
 
     def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError("Indices are immutable")
+
+    def __delattr__(self, name: str) -> None:
         raise AttributeError("Indices are immutable")
 
     def __repr__(self) -> str:

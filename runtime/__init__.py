@@ -6,7 +6,18 @@ import warnings as _warnings
 _warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 from ._actor import Directory, HiActor, Mail, WrongSenderError
+from ._deterministic import (
+    BlockingGetError,
+    DeadlockError,
+    DeterministicFuture,
+    DeterministicRuntime,
+    LivelockError,
+    Step,
+    VirtualClock,
+    replay_choices,
+)
 from ._layers import LayerDoneRing, LayerWaiter, LoadFailedError, StaleWaiterError
+from ._strategies import PCTStrategy, RandomStrategy, ReplayStrategy, ScheduleDivergedError, Strategy
 from ._services import FailedTransfers, FaultPlan, IdSource, NoFaults, Services
 from ._system import DEFAULT_ASK_TIMEOUT_S, ActorFailedError, System, ThreadedRuntime
 from .config import (
@@ -21,6 +32,19 @@ from .config import (
 )
 
 __all__ = [
+    "BlockingGetError",
+    "DeadlockError",
+    "DeterministicFuture",
+    "DeterministicRuntime",
+    "LivelockError",
+    "PCTStrategy",
+    "RandomStrategy",
+    "ReplayStrategy",
+    "ScheduleDivergedError",
+    "Step",
+    "Strategy",
+    "VirtualClock",
+    "replay_choices",
     "DEFAULT_ASK_TIMEOUT_S",
     "DTYPES",
     "ActorFailedError",

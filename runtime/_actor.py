@@ -80,8 +80,8 @@ class HiActor(pykka.ThreadingActor, abc.ABC):
 
     def __init__(self, *, services: Services, directory: Directory) -> None:
         super().__init__()
-        # Deterministic identity instead of pykka's uuid4 URN.
-        self.actor_urn = f"urn:hicache:{self.name.value}"
+        # Deterministic identity instead of pykka's uuid4 URN (the ref copied it at creation).
+        self.actor_urn = self.actor_ref.actor_urn = f"urn:hicache:{self.name.value}"
         self._services = services
         self._directory = directory
 
@@ -122,6 +122,14 @@ class HiActor(pykka.ThreadingActor, abc.ABC):
     def send(self, to: ActorName, message: Message) -> None:
         """Tell another actor (or this one) a message; never waits."""
         self._directory.ref(to).tell(Mail(self.name, message))
+
+    def send_later(self, delay_s: float, to: ActorName, message: Message) -> None:
+        """Tell `to` a message after `delay_s` seconds of runtime time (virtual when deterministic)."""
+        self._services.call_later(delay_s, to, self._directory.ref(to), Mail(self.name, message))
+
+    def awaiting(self) -> tuple[str, ...]:
+        """What this actor waits for (replies, acks), for deadlock reports. Override to tell."""
+        return ()
 
     def require_sender(self, sender: ActorName, allowed: ActorName, what: str) -> None:
         """Fail loudly when `sender` is not the one actor allowed to send `what`."""

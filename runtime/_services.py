@@ -104,6 +104,8 @@ class Services:
     observe: DeliveryObserver
     new_layer_ring: Callable[[int, int], Any]
     """`(ring_size, layers) -> LayerDoneRing` (threaded or deterministic)."""
+    call_later: Callable[[float, ActorName, Any, Any], None]
+    """`(delay_s, receiver, ref, mail)`: deliver `mail` to `ref` after `delay_s` (virtual or real)."""
 
     def rng(self, name: str) -> random.Random:
         """A random source seeded by the runtime seed and `name` (stable across runs)."""

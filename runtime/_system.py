@@ -7,8 +7,10 @@ the deterministic runtime can run the same actor classes without threads.
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Protocol
 
 import pykka
 
@@ -41,6 +43,8 @@ class ThreadedRuntime:
     def __init__(
         self, *, seed: int = 0, faults: FaultPlan | None = None, observe: DeliveryObserver | None = None
     ) -> None:
+        self._timers: list[threading.Timer] = []
+        self._timers_lock = threading.Lock()
         self.services = Services(
             clock=MonotonicClock(),
             ids=IdSource(),
@@ -49,14 +53,69 @@ class ThreadedRuntime:
             failures=Failures(),
             observe=observe or _ignore,
             new_layer_ring=LayerDoneRing,
+            call_later=self._call_later,
         )
 
     def start(self, cls: type[HiActor], **kwargs: Any) -> pykka.ActorRef[Any]:
         return cls.start(**kwargs)
 
+    def new_mailbox(self, what: str) -> _QueueMailbox:
+        return _QueueMailbox(what)
+
+    def _call_later(self, delay_s: float, receiver: ActorName, ref: pykka.ActorRef[Any], mail: Any) -> None:
+        def fire() -> None:
+            if ref.is_alive():
+                ref.tell(mail)
+
+        timer = threading.Timer(delay_s, fire)
+        timer.daemon = True
+        with self._timers_lock:
+            self._timers = [t for t in self._timers if t.is_alive()]
+            self._timers.append(timer)
+        timer.start()
+
+    def shutdown(self) -> None:
+        """Cancel pending timers (called when the system stops)."""
+        with self._timers_lock:
+            for t in self._timers:
+                t.cancel()
+            self._timers.clear()
+
+
+class _QueueMailbox:
+    """A thread-safe mailbox the caller reads (probes)."""
+
+    def __init__(self, what: str) -> None:
+        self._q: queue.Queue[Any] = queue.Queue()
+        self._what = what
+
+    def put(self, item: Any) -> None:
+        self._q.put(item)
+
+    def get(self, timeout_s: float | None = None) -> Any:
+        try:
+            return self._q.get(timeout=timeout_s)
+        except queue.Empty:
+            raise TimeoutError(f"{self._what}: nothing arrived within {timeout_s}s") from None
+
+    def qsize(self) -> int:
+        return self._q.qsize()
+
 
 def _ignore(receiver: ActorName, mail: Any) -> None:
     return None
+
+
+class Runtime(Protocol):
+    """What `System` needs from a runtime (threaded or deterministic)."""
+
+    services: Services
+
+    def start(self, cls: type[HiActor], **kwargs: Any) -> pykka.ActorRef[Any]: ...
+
+    def new_mailbox(self, what: str) -> Any: ...
+
+    def shutdown(self) -> None: ...
 
 
 class System:
@@ -70,11 +129,11 @@ class System:
         self,
         config: Config,
         *,
-        runtime: ThreadedRuntime | None = None,
+        runtime: Runtime | None = None,
         stand_ins: Iterable[ActorName] = (),
     ) -> None:
         self.config = config
-        self.runtime = runtime or ThreadedRuntime()
+        self.runtime: Runtime = runtime or ThreadedRuntime()
         self.services = self.runtime.services
         self._stand_in_names = tuple(stand_ins)
         self.directory = Directory()
@@ -113,7 +172,7 @@ class System:
             LoadStreamActor, config=cfg, device_kv=device.kv, host_kv=host.kv, ring=self.ring, **common
         )
         for name in self._stand_in_names:
-            probe = Probe(name)
+            probe = Probe(name, self.runtime.new_mailbox(f"probe {name.value}"))
             d.register(name, self.runtime.start(probe.actor_class(), probe=probe, **common))
             self.probes[name] = probe
         self._started = True
@@ -129,6 +188,7 @@ class System:
             ref = self.directory.ref(name)
             if ref.is_alive():
                 ref.stop(block=True, timeout=DEFAULT_ASK_TIMEOUT_S)
+        self.runtime.shutdown()
         self._started = False
 
     def __enter__(self) -> System:

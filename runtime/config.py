@@ -140,7 +140,8 @@ class Config:
             raise ConfigError(f"dtype={self.dtype!r} is unknown; allowed: {', '.join(DTYPES)}")
         for f in dataclasses.fields(self):
             if isinstance(f.default, enum.Enum):
-                _member(f.name, type(f.default), getattr(self, f.name))
+                # Store the member, never the raw string: core code compares with `is`.
+                object.__setattr__(self, f.name, _member(f.name, type(f.default), getattr(self, f.name)))
 
     # -- derived values ------------------------------------------------------
 

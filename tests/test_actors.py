@@ -1,0 +1,418 @@
+"""The device, host and stream actors on threads, with the test in the tree's place.
+
+Every step goes through `TreeSide` (conftest), which sends as `ActorName.TREE`,
+receives the tree's mail from its probe and asks every actor to check its
+invariants after each step. KV bytes are proved with the fingerprint oracle.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from hicache.messages import (
+    ActorName,
+    AllocateHost,
+    CheckInvariants,
+    CopyLayer,
+    DeviceStatistics,
+    DrainWrites,
+    HostAllocated,
+    HostSlotState,
+    HostStatistics,
+    Indices,
+    InvariantsHeld,
+    LoadDone,
+    LoadFailed,
+    LoadKV,
+    LoadsStarted,
+    ReleaseReason,
+    StartLoads,
+    StreamStatistics,
+    WriteDone,
+    WriteFailed,
+    WriteKV,
+)
+from hicache.runtime import Config, FailedTransfers, HostLayout, LoadFailedError, Mail
+from hicache.runtime.oracle import FingerprintMismatchError
+
+S = HostSlotState
+TREE, DEVICE, HOST, WRITE, LOAD = ActorName.TREE, ActorName.DEVICE, ActorName.HOST, ActorName.WRITE, ActorName.LOAD
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(32_000) for _ in range(n)]
+
+
+def _prefill(tree: Any, oracle: Any, requests: dict[str, list[int]]) -> dict[str, Indices]:
+    """Allocate device slots for each request in one batch, write its KV (the forward
+    pass), commit it, and finish it with every page adopted by the tree."""
+    grants = tree.allocate({rid: len(tokens) for rid, tokens in requests.items()})
+    assert isinstance(grants, dict)
+    for rid, tokens in requests.items():
+        oracle.write(tree.system.device_kv, tokens, grants[rid].as_tensor())
+        entry = tree.commit(rid, len(tokens))
+        assert (entry.allocated, entry.committed) == (len(tokens), len(tokens))
+        final = tree.release(rid, grants[rid], ReleaseReason.FINISHED)
+        assert final.freed == final.allocated == len(tokens)
+    return grants
+
+
+# -- L1 -> L2 -> L1 -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("layout", [HostLayout.LAYER_FIRST, HostLayout.PAGE_FIRST], ids=["layer_first", "page_first"])
+def test_kv_bytes_round_trip_device_to_host_to_device_with_merged_and_split_transfers(
+    make_config: Callable[..., Config], oracle_for: Callable[[Config], Any], start_system: Callable[..., Any],
+    gate: Any, page_size: int, layout: HostLayout,
+) -> None:
+    cfg = make_config(page_size=page_size, device_pages=16, host_pages=32, host_layout=layout, transfer_pages_max=2)
+    oracle = oracle_for(cfg)
+    tree = start_system(cfg, observe=gate)
+    p = page_size
+    # four one-page requests (merged two per batch) and one of five pages (split 2 + 2 + 1)
+    requests = {f"small-{i}": _tokens(i, p) for i in range(4)}
+    requests["big"] = _tokens(99, 5 * p)
+    device = _prefill(tree, oracle, requests)
+    assert tree.statistics(DEVICE).tree_slots == 9 * p
+
+    # L1 -> L2: every write is queued before the stream drains (the gate holds it at the first)
+    host = {rid: tree.host_allocate(len(t)) for rid, t in requests.items()}
+    for rid in requests:
+        tree.host_move(host[rid], S.WRITING)
+    gate.hold(WRITE, lambda m: isinstance(m, WriteKV))
+    op_of = {rid: tree.next_op() for rid in requests}
+    for rid in requests:
+        tree.system.tell(WRITE, WriteKV(op_id=op_of[rid], device=device[rid], host=host[rid]), sender=TREE)
+    gate.open()  # held or not yet dequeued: either way the drain comes after every write
+    done = [tree.expect(WriteDone) for _ in requests]
+    assert [d.op_id for d in done] == list(op_of.values())  # FIFO
+    assert [d.slots for d in done] == [len(t) for t in requests.values()]
+    writes = tree.statistics(WRITE)
+    assert isinstance(writes, StreamStatistics)
+    assert writes.merged_ops == 4 and writes.split_ops == 1
+    assert writes.ops_done == 5 and writes.ops_failed == 0 and writes.queued_ops == 0
+    assert writes.batches == 5
+    assert writes.slots_copied == 9 * p and writes.bytes_copied == 9 * p * cfg.bytes_per_slot
+    for rid, tokens in requests.items():
+        tree.host_move(host[rid], S.SYNCED)
+        oracle.verify(tree.system.host_kv, tokens, host[rid].as_tensor())
+
+    # the device copies go (eviction); the host copies are all that is left
+    for rid in requests:
+        tree.free_device(device[rid])
+        tree.host_move(host[rid], S.HOST_ONLY)
+    tree.system.device_kv.tensor.zero_()
+    with pytest.raises(FingerprintMismatchError):
+        oracle.verify(tree.system.device_kv, requests["big"], device["big"].as_tensor())
+
+    # L2 -> L1: one merged load batch into fresh device slots
+    loaded = {rid: tree.allocate_load(len(t)) for rid, t in requests.items()}
+    for rid in requests:
+        tree.host_move(host[rid], S.LOADING)
+        tree.tell(LOAD, LoadKV(op_id=op_of[rid] + 100, host=host[rid], device=loaded[rid]))
+    started = tree.ask(LOAD, StartLoads())
+    assert isinstance(started, LoadsStarted) and started.batch == 1
+    assert started.ops == tuple(op + 100 for op in op_of.values())
+    tree.system.ring.waiter(started.batch).wait_all(timeout_s=30)
+    load_done = [tree.expect(LoadDone) for _ in requests]
+    assert {d.op_id for d in load_done} == set(started.ops) and {d.batch for d in load_done} == {1}
+    for rid, tokens in requests.items():
+        tree.adopt_loaded(loaded[rid])
+        tree.host_move(host[rid], S.SYNCED)
+        oracle.verify(tree.system.device_kv, tokens, loaded[rid].as_tensor())
+    loads = tree.statistics(LOAD)
+    assert loads.ops_done == 5 and loads.merged_ops == 5 and loads.batches == 1
+    assert loads.bytes_copied == 9 * p * cfg.bytes_per_slot
+
+    # everything given back: every slot is free
+    for rid in requests:
+        tree.host_free(host[rid])
+        tree.free_device(loaded[rid])
+    dev, hst = tree.statistics(DEVICE), tree.statistics(HOST)
+    assert isinstance(dev, DeviceStatistics) and isinstance(hst, HostStatistics)
+    assert dev.free_slots == dev.capacity_slots == cfg.device_slots and dev.live_requests == 0
+    assert hst.slots_by_state[S.FREE] == hst.capacity_slots == cfg.host_slots
+
+
+def test_a_write_longer_than_the_batch_bound_is_split_and_arrives_whole(
+    make_config: Callable[..., Config], oracle_for: Callable[[Config], Any], start_system: Callable[..., Any]
+) -> None:
+    cfg = make_config(page_size=4, device_pages=16, host_pages=32, transfer_pages_max=1,
+                      host_layout=HostLayout.PAGE_FIRST)
+    oracle = oracle_for(cfg)
+    tree = start_system(cfg)
+    tokens = _tokens(5, 32)
+    device = _prefill(tree, oracle, {"r": tokens})
+    host = tree.host_allocate(32)
+    reply = tree.write(device["r"][:30], host[:30])  # 8 batches, the last one partial
+    assert isinstance(reply, WriteDone) and reply.slots == 30
+    oracle.verify(tree.system.host_kv, tokens[:30], host[:30].as_tensor())
+    assert not bool(tree.system.host_kv.read(host[30:].as_tensor()).any())
+    stats = tree.statistics(WRITE)
+    assert stats.split_ops == 1 and stats.batches == 8 and stats.merged_ops == 0
+
+
+# -- the per-layer waiter -------------------------------------------------------------
+
+
+def test_the_forward_pass_may_read_a_layer_as_soon_as_its_load_is_done(
+    make_config: Callable[..., Config], oracle_for: Callable[[Config], Any], start_system: Callable[..., Any],
+    gate: Any,
+) -> None:
+    cfg = make_config(page_size=4, layers=3, host_layout=HostLayout.PAGE_FIRST)
+    oracle = oracle_for(cfg)
+    tree = start_system(cfg, observe=gate)
+    tokens = _tokens(1, 12)
+    host = tree.host_allocate(12)
+    tree.host_move(host, S.PREFETCHING)
+    oracle.write(tree.system.host_kv, tokens, host.as_tensor())  # as a storage read would
+    tree.host_move(host, S.HOST_ONLY)
+    device = tree.allocate_load(12)
+    tree.host_move(host, S.LOADING)
+
+    held = gate.hold(LOAD, lambda m: isinstance(m, CopyLayer) and m.layer == 1)
+    tree.system.tell(LOAD, LoadKV(op_id=1, host=host, device=device), sender=TREE)
+    started = tree.system.ask(LOAD, StartLoads(), sender=TREE)
+    waiter = tree.system.ring.waiter(started.batch)
+    waiter.wait_layer(0, timeout_s=30)
+    assert held.reached.wait(30)  # the stream is about to copy layer 1, and waits
+    kv = tree.system.device_kv.read(device.as_tensor())
+    want = oracle.expected(tokens, 0, 12)
+    assert torch.equal(kv[:, 0], want[:, 0])
+    assert not bool(kv[:, 1:].any())  # layers 1 and 2 not copied yet
+    with pytest.raises(TimeoutError, match="layer 1 of load batch 1 not done"):
+        waiter.wait_layer(1, timeout_s=0.05)
+    gate.open()
+    waiter.wait_layer(2, timeout_s=30)
+    waiter.wait_layer(1, timeout_s=30)
+    assert tree.expect(LoadDone).op_id == 1
+    oracle.verify(tree.system.device_kv, tokens, device.as_tensor())
+    tree.adopt_loaded(device)
+    tree.host_move(host, S.SYNCED)
+
+
+def test_start_loads_with_nothing_queued_is_batch_zero_and_needs_no_wait(
+    make_config: Callable[..., Config], start_system: Callable[..., Any]
+) -> None:
+    tree = start_system(make_config())
+    started = tree.ask(LOAD, StartLoads())
+    assert started == LoadsStarted(batch=0, ops=())
+    tree.system.ring.waiter(0).wait_all(timeout_s=0)
+
+
+def test_load_batches_are_numbered_in_order_and_each_completes(
+    make_config: Callable[..., Config], oracle_for: Callable[[Config], Any], start_system: Callable[..., Any]
+) -> None:
+    cfg = make_config(page_size=4)
+    oracle = oracle_for(cfg)
+    tree = start_system(cfg)
+    batches = []
+    for i in range(6):  # more batches than the ring holds (4), one at a time
+        tokens = _tokens(i, 4)
+        host = tree.host_allocate(4)
+        tree.host_move(host, S.PREFETCHING)
+        oracle.write(tree.system.host_kv, tokens, host.as_tensor())
+        tree.host_move(host, S.HOST_ONLY)
+        device = tree.allocate_load(4)
+        reply = tree.load(host, device)
+        assert isinstance(reply, LoadDone)
+        batches.append(reply.batch)
+        oracle.verify(tree.system.device_kv, tokens, device.as_tensor())
+        tree.free_device(device)
+        tree.host_free(host)
+    assert batches == [1, 2, 3, 4, 5, 6]
+
+
+# -- failures -------------------------------------------------------------------------
+
+
+def test_a_failed_write_is_reported_failed_and_never_done(
+    make_config: Callable[..., Config], oracle_for: Callable[[Config], Any], start_system: Callable[..., Any]
+) -> None:
+    cfg = make_config(page_size=4)
+    oracle = oracle_for(cfg)
+    tree = start_system(cfg, faults=FailedTransfers(frozenset({500}), reason="disk on fire"))
+    tokens = _tokens(2, 8)
+    device = _prefill(tree, oracle, {"r": tokens})["r"]
+    host = tree.host_allocate(8)
+    failed = tree.write(device, host, op_id=500)
+    assert failed == WriteFailed(op_id=500, reason="disk on fire")
+    assert tree.system.host_kv.tensor.count_nonzero() == 0
+    assert tree.probe.pending() == 0
+    stats = tree.statistics(WRITE)
+    assert (stats.ops_failed, stats.ops_done, stats.slots_copied) == (1, 0, 0)
+    # the stream goes on: the same slots with another op id are written
+    assert isinstance(tree.write(device, host, op_id=501), WriteDone)
+    oracle.verify(tree.system.host_kv, tokens, host.as_tensor())
+
+
+def test_a_failed_split_write_leaves_nothing_queued(
+    make_config: Callable[..., Config], oracle_for: Callable[[Config], Any], start_system: Callable[..., Any],
+    gate: Any,
+) -> None:
+    cfg = make_config(page_size=4, transfer_pages_max=1)
+    tree = start_system(cfg, faults=FailedTransfers(frozenset({9})), observe=gate)
+    device = _prefill(tree, oracle_for(cfg), {"r": _tokens(3, 16)})["r"]  # 4 batches of one page
+    host = tree.host_allocate(16)
+    tree.host_move(host, S.WRITING)
+    drains = iter(range(1, 1_000))
+    gate.hold(WRITE, lambda m: isinstance(m, DrainWrites) and next(drains) == 2)
+    tree.tell(WRITE, WriteKV(op_id=9, device=device, host=host))
+    assert tree.probe.expect(WriteFailed).op_id == 9
+    # Whatever the stream does after the failure, this check is in its inbox before it
+    # could copy (or skip) another piece of the failed write.
+    check = tree.system.directory.ref(WRITE).ask(Mail(TREE, CheckInvariants(), ask=True), block=False)
+    gate.open()
+    assert check.get(timeout=30) == InvariantsHeld(actor=WRITE)
+    assert tree.statistics(WRITE).queued_ops == 0
+    tree.host_move(host, S.RESERVED)
+    assert tree.probe.pending() == 0
+
+
+def test_every_write_merged_with_a_failed_one_is_failed_too(
+    make_config: Callable[..., Config], oracle_for: Callable[[Config], Any], start_system: Callable[..., Any],
+    gate: Any,
+) -> None:
+    cfg = make_config(page_size=4, transfer_pages_max=4)
+    tree = start_system(cfg, faults=FailedTransfers(frozenset({2})), observe=gate)
+    device = _prefill(tree, oracle_for(cfg), {f"r{i}": _tokens(i, 4) for i in range(5)})
+    host = {rid: tree.host_allocate(4) for rid in device}
+    gate.hold(WRITE, lambda m: isinstance(m, WriteKV))
+    for op, rid in enumerate(device, start=1):  # ops 1-4 share a batch, op 5 has its own
+        tree.system.tell(WRITE, WriteKV(op_id=op, device=device[rid], host=host[rid]), sender=TREE)
+    gate.open()
+    replies = {m.op_id: m for m in (tree.expect(WriteDone, WriteFailed) for _ in range(5))}
+    assert {op for op, m in replies.items() if isinstance(m, WriteFailed)} == {1, 2, 3, 4}
+    assert isinstance(replies[5], WriteDone)
+    assert tree.probe.pending() == 0
+
+
+def test_a_failed_load_is_reported_failed_and_waiting_on_it_raises(
+    make_config: Callable[..., Config], oracle_for: Callable[[Config], Any], start_system: Callable[..., Any]
+) -> None:
+    cfg = make_config(page_size=4)
+    oracle = oracle_for(cfg)
+    tree = start_system(cfg, faults=FailedTransfers(frozenset({77}), reason="bit flip"))
+    tokens = _tokens(4, 8)
+    device = _prefill(tree, oracle, {"r": tokens})["r"]
+    host = tree.host_allocate(8)
+    assert isinstance(tree.write(device, host), WriteDone)
+    tree.free_device(device)
+    tree.host_move(host, S.HOST_ONLY)
+    tree.system.device_kv.tensor.zero_()
+
+    target = tree.allocate_load(8)
+    tree.host_move(host, S.LOADING)
+    tree.tell(LOAD, LoadKV(op_id=77, host=host, device=target))
+    started = tree.ask(LOAD, StartLoads())
+    waiter = tree.system.ring.waiter(started.batch)
+    failed = tree.expect(LoadDone, LoadFailed)
+    assert failed == LoadFailed(op_id=77, reason="bit flip")
+    for layer in range(cfg.layers):
+        with pytest.raises(LoadFailedError, match=f"load batch {started.batch} failed: bit flip"):
+            waiter.wait_layer(layer, timeout_s=30)
+    with pytest.raises(LoadFailedError):
+        waiter.wait_all(timeout_s=30)
+    assert tree.system.device_kv.tensor.count_nonzero() == 0
+    assert tree.probe.pending() == 0  # no LoadDone behind the LoadFailed
+    stats = tree.statistics(LOAD)
+    assert (stats.ops_failed, stats.ops_done, stats.batches) == (1, 0, 1)
+    # the tree gives the load's device pages back and keeps the host copy
+    tree.free_device(target)
+    tree.host_move(host, S.HOST_ONLY)
+    retry = tree.allocate_load(8)
+    assert isinstance(tree.load(host, retry, op_id=78), LoadDone)
+    oracle.verify(tree.system.device_kv, tokens, retry.as_tensor())
+
+
+@pytest.mark.parametrize(
+    ("host_slots", "reason"),
+    [
+        (lambda h: h[:3], "bad write: source has 4 slots but destination has 3"),
+        (lambda h: Indices.of([10_000, 10_001, 10_002, 10_003]), "bad write: destination slot out of range 0..127"),
+    ],
+    ids=["length-mismatch", "out-of-range"],
+)
+def test_a_write_with_unusable_indices_is_failed_at_once(
+    make_config: Callable[..., Config], start_system: Callable[..., Any], host_slots: Any, reason: str
+) -> None:
+    tree = start_system(make_config(page_size=4))
+    device = tree.allocate_load(4)
+    host = tree.host_allocate(4)
+    tree.tell(WRITE, WriteKV(op_id=3, device=device, host=host_slots(host)))
+    failed = tree.expect(WriteFailed)
+    assert failed == WriteFailed(op_id=3, reason=reason)
+    assert tree.statistics(WRITE).ops_failed == 1
+    tree.free_device(device)
+
+
+def test_a_load_with_unusable_indices_is_failed_at_once(
+    make_config: Callable[..., Config], start_system: Callable[..., Any]
+) -> None:
+    tree = start_system(make_config(page_size=4))
+    tree.tell(LOAD, LoadKV(op_id=4, host=Indices.of([0, 1]), device=Indices.of([5_000, 5_001])))
+    failed = tree.expect(LoadFailed)
+    assert failed == LoadFailed(op_id=4, reason="bad load: destination slot out of range 0..63")
+    assert tree.ask(LOAD, StartLoads()).batch == 0
+
+
+def test_writes_beyond_the_queue_bound_are_refused_as_failed(
+    make_config: Callable[..., Config], oracle_for: Callable[[Config], Any], start_system: Callable[..., Any],
+    gate: Any,
+) -> None:
+    cfg = make_config(page_size=4, transfer_queue_ops_max=2)
+    tree = start_system(cfg, observe=gate)
+    device = _prefill(tree, oracle_for(cfg), {f"r{i}": _tokens(i, 4) for i in range(3)})
+    host = {rid: tree.host_allocate(4) for rid in device}
+    gate.hold(WRITE, lambda m: isinstance(m, WriteKV))
+    for op, rid in enumerate(device, start=1):
+        tree.system.tell(WRITE, WriteKV(op_id=op, device=device[rid], host=host[rid]), sender=TREE)
+    gate.open()
+    replies = {m.op_id: m for m in (tree.expect(WriteDone, WriteFailed) for _ in range(3))}
+    assert isinstance(replies[1], WriteDone) and isinstance(replies[2], WriteDone)
+    assert replies[3] == WriteFailed(op_id=3, reason="write queue full (2 ops, transfer_queue_ops_max)")
+
+
+# -- device and host through their actors ------------------------------------------------
+
+
+def test_device_statistics_count_slots_by_owner(
+    make_config: Callable[..., Config], start_system: Callable[..., Any]
+) -> None:
+    tree = start_system(make_config(page_size=4, device_pages=16))
+    grants = tree.allocate({"a": 5, "b": 4})
+    tree.allocate_load(4)
+    tree.release("b", grants["b"], ReleaseReason.FINISHED)
+    assert tree.statistics(DEVICE) == DeviceStatistics(
+        capacity_slots=64, free_slots=48, request_slots=8, tree_slots=4, loading_slots=4, live_requests=1
+    )
+
+
+def test_an_allocation_that_does_not_fit_is_answered_insufficient(
+    make_config: Callable[..., Config], start_system: Callable[..., Any]
+) -> None:
+    tree = start_system(make_config(page_size=4, device_pages=16))
+    got = tree.allocate({"a": 30, "b": 40})
+    assert (got.requested_slots, got.free_slots, got.shortfall_slots) == (72, 64, 8)
+    assert tree.statistics(DEVICE).free_slots == 64
+    assert tree.allocate_load(65) is None
+    assert tree.host_allocate(4 * 33) is None
+
+
+def test_replies_to_tells_go_back_to_the_sender(
+    make_config: Callable[..., Config], start_system: Callable[..., Any]
+) -> None:
+    tree = start_system(make_config(page_size=4))
+    tree.tell(HOST, AllocateHost(op_id=42, tokens=8))
+    reply = tree.expect(HostAllocated)
+    assert reply.op_id == 42 and reply.indices.tolist() == list(range(8))
+    hst = tree.statistics(HOST)
+    assert hst.slots_by_state[S.RESERVED] == 8
+    tree.host_free(reply.indices)

@@ -1,0 +1,346 @@
+"""`DeviceCore`: page-aligned device slots and the per-request ledger (seed 001).
+
+Every core here is wrapped by the `checked` fixture: its invariants are checked
+after every call, including calls that raised.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import hicache.actors._device_core as device_core_module
+from hicache.actors import DeviceCore, Insufficient, LedgerError, PageOwner, SlotStateError
+from hicache.messages import ReleaseReason
+from hicache.runtime import Config, HostLayout
+
+FREE, REQUEST, TREE, LOADING = PageOwner.FREE, PageOwner.REQUEST, PageOwner.TREE, PageOwner.LOADING
+
+
+@pytest.fixture
+def core(make_config: Callable[..., Config], checked: Callable[[Any], Any]) -> Any:
+    """16 pages of 4 slots."""
+    return checked(DeviceCore(make_config(page_size=4, device_pages=16)))
+
+
+def _slots(pages: list[int], p: int = 4) -> list[int]:
+    return [pg * p + i for pg in pages for i in range(p)]
+
+
+def _owners(core: Any) -> dict[PageOwner, int]:
+    return core.counts()
+
+
+# -- the buffer ---------------------------------------------------------------------
+
+
+def test_the_device_buffer_is_layer_first_with_the_config_shape(make_config: Callable[..., Config]) -> None:
+    cfg = make_config(page_size=4, device_pages=16, dtype="bfloat16", host_layout=HostLayout.PAGE_FIRST)
+    core = DeviceCore(cfg)
+    assert core.kv.layout is HostLayout.LAYER_FIRST
+    assert tuple(core.kv.tensor.shape) == (2, cfg.layers, 64, cfg.kv_heads, cfg.head_dim)
+    assert core.kv.tensor.dtype == torch.bfloat16
+    assert core.capacity_slots == 64
+    assert _owners(core) == {FREE: 64, REQUEST: 0, TREE: 0, LOADING: 0}
+
+
+# -- allocate ----------------------------------------------------------------------
+
+
+def test_allocate_gives_whole_pages_to_a_new_request(core: Any) -> None:
+    got = core.allocate([("a", 6)])
+    assert got["a"].tolist() == _slots([0, 1])[:6]
+    assert core.ledger("a").allocated == 6
+    assert _owners(core)[REQUEST] == 8
+
+
+def test_allocate_fills_the_last_partial_page_before_taking_new_pages(core: Any) -> None:
+    core.allocate([("a", 6)])  # pages 0, 1; slots 6 and 7 spare
+    core.allocate([("b", 2)])  # page 2
+    assert core.allocate([("a", 1)])["a"].tolist() == [6]
+    assert _owners(core)[REQUEST] == 12
+    got = core.allocate([("a", 3)])["a"].tolist()
+    assert got == [7, 12, 13]  # the last spare slot of page 1, then page 3
+    assert core.ledger("a").allocated == 10
+    assert core.allocate([("b", 2)])["b"].tolist() == [10, 11]
+    assert _owners(core)[REQUEST] == 16
+
+
+def test_allocating_within_the_partial_page_needs_no_free_page(core: Any) -> None:
+    core.allocate([("a", 2)])
+    core.allocate([("filler", 60)])
+    assert _owners(core)[FREE] == 0
+    assert core.allocate([("a", 2)])["a"].tolist() == [2, 3]
+    assert isinstance(core.allocate([("a", 1)]), Insufficient)
+
+
+def test_allocating_zero_slots_gives_nothing_and_takes_no_page(core: Any) -> None:
+    got = core.allocate([("a", 0)])
+    assert got["a"].numel() == 0
+    assert _owners(core)[FREE] == 64
+    assert core.ledger("a").allocated == 0
+
+
+def test_one_allocation_serves_several_requests_in_demand_order(core: Any) -> None:
+    got = core.allocate([("a", 5), ("b", 4), ("c", 1)])
+    assert got["a"].tolist() == _slots([0, 1])[:5]
+    assert got["b"].tolist() == _slots([2])
+    assert got["c"].tolist() == _slots([3])[:1]
+    assert core.live_requests() == 3
+
+
+def test_a_batch_that_does_not_fit_allocates_nothing_and_reports_the_shortfall(core: Any) -> None:
+    core.allocate([("a", 3)])  # page 0, one spare slot
+    before = _owners(core)
+    got = core.allocate([("a", 1 + 4 * 9), ("b", 4 * 7)])  # needs 9 + 7 = 16 pages, 15 free
+    assert isinstance(got, Insufficient)
+    assert got.requested_slots == 16 * 4
+    assert got.free_slots == 15 * 4
+    assert got.shortfall_slots == 4
+    assert _owners(core) == before
+    assert core.ledger("a").allocated == 3
+    with pytest.raises(LedgerError, match="'b' has no ledger"):
+        core.ledger("b")
+
+
+def test_a_batch_that_just_fits_takes_every_free_page(core: Any) -> None:
+    got = core.allocate([("a", 33), ("b", 28)])  # 9 + 7 pages
+    assert not isinstance(got, Insufficient)
+    assert _owners(core) == {FREE: 0, REQUEST: 64, TREE: 0, LOADING: 0}
+    assert sorted(got["a"].tolist() + got["b"].tolist())[:3] == [0, 1, 2]
+
+
+def test_a_request_may_appear_only_once_in_an_allocation(core: Any) -> None:
+    with pytest.raises(LedgerError, match="'a' appears twice in one allocation"):
+        core.allocate([("a", 1), ("a", 2)])
+    assert core.live_requests() == 0
+
+
+def test_a_negative_demand_is_a_ledger_error(core: Any) -> None:
+    with pytest.raises(LedgerError, match="'a': cannot allocate -1 slots"):
+        core.allocate([("a", -1)])
+
+
+# -- commit -------------------------------------------------------------------------
+
+
+def test_commit_counts_filled_slots_up_to_the_allocation(core: Any) -> None:
+    core.allocate([("a", 10)])
+    view = core.commit("a", 4)
+    assert (view.allocated, view.committed, view.freed) == (10, 4, 0)
+    assert core.commit("a", 6).committed == 10
+    assert core.ledger("a").committed == 10
+
+
+def test_committing_beyond_the_allocation_is_refused_and_changes_nothing(core: Any) -> None:
+    core.allocate([("a", 10)])
+    core.commit("a", 7)
+    with pytest.raises(LedgerError, match=r"'a'.*committed=11 > allocated=10.*allocated >= committed"):
+        core.commit("a", 4)
+    assert core.ledger("a").committed == 7
+
+
+def test_committing_for_an_unknown_request_is_a_ledger_error(core: Any) -> None:
+    with pytest.raises(LedgerError, match="cannot commit request 'ghost': it has no slots"):
+        core.commit("ghost", 1)
+
+
+def test_a_negative_commit_is_a_ledger_error(core: Any) -> None:
+    core.allocate([("a", 2)])
+    with pytest.raises(LedgerError, match="cannot commit -1 slots"):
+        core.commit("a", -1)
+
+
+# -- release ------------------------------------------------------------------------
+
+
+def test_release_frees_every_page_exactly_once(core: Any) -> None:
+    core.allocate([("a", 9), ("b", 4)])
+    view = core.release("a", torch.empty(0, dtype=torch.int64), ReleaseReason.FINISHED)
+    assert (view.allocated, view.freed) == (9, 9)
+    assert _owners(core) == {FREE: 60, REQUEST: 4, TREE: 0, LOADING: 0}
+    with pytest.raises(LedgerError, match="cannot release request 'a': it was already released"):
+        core.release("a", torch.empty(0, dtype=torch.int64), ReleaseReason.FINISHED)
+    assert _owners(core)[FREE] == 60
+    # the freed pages come back, each once
+    again = core.allocate([("c", 60)])["c"]
+    assert len(set(again.tolist())) == 60
+    assert _owners(core)[FREE] == 0
+
+
+def test_release_moves_adopted_whole_pages_to_the_tree_and_frees_the_rest(core: Any) -> None:
+    got = core.allocate([("a", 11)])["a"]  # pages 0, 1, 2 (2 partly used)
+    core.commit("a", 11)
+    view = core.release("a", got[:8], ReleaseReason.FINISHED)
+    assert (view.allocated, view.committed, view.freed) == (11, 11, 11)
+    assert _owners(core) == {FREE: 56, REQUEST: 0, TREE: 8, LOADING: 0}
+    assert core.live_requests() == 0
+    # page 2 is free again; pages 0, 1 are the tree's
+    assert core.allocate([("b", 4)])["b"].tolist() == _slots([2])
+
+
+def test_release_may_adopt_pages_in_any_order(core: Any) -> None:
+    got = core.allocate([("a", 12)])["a"]
+    core.release("a", torch.cat([got[8:12], got[0:4]]), ReleaseReason.FINISHED)
+    assert _owners(core)[TREE] == 8
+    assert _owners(core)[FREE] == 56
+    core.free_tree(torch.tensor(_slots([2, 0])))
+    assert _owners(core)[FREE] == 64
+
+
+def test_adopting_slots_that_are_not_whole_pages_is_refused(core: Any) -> None:
+    got = core.allocate([("a", 8)])["a"]
+    with pytest.raises(ValueError, match="slots adopted from request 'a': 3 slots are not whole pages of 4"):
+        core.release("a", got[:3], ReleaseReason.FINISHED)
+    assert core.live_requests() == 1
+    assert _owners(core)[REQUEST] == 8
+
+
+def test_adopting_pages_of_another_request_is_refused(core: Any) -> None:
+    core.allocate([("a", 4), ("b", 4)])
+    with pytest.raises(LedgerError, match=r"request 'a': adopted pages \[1\] are not distinct pages of this request"):
+        core.release("a", torch.tensor(_slots([1])), ReleaseReason.FINISHED)
+    assert _owners(core) == {FREE: 56, REQUEST: 8, TREE: 0, LOADING: 0}
+
+
+def test_adopting_the_same_page_twice_is_refused(core: Any) -> None:
+    core.allocate([("a", 8)])
+    with pytest.raises(LedgerError, match="not distinct pages"):
+        core.release("a", torch.tensor(_slots([0, 0])), ReleaseReason.FINISHED)
+    assert core.live_requests() == 1
+
+
+def test_the_final_ledger_of_a_finished_request_stays_readable(core: Any) -> None:
+    core.allocate([("a", 5)])
+    core.commit("a", 3)
+    core.release("a", torch.empty(0, dtype=torch.int64), ReleaseReason.ABORTED)
+    view = core.ledger("a")
+    assert (view.allocated, view.committed, view.freed) == (5, 3, 5)
+
+
+@pytest.mark.parametrize("reason", [ReleaseReason.FINISHED, ReleaseReason.ABORTED])
+def test_a_finished_or_aborted_request_may_never_allocate_again(core: Any, reason: ReleaseReason) -> None:
+    core.allocate([("a", 4)])
+    core.release("a", torch.empty(0, dtype=torch.int64), reason)
+    with pytest.raises(LedgerError, match="request 'a' was already released.*never allocate after finish"):
+        core.allocate([("a", 1)])
+    with pytest.raises(LedgerError, match="already released"):
+        core.allocate([("b", 1), ("a", 1)])
+    assert core.live_requests() == 0
+    assert _owners(core)[FREE] == 64
+
+
+def test_a_retracted_request_may_allocate_again_with_a_fresh_ledger(core: Any) -> None:
+    core.allocate([("a", 6)])
+    core.commit("a", 6)
+    view = core.release("a", torch.empty(0, dtype=torch.int64), ReleaseReason.RETRACTED)
+    assert view.freed == 6
+    with pytest.raises(LedgerError, match="'a' has no ledger"):
+        core.ledger("a")
+    got = core.allocate([("a", 3)])
+    assert got["a"].tolist() == [0, 1, 2]
+    assert (core.ledger("a").allocated, core.ledger("a").committed) == (3, 0)
+
+
+def test_released_requests_are_remembered_up_to_a_bound(
+    core: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(device_core_module, "RELEASED_REMEMBERED_MAX", 3)
+    for rid in "abcd":
+        core.allocate([(rid, 1)])
+        core.release(rid, torch.empty(0, dtype=torch.int64), ReleaseReason.FINISHED)
+    with pytest.raises(LedgerError, match="'a' has no ledger"):
+        core.ledger("a")
+    assert [core.ledger(r).freed for r in "bcd"] == [1, 1, 1]
+
+
+# -- load slots and the tree's pages ------------------------------------------------
+
+
+def test_load_slots_are_whole_pages_owned_by_the_load(core: Any) -> None:
+    got = core.allocate_load(5)
+    assert got.tolist() == _slots([0, 1])
+    assert _owners(core) == {FREE: 56, REQUEST: 0, TREE: 0, LOADING: 8}
+
+
+def test_a_completed_load_hands_its_pages_to_the_tree(core: Any) -> None:
+    got = core.allocate_load(8)
+    core.adopt_loaded(got)
+    assert _owners(core) == {FREE: 56, REQUEST: 0, TREE: 8, LOADING: 0}
+    with pytest.raises(SlotStateError, match="cannot adopt loaded slots: slots 0..3 owned by tree.*; expected loading"):
+        core.adopt_loaded(got)
+
+
+def test_a_failed_load_frees_its_pages(core: Any) -> None:
+    got = core.allocate_load(4)
+    core.free_tree(got)
+    assert _owners(core)[FREE] == 64
+
+
+def test_load_slots_that_do_not_fit_are_insufficient(core: Any) -> None:
+    core.allocate([("a", 60)])
+    got = core.allocate_load(5)
+    assert isinstance(got, Insufficient)
+    assert (got.requested_slots, got.free_slots, got.shortfall_slots) == (8, 4, 4)
+    assert _owners(core)[LOADING] == 0
+
+
+def test_free_tree_frees_only_tree_or_loading_pages(core: Any) -> None:
+    got = core.allocate([("a", 8)])["a"]
+    with pytest.raises(SlotStateError, match="cannot free device slots: slots 0..3 owned by request"):
+        core.free_tree(got[:4])
+    assert _owners(core)[REQUEST] == 8
+
+
+def test_free_tree_twice_is_a_double_free(core: Any) -> None:
+    got = core.allocate([("a", 8)])["a"]
+    core.release("a", got, ReleaseReason.FINISHED)
+    core.free_tree(got)
+    with pytest.raises(SlotStateError, match=r"slots 0..3 owned by free.*\(double free\?\)"):
+        core.free_tree(got)
+    assert _owners(core)[FREE] == 64
+
+
+def test_free_tree_of_a_page_twice_in_one_call_is_refused(core: Any) -> None:
+    got = core.allocate([("a", 4)])["a"]
+    core.release("a", got, ReleaseReason.FINISHED)
+    with pytest.raises(SlotStateError, match="a page appears twice"):
+        core.free_tree(torch.cat([got, got]))
+    assert _owners(core)[TREE] == 4
+
+
+@pytest.mark.parametrize("slots", [[-4, -3, -2, -1], [64, 65, 66, 67]])
+def test_free_tree_of_slots_outside_the_buffer_is_refused(core: Any, slots: list[int]) -> None:
+    got = core.allocate([("a", 64)])["a"]
+    core.release("a", got, ReleaseReason.FINISHED)
+    with pytest.raises(SlotStateError, match=r"slot index out of range 0..63"):
+        core.free_tree(torch.tensor(slots))
+    assert _owners(core)[TREE] == 64
+
+
+def test_free_tree_of_a_partial_page_is_refused(core: Any) -> None:
+    core.allocate_load(4)
+    with pytest.raises(ValueError, match="freed device slots: 2 slots are not whole pages"):
+        core.free_tree(torch.tensor([0, 1]))
+
+
+# -- a whole life -------------------------------------------------------------------
+
+
+def test_allocated_stays_at_least_committed_through_a_request_life(core: Any) -> None:
+    for step in range(1, 8):
+        core.allocate([("a", step)])
+        core.commit("a", step - 1)
+        view = core.ledger("a")
+        assert view.allocated >= view.committed
+    got = core.allocate([("a", 0)])["a"]
+    assert got.numel() == 0
+    view = core.release("a", torch.tensor(_slots([0, 1, 2])), ReleaseReason.FINISHED)
+    assert view.freed == view.allocated == 28
+    assert _owners(core) == {FREE: 52, REQUEST: 0, TREE: 12, LOADING: 0}
+    core.free_tree(torch.tensor(_slots([0, 1, 2])))
+    assert _owners(core) == {FREE: 64, REQUEST: 0, TREE: 0, LOADING: 0}
+    assert core.checks > 10

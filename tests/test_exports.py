@@ -1,0 +1,126 @@
+"""The three packages keep their exports honest: an explicit `__all__` whose names
+exist, and every public class or function of their private modules either exported
+or listed below as internal, with the reason."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+from types import ModuleType
+
+import pytest
+
+import hicache.actors
+import hicache.messages
+import hicache.runtime
+from hicache.messages import ENUM_TYPES, MESSAGE_TYPES
+
+PACKAGES = (hicache.actors, hicache.messages, hicache.runtime)
+
+COMMAND_MODULES = ("_demo", "_bench_")
+"""Private modules that implement a `hicache` command; reached through `hicache.runtime.cli`."""
+
+INTERNAL = {
+    "hicache.actors._transfer_core.batch_indices": "stream actors' helper over a TransferQueue batch",
+    "hicache.actors._transfer_core.op_problem": "stream actors' check of a WriteKV/LoadKV before queueing",
+    "hicache.runtime._services.Clock": "protocol of Services.clock; users get a clock from a runtime",
+    "hicache.runtime._services.MonotonicClock": "the threaded runtime's clock",
+    "hicache.runtime._services.Failures": "the runtime's record of failed actors; System raises from it",
+    "hicache.runtime._system.Runtime": "protocol System needs from a runtime; both runtimes are exported",
+}
+"""Public-looking names of private modules that are deliberately not exported.
+Each entry needs a reason; a stale entry (the name is gone, or now exported) fails."""
+
+
+def _private_modules(pkg: ModuleType) -> list[ModuleType]:
+    found = []
+    for info in pkgutil.iter_modules(pkg.__path__):
+        if not info.name.startswith("_") or info.name.startswith(COMMAND_MODULES):
+            continue
+        found.append(importlib.import_module(f"{pkg.__name__}.{info.name}"))
+    return found
+
+
+def _defined_public(module: ModuleType) -> list[str]:
+    """Public classes and functions defined in `module` itself (not imported into it)."""
+    return sorted(
+        name
+        for name, obj in vars(module).items()
+        if not name.startswith("_")
+        and (inspect.isclass(obj) or inspect.isfunction(obj))
+        and getattr(obj, "__module__", None) == module.__name__
+    )
+
+
+@pytest.mark.parametrize("pkg", PACKAGES, ids=lambda p: p.__name__)
+def test_each_package_has_an_explicit_all_whose_names_exist(pkg: ModuleType) -> None:
+    assert "__all__" in vars(pkg), f"{pkg.__name__} has no __all__"
+    names = list(pkg.__all__)
+    assert names, f"{pkg.__name__}.__all__ is empty"
+    assert len(names) == len(set(names)), f"{pkg.__name__}.__all__ lists a name twice"
+    missing = [n for n in names if not hasattr(pkg, n)]
+    assert not missing, f"{pkg.__name__}.__all__ names what the package does not define: {missing}"
+    private = [n for n in names if n.startswith("_")]
+    assert not private, f"{pkg.__name__}.__all__ exports private names: {private}"
+
+
+@pytest.mark.parametrize("pkg", PACKAGES, ids=lambda p: p.__name__)
+def test_star_import_gives_exactly_the_names_of_all(pkg: ModuleType) -> None:
+    scope: dict[str, object] = {}
+    exec(f"from {pkg.__name__} import *", scope)  # noqa: S102
+    assert sorted(k for k in scope if k != "__builtins__") == sorted(pkg.__all__)
+
+
+@pytest.mark.parametrize("pkg", PACKAGES, ids=lambda p: p.__name__)
+def test_public_names_of_private_modules_are_exported_or_declared_internal(pkg: ModuleType) -> None:
+    exported = {id(getattr(pkg, n)) for n in pkg.__all__}
+    unexported = [
+        f"{m.__name__}.{name}"
+        for m in _private_modules(pkg)
+        for name in _defined_public(m)
+        if id(getattr(m, name)) not in exported and f"{m.__name__}.{name}" not in INTERNAL
+    ]
+    assert not unexported, (
+        f"public names of private modules of {pkg.__name__} that are neither in __all__ nor in "
+        f"INTERNAL (export them, rename them with an underscore, or list them with a reason): {unexported}"
+    )
+
+
+def test_every_internal_entry_still_names_an_unexported_definition() -> None:
+    stale = []
+    for dotted in INTERNAL:
+        module_name, name = dotted.rsplit(".", 1)
+        module = importlib.import_module(module_name)
+        pkg = importlib.import_module(module_name.rsplit(".", 1)[0])
+        if name not in _defined_public(module) or name in pkg.__all__:
+            stale.append(dotted)
+    assert not stale, f"INTERNAL entries that are gone or now exported: {stale}"
+
+
+def test_every_message_record_and_wire_enum_is_exported_from_hicache_messages() -> None:
+    registered = {c.__name__: c for c in MESSAGE_TYPES.values()} | {e.__name__: e for e in ENUM_TYPES.values()}
+    missing = sorted(n for n in registered if n not in hicache.messages.__all__)
+    assert not missing, f"registered but not exported from hicache.messages: {missing}"
+    wrong = sorted(n for n, c in registered.items() if getattr(hicache.messages, n, None) is not c)
+    assert not wrong, f"hicache.messages exports another object under these names: {wrong}"
+
+
+def test_every_message_class_of_the_area_modules_is_registered() -> None:
+    from hicache.messages import Message
+
+    unregistered = []
+    for area in ("common", "device", "host", "transfer"):
+        module = importlib.import_module(f"hicache.messages.{area}")
+        for name in _defined_public(module):
+            obj = getattr(module, name)
+            if issubclass(obj, Message) and MESSAGE_TYPES.get(getattr(obj, "TYPE_CODE", None)) is not obj:
+                unregistered.append(f"{area}.{name}")
+    assert not unregistered, f"message classes not declared with @message(code): {unregistered}"
+
+
+def test_the_config_module_exports_its_public_names_through_hicache_runtime() -> None:
+    import hicache.runtime.config as config
+
+    missing = [n for n in _defined_public(config) if n not in hicache.runtime.__all__]
+    assert not missing, f"hicache.runtime.config defines but hicache.runtime does not export: {missing}"

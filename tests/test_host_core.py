@@ -1,0 +1,248 @@
+"""`HostCore`: page-aligned host slots and the per-slot state machine.
+
+The whole 7x7 table of (from, to) moves is tested: every pair in
+`HOST_TRANSITIONS` works, every other pair raises `SlotStateError` naming the
+slot, its state and the state asked for, and leaves every slot as it was.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from hicache.actors import HostCore, SlotStateError
+from hicache.messages import HOST_TRANSITIONS, HostSlotState
+from hicache.runtime import Config, HostLayout
+
+S = HostSlotState
+PAGE = 4
+
+# A legal path from a freshly allocated (RESERVED) page to each state.
+_PATH_FROM_RESERVED: dict[HostSlotState, tuple[HostSlotState, ...]] = {
+    S.RESERVED: (),
+    S.WRITING: (S.WRITING,),
+    S.SYNCED: (S.WRITING, S.SYNCED),
+    S.HOST_ONLY: (S.WRITING, S.SYNCED, S.HOST_ONLY),
+    S.LOADING: (S.WRITING, S.SYNCED, S.HOST_ONLY, S.LOADING),
+    S.PREFETCHING: (S.PREFETCHING,),
+}
+
+
+@pytest.fixture
+def core(make_config: Callable[..., Config], checked: Callable[[Any], Any]) -> Any:
+    """8 pages of 4 slots (device 4 pages)."""
+    return checked(HostCore(make_config(page_size=PAGE, device_pages=4, host_pages=8)))
+
+
+def _page_in(core: Any, state: HostSlotState) -> torch.Tensor:
+    """The slots of one page brought to `state` along legal moves (FREE: a page never allocated)."""
+    if state is S.FREE:
+        slots = core.allocate(PAGE)
+        core.free(slots)  # a freed page is the one the next allocation takes
+        return slots
+    slots = core.allocate(PAGE)
+    for step in _PATH_FROM_RESERVED[state]:
+        core.transition(slots, step)
+    assert core.states(slots).tolist() == [int(state)] * PAGE
+    return slots
+
+
+def _move(core: Any, slots: torch.Tensor, frm: HostSlotState, to: HostSlotState) -> None:
+    """Ask for the move the way the pool's users do: allocate, free, or transition."""
+    if to is S.FREE:
+        core.free(slots)
+    elif frm is S.FREE and to is S.RESERVED:
+        got = core.allocate(PAGE)
+        assert got.tolist() == slots.tolist()
+    else:
+        core.transition(slots, to)
+
+
+ALL_PAIRS = list(itertools.product(S, S))
+LEGAL = sorted(HOST_TRANSITIONS)
+ILLEGAL = [pair for pair in ALL_PAIRS if pair not in HOST_TRANSITIONS]
+
+
+def test_the_table_has_seven_states_and_fourteen_legal_moves() -> None:
+    assert len(S) == 7 and len(ALL_PAIRS) == 49
+    assert len(LEGAL) == 14 and len(ILLEGAL) == 35
+    assert all(a is not b for a, b in HOST_TRANSITIONS)
+
+
+@pytest.mark.parametrize(("frm", "to"), LEGAL, ids=lambda s: s.name)
+def test_every_legal_transition_works(core: Any, frm: HostSlotState, to: HostSlotState) -> None:
+    slots = _page_in(core, frm)
+    _move(core, slots, frm, to)
+    assert core.states(slots).tolist() == [int(to)] * PAGE
+    expected_free = 32 if to is S.FREE else 28
+    assert core.counts()[S.FREE] == expected_free
+    assert core.free_slots == expected_free
+
+
+@pytest.mark.parametrize(("frm", "to"), ILLEGAL, ids=lambda s: s.name)
+def test_every_illegal_transition_raises_naming_slots_and_states(
+    core: Any, frm: HostSlotState, to: HostSlotState
+) -> None:
+    other = _page_in(core, S.SYNCED)  # a bystander that must not change
+    slots = _page_in(core, frm)
+    before = core.counts()
+    first = int(slots[0])
+    with pytest.raises(SlotStateError) as err:
+        _move(core, slots, frm, to)
+    message = str(err.value)
+    if to is S.FREE and frm is S.FREE:
+        assert "double free" in message
+    assert f"to {to.name}" in message
+    assert f"slot {first} is {frm.name}" in message
+    assert core.states(slots).tolist() == [int(frm)] * PAGE
+    assert core.states(other).tolist() == [int(S.SYNCED)] * PAGE
+    assert core.counts() == before
+
+
+def test_transition_to_free_is_refused_in_favour_of_free(core: Any) -> None:
+    slots = _page_in(core, S.SYNCED)
+    with pytest.raises(SlotStateError, match="freeing goes through free"):
+        core.transition(slots, S.FREE)
+    assert core.states(slots).tolist() == [int(S.SYNCED)] * PAGE
+
+
+def test_free_slots_cannot_be_reserved_by_a_transition(core: Any) -> None:
+    slots = _page_in(core, S.FREE)
+    with pytest.raises(SlotStateError, match=r"to RESERVED.*slot \d+ is FREE.*allocate\(\)"):
+        core.transition(slots, S.RESERVED)
+    assert core.free_slots == 32
+
+
+def test_a_move_with_one_illegal_slot_moves_no_slot(core: Any) -> None:
+    reserved = _page_in(core, S.RESERVED)
+    writing = _page_in(core, S.WRITING)
+    with pytest.raises(SlotStateError, match=r"slot \d+ is WRITING"):
+        core.transition(torch.cat([reserved, writing]), S.WRITING)
+    assert core.states(reserved).tolist() == [int(S.RESERVED)] * PAGE
+    assert core.states(writing).tolist() == [int(S.WRITING)] * PAGE
+
+
+def test_a_long_list_of_bad_slots_is_abbreviated(core: Any) -> None:
+    slots = torch.cat([_page_in(core, S.RESERVED) for _ in range(3)])
+    with pytest.raises(SlotStateError, match=r"\(and 4 more\)"):
+        core.transition(slots, S.SYNCED)
+
+
+def test_a_slot_twice_in_one_move_is_refused(core: Any) -> None:
+    slots = _page_in(core, S.RESERVED)
+    with pytest.raises(SlotStateError, match="a slot appears twice in one call"):
+        core.transition(torch.cat([slots, slots[:1]]), S.WRITING)
+
+
+@pytest.mark.parametrize("slot", [-1, 32])
+def test_a_slot_outside_the_buffer_is_refused(core: Any, slot: int) -> None:
+    with pytest.raises(SlotStateError, match=r"slot index out of range 0..31"):
+        core.transition(torch.tensor([slot]), S.WRITING)
+
+
+def test_a_transition_may_cover_part_of_a_page(core: Any) -> None:
+    slots = _page_in(core, S.RESERVED)
+    core.transition(slots[:2], S.WRITING)
+    assert core.states(slots).tolist() == [int(S.WRITING)] * 2 + [int(S.RESERVED)] * 2
+
+
+# -- allocation -----------------------------------------------------------------------
+
+
+def test_allocation_gives_whole_pages_in_state_reserved(core: Any) -> None:
+    got = core.allocate(3 * PAGE)
+    assert got.tolist() == list(range(12))
+    assert core.states(got).tolist() == [int(S.RESERVED)] * 12
+    assert core.counts()[S.RESERVED] == 12 and core.free_slots == 20
+
+
+@pytest.mark.parametrize("n", [1, 5, -4])
+def test_allocation_that_is_not_whole_pages_is_refused(core: Any, n: int) -> None:
+    with pytest.raises(ValueError, match=f"host allocation of {n} slots is not whole pages of 4"):
+        core.allocate(n)
+    assert core.free_slots == 32
+
+
+def test_allocation_larger_than_the_free_pages_gives_none_and_reserves_nothing(core: Any) -> None:
+    core.allocate(7 * PAGE)
+    assert core.allocate(2 * PAGE) is None
+    assert core.counts()[S.RESERVED] == 28
+    assert core.allocate(PAGE) is not None
+
+
+def test_allocating_zero_slots_reserves_nothing(core: Any) -> None:
+    got = core.allocate(0)
+    assert got is not None and got.numel() == 0
+    assert core.free_slots == 32
+
+
+# -- free -----------------------------------------------------------------------------
+
+
+def test_free_returns_pages_for_reuse(core: Any) -> None:
+    a = core.allocate(2 * PAGE)
+    core.free(a)
+    assert core.free_slots == 32
+    assert core.allocate(2 * PAGE).tolist() == a.tolist()
+
+
+def test_a_double_free_is_refused(core: Any) -> None:
+    slots = core.allocate(PAGE)
+    core.free(slots)
+    with pytest.raises(SlotStateError, match=r"illegal host slot transition to FREE on free: slot 0 is FREE.*\(double free\)"):
+        core.free(slots)
+    assert core.free_slots == 32
+
+
+@pytest.mark.parametrize("state", [S.WRITING, S.LOADING, S.PREFETCHING])
+def test_free_while_a_copy_is_in_flight_is_refused(core: Any, state: HostSlotState) -> None:
+    slots = _page_in(core, state)
+    with pytest.raises(
+        SlotStateError, match=f"slot {int(slots[0])} is {state.name}.*only RESERVED, SYNCED, HOST_ONLY slots may be freed"
+    ):
+        core.free(slots)
+    assert core.states(slots).tolist() == [int(state)] * PAGE
+    assert core.free_slots == 28
+
+
+def test_free_of_part_of_a_page_is_refused(core: Any) -> None:
+    slots = core.allocate(PAGE)
+    with pytest.raises(ValueError, match="freed host slots: 2 slots are not whole pages of 4"):
+        core.free(slots[:2])
+    assert core.states(slots).tolist() == [int(S.RESERVED)] * PAGE
+
+
+def test_free_of_a_page_with_one_slot_in_flight_frees_nothing(core: Any) -> None:
+    slots = core.allocate(PAGE)
+    core.transition(slots[3:], S.WRITING)
+    with pytest.raises(SlotStateError, match=f"slot {int(slots[3])} is WRITING"):
+        core.free(slots)
+    assert core.free_slots == 28
+
+
+# -- buffers --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("layout", "shape"),
+    [
+        (HostLayout.LAYER_FIRST, lambda c: (2, c.layers, c.host_slots, c.kv_heads, c.head_dim)),
+        (HostLayout.PAGE_FIRST, lambda c: (c.host_pages, 2, c.layers, c.page_size, c.kv_heads, c.head_dim)),
+    ],
+    ids=["layer_first", "page_first"],
+)
+def test_both_layouts_allocate_the_right_buffer_shape(
+    make_config: Callable[..., Config], layout: HostLayout, shape: Callable[[Config], tuple[int, ...]]
+) -> None:
+    cfg = make_config(page_size=8, device_pages=4, host_pages=6, layers=3, kv_heads=2, head_dim=4,
+                      dtype="float32", host_layout=layout)
+    core = HostCore(cfg)
+    assert core.kv.layout is layout
+    assert tuple(core.kv.tensor.shape) == shape(cfg)
+    assert core.kv.tensor.dtype == torch.float32 and core.kv.tensor.device.type == "cpu"
+    assert core.kv.slots == cfg.host_slots == core.capacity_slots
+    assert core.counts() == (48, 0, 0, 0, 0, 0, 0)

@@ -1,0 +1,216 @@
+"""`Indices`: an immutable, hashable, zero-copy value of int64 slot indices."""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+import pickle
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hicache.messages import EMPTY, Indices
+
+int64s = st.integers(min_value=-(2**63), max_value=2**63 - 1)
+
+
+def _address_of_bytes(data: bytes) -> int:
+    """Where CPython keeps the payload of a bytes object (no copy is made)."""
+    return ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value or 0
+
+
+# -- construction -------------------------------------------------------------------
+
+
+def test_of_keeps_values_and_order() -> None:
+    idx = Indices.of([5, 3, 9, 0])
+    assert idx.tolist() == [5, 3, 9, 0]
+    assert len(idx) == 4
+
+
+def test_of_an_empty_iterable_is_the_empty_value() -> None:
+    assert Indices.of([]) == EMPTY
+    assert len(EMPTY) == 0 and not EMPTY
+    assert EMPTY.tolist() == []
+    assert EMPTY.as_tensor().dtype == torch.int64 and EMPTY.as_tensor().shape == (0,)
+
+
+def test_from_tensor_accepts_every_integer_dtype_and_stores_int64() -> None:
+    for dtype in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8):
+        idx = Indices.from_tensor(torch.tensor([1, 2, 7], dtype=dtype))
+        assert idx.tolist() == [1, 2, 7]
+        assert idx.as_tensor().dtype == torch.int64
+        assert len(idx.to_bytes()) == 3 * 8
+
+
+def test_from_tensor_copies_so_later_writes_to_the_tensor_do_not_show() -> None:
+    t = torch.arange(5)
+    idx = Indices.from_tensor(t)
+    t[0] = 99
+    assert idx.tolist() == [0, 1, 2, 3, 4]
+
+
+def test_from_tensor_reads_a_non_contiguous_tensor_in_logical_order() -> None:
+    t = torch.arange(10)[::2]
+    assert not t.is_contiguous()
+    assert Indices.from_tensor(t).tolist() == [0, 2, 4, 6, 8]
+
+
+def test_from_range_is_contiguous() -> None:
+    assert Indices.from_range(7, 4).tolist() == [7, 8, 9, 10]
+    assert Indices.from_range(7, 0) == EMPTY
+
+
+def test_from_pages_lists_every_slot_of_each_page_in_page_order() -> None:
+    assert Indices.from_pages([2, 0], 4).tolist() == [8, 9, 10, 11, 0, 1, 2, 3]
+    assert Indices.from_pages(torch.tensor([3]), 1).tolist() == [3]
+
+
+def test_concat_joins_parts_in_order() -> None:
+    joined = Indices.concat([Indices.of([1]), EMPTY, Indices.of([2, 3])])
+    assert joined.tolist() == [1, 2, 3]
+
+
+def test_values_are_little_endian_int64_bytes() -> None:
+    assert Indices.of([1, -1]).to_bytes() == (1).to_bytes(8, "little") + (-1).to_bytes(8, "little", signed=True)
+
+
+@given(st.lists(int64s, max_size=64))
+def test_any_int64_values_round_trip_through_bytes(values: list[int]) -> None:
+    idx = Indices.of(values)
+    assert idx.tolist() == values
+    assert Indices(idx.to_bytes()) == idx
+
+
+# -- zero-copy reading --------------------------------------------------------------
+
+
+def test_as_tensor_is_a_view_of_the_value_bytes_not_a_copy() -> None:
+    idx = Indices.of(range(100))
+    t = idx.as_tensor()
+    assert t.data_ptr() == _address_of_bytes(idx.to_bytes())
+    assert idx.as_tensor().data_ptr() == t.data_ptr()
+    assert t.dtype == torch.int64 and t.device.type == "cpu"
+    assert t.tolist() == list(range(100))
+
+
+def test_indices_built_from_bytes_share_those_bytes() -> None:
+    data = Indices.of([4, 5, 6]).to_bytes()
+    idx = Indices(data)
+    assert idx.to_bytes() is data
+    assert idx.as_tensor().data_ptr() == _address_of_bytes(data)
+
+
+# -- immutability -------------------------------------------------------------------
+
+
+def test_attributes_cannot_be_set_or_deleted() -> None:
+    idx = Indices.of([1, 2])
+    with pytest.raises(AttributeError, match="immutable"):
+        idx._data = b""  # type: ignore[misc]
+    with pytest.raises(AttributeError, match="immutable"):
+        idx.extra = 1  # type: ignore[attr-defined]
+    with pytest.raises(AttributeError, match="immutable"):
+        del idx._data
+    assert idx.tolist() == [1, 2]
+
+
+def test_an_indices_value_has_no_instance_dict() -> None:
+    assert not hasattr(Indices.of([1]), "__dict__")
+
+
+# -- slicing ------------------------------------------------------------------------
+
+
+def test_slices_follow_python_slice_rules() -> None:
+    idx = Indices.of(range(10))
+    assert idx[2:5].tolist() == [2, 3, 4]
+    assert idx[-3:].tolist() == [7, 8, 9]
+    assert idx[:].tolist() == list(range(10))
+    assert idx[5:2] == EMPTY
+    assert idx[8:100].tolist() == [8, 9]
+
+
+def test_a_slice_owns_its_bytes_and_keeps_no_view_of_the_parent() -> None:
+    parent = Indices.of(range(1000))
+    part = parent[10:12]
+    assert len(part.to_bytes()) == 2 * 8
+    lo = _address_of_bytes(parent.to_bytes())
+    assert not lo <= part.as_tensor().data_ptr() < lo + len(parent.to_bytes())
+
+
+@given(st.lists(int64s, max_size=40), st.integers(-50, 50), st.integers(-50, 50))
+def test_slicing_agrees_with_list_slicing(values: list[int], start: int, stop: int) -> None:
+    assert Indices.of(values)[start:stop].tolist() == values[start:stop]
+
+
+def test_steps_and_single_items_are_refused() -> None:
+    idx = Indices.of(range(4))
+    with pytest.raises(TypeError, match="contiguous slices only"):
+        idx[::2]
+    with pytest.raises(TypeError, match="contiguous slices only"):
+        idx[0]  # type: ignore[call-overload]
+
+
+# -- equality, hashing, pickling -------------------------------------------------------
+
+
+def test_equal_values_are_equal_and_hash_alike() -> None:
+    a = Indices.of([1, 2, 3])
+    b = Indices.from_tensor(torch.tensor([1, 2, 3], dtype=torch.int32))
+    assert a == b and hash(a) == hash(b)
+    assert len({a, b, Indices.of([3, 2, 1])}) == 2
+
+
+def test_indices_differ_from_other_types_and_other_values() -> None:
+    a = Indices.of([1, 2, 3])
+    assert a != Indices.of([1, 2])
+    assert a != [1, 2, 3]
+    assert a != a.to_bytes()
+
+
+def test_pickle_and_copies_give_an_equal_value() -> None:
+    a = Indices.of(range(20))
+    for b in (pickle.loads(pickle.dumps(a)), copy.copy(a), copy.deepcopy(a)):
+        assert b == a and b.tolist() == list(range(20))
+
+
+def test_repr_shows_short_values_and_abbreviates_long_ones() -> None:
+    assert repr(Indices.of([1, 2])) == "Indices([1, 2])"
+    assert repr(Indices.of(range(100))) == "Indices([0, 1, 2, 3, ...] n=100)"
+
+
+# -- bad input ----------------------------------------------------------------------
+
+
+def test_raw_data_must_be_bytes() -> None:
+    with pytest.raises(TypeError, match="wants bytes of int64, got bytearray"):
+        Indices(bytearray(8))  # type: ignore[arg-type]
+
+
+def test_raw_data_must_be_whole_int64s() -> None:
+    with pytest.raises(ValueError, match="multiple of 8.*got 3 bytes"):
+        Indices(b"123")
+
+
+def test_a_tensor_of_more_than_one_dimension_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"1-D tensor, got shape \(2, 2\)"):
+        Indices.from_tensor(torch.zeros(2, 2, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bool])
+def test_a_tensor_that_is_not_integer_is_refused(dtype: torch.dtype) -> None:
+    with pytest.raises(TypeError, match="integer tensor"):
+        Indices.from_tensor(torch.zeros(3, dtype=dtype))
+
+
+def test_non_integer_values_are_refused_not_truncated() -> None:
+    with pytest.raises(TypeError, match="float"):
+        Indices.of([1, 2.5])  # type: ignore[list-item]
+
+
+def test_values_outside_int64_are_refused() -> None:
+    with pytest.raises((OverflowError, RuntimeError, ValueError)):
+        Indices.of([2**63])

@@ -1,0 +1,207 @@
+"""KV buffers, `runs()` and the page-granular `copy_kv`, checked against a slow
+per-slot reference copy, between layer_first and page_first buffers."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from hicache.actors import KVBuffer, KVShape, copy_kv, runs
+from hicache.runtime import Config, HostLayout
+
+LF, PF = HostLayout.LAYER_FIRST, HostLayout.PAGE_FIRST
+PAGES = 8
+
+
+def _shape(page_size: int, layers: int = 2) -> KVShape:
+    return KVShape(layers=layers, heads=1, head_dim=8, dtype=torch.float32, page_size=page_size)
+
+
+def _filled(shape: KVShape, layout: HostLayout, seed: int) -> KVBuffer:
+    """A buffer whose every element is distinct (exact in float32)."""
+    buf = KVBuffer.allocate(shape, PAGES * shape.page_size, layout, "cpu")
+    g = torch.Generator().manual_seed(seed)
+    buf.tensor.copy_(torch.randperm(buf.tensor.numel(), generator=g).view(buf.tensor.shape).float())
+    return buf
+
+
+def _slot(buf: KVBuffer, slot: int) -> torch.Tensor:
+    """The `[2, L, H, D]` KV of one slot, as a view."""
+    if buf.page_first:
+        p = buf.shape.page_size
+        return buf.tensor[slot // p, :, :, slot % p]
+    return buf.tensor[:, :, slot]
+
+
+def _reference_copy(src: KVBuffer, src_idx: list[int], dst: KVBuffer, dst_idx: list[int], layer: int | None) -> torch.Tensor:
+    """What `dst.tensor` should hold afterwards: a slot-by-slot copy into a clone."""
+    want = KVBuffer(dst.shape, dst.tensor.clone(), dst.layout)
+    for s, d in zip(src_idx, dst_idx, strict=True):
+        if layer is None:
+            _slot(want, d).copy_(_slot(src, s))
+        else:
+            _slot(want, d)[:, layer].copy_(_slot(src, s)[:, layer])
+    return want.tensor
+
+
+def _scattered(rng: random.Random, page_size: int, drop: float) -> list[int]:
+    """Distinct slots: whole pages in random order, with a share of single slots
+    dropped so that partial pages and runs of every length appear."""
+    pages = list(range(PAGES))
+    rng.shuffle(pages)
+    slots = [pg * page_size + i for pg in pages for i in range(page_size)]
+    return [s for s in slots if rng.random() >= drop]
+
+
+# -- runs -------------------------------------------------------------------------
+
+
+def test_runs_of_nothing_is_empty() -> None:
+    e = torch.empty(0, dtype=torch.int64)
+    assert runs(e, e) == []
+
+
+def test_runs_of_one_slot_is_one_run() -> None:
+    assert runs(torch.tensor([5]), torch.tensor([9])) == [(5, 9, 1)]
+
+
+def test_runs_break_where_either_side_stops_stepping_by_one() -> None:
+    a = torch.tensor([0, 1, 2, 3, 10, 11, 12, 13])
+    b = torch.tensor([4, 5, 9, 10, 11, 12, 13, 0])
+    assert runs(a, b) == [(0, 4, 2), (2, 9, 2), (10, 11, 3), (13, 0, 1)]
+
+
+def test_runs_merge_a_contiguous_copy_into_one_run() -> None:
+    assert runs(torch.arange(100, 164), torch.arange(7, 71)) == [(100, 7, 64)]
+
+
+def test_runs_of_unequal_lengths_name_source_and_destination() -> None:
+    with pytest.raises(ValueError, match="source has 3 slots but destination has 5"):
+        runs(torch.arange(3), torch.arange(5))
+
+
+def test_runs_treat_a_descending_sequence_as_single_slots() -> None:
+    assert runs(torch.tensor([3, 2, 1]), torch.tensor([0, 1, 2])) == [(3, 0, 1), (2, 1, 1), (1, 2, 1)]
+
+
+# -- buffers ----------------------------------------------------------------------
+
+
+def test_kv_shape_of_a_config_carries_its_dimensions(make_config: Callable[..., Config]) -> None:
+    cfg = make_config(page_size=16, dtype="bfloat16")
+    shape = KVShape.of(cfg)
+    assert (shape.layers, shape.heads, shape.head_dim, shape.dtype, shape.page_size) == (
+        cfg.layers, cfg.kv_heads, cfg.head_dim, torch.bfloat16, 16
+    )
+    assert shape.bytes_per_slot == cfg.bytes_per_slot == 2 * 2 * 1 * 8 * 2
+
+
+def test_a_buffer_of_slots_that_are_not_whole_pages_is_refused() -> None:
+    shape = _shape(4)
+    with pytest.raises(ValueError, match="6 slots are not whole pages of 4"):
+        KVBuffer(shape, torch.zeros(2, 2, 6, 1, 8), LF)
+
+
+def test_staging_rounds_up_to_whole_pages_and_holds_at_least_one() -> None:
+    shape = _shape(16)
+    assert KVBuffer.staging(shape, 17).slots == 32
+    assert KVBuffer.staging(shape, 0).slots == 16
+    assert KVBuffer.staging(shape, 5).layout is LF
+
+
+@pytest.mark.parametrize("layout", [LF, PF], ids=["layer_first", "page_first"])
+def test_write_then_read_gives_back_the_same_kv_in_index_order(layout: HostLayout) -> None:
+    shape = _shape(4)
+    buf = KVBuffer.allocate(shape, 32, layout, "cpu")
+    idx = torch.tensor([13, 2, 3, 4, 31, 0])
+    data = torch.arange(2 * 2 * 6 * 8, dtype=torch.float32).view(2, 2, 6, 1, 8)
+    buf.write(idx, data)
+    assert torch.equal(buf.read(idx), data)
+    assert torch.equal(_slot(buf, 13), data[:, :, 0])
+    assert torch.equal(_slot(buf, 0), data[:, :, 5])
+    assert float(buf.tensor.abs().sum()) == float(data.abs().sum())  # nothing else was touched
+
+
+# -- copy_kv against the reference ------------------------------------------------------
+
+
+DIRECTIONS = [(LF, PF), (PF, LF), (LF, LF)]
+DIRECTION_IDS = ["layer_first-to-page_first", "page_first-to-layer_first", "layer_first-to-layer_first"]
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize(("src_layout", "dst_layout"), DIRECTIONS, ids=DIRECTION_IDS)
+@pytest.mark.parametrize("layer", [None, 0, 1], ids=["all-layers", "layer-0", "layer-1"])
+def test_copy_kv_of_scattered_and_partial_pages_matches_a_slot_by_slot_copy(
+    page_size: int, src_layout: HostLayout, dst_layout: HostLayout, layer: int | None
+) -> None:
+    shape = _shape(page_size)
+    for seed in range(3):
+        rng = random.Random(f"{page_size}:{seed}")
+        src = _filled(shape, src_layout, seed)
+        dst = _filled(shape, dst_layout, seed + 100)
+        s_idx = _scattered(rng, page_size, drop=(0.0, 0.1, 0.4)[seed])
+        d_idx = _scattered(rng, page_size, drop=(0.0, 0.3, 0.05)[seed])
+        n = min(len(s_idx), len(d_idx))
+        s_idx, d_idx = s_idx[:n], d_idx[:n]
+        want = _reference_copy(src, s_idx, dst, d_idx, layer)
+        nbytes = copy_kv(src, torch.tensor(s_idx), dst, torch.tensor(d_idx), layer=layer)
+        assert torch.equal(dst.tensor, want)
+        per_slot = shape.bytes_per_slot if layer is None else shape.bytes_per_slot // shape.layers
+        assert nbytes == n * per_slot
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize(("src_layout", "dst_layout"), DIRECTIONS, ids=DIRECTION_IDS)
+def test_copy_kv_of_a_long_unaligned_run_across_pages_matches_a_slot_by_slot_copy(
+    page_size: int, src_layout: HostLayout, dst_layout: HostLayout
+) -> None:
+    shape = _shape(page_size)
+    src = _filled(shape, src_layout, 1)
+    dst = _filled(shape, dst_layout, 2)
+    n = 5 * page_size - 1
+    s_idx = list(range(page_size // 2, page_size // 2 + n))  # starts mid-page (p > 1)
+    d_idx = list(range(page_size, page_size + n))  # page aligned
+    want = _reference_copy(src, s_idx, dst, d_idx, None)
+    copy_kv(src, torch.tensor(s_idx), dst, torch.tensor(d_idx))
+    assert torch.equal(dst.tensor, want)
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_copying_layer_by_layer_equals_copying_all_layers(page_size: int) -> None:
+    shape = _shape(page_size, layers=3)
+    rng = random.Random(page_size)
+    src = _filled(shape, PF, 5)
+    by_layer = KVBuffer.allocate(shape, PAGES * page_size, LF, "cpu")
+    at_once = KVBuffer.allocate(shape, PAGES * page_size, LF, "cpu")
+    s_idx = torch.tensor(_scattered(rng, page_size, 0.2))
+    d_idx = torch.tensor(list(reversed(range(len(s_idx)))))
+    for layer in range(3):
+        copy_kv(src, s_idx, by_layer, d_idx, layer=layer)
+    copy_kv(src, s_idx, at_once, d_idx)
+    assert torch.equal(by_layer.tensor, at_once.tensor)
+    assert torch.equal(at_once.read(d_idx), src.read(s_idx))
+
+
+def test_a_copy_of_nothing_copies_no_bytes() -> None:
+    shape = _shape(4)
+    src, dst = _filled(shape, LF, 1), _filled(shape, PF, 2)
+    before = dst.tensor.clone()
+    e = torch.empty(0, dtype=torch.int64)
+    assert copy_kv(src, e, dst, e) == 0
+    assert torch.equal(dst.tensor, before)
+
+
+def test_a_copy_between_two_page_first_buffers_is_refused() -> None:
+    shape = _shape(4)
+    with pytest.raises(ValueError, match="two page_first buffers are not supported"):
+        copy_kv(_filled(shape, PF, 1), torch.arange(4), _filled(shape, PF, 2), torch.arange(4))
+
+
+def test_a_copy_with_unequal_index_lengths_is_refused() -> None:
+    shape = _shape(4)
+    with pytest.raises(ValueError, match="source has 4 slots but destination has 3"):
+        copy_kv(_filled(shape, LF, 1), torch.arange(4), _filled(shape, LF, 2), torch.arange(3))

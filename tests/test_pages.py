@@ -1,0 +1,128 @@
+"""`PagePool` (the free-page stack behind both allocators) and `pages_of`."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from hicache.actors import PagePool, pages_of
+
+# -- PagePool --------------------------------------------------------------------
+
+
+def test_a_fresh_pool_hands_out_pages_in_order() -> None:
+    pool = PagePool(8, 4)
+    assert pool.free_pages == 8 and pool.free_slots == 32
+    assert pool.alloc(3).tolist() == [0, 1, 2]
+    assert pool.alloc(2).tolist() == [3, 4]
+    assert pool.free_pages == 3 and pool.free_slots == 12
+
+
+def test_allocating_more_than_is_free_gives_none_and_takes_nothing() -> None:
+    pool = PagePool(4, 2)
+    pool.alloc(3)
+    assert pool.alloc(2) is None
+    assert pool.free_pages == 1
+    assert pool.alloc(1).tolist() == [3]
+
+
+def test_allocating_zero_pages_gives_an_empty_tensor() -> None:
+    pool = PagePool(4, 2)
+    got = pool.alloc(0)
+    assert got is not None and got.numel() == 0
+    assert pool.free_pages == 4
+
+
+def test_allocating_a_negative_number_of_pages_is_an_error() -> None:
+    with pytest.raises(ValueError, match="cannot allocate -1 pages"):
+        PagePool(4, 2).alloc(-1)
+
+
+def test_freed_pages_are_handed_out_again_first_in_the_same_order() -> None:
+    pool = PagePool(8, 1)
+    pool.alloc(2)
+    middle = pool.alloc(3)
+    pool.free(middle)
+    assert pool.alloc(3).tolist() == middle.tolist()
+
+
+def test_alloc_returns_a_tensor_the_pool_does_not_keep() -> None:
+    pool = PagePool(4, 1)
+    got = pool.alloc(2)
+    got[:] = 99
+    assert sorted(pool.free_page_set().tolist()) == [2, 3]
+    pool.free(torch.tensor([0, 1]))
+    assert sorted(pool.free_page_set().tolist()) == [0, 1, 2, 3]
+
+
+def test_freeing_more_pages_than_were_allocated_is_caught_as_a_double_free() -> None:
+    pool = PagePool(4, 1)
+    got = pool.alloc(1)
+    pool.free(got)
+    with pytest.raises(AssertionError, match="double free"):
+        pool.free(got)
+    assert pool.free_pages == 4
+
+
+def test_random_alloc_and_free_keep_every_page_exactly_once() -> None:
+    rng = random.Random(7)
+    pool = PagePool(32, 2)
+    held: list[int] = []
+    for _ in range(500):
+        if held and rng.random() < 0.5:
+            rng.shuffle(held)
+            k = rng.randint(1, len(held))
+            pool.free(torch.tensor(held[:k]))
+            held = held[k:]
+        else:
+            got = pool.alloc(rng.randint(0, 6))
+            if got is not None:
+                held.extend(got.tolist())
+        free = pool.free_page_set().tolist()
+        assert sorted(free + held) == list(range(32))
+        assert pool.free_pages == len(free)
+
+
+@pytest.mark.parametrize(("pages", "page_size"), [(0, 4), (4, 0), (-1, 1)])
+def test_a_pool_needs_pages_and_a_page_size(pages: int, page_size: int) -> None:
+    with pytest.raises(ValueError, match="must be > 0"):
+        PagePool(pages, page_size)
+
+
+# -- pages_of --------------------------------------------------------------------
+
+
+def test_pages_of_whole_pages_gives_their_numbers_in_order() -> None:
+    slots = torch.tensor([8, 9, 10, 11, 0, 1, 2, 3])
+    assert pages_of(slots, 4, "test").tolist() == [2, 0]
+
+
+def test_pages_of_with_page_size_one_is_the_identity() -> None:
+    assert pages_of(torch.tensor([5, 1, 3]), 1, "test").tolist() == [5, 1, 3]
+
+
+def test_pages_of_nothing_is_empty() -> None:
+    got = pages_of(torch.empty(0, dtype=torch.int64), 4, "test")
+    assert got.numel() == 0 and got.dtype == torch.int64
+
+
+def test_a_count_that_is_not_whole_pages_is_refused_naming_the_caller() -> None:
+    with pytest.raises(ValueError, match="freed host slots: 3 slots are not whole pages of 4"):
+        pages_of(torch.tensor([0, 1, 2]), 4, "freed host slots")
+
+
+def test_slots_that_do_not_start_on_a_page_boundary_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"adopted: slots \[1, 2, 3, 4\] are not one whole page \(page_size=4\)"):
+        pages_of(torch.tensor([1, 2, 3, 4]), 4, "adopted")
+
+
+def test_slots_of_a_page_out_of_order_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"slots \[4, 6, 5, 7\] are not one whole page"):
+        pages_of(torch.tensor([0, 1, 2, 3, 4, 6, 5, 7]), 4, "test")
+
+
+def test_slots_that_mix_two_pages_are_refused() -> None:
+    with pytest.raises(ValueError, match="not one whole page"):
+        pages_of(torch.tensor([0, 1, 6, 7]), 2 * 2, "test")
