@@ -22,6 +22,7 @@ import torch
 from hicache.messages import (
     ActorName,
     CopyLayer,
+    Indices,
     DrainWrites,
     LoadDone,
     LoadFailed,
@@ -99,6 +100,27 @@ class _Counters:
         )
 
 
+def _enqueue(
+    queue: TransferQueue,
+    counters: _Counters,
+    requester: ActorName,
+    op_id: int,
+    src: tuple[Indices, KVBuffer],
+    dst: tuple[Indices, KVBuffer],
+    what: str,
+) -> str | None:
+    """Queue an operation; the reason it was refused (counted as failed), or None."""
+    s, d = src[0].as_tensor(), dst[0].as_tensor()
+    problem = op_problem(s, src[1].slots, d, dst[1].slots)
+    if problem is None and not queue.push(TransferOp(op_id, requester, s, d)):
+        problem = f"{what} queue full ({queue.ops_max} ops, transfer_queue_ops_max)"
+    elif problem is not None:
+        problem = f"bad {what}: {problem}"
+    if problem is not None:
+        counters.ops_failed += 1
+    return problem
+
+
 class WriteStreamActor(HiActor):
     """Copies device -> host. `WriteKV` in; `WriteDone` / `WriteFailed` to the requester."""
 
@@ -118,16 +140,9 @@ class WriteStreamActor(HiActor):
     def handle(self, sender: ActorName, message: Message) -> Message | None:
         match message:
             case WriteKV(op_id=op_id, device=dev, host=host):
-                src, dst = dev.as_tensor(), host.as_tensor()
-                problem = op_problem(src, self._device.slots, dst, self._host.slots)
-                if problem is not None:
-                    self._n.ops_failed += 1
-                    return WriteFailed(op_id=op_id, reason=f"bad write: {problem}")
-                if not self._queue.push(TransferOp(op_id, sender, src, dst)):
-                    self._n.ops_failed += 1
-                    return WriteFailed(
-                        op_id=op_id, reason=f"write queue full ({self._queue.ops_max} ops, transfer_queue_ops_max)"
-                    )
+                refused = _enqueue(self._queue, self._n, sender, op_id, (dev, self._device), (host, self._host), "write")
+                if refused is not None:
+                    return WriteFailed(op_id=op_id, reason=refused)
                 self._schedule_drain()
                 return None
             case DrainWrites():
@@ -228,16 +243,9 @@ class LoadStreamActor(HiActor):
     def handle(self, sender: ActorName, message: Message) -> Message | None:
         match message:
             case LoadKV(op_id=op_id, host=host, device=dev):
-                src, dst = host.as_tensor(), dev.as_tensor()
-                problem = op_problem(src, self._host.slots, dst, self._device.slots)
-                if problem is not None:
-                    self._n.ops_failed += 1
-                    return LoadFailed(op_id=op_id, reason=f"bad load: {problem}")
-                if not self._queue.push(TransferOp(op_id, sender, src, dst)):
-                    self._n.ops_failed += 1
-                    return LoadFailed(
-                        op_id=op_id, reason=f"load queue full ({self._queue.ops_max} ops, transfer_queue_ops_max)"
-                    )
+                refused = _enqueue(self._queue, self._n, sender, op_id, (host, self._host), (dev, self._device), "load")
+                if refused is not None:
+                    return LoadFailed(op_id=op_id, reason=refused)
                 return None
             case StartLoads():
                 return self._start()
