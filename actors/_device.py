@@ -14,11 +14,13 @@ from hicache.messages import (
     LedgerEntry,
     Message,
     ReleaseRequests,
+    RequestPagesSwapped,
     RequestsReleased,
     SlotGrant,
     SlotsAllocated,
     SlotsCommitted,
     SlotsInsufficient,
+    SwapRequestPages,
 )
 from hicache.runtime._actor import Directory, HiActor
 from hicache.runtime._services import Services
@@ -52,6 +54,10 @@ class DeviceAllocatorActor(HiActor):
             case ReleaseRequests(op_id=op, releases=releases):
                 views = core.release_many([(r.request_id, r.adopt.as_tensor(), r.reason) for r in releases])
                 return RequestsReleased(op_id=op, entries=tuple(_entry(v) for v in views))
+            case SwapRequestPages(op_id=op, request_id=rid, adopt=adopt, free=free):
+                self.require_sender(sender, ActorName.TREE, "handing request pages to the tree")
+                view = core.swap(rid, adopt.as_tensor(), free.as_tensor())
+                return RequestPagesSwapped(op_id=op, entry=_entry(view))
             case AllocateLoadSlots(op_id=op, tokens=n):
                 slots = core.allocate_load(n)
                 if isinstance(slots, Insufficient):

@@ -61,6 +61,8 @@ class _Ledger:
     pages: list[int] = field(default_factory=list)
     allocated: int = 0
     committed: int = 0
+    given: int = 0
+    """Slots of whole committed pages handed to the tree (or freed as duplicates) while live."""
 
 
 class DeviceCore:
@@ -124,7 +126,7 @@ class DeviceCore:
                 )
         for (_, n), ledger in zip(demands, ledgers, strict=True):
             ledger.committed += n
-        return [self._view(ledger, freed=0) for ledger in ledgers]
+        return [self._view(ledger, freed=ledger.given) for ledger in ledgers]
 
     def release(self, rid: str, adopt: torch.Tensor, reason: ReleaseReason) -> LedgerView:
         return self.release_many([(rid, adopt, reason)])[0]
@@ -151,6 +153,28 @@ class DeviceCore:
             views.append(view)
         return views
 
+    def swap(self, rid: str, adopt: torch.Tensor, free: torch.Tensor) -> LedgerView:
+        """Mid-life: whole committed pages of a live request go to the tree (`adopt`) or
+        back to the free list (`free`, duplicates of the tree's); the request stays live."""
+        ledger = self._live(rid, "swap pages of")
+        p = self.page_size
+        adopt_pages = pages_of(adopt, p, f"slots adopted from request {rid!r}")
+        free_pages = pages_of(free, p, f"duplicate slots freed from request {rid!r}")
+        both = torch.cat([adopt_pages, free_pages])
+        mine = torch.tensor(ledger.pages, dtype=torch.int64)
+        full = mine[: ledger.committed // p - ledger.given // p] if ledger.committed >= ledger.given else mine[:0]
+        if len(torch.unique(both)) != len(both) or bool((~torch.isin(both, full)).any()):
+            raise LedgerError(
+                f"request {rid!r}: pages {both.tolist()} are not distinct, whole, committed pages of the "
+                "request (only committed pages can be handed over mid-life)"
+            )
+        self._owner[adopt_pages] = PageOwner.TREE
+        self._owner[free_pages] = PageOwner.FREE
+        self._pool.free(free_pages)
+        ledger.pages = [pg for pg in ledger.pages if pg not in set(both.tolist())]
+        ledger.given += len(both) * p
+        return self._view(ledger, freed=ledger.given)
+
     def _split_release(self, ledger: _Ledger, adopt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rid = ledger.request_id
         adopt_pages = pages_of(adopt, self.page_size, f"slots adopted from request {rid!r}")
@@ -172,7 +196,7 @@ class DeviceCore:
 
     def ledger(self, rid: str) -> LedgerView:
         if rid in self._ledgers:
-            return self._view(self._ledgers[rid], freed=0)
+            return self._view(self._ledgers[rid], freed=self._ledgers[rid].given)
         if rid in self._released:
             return self._released[rid]
         raise LedgerError(f"request {rid!r} has no ledger (never allocated, or retracted)")
@@ -229,11 +253,12 @@ class DeviceCore:
                 "pages are marked request-owned"
             )
         for led in self._ledgers.values():
-            if not (led.committed <= led.allocated and -(-led.allocated // self.page_size) == len(led.pages)):
+            pages_left = -(-led.allocated // self.page_size) - led.given // self.page_size
+            if not (led.committed <= led.allocated and led.given % self.page_size == 0 and pages_left == len(led.pages)):
                 raise InvariantError(
                     f"device: ledger of {led.request_id!r} has committed={led.committed}, "
                     f"allocated={led.allocated}, {len(led.pages)} pages (invariant: "
-                    "committed <= allocated, pages = ceil(allocated / page_size))"
+                    f"committed <= allocated, pages = ceil(allocated / page_size) - given pages; given={led.given})"
                 )
         for view in self._released.values():
             if view.freed != view.allocated:
@@ -258,8 +283,12 @@ class DeviceCore:
         raise LedgerError(f"cannot {what} request {rid!r}: it has no slots (unknown request)")
 
     def _slots_of(self, ledger: _Ledger, start: int, end: int) -> torch.Tensor:
-        pages = torch.tensor(ledger.pages, dtype=torch.int64)
-        return _slots_of_pages(pages, self.page_size)[start:end].clone()
+        """Slots of token positions `start..end` (pages given away mid-life come first)."""
+        p = self.page_size
+        first = (start - ledger.given) // p
+        pages = torch.tensor(ledger.pages[first:], dtype=torch.int64)
+        offset = start - ledger.given - first * p
+        return _slots_of_pages(pages, p)[offset : offset + end - start].clone()
 
     def _expect(self, pages: torch.Tensor, owners: tuple[PageOwner, ...], what: str) -> None:
         if not len(pages):

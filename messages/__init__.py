@@ -1,7 +1,12 @@
 """Immutable messages exchanged by the actors, their index value type and codec."""
 
+import warnings as _warnings
+
+# torch warns at import when numpy is absent; hicache does not use numpy.
+_warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+
 from ._codec import CodecError, decode, encode
-from ._index import EMPTY, Indices
+from ._index import EMPTY, Indices, Tokens
 from ._registry import ENUM_TYPES, MESSAGE_TYPES, Message, field_names, message, wire_enum
 from .common import ActorName, CheckInvariants, GetStatistics, InvariantsHeld
 from .device import (
@@ -14,6 +19,7 @@ from .device import (
     LedgerEntry,
     ReleaseReason,
     ReleaseRequests,
+    RequestPagesSwapped,
     RequestsReleased,
     SlotDemand,
     SlotGrant,
@@ -21,6 +27,7 @@ from .device import (
     SlotsAllocated,
     SlotsCommitted,
     SlotsInsufficient,
+    SwapRequestPages,
 )
 from .host import (
     HOST_TRANSITIONS,
@@ -31,6 +38,23 @@ from .host import (
     HostSlotState,
     HostStatistics,
     SetHostState,
+)
+from .tree import (
+    Admission,
+    AdmitItem,
+    AdmitRequests,
+    Admitted,
+    CacheItem,
+    CachedPrefix,
+    Cached,
+    CacheUnfinished,
+    EvictDevice,
+    Evicted,
+    EvictHost,
+    FinishItem,
+    Finished,
+    FinishRequests,
+    TreeStatistics,
 )
 from .transfer import (
     CopyLayer,
@@ -52,16 +76,30 @@ __all__ = [
     "HOST_TRANSITIONS",
     "MESSAGE_TYPES",
     "ActorName",
+    "Admission",
+    "AdmitItem",
+    "AdmitRequests",
+    "Admitted",
     "AdoptLoadedSlots",
     "AllocateHost",
     "AllocateLoadSlots",
     "AllocateSlots",
+    "CacheItem",
+    "CacheUnfinished",
+    "Cached",
+    "CachedPrefix",
     "CheckInvariants",
     "CodecError",
     "CommitSlots",
     "CopyLayer",
     "DeviceStatistics",
     "DrainWrites",
+    "EvictDevice",
+    "EvictHost",
+    "Evicted",
+    "FinishItem",
+    "FinishRequests",
+    "Finished",
     "FreeDeviceSlots",
     "FreeHostSlots",
     "GetStatistics",
@@ -79,6 +117,7 @@ __all__ = [
     "Message",
     "ReleaseReason",
     "ReleaseRequests",
+    "RequestPagesSwapped",
     "RequestsReleased",
     "SetHostState",
     "SlotDemand",
@@ -89,6 +128,9 @@ __all__ = [
     "SlotsInsufficient",
     "StartLoads",
     "StreamStatistics",
+    "SwapRequestPages",
+    "Tokens",
+    "TreeStatistics",
     "WriteDone",
     "WriteFailed",
     "WriteKV",

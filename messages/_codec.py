@@ -9,6 +9,7 @@ not plain msgpack travel as extension types:
 | 1   | `Indices`                  | the int64 bytes as they are          |
 | 2   | a registered enum member   | msgpack `[enum_code, member.value]`  |
 | 3   | a nested registered record | msgpack `[type_code, fields...]`     |
+| 4   | `Tokens`                   | the int64 bytes as they are          |
 
 Arrays decode as tuples, so every message round-trips to an equal value.
 Packing uses msgpack's `strict_types`: an `int` or `str` subclass (an `IntEnum`
@@ -24,12 +25,13 @@ from typing import Any, Final
 
 import msgpack
 
-from ._index import Indices
+from ._index import Indices, Tokens
 from ._registry import ENUM_TYPES, MESSAGE_TYPES, Message, field_names
 
 _EXT_INDICES: Final = 1
 _EXT_ENUM: Final = 2
 _EXT_RECORD: Final = 3
+_EXT_TOKENS: Final = 4
 
 _RECORD_DEPTH_MAX: Final = 8
 """Most levels of records nested in records a payload may hold. Real messages nest
@@ -77,8 +79,10 @@ def _encoder_for(cls: type) -> Callable[[Any], list[Any]]:
 def _default(value: Any) -> msgpack.ExtType | list[Any]:
     if type(value) is tuple:  # strict_types sends tuples here; they travel as arrays
         return list(value)
-    if isinstance(value, Indices):
+    if type(value) is Indices:
         return msgpack.ExtType(_EXT_INDICES, value.to_bytes())
+    if type(value) is Tokens:
+        return msgpack.ExtType(_EXT_TOKENS, value.to_bytes())
     if isinstance(value, enum.Enum):
         code = getattr(type(value), "TYPE_CODE", None)
         if code is None or ENUM_TYPES.get(code) is not type(value):
@@ -103,6 +107,8 @@ def _pack(values: list[Any]) -> bytes:
 def _ext_value(code: int, data: bytes, depth: int) -> Any:
     if code == _EXT_INDICES:
         return Indices(data)
+    if code == _EXT_TOKENS:
+        return Tokens(data)
     if code == _EXT_ENUM:
         enum_code, value = msgpack.unpackb(data, use_list=False)
         cls = ENUM_TYPES.get(enum_code)

@@ -99,7 +99,7 @@ class Indices:
         if not isinstance(key, slice) or key.step not in (None, 1):
             raise TypeError("Indices support contiguous slices only, e.g. idx[2:10]")
         start, stop, _ = key.indices(len(self))
-        return Indices(self._data[start * _ITEM_BYTES : max(start, stop) * _ITEM_BYTES])
+        return type(self)(self._data[start * _ITEM_BYTES : max(start, stop) * _ITEM_BYTES])
 
     def __len__(self) -> int:
         return len(self._data) // _ITEM_BYTES
@@ -108,7 +108,7 @@ class Indices:
         return bool(self._data)
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Indices) and other._data == self._data
+        return type(other) is type(self) and other._data == self._data
 
     def __hash__(self) -> int:
         return hash(self._data)
@@ -122,12 +122,12 @@ class Indices:
     def __repr__(self) -> str:
         n = len(self)
         if n <= 8:
-            return f"Indices({self.tolist()})"
+            return f"{type(self).__name__}({self.tolist()})"
         head = self.as_tensor()[:4].tolist()
-        return f"Indices([{', '.join(map(str, head))}, ...] n={n})"
+        return f"{type(self).__name__}([{', '.join(map(str, head))}, ...] n={n})"
 
     def __reduce__(self) -> tuple[type[Indices], tuple[bytes]]:
-        return (Indices, (self._data,))
+        return (type(self), (self._data,))
 
 
 def _tensor_bytes(flat: torch.Tensor) -> bytes:
@@ -138,6 +138,12 @@ def _tensor_bytes(flat: torch.Tensor) -> bytes:
             warnings.simplefilter("ignore", UserWarning)
             torch.frombuffer(out, dtype=torch.int64).copy_(flat)
     return bytes(out)
+
+
+class Tokens(Indices):
+    """Token ids as an immutable value (the same int64 bytes as `Indices`, another meaning)."""
+
+    __slots__ = ()
 
 
 EMPTY: Final = Indices()

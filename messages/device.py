@@ -186,3 +186,27 @@ class DeviceStatistics(Message):
     """Slots in pages a load is filling."""
     live_requests: int
     """Requests with a ledger that were not released yet."""
+
+
+@message(115)
+class SwapRequestPages(Message):
+    """Mid-life (chunked prefill): some pages of a live request go to the tree, some are freed."""
+
+    op_id: int
+    """Correlation id echoed in `RequestPagesSwapped`."""
+    request_id: str
+    """The request; it stays live."""
+    adopt: Indices
+    """Whole committed pages the tree now owns."""
+    free: Indices
+    """Whole committed pages that duplicate the tree's and are freed."""
+
+
+@message(116)
+class RequestPagesSwapped(Message):
+    """Reply to `SwapRequestPages`: the ledger after it."""
+
+    op_id: int
+    """The `op_id` of the swap."""
+    entry: LedgerEntry
+    """The request's ledger."""

@@ -16,6 +16,16 @@ from ._deterministic import (
     VirtualClock,
     replay_choices,
 )
+from ._facade import (
+    AdmitResult,
+    CacheHandle,
+    ExpiredHandleError,
+    HiCache,
+    HiCacheStatistics,
+    Insufficient,
+    Request,
+    RequestError,
+)
 from ._layers import LayerDoneRing, LayerWaiter, LoadFailedError, StaleWaiterError
 from ._strategies import PCTStrategy, RandomStrategy, ReplayStrategy, ScheduleDivergedError, Strategy
 from ._services import FailedTransfers, FaultPlan, IdSource, NoFaults, Services
@@ -32,6 +42,14 @@ from .config import (
 )
 
 __all__ = [
+    "AdmitResult",
+    "CacheHandle",
+    "ExpiredHandleError",
+    "HiCache",
+    "HiCacheStatistics",
+    "Insufficient",
+    "Request",
+    "RequestError",
     "BlockingGetError",
     "DeadlockError",
     "DeterministicFuture",

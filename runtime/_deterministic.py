@@ -240,6 +240,9 @@ class DeterministicRuntime:
     def start(self, cls: type[HiActor], **kwargs: Any) -> pykka.ActorRef[Any]:
         return self.actor_class(cls).start(**kwargs)
 
+    poll_s: float | None = None
+    """Waits run the scheduler to completion (or to a deadlock report), never poll."""
+
     def new_mailbox(self, what: str) -> _Mailbox:
         return _Mailbox(self, what)
 

@@ -59,6 +59,9 @@ class ThreadedRuntime:
     def start(self, cls: type[HiActor], **kwargs: Any) -> pykka.ActorRef[Any]:
         return cls.start(**kwargs)
 
+    poll_s: float | None = 0.05
+    """How long the caller waits on its inbox between checks for failed actors."""
+
     def new_mailbox(self, what: str) -> _QueueMailbox:
         return _QueueMailbox(what)
 
@@ -113,6 +116,8 @@ class Runtime(Protocol):
 
     def start(self, cls: type[HiActor], **kwargs: Any) -> pykka.ActorRef[Any]: ...
 
+    poll_s: float | None
+
     def new_mailbox(self, what: str) -> Any: ...
 
     def shutdown(self) -> None: ...
@@ -122,7 +127,9 @@ class System:
     """The running actors of one hicache instance (one per tensor-parallel rank).
 
     Use as a context manager, or call `start()` and `stop()`. `stand_ins` starts
-    test `Probe` actors under names whose real actor does not exist yet.
+    test `Probe` actors in place of real ones (the tree, to drive the pools by hand).
+    A probe always stands under the `facade` name: replies to what the caller told
+    the actors arrive there (`System.await_reply`).
     """
 
     def __init__(
@@ -152,6 +159,7 @@ class System:
             HostCore,
             HostPoolActor,
             LoadStreamActor,
+            TreeActor,
             WriteStreamActor,
         )
 
@@ -171,7 +179,9 @@ class System:
         self._register(
             LoadStreamActor, config=cfg, device_kv=device.kv, host_kv=host.kv, ring=self.ring, **common
         )
-        for name in self._stand_in_names:
+        if ActorName.TREE not in self._stand_in_names:
+            self._register(TreeActor, config=cfg, **common)
+        for name in dict.fromkeys((*self._stand_in_names, ActorName.FACADE)):
             probe = Probe(name, self.runtime.new_mailbox(f"probe {name.value}"))
             d.register(name, self.runtime.start(probe.actor_class(), probe=probe, **common))
             self.probes[name] = probe
@@ -220,6 +230,27 @@ class System:
             raise TimeoutError(
                 f"no reply from the {to.value} actor to {type(message).__name__} within {timeout_s}s"
             ) from None
+
+    def await_reply(self, op_id: int, *types: type[Message], timeout_s: float = DEFAULT_ASK_TIMEOUT_S) -> Any:
+        """The reply with `op_id` to something the caller told an actor, from the facade's inbox.
+
+        Any other mail there is a bug (the facade waits for one reply at a time)."""
+        inbox = self.probes[ActorName.FACADE]
+        waited = 0.0
+        poll = self.runtime.poll_s
+        while True:
+            self.raise_if_failed()
+            try:
+                sender, message = inbox.receive(timeout_s=poll)
+            except TimeoutError:
+                waited += poll or 0.0
+                if waited >= timeout_s:
+                    raise TimeoutError(f"no reply to op {op_id} within {timeout_s}s") from None
+                continue
+            if not isinstance(message, types) or getattr(message, "op_id", None) != op_id:
+                wanted = " or ".join(t.__name__ for t in types)
+                raise RuntimeError(f"waiting for {wanted} of op {op_id}, the facade got {message!r} from {sender.value}")
+            return message
 
     def raise_if_failed(self) -> None:
         failed = self.services.failures.first()

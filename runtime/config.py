@@ -113,6 +113,13 @@ class Config:
     prefetch_policy: PrefetchPolicy = PrefetchPolicy.BEST_EFFORT
     """When a request waiting on a storage prefetch may run."""
 
+    host_tier: bool = True
+    """Use host memory (L2) at all; False gives an L1-only cache for comparison."""
+    load_back_min_tokens: int = 1
+    """A host-only match shorter than this is recomputed instead of loaded back."""
+    load_back_quota_tokens: int = 1 << 20
+    """Most tokens one admission batch may load back from host (device memory it may take)."""
+
     # -- transfer bounds -----------------------------------------------------
     transfer_pages_max: int = 64
     """Most pages one copy batch moves; larger operations are split, smaller ones merged."""
@@ -123,7 +130,7 @@ class Config:
 
     def __post_init__(self) -> None:
         for name in ("layers", "kv_heads", "head_dim", "page_size", "transfer_pages_max",
-                     "transfer_queue_ops_max", "load_ring_size"):
+                     "transfer_queue_ops_max", "load_ring_size", "load_back_min_tokens", "load_back_quota_tokens"):
             _positive_int(name, getattr(self, name))
         for name in ("device_slots", "host_slots"):
             _positive_int(name, getattr(self, name))
@@ -136,6 +143,8 @@ class Config:
                 f"host_slots={self.host_slots} must be larger than device_slots="
                 f"{self.device_slots}: the host tier backs up the device tier"
             )
+        if not isinstance(self.host_tier, bool):
+            raise ConfigError(f"host_tier={self.host_tier!r} must be true or false")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype={self.dtype!r} is unknown; allowed: {', '.join(DTYPES)}")
         for f in dataclasses.fields(self):
@@ -183,7 +192,9 @@ class Config:
             default = known[name].default
             if isinstance(default, enum.Enum):
                 values[name] = _member(name, type(default), value)
-            elif isinstance(default, bool) or not isinstance(default, int):
+            elif isinstance(default, bool):
+                values[name] = _parse_bool(name, value)
+            elif not isinstance(default, int):
                 values[name] = value
             else:
                 values[name] = _parse_int(name, value)
@@ -196,6 +207,14 @@ class Config:
             v = getattr(self, f.name)
             out[f.name] = v.value if isinstance(v, enum.Enum) else v
         return out
+
+
+def _parse_bool(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+        return value.lower() in ("true", "1", "yes")
+    raise ConfigError(f"{name}={value!r} must be true or false")
 
 
 def _positive_int(name: str, value: Any) -> None:

@@ -29,6 +29,7 @@ from hicache.messages import (
     CodecError,
     HostSlotState,
     Indices,
+    Tokens,
     InvariantsHeld,
     Message,
     SetHostState,
@@ -56,9 +57,9 @@ def hints(cls: type) -> dict[str, Any]:
     return {name: resolved[name] for name in field_names(cls)}
 
 
-def _indices() -> st.SearchStrategy[Indices]:
+def _indices(cls: type[Indices] = Indices) -> st.SearchStrategy[Indices]:
     values = st.lists(st.integers(-(2**63), 2**63 - 1), max_size=40)
-    return values.map(lambda v: Indices(struct.pack(f"<{len(v)}q", *v)))
+    return values.map(lambda v: cls(struct.pack(f"<{len(v)}q", *v)))
 
 
 def strategy_for(tp: Any) -> st.SearchStrategy[Any]:
@@ -77,8 +78,8 @@ def strategy_for(tp: Any) -> st.SearchStrategy[Any]:
         return st.binary(max_size=40)
     if tp is type(None):
         return st.none()
-    if tp is Indices:
-        return _indices()
+    if tp in (Indices, Tokens):
+        return _indices(tp)
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         if ENUM_TYPES.get(getattr(tp, "TYPE_CODE", None)) is not tp:
             raise TypeError(f"enum {tp.__name__} is carried in a message but not declared with @wire_enum")

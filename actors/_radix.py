@@ -1,0 +1,547 @@
+"""`RadixTree`: the radix tree over token pages, its node lifecycle, locks and eviction order.
+
+Plain and synchronous; `TreeCore` drives it. What it guarantees:
+
+- Keys are whole token pages under a namespace; each namespace has its own root,
+  so two namespaces never share a node. Matching is longest page-aligned prefix,
+  splitting a node at a page boundary when a match ends inside it.
+- A node's lifecycle is a `NodeState`, moved only through `set_state`, which
+  checks `NODE_TRANSITIONS`. No boolean flags.
+- `lock` counts a lock up the whole path; `protected_tokens` (device tokens under
+  a lock) and `evictable_tokens` (device tokens under none) are kept exact on every
+  change, and `check_invariants` recomputes them.
+- Index arrays are copied (`clone`) at split and insert, so no node holds a view
+  that keeps a large parent tensor alive.
+- Each page has a hash chained from its parent page's hash, seeded by the namespace.
+- Eviction order is kept incrementally: a heap of (policy key, version) entries
+  with lazy deletion; a node is re-offered whenever it may have become evictable
+  or its key changed, and stale entries are skipped (amortised O(log n) per
+  evicted node, never a heap rebuilt from all leaves per call).
+
+The file is long because the tree, its counters and its eviction index must change
+together; splitting them would spread one invariant over several modules.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import heapq
+import itertools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from hicache.messages import Indices
+from hicache.runtime.config import EvictionPolicy
+
+from ._errors import InvariantError
+
+
+class NodeState(enum.Enum):
+    DEVICE = "device"
+    """KV in device memory only."""
+    WRITING = "writing"
+    """In device memory; its host copy is being written (host slots may still be on their way)."""
+    SYNCED = "synced"
+    """In device and host memory."""
+    HOST_ONLY = "host_only"
+    """In host memory only."""
+    LOADING = "loading"
+    """In host memory; device slots are being filled from it."""
+
+
+_N = NodeState
+NODE_TRANSITIONS: frozenset[tuple[NodeState, NodeState]] = frozenset(
+    {
+        (_N.DEVICE, _N.WRITING),  # write-through starts
+        (_N.WRITING, _N.SYNCED),  # WriteDone
+        (_N.WRITING, _N.DEVICE),  # write failed, or no host memory
+        (_N.SYNCED, _N.HOST_ONLY),  # device copy evicted
+        (_N.HOST_ONLY, _N.LOADING),  # load-back starts
+        (_N.LOADING, _N.SYNCED),  # LoadDone
+        (_N.LOADING, _N.HOST_ONLY),  # load failed
+        (_N.HOST_ONLY, _N.SYNCED),  # an insert brought fresh device KV for it
+    }
+)
+"""Every legal move of a node; creation (DEVICE, or HOST_ONLY from storage) and deletion are not moves."""
+
+RESIDENT = frozenset({_N.DEVICE, _N.WRITING, _N.SYNCED, _N.LOADING})
+"""States with device slots."""
+BACKED = frozenset({_N.SYNCED, _N.HOST_ONLY, _N.LOADING})
+"""States whose host copy is complete."""
+
+
+class NodeStateError(RuntimeError):
+    """An illegal node lifecycle move (a programmer error)."""
+
+
+@dataclass(eq=False, slots=True)
+class Node:
+    id: int
+    namespace: str
+    parent: Node | None
+    key: torch.Tensor
+    """Token ids, a whole number of pages (empty for a root)."""
+    hashes: tuple[int, ...]
+    """One chained hash per page."""
+    state: NodeState
+    device: torch.Tensor | None = None
+    host: torch.Tensor | None = None
+    children: dict[tuple[int, ...], Node] = field(default_factory=dict)
+    lock_ref: int = 0
+    host_ref: int = 0
+    """Pins of the host copy (prefetch anchors, backups to storage)."""
+    hit_count: int = 0
+    last_access: int = 0
+    created: int = 0
+    priority: int = 0
+    op: int = 0
+    """The write or load operation in flight on this node, 0 if none."""
+    resident_children: int = 0
+    version: int = 0
+    alive: bool = True
+
+    @property
+    def tokens(self) -> int:
+        return len(self.key)
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+    def path(self) -> Iterator[Node]:
+        """This node and its ancestors up to (not including) the root."""
+        node: Node | None = self
+        while node is not None and node.parent is not None:
+            yield node
+            node = node.parent
+
+    def __repr__(self) -> str:
+        return f"Node(#{self.id} {self.state.value} tokens={self.tokens} lock={self.lock_ref})"
+
+
+@dataclass(slots=True)
+class InsertOutcome:
+    path: list[Node]
+    """Every node the inserted prefix now runs through, root excluded."""
+    present: int
+    """Tokens already cached (device, host or loading) before the insert."""
+    adopted: list[torch.Tensor]
+    """Slots of the caller that the tree now owns (new nodes, revived host-only nodes)."""
+    duplicates: list[torch.Tensor]
+    """Slots of the caller whose KV the tree already holds in other slots."""
+    revived: list[Node]
+    """Host-only nodes that got the caller's device slots (now SYNCED)."""
+
+
+class RadixTree:
+    def __init__(self, page_size: int, policy: EvictionPolicy) -> None:
+        self.page_size = page_size
+        self.policy = policy
+        self._roots: dict[str, Node] = {}
+        self._ids = itertools.count(1)
+        self._tick = 0
+        self._seq = itertools.count()
+        self._device_heap: list[tuple[tuple[int, ...], int, int, Node]] = []
+        self._host_heap: list[tuple[tuple[int, ...], int, int, Node]] = []
+        self.nodes = 0
+        self.device_tokens = 0
+        self.host_tokens = 0
+        self.protected_tokens = 0
+        self.evictable_tokens = 0
+        self.on_split: Callable[[Node, Node], None] | None = None
+        """Called with (upper, lower) after a node is split (in-flight op tables follow it)."""
+
+    # -- structure ---------------------------------------------------------------
+
+    def root(self, namespace: str) -> Node:
+        root = self._roots.get(namespace)
+        if root is None:
+            seed = int.from_bytes(hashlib.blake2b(namespace.encode(), digest_size=8).digest(), "little")
+            root = Node(id=0, namespace=namespace, parent=None, key=torch.empty(0, dtype=torch.int64),
+                        hashes=(seed,), state=NodeState.DEVICE)
+            self._roots[namespace] = root
+        return root
+
+    def roots(self) -> list[Node]:
+        return [self._roots[ns] for ns in sorted(self._roots)]
+
+    def match(self, namespace: str, tokens: torch.Tensor) -> list[Node]:
+        """The nodes of the longest cached page-aligned prefix, splitting the last if needed."""
+        self._tick += 1
+        path: list[Node] = []
+        node = self.root(namespace)
+        pos, n = 0, len(tokens) - len(tokens) % self.page_size
+        while pos < n:
+            child = node.children.get(self._page_key(tokens, pos))
+            if child is None:
+                break
+            same = self._common(child.key, tokens[pos:n])
+            partial = same < child.tokens
+            if partial:
+                child = self.split(child, same)
+            child.last_access = self._tick
+            path.append(child)
+            pos += child.tokens
+            node = child
+            if partial:
+                break
+        return path
+
+    def insert(
+        self, namespace: str, tokens: torch.Tensor, device: torch.Tensor, *, own_from: int = 0, priority: int = 0
+    ) -> InsertOutcome:
+        """Insert `tokens` (whole pages) whose KV sits in `device` slots.
+
+        Slots of positions below `own_from` came from the tree itself (the caller's
+        cached prefix): they are never adopted or reported as duplicates."""
+        p = self.page_size
+        if len(tokens) % p or len(device) != len(tokens):
+            raise ValueError(f"insert needs whole pages with one slot per token, got {len(tokens)} tokens, {len(device)} slots")
+        self._tick += 1
+        out = InsertOutcome(path=[], present=0, adopted=[], duplicates=[], revived=[])
+        node = self.root(namespace)
+        pos, n = 0, len(tokens)
+        while pos < n:
+            child = node.children.get(self._page_key(tokens, pos))
+            if child is None:
+                if pos < own_from:
+                    raise InvariantError(
+                        f"insert: the caller's cached prefix ({own_from} tokens) is no longer in the tree at "
+                        f"{pos}; its nodes were locked and cannot have been evicted"
+                    )
+                new = self._new_node(node, tokens[pos:n].clone(), NodeState.DEVICE, priority)
+                new.device = device[pos:n].clone()
+                self._attach(new)
+                out.adopted.append(new.device)
+                out.path.append(new)
+                break
+            same = self._common(child.key, tokens[pos:n])
+            if pos < own_from < pos + same:
+                same = own_from - pos  # keep the tree's part and the caller's part in separate nodes
+            if same < child.tokens:
+                child = self.split(child, same)
+            if pos + child.tokens <= own_from:
+                out.present += child.tokens  # the tree's own slots
+            else:
+                self._absorb(child, device[pos : pos + child.tokens], out)
+            child.hit_count += 1
+            child.last_access = self._tick
+            child.priority = max(child.priority, priority)
+            out.path.append(child)
+            pos += child.tokens
+            node = child
+        for nd in out.path:
+            self.offer(nd)
+        return out
+
+    def _absorb(self, node: Node, mine: torch.Tensor, out: InsertOutcome) -> None:
+        """The caller's slots for an existing node: the node's own, duplicates, or a revival."""
+        out.present += node.tokens
+        if node.device is not None:
+            foreign = mine != node.device
+            if bool(foreign.any()):
+                out.duplicates.append(mine[foreign].clone())
+        elif node.state is NodeState.HOST_ONLY:
+            self._account(node, -1)
+            node.device = mine.clone()
+            self._move(node, NodeState.SYNCED)
+            self._account(node, +1)
+            out.adopted.append(node.device)
+            out.revived.append(node)
+        else:  # pragma: no cover - every non-resident node is HOST_ONLY
+            raise InvariantError(f"{node}: no device slots but not host-only")
+
+    def split(self, node: Node, at: int) -> Node:
+        """Cut `node` after `at` tokens (a page boundary); returns the new upper part."""
+        if at <= 0 or at >= node.tokens or at % self.page_size:
+            raise ValueError(f"cannot split {node} at {at}")
+        parent = node.parent
+        assert parent is not None
+        pages = at // self.page_size
+        self._account(node, -1)
+        upper = Node(
+            id=next(self._ids), namespace=node.namespace, parent=parent, key=node.key[:at].clone(),
+            hashes=node.hashes[:pages], state=node.state,
+            device=None if node.device is None else node.device[:at].clone(),
+            host=None if node.host is None else node.host[:at].clone(),
+            lock_ref=node.lock_ref, host_ref=node.host_ref, hit_count=node.hit_count,
+            last_access=node.last_access, created=node.created, priority=node.priority, op=node.op,
+        )
+        node.key = node.key[at:].clone()
+        node.hashes = node.hashes[pages:]
+        node.device = None if node.device is None else node.device[at:].clone()
+        node.host = None if node.host is None else node.host[at:].clone()
+        parent.children[self._page_key(upper.key, 0)] = upper
+        upper.children[self._page_key(node.key, 0)] = node
+        node.parent = upper
+        self.nodes += 1
+        self._account(upper, +1)
+        self._account(node, +1)
+        if self.on_split is not None:
+            self.on_split(upper, node)
+        return upper
+
+    def remove(self, node: Node) -> None:
+        """Delete a leaf."""
+        if node.children or node.parent is None:
+            raise InvariantError(f"only a leaf can be removed, not {node} with {len(node.children)} children")
+        self._account(node, -1)
+        parent = node.parent
+        del parent.children[self._page_key(node.key, 0)]
+        node.alive = False
+        self.nodes -= 1
+        self.offer(parent)
+
+    # -- lifecycle and locks ----------------------------------------------------------
+
+    def set_state(self, node: Node, to: NodeState) -> None:
+        self._account(node, -1)
+        self._move(node, to)
+        self._account(node, +1)
+        self.offer(node)
+        if node.parent is not None:
+            self.offer(node.parent)
+
+    def start_load(self, node: Node, device: torch.Tensor) -> None:
+        """HOST_ONLY -> LOADING with the device slots the load fills."""
+        self._change(node, NodeState.LOADING, device=device.clone())
+
+    def fail_load(self, node: Node) -> None:
+        """LOADING -> HOST_ONLY: the load failed, its device slots are given back."""
+        self._change(node, NodeState.HOST_ONLY, device=None)
+
+    def evict_to_host(self, node: Node) -> None:
+        """SYNCED -> HOST_ONLY: the device copy is dropped; the host copy is synced."""
+        self._change(node, NodeState.HOST_ONLY, device=None)
+
+    def set_host(self, node: Node, host: torch.Tensor | None) -> None:
+        """Give a WRITING node its host slots, or take them back (a failed write)."""
+        self._account(node, -1)
+        node.host = None if host is None else host.clone()
+        self._account(node, +1)
+
+    def _change(self, node: Node, to: NodeState, *, device: torch.Tensor | None) -> None:
+        self._account(node, -1)
+        self._move(node, to)
+        node.device = device
+        self._account(node, +1)
+        self.offer(node)
+        if node.parent is not None:
+            self.offer(node.parent)
+
+    def _move(self, node: Node, to: NodeState) -> None:
+        if (node.state, to) not in NODE_TRANSITIONS:
+            raise NodeStateError(
+                f"illegal node transition {node.state.value} -> {to.value} on {node} "
+                f"(legal from {node.state.value}: "
+                f"{', '.join(sorted(b.value for a, b in NODE_TRANSITIONS if a is node.state)) or 'none'})"
+            )
+        node.state = to
+
+    def lock(self, node: Node, delta: int) -> None:
+        """Add `delta` (+1 or -1) to the lock ref of `node` and every ancestor."""
+        if delta not in (1, -1):
+            raise ValueError(f"lock delta must be +1 or -1, got {delta}")
+        for nd in node.path():
+            if nd.lock_ref + delta < 0:
+                raise InvariantError(
+                    f"lock ref of {nd} would become {nd.lock_ref + delta} (invariant: lock ref >= 0; "
+                    "a lock released twice?)"
+                )
+            self._account(nd, -1)
+            nd.lock_ref += delta
+            self._account(nd, +1)
+            if nd.lock_ref == 0:
+                self.offer(nd)
+
+    def pin_host(self, node: Node, delta: int) -> None:
+        """Add `delta` to the host pin of `node` and every ancestor."""
+        for nd in node.path():
+            if nd.host_ref + delta < 0:
+                raise InvariantError(f"host ref of {nd} would become {nd.host_ref + delta}")
+            nd.host_ref += delta
+            if nd.host_ref == 0:
+                self.offer(nd)
+
+    # -- eviction order ----------------------------------------------------------------
+
+    @staticmethod
+    def device_evictable(node: Node) -> bool:
+        return (
+            node.alive and node.parent is not None and node.state in (NodeState.DEVICE, NodeState.SYNCED)
+            and node.lock_ref == 0 and node.resident_children == 0
+        )
+
+    @staticmethod
+    def host_evictable(node: Node) -> bool:
+        return (
+            node.alive and node.parent is not None and node.state is NodeState.HOST_ONLY
+            and node.lock_ref == 0 and node.host_ref == 0 and not node.children
+        )
+
+    def offer(self, node: Node) -> None:
+        """Index the node for eviction if it is evictable now (with its current key)."""
+        dev, host = self.device_evictable(node), self.host_evictable(node)
+        if not (dev or host):
+            return
+        node.version += 1
+        entry = (self._key(node), next(self._seq), node.version, node)
+        heapq.heappush(self._device_heap if dev else self._host_heap, entry)
+        self._compact()
+
+    def pop_device_victim(self) -> Node | None:
+        return self._pop(self._device_heap, self.device_evictable)
+
+    def pop_host_victim(self) -> Node | None:
+        return self._pop(self._host_heap, self.host_evictable)
+
+    def _pop(self, heap: list[tuple[tuple[int, ...], int, int, Node]], ok: Callable[[Node], bool]) -> Node | None:
+        while heap:
+            _, _, version, node = heapq.heappop(heap)
+            if version == node.version and ok(node):
+                node.version += 1
+                return node
+        return None
+
+    def _key(self, node: Node) -> tuple[int, ...]:
+        match self.policy:
+            case EvictionPolicy.LRU:
+                return (node.last_access, node.created)
+            case EvictionPolicy.LFU:
+                return (node.hit_count, node.last_access, node.created)
+            case EvictionPolicy.FIFO:
+                return (node.created,)
+            case EvictionPolicy.PRIORITY:
+                return (node.priority, node.last_access, node.created)
+        raise AssertionError(f"unknown eviction policy {self.policy}")
+
+    def _compact(self) -> None:
+        bound = 2 * self.nodes + 1024
+        for name in ("_device_heap", "_host_heap"):
+            heap = getattr(self, name)
+            if len(heap) > bound:
+                live = [e for e in heap if e[2] == e[3].version and e[3].alive]
+                heapq.heapify(live)
+                setattr(self, name, live)
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _new_node(self, parent: Node, key: torch.Tensor, state: NodeState, priority: int) -> Node:
+        node = Node(id=next(self._ids), namespace=parent.namespace, parent=parent, key=key,
+                    hashes=self._chain(parent.hashes[-1], key), state=state, hit_count=1,
+                    last_access=self._tick, created=next(self._seq), priority=priority)
+        return node
+
+    def attach_host_only(self, parent: Node, key: torch.Tensor, host: torch.Tensor) -> Node:
+        """A new host-only child (pages that arrived from storage)."""
+        node = self._new_node(parent, key.clone(), NodeState.HOST_ONLY, 0)
+        node.host = host.clone()
+        self._attach(node)
+        return node
+
+    def _attach(self, node: Node) -> None:
+        assert node.parent is not None
+        node.parent.children[self._page_key(node.key, 0)] = node
+        self.nodes += 1
+        self._account(node, +1)
+        self.offer(node)
+
+    def _account(self, node: Node, sign: int) -> None:
+        if node.parent is None:
+            return
+        if node.state in RESIDENT:
+            self.device_tokens += sign * node.tokens
+            if node.lock_ref > 0:
+                self.protected_tokens += sign * node.tokens
+            else:
+                self.evictable_tokens += sign * node.tokens
+            node.parent.resident_children += sign
+        if node.host is not None:
+            self.host_tokens += sign * node.tokens
+
+    def _page_key(self, tokens: torch.Tensor, pos: int) -> tuple[int, ...]:
+        return tuple(tokens[pos : pos + self.page_size].tolist())
+
+    def _common(self, key: torch.Tensor, tokens: torch.Tensor) -> int:
+        """Tokens of `key` matching the start of `tokens`, floored to a page."""
+        m = min(len(key), len(tokens))
+        diff = (key[:m] != tokens[:m]).nonzero()
+        same = int(diff[0, 0]) if len(diff) else m
+        return same - same % self.page_size
+
+    def _chain(self, prev: int, key: torch.Tensor) -> tuple[int, ...]:
+        """hash(page) = blake2b(parent page hash || page token bytes), one per page."""
+        data = Indices.from_tensor(key).to_bytes()
+        step = 8 * self.page_size
+        out = []
+        for at in range(0, len(data), step):
+            digest = hashlib.blake2b(prev.to_bytes(8, "little") + data[at : at + step], digest_size=8)
+            prev = int.from_bytes(digest.digest(), "little")
+            out.append(prev)
+        return tuple(out)
+
+    def walk(self) -> Iterator[Node]:
+        """Every node, roots excluded, parents before children."""
+        stack = [r for r in self.roots()]
+        while stack:
+            node = stack.pop()
+            for key in sorted(node.children, reverse=True):
+                child = node.children[key]
+                yield child
+                stack.append(child)
+
+    # -- invariants ------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        p = self.page_size
+        device = host = protected = evictable = count = 0
+        for node in self.walk():
+            count += 1
+            parent = node.parent
+            assert parent is not None
+            where = f"tree: {node}"
+            if parent.children.get(self._page_key(node.key, 0)) is not node:
+                raise InvariantError(f"{where} is not its parent's child under its first page")
+            if node.tokens == 0 or node.tokens % p or len(node.hashes) != node.tokens // p:
+                raise InvariantError(f"{where}: {node.tokens} tokens / {len(node.hashes)} hashes are not whole pages")
+            if node.hashes != self._chain(parent.hashes[-1], node.key):
+                raise InvariantError(f"{where}: page hashes do not chain from the parent")
+            resident = node.state in RESIDENT
+            if resident != (node.device is not None) or (resident and len(node.device) != node.tokens):  # type: ignore[arg-type]
+                raise InvariantError(f"{where}: device slots do not match state")
+            if node.state in BACKED and (node.host is None or len(node.host) != node.tokens):
+                raise InvariantError(f"{where}: backed-up state without a full host copy")
+            if node.state is NodeState.DEVICE and node.host is not None:
+                raise InvariantError(f"{where}: not backed up but holds host slots")
+            if resident and not parent.is_root and parent.state not in RESIDENT:
+                raise InvariantError(f"{where}: device residency is not prefix-closed (parent {parent})")
+            if node.state in BACKED and not parent.is_root and parent.state not in BACKED:
+                raise InvariantError(f"{where}: backup is not prefix-closed (parent {parent})")
+            if node.state is NodeState.WRITING and not parent.is_root and parent.state not in BACKED | {NodeState.WRITING}:
+                raise InvariantError(f"{where}: written under a parent that is not backed up ({parent})")
+            if node.lock_ref < 0 or node.host_ref < 0:
+                raise InvariantError(f"{where}: negative lock or host ref")
+            if node.lock_ref < sum(c.lock_ref for c in node.children.values()):
+                raise InvariantError(f"{where}: lock ref below its children's (locks count up the path)")
+            if node.resident_children != sum(c.state in RESIDENT for c in node.children.values()):
+                raise InvariantError(f"{where}: resident child count is stale")
+            for t in (node.device, node.host, node.key):
+                if t is not None and t.untyped_storage().nbytes() != t.numel() * t.element_size():
+                    raise InvariantError(f"{where}: holds a view of a larger tensor")
+            if resident:
+                device += node.tokens
+                if node.lock_ref > 0:
+                    protected += node.tokens
+                else:
+                    evictable += node.tokens
+            if node.host is not None:
+                host += node.tokens
+        got = (count, device, host, protected, evictable)
+        want = (self.nodes, self.device_tokens, self.host_tokens, self.protected_tokens, self.evictable_tokens)
+        if got != want:
+            raise InvariantError(
+                f"tree counters (nodes, device, host, protected, evictable) are {want} but the tree holds {got}"
+            )

@@ -1,0 +1,101 @@
+"""`TreeActor`: the only actor that decides: locks, eviction, write-through, load-back.
+
+A thin shell: each message becomes one call on `TreeCore`, and what the core put
+in its outbox is sent. `WriteDone` and `LoadDone` are handled whenever they
+arrive, so a write-through never keeps a node locked past its ack, whatever the
+scheduler is doing (the pure-decode leak of seed 003 cannot happen here).
+"""
+
+from __future__ import annotations
+
+from hicache.messages import (
+    ActorName,
+    AdmitRequests,
+    CacheUnfinished,
+    EvictDevice,
+    EvictHost,
+    FinishRequests,
+    HostAllocated,
+    HostInsufficient,
+    LoadDone,
+    LoadFailed,
+    Message,
+    RequestPagesSwapped,
+    RequestsReleased,
+    SlotsAllocated,
+    SlotsInsufficient,
+    TreeStatistics,
+    WriteDone,
+    WriteFailed,
+)
+from hicache.runtime._actor import Directory, HiActor
+from hicache.runtime._services import Services
+from hicache.runtime.config import Config
+
+from ._tree_core import TreeCore
+
+
+class TreeActor(HiActor):
+    name = ActorName.TREE
+
+    def __init__(self, *, config: Config, services: Services, directory: Directory) -> None:
+        super().__init__(services=services, directory=directory)
+        self.core = TreeCore(config, lambda: services.ids.next("op"))
+
+    def handle(self, sender: ActorName, message: Message) -> Message | None:
+        core = self.core
+        match message:
+            case AdmitRequests(op_id=op, items=items):
+                core.admit(op, items)
+            case FinishRequests(op_id=op, items=items):
+                core.finish(op, items)
+            case CacheUnfinished(op_id=op, items=items):
+                core.cache_unfinished(op, items)
+            case EvictDevice(op_id=op, tokens=n):
+                core.evict_device(op, n)
+            case EvictHost(op_id=op, tokens=n):
+                core.evict_host(op, n)
+            case SlotsAllocated(op_id=op, grants=grants):
+                core.on_load_slots(op, grants[0].indices.as_tensor(), 0)
+            case SlotsInsufficient(op_id=op, shortfall_slots=short):
+                core.on_load_slots(op, None, short)
+            case HostAllocated(op_id=op, indices=idx):
+                core.on_host_allocated(op, idx.as_tensor())
+            case HostInsufficient(op_id=op):
+                core.on_host_allocated(op, None)
+            case WriteDone(op_id=op):
+                core.on_write_done(op)
+            case WriteFailed(op_id=op):
+                core.on_write_failed(op)
+            case LoadDone(op_id=op):
+                core.on_load_done(op)
+            case LoadFailed(op_id=op):
+                core.on_load_failed(op)
+            case RequestsReleased(op_id=op, entries=entries):
+                core.on_released(op, entries)
+            case RequestPagesSwapped(op_id=op):
+                core.on_swapped(op)
+            case _:
+                self.unknown(message)
+        self._flush()
+        return None
+
+    def _flush(self) -> None:
+        out, self.core.outbox = self.core.outbox, []
+        for to, msg in out:
+            self.send(to, msg)
+
+    def awaiting(self) -> tuple[str, ...]:
+        s = self.core.statistics()
+        parts = []
+        if s.writes_in_flight:
+            parts.append(f"{s.writes_in_flight} write acks")
+        if s.loads_in_flight:
+            parts.append(f"{s.loads_in_flight} load acks")
+        return tuple(parts)
+
+    def check_invariants(self) -> None:
+        self.core.check_invariants()
+
+    def statistics(self) -> TreeStatistics:
+        return self.core.statistics()

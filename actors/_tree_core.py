@@ -1,0 +1,559 @@
+"""`TreeCore`: every decision of the cache, as a plain state machine that emits messages.
+
+The tree actor is a thin shell: it calls one method of this core per message and
+sends what the core put in `outbox` (pairs of receiver and message). The core
+owns the radix tree, the lock handles given to requests, the in-flight
+operation tables (write-throughs, load-backs, releases) and a mirror of the host
+pool's free slots: the tree is the only party that reserves or frees host slots,
+so it knows exactly how many are free and evicts before it reserves.
+
+Flows (each a few messages; the facade gets one reply when all steps are done):
+
+- admit: match, lock, plan load-back of host-only nodes within a quota ->
+  `AllocateLoadSlots` -> nodes LOADING, `SetHostState(LOADING)`, `LoadKV` ->
+  `Admitted`. If the device is short, evict and retry once, then give up the loads.
+- write-through: a DEVICE node hit often enough under a backed-up parent ->
+  WRITING, locked -> `AllocateHost` -> `SetHostState(WRITING)`, `WriteKV` ->
+  on `WriteDone`, whenever it arrives: SYNCED, `SetHostState(SYNCED)`, unlocked.
+- finish / abort / retract: insert the committed page-aligned prefix; the pages
+  the tree takes are adopted, everything else of the request (duplicates, the
+  unaligned tail, over-allocation) is freed by one `ReleaseRequests`.
+- eviction: device leaves in policy order (backed-up ones become HOST_ONLY,
+  others are deleted, or written first under write_back); host-only leaves.
+
+The file is long because these flows share the op tables and the host mirror;
+each method is one event.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from hicache.messages import (
+    ActorName,
+    AdmitItem,
+    Admission,
+    Admitted,
+    AllocateHost,
+    AllocateLoadSlots,
+    AdoptLoadedSlots,
+    CacheItem,
+    Cached,
+    CachedPrefix,
+    Evicted,
+    FinishItem,
+    Finished,
+    FreeDeviceSlots,
+    FreeHostSlots,
+    HostSlotState,
+    Indices,
+    LedgerEntry,
+    LoadKV,
+    Message,
+    ReleaseRequests,
+    SetHostState,
+    SlotRelease,
+    SwapRequestPages,
+    TreeStatistics,
+    WriteKV,
+)
+from hicache.runtime.config import Config, WritePolicy
+
+from ._errors import InvariantError
+from ._radix import BACKED, RESIDENT, Node, NodeState, RadixTree
+
+DEVICE, HOST, WRITE, LOAD, FACADE = ActorName.DEVICE, ActorName.HOST, ActorName.WRITE, ActorName.LOAD, ActorName.FACADE
+
+_THRESHOLD = {WritePolicy.WRITE_THROUGH: 1, WritePolicy.WRITE_THROUGH_SELECTIVE: 2}
+
+
+class HandleError(RuntimeError):
+    """A lock handle that does not exist (any more) or belongs to another request."""
+
+
+@dataclass(slots=True)
+class _Handle:
+    request_id: str
+    namespace: str
+    node: Node | None
+    """The locked node (None: nothing matched, nothing locked)."""
+    prefix_tokens: int
+    """Positions below this hold the tree's slots, not the request's own."""
+
+
+@dataclass(slots=True)
+class _Write:
+    nodes: list[Node]
+    evict_after: bool
+    tokens: int
+    host_assigned: bool = False
+
+
+@dataclass(slots=True)
+class _Load:
+    nodes: list[Node]
+
+
+@dataclass(slots=True)
+class _Plan:
+    item: AdmitItem
+    handle: int
+    device_nodes: list[Node]
+    load_nodes: list[Node]
+    host_miss: int
+
+
+@dataclass(slots=True)
+class _Admission:
+    facade_op: int
+    plans: list[_Plan]
+    retried: bool = False
+
+
+@dataclass(slots=True)
+class _Swaps:
+    facade_op: int
+    prefixes: list[CachedPrefix]
+    waiting: set[int] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class _Counters:
+    device_hit_tokens: int = 0
+    host_hit_tokens: int = 0
+    evicted_device_tokens: int = 0
+    evicted_host_tokens: int = 0
+    backups_done: int = 0
+    backups_failed: int = 0
+
+
+class TreeCore:
+    def __init__(self, config: Config, next_id: Callable[[], int]) -> None:
+        self.config = config
+        self.page_size = config.page_size
+        self.tree = RadixTree(config.page_size, config.eviction_policy)
+        self.tree.on_split = self._follow_split
+        self._next_id = next_id
+        self.outbox: list[tuple[ActorName, Message]] = []
+        self.host_free = config.host_slots
+        self._handles: dict[int, _Handle] = {}
+        self._next_handle = 1
+        self._writes: dict[int, _Write] = {}
+        self._loads: dict[int, _Load] = {}
+        self._admissions: dict[int, _Admission] = {}
+        self._finishes: dict[int, int] = {}
+        self._swaps: dict[int, _Swaps] = {}
+        self._swap_of: dict[int, int] = {}
+        self.n = _Counters()
+
+    # == facade verbs ====================================================================
+
+    def admit(self, op_id: int, items: Sequence[AdmitItem]) -> None:
+        quota = self.config.load_back_quota_tokens
+        planned: set[int] = set()
+        plans: list[_Plan] = []
+        for item in items:
+            path = self.tree.match(item.namespace, item.tokens.as_tensor())
+            dev = [nd for nd in path if nd.state in RESIDENT or nd.id in planned]
+            rest = path[len(dev):]
+            host_tokens = sum(nd.tokens for nd in rest)
+            load: list[Node] = []
+            if host_tokens >= self.config.load_back_min_tokens:
+                for nd in rest:
+                    if nd.tokens > quota:
+                        break
+                    load.append(nd)
+                    quota -= nd.tokens
+                    planned.add(nd.id)
+            top = (dev + load)[-1] if dev or load else None
+            if top is not None:
+                self.tree.lock(top, +1)
+            loaded = sum(nd.tokens for nd in load)
+            handle = self._new_handle(item.request_id, item.namespace, top, sum(nd.tokens for nd in dev) + loaded)
+            plans.append(_Plan(item, handle, dev, load, host_tokens - loaded))
+        total = sum(nd.tokens for p in plans for nd in p.load_nodes)
+        if total == 0:
+            self._reply_admitted(op_id, plans)
+            return
+        load_op = self._next_id()
+        self._admissions[load_op] = _Admission(op_id, plans)
+        self._emit(DEVICE, AllocateLoadSlots(op_id=load_op, tokens=total))
+
+    def finish(self, op_id: int, items: Sequence[FinishItem]) -> None:
+        releases = []
+        for it in items:
+            h = self._take_handle(it.handle, it.request_id)
+            adopted: list[torch.Tensor] = []
+            path = self._insert(h, it.tokens.as_tensor(), it.device.as_tensor(), adopted, [])
+            if h.node is not None:
+                self.tree.lock(h.node, -1)
+            for nd in path:
+                self._consider_backup(nd)
+            releases.append(SlotRelease(request_id=it.request_id, adopt=_cat(adopted), reason=it.reason))
+        device_op = self._next_id()
+        self._finishes[device_op] = op_id
+        self._emit(DEVICE, ReleaseRequests(op_id=device_op, releases=tuple(releases)))
+
+    def cache_unfinished(self, op_id: int, items: Sequence[CacheItem]) -> None:
+        swaps = _Swaps(op_id, [])
+        for it in items:
+            h = self._take_handle(it.handle, it.request_id)
+            adopted: list[torch.Tensor] = []
+            duplicates: list[torch.Tensor] = []
+            path = self._insert(h, it.tokens.as_tensor(), it.device.as_tensor(), adopted, duplicates)
+            top = path[-1] if path else h.node
+            if top is not None:
+                self.tree.lock(top, +1)
+            if h.node is not None:
+                self.tree.lock(h.node, -1)
+            lost = [nd for nd in path if nd.device is None]
+            if lost:
+                raise InvariantError(
+                    f"request {it.request_id!r}: its cached prefix has no device copy ({lost[0]}), "
+                    "after a failed load-back; abort or retract the request instead of caching it"
+                )
+            prefix = sum(nd.tokens for nd in path)
+            handle = self._new_handle(it.request_id, h.namespace, top, prefix)
+            device = _cat([nd.device for nd in path if nd.device is not None])
+            swaps.prefixes.append(CachedPrefix(request_id=it.request_id, handle=handle, device=device))
+            for nd in path:
+                self._consider_backup(nd)
+            swap_op = self._next_id()
+            swaps.waiting.add(swap_op)
+            self._swap_of[swap_op] = op_id
+            self._emit(DEVICE, SwapRequestPages(op_id=swap_op, request_id=it.request_id,
+                                                adopt=_cat(adopted), free=_cat(duplicates)))
+        if swaps.waiting:
+            self._swaps[op_id] = swaps
+        else:
+            self._emit(FACADE, Cached(op_id=op_id, prefixes=tuple(swaps.prefixes)))
+
+    def evict_device(self, op_id: int, tokens: int) -> None:
+        freed = self._evict_device(tokens)
+        self._emit(FACADE, Evicted(op_id=op_id, device_tokens=freed, host_tokens=0))
+
+    def evict_host(self, op_id: int, tokens: int) -> None:
+        freed = self._evict_host(tokens)
+        self._emit(FACADE, Evicted(op_id=op_id, device_tokens=0, host_tokens=freed))
+
+    # == replies from the other actors ====================================================
+
+    def on_load_slots(self, load_op: int, slots: torch.Tensor | None, shortfall: int) -> None:
+        adm = self._admissions.pop(load_op)
+        if slots is None:
+            if not adm.retried:
+                self._evict_device(shortfall)
+                adm.retried = True
+                self._admissions[load_op] = adm
+                total = sum(nd.tokens for p in adm.plans for nd in p.load_nodes)
+                self._emit(DEVICE, AllocateLoadSlots(op_id=load_op, tokens=total))
+                return
+            self._give_up_loads(adm)
+            self._reply_admitted(adm.facade_op, adm.plans)
+            return
+        nodes = [nd for p in adm.plans for nd in p.load_nodes]
+        at = 0
+        for nd in nodes:
+            self.tree.start_load(nd, slots[at : at + nd.tokens])
+            nd.op = load_op
+            at += nd.tokens
+        host = _cat([nd.host for nd in nodes if nd.host is not None])
+        device = _cat([nd.device for nd in nodes if nd.device is not None])
+        self._loads[load_op] = _Load(nodes)
+        self._emit(HOST, SetHostState(indices=host, state=HostSlotState.LOADING))
+        self._emit(LOAD, LoadKV(op_id=load_op, host=host, device=device))
+        self._reply_admitted(adm.facade_op, adm.plans)
+
+    def on_load_done(self, op: int) -> None:
+        load = self._loads.pop(op)
+        for nd in load.nodes:
+            nd.op = 0
+            self.tree.set_state(nd, NodeState.SYNCED)
+        self._emit(HOST, SetHostState(indices=_cat([nd.host for nd in load.nodes if nd.host is not None]),
+                                      state=HostSlotState.SYNCED))
+        self._emit(DEVICE, AdoptLoadedSlots(indices=_cat([nd.device for nd in load.nodes if nd.device is not None])))
+
+    def on_load_failed(self, op: int) -> None:
+        load = self._loads.pop(op)
+        device = _cat([nd.device for nd in load.nodes if nd.device is not None])
+        for nd in load.nodes:
+            nd.op = 0
+            self.tree.fail_load(nd)
+        self._emit(HOST, SetHostState(indices=_cat([nd.host for nd in load.nodes if nd.host is not None]),
+                                      state=HostSlotState.HOST_ONLY))
+        self._emit(DEVICE, FreeDeviceSlots(indices=device))
+
+    def on_host_allocated(self, op: int, slots: torch.Tensor | None) -> None:
+        w = self._writes[op]
+        if slots is None:  # the mirror says this cannot happen; recover all the same
+            self.host_free += w.tokens
+            self._abandon_write(op, w)
+            return
+        at = 0
+        for nd in w.nodes:
+            self.tree.set_host(nd, slots[at : at + nd.tokens])
+            at += nd.tokens
+        w.host_assigned = True
+        host = _cat([nd.host for nd in w.nodes if nd.host is not None])
+        device = _cat([nd.device for nd in w.nodes if nd.device is not None])
+        self._emit(HOST, SetHostState(indices=host, state=HostSlotState.WRITING))
+        self._emit(WRITE, WriteKV(op_id=op, device=device, host=host))
+
+    def on_write_done(self, op: int) -> None:
+        w = self._writes.pop(op)
+        self._emit(HOST, SetHostState(indices=_cat([nd.host for nd in w.nodes if nd.host is not None]),
+                                      state=HostSlotState.SYNCED))
+        for nd in w.nodes:
+            nd.op = 0
+            self.tree.set_state(nd, NodeState.SYNCED)
+            self.tree.lock(nd, -1)
+        self.n.backups_done += 1
+        if w.evict_after:
+            freed = [nd for nd in w.nodes if self.tree.device_evictable(nd)]
+            self._emit_device_frees([self._drop_device(nd) for nd in freed])
+        for nd in w.nodes:
+            for child in sorted(nd.children.values(), key=lambda c: c.id):
+                self._consider_backup(child)
+
+    def on_write_failed(self, op: int) -> None:
+        w = self._writes.pop(op)
+        host = _cat([nd.host for nd in w.nodes if nd.host is not None])
+        self._emit(HOST, SetHostState(indices=host, state=HostSlotState.RESERVED))
+        self._emit(HOST, FreeHostSlots(indices=host))
+        self.host_free += w.tokens
+        for nd in w.nodes:
+            self.tree.set_host(nd, None)
+        self._abandon_write(op, w)
+
+    def on_released(self, device_op: int, entries: tuple[LedgerEntry, ...]) -> None:
+        self._emit(FACADE, Finished(op_id=self._finishes.pop(device_op), entries=entries))
+
+    def on_swapped(self, swap_op: int) -> None:
+        facade_op = self._swap_of.pop(swap_op)
+        swaps = self._swaps[facade_op]
+        swaps.waiting.discard(swap_op)
+        if not swaps.waiting:
+            del self._swaps[facade_op]
+            self._emit(FACADE, Cached(op_id=facade_op, prefixes=tuple(swaps.prefixes)))
+
+    # == policies ===========================================================================
+
+    def _consider_backup(self, node: Node) -> None:
+        threshold = _THRESHOLD.get(self.config.write_policy)
+        if threshold is None or not self.config.host_tier or not node.alive:
+            return
+        parent = node.parent
+        parent_backed = parent is None or parent.is_root or parent.state in BACKED
+        if node.state is NodeState.DEVICE and node.op == 0 and node.hit_count >= threshold and parent_backed:
+            self._start_backup(node, evict_after=False)
+
+    def _start_backup(self, node: Node, *, evict_after: bool) -> bool:
+        need = node.tokens
+        if self.host_free < need:
+            self._evict_host(need - self.host_free)
+        if self.host_free < need:
+            self.n.backups_failed += 1
+            return False
+        op = self._next_id()
+        self.tree.set_state(node, NodeState.WRITING)
+        self.tree.lock(node, +1)
+        node.op = op
+        self._writes[op] = _Write([node], evict_after, need)
+        self.host_free -= need
+        self._emit(HOST, AllocateHost(op_id=op, tokens=need))
+        return True
+
+    def _abandon_write(self, op: int, w: _Write) -> None:
+        self.n.backups_failed += 1
+        self._writes.pop(op, None)
+        for nd in w.nodes:
+            nd.op = 0
+            self.tree.set_state(nd, NodeState.DEVICE)
+            self.tree.lock(nd, -1)
+        if w.evict_after:
+            frees = [self._drop_device(nd) for nd in w.nodes if self.tree.device_evictable(nd)]
+            self._emit_device_frees(frees)
+
+    def _evict_device(self, tokens: int) -> int:
+        frees: list[torch.Tensor] = []
+        freed = 0
+        while freed < tokens:
+            node = self.tree.pop_device_victim()
+            if node is None:
+                break
+            if (node.state is NodeState.DEVICE and self.config.write_policy is WritePolicy.WRITE_BACK
+                    and self.config.host_tier and self._parent_backed(node)
+                    and self._start_backup(node, evict_after=True)):
+                continue  # freed when its write completes
+            frees.append(self._drop_device(node))
+            freed += node.tokens
+        self._emit_device_frees(frees)
+        return freed
+
+    def _drop_device(self, node: Node) -> torch.Tensor:
+        """Free a device-evictable node's device copy: to HOST_ONLY if backed up, else delete it."""
+        device = node.device
+        assert device is not None
+        if node.state is NodeState.SYNCED:
+            self._emit(HOST, SetHostState(indices=Indices.from_tensor(node.host), state=HostSlotState.HOST_ONLY))  # type: ignore[arg-type]
+            self.tree.evict_to_host(node)
+        else:
+            self.tree.remove(node)
+        self.n.evicted_device_tokens += node.tokens
+        return device
+
+    def _evict_host(self, tokens: int) -> int:
+        frees: list[torch.Tensor] = []
+        freed = 0
+        while freed < tokens:
+            node = self.tree.pop_host_victim()
+            if node is None:
+                break
+            assert node.host is not None
+            frees.append(node.host)
+            freed += node.tokens
+            self.tree.remove(node)
+        if frees:
+            self._emit(HOST, FreeHostSlots(indices=_cat(frees)))
+            self.host_free += freed
+            self.n.evicted_host_tokens += freed
+        return freed
+
+    def _give_up_loads(self, adm: _Admission) -> None:
+        for p in adm.plans:
+            if not p.load_nodes:
+                continue
+            top = p.device_nodes[-1] if p.device_nodes else None
+            if top is not None:
+                self.tree.lock(top, +1)
+            self.tree.lock(p.load_nodes[-1], -1)
+            h = self._handles[p.handle]
+            h.node = top
+            h.prefix_tokens = sum(nd.tokens for nd in p.device_nodes)
+            p.host_miss += sum(nd.tokens for nd in p.load_nodes)
+            p.load_nodes = []
+
+    # == helpers ==============================================================================
+
+    def _insert(
+        self, h: _Handle, tokens: torch.Tensor, device: torch.Tensor,
+        adopted: list[torch.Tensor], duplicates: list[torch.Tensor],
+    ) -> list[Node]:
+        if len(tokens) != len(device):
+            raise ValueError(f"request {h.request_id!r}: {len(tokens)} tokens but {len(device)} slots")
+        n = len(tokens) - len(tokens) % self.page_size
+        if n < h.prefix_tokens:
+            raise ValueError(
+                f"request {h.request_id!r}: {n} committed page-aligned tokens, fewer than the "
+                f"{h.prefix_tokens} it was admitted with"
+            )
+        out = self.tree.insert(h.namespace, tokens[:n], device[:n], own_from=h.prefix_tokens)
+        adopted.extend(out.adopted)
+        duplicates.extend(out.duplicates)
+        return out.path
+
+    def _reply_admitted(self, op_id: int, plans: list[_Plan]) -> None:
+        admissions = []
+        for p in plans:
+            nodes = p.device_nodes + p.load_nodes
+            dev_hit = sum(nd.tokens for nd in p.device_nodes)
+            host_hit = sum(nd.tokens for nd in p.load_nodes)
+            self.n.device_hit_tokens += dev_hit
+            self.n.host_hit_tokens += host_hit
+            admissions.append(Admission(
+                request_id=p.item.request_id, handle=p.handle,
+                device=_cat([nd.device for nd in nodes if nd.device is not None]),
+                device_hit=dev_hit, host_hit=host_hit, host_miss=p.host_miss,
+            ))
+        self._emit(FACADE, Admitted(op_id=op_id, admissions=tuple(admissions)))
+
+    def _new_handle(self, request_id: str, namespace: str, node: Node | None, prefix: int) -> int:
+        handle = self._next_handle
+        self._next_handle += 1
+        self._handles[handle] = _Handle(request_id, namespace, node, prefix)
+        return handle
+
+    def _take_handle(self, handle: int, request_id: str) -> _Handle:
+        h = self._handles.pop(handle, None)
+        if h is None:
+            raise HandleError(f"lock handle {handle} of request {request_id!r} is unknown or already released")
+        if h.request_id != request_id:
+            self._handles[handle] = h
+            raise HandleError(f"lock handle {handle} belongs to request {h.request_id!r}, not {request_id!r}")
+        return h
+
+    def _parent_backed(self, node: Node) -> bool:
+        return node.parent is None or node.parent.is_root or node.parent.state in BACKED
+
+    def _emit_device_frees(self, frees: list[torch.Tensor]) -> None:
+        if frees:
+            self._emit(DEVICE, FreeDeviceSlots(indices=_cat(frees)))
+
+    def _emit(self, to: ActorName, message: Message) -> None:
+        self.outbox.append((to, message))
+
+    def _follow_split(self, upper: Node, lower: Node) -> None:
+        """An op's node list gets the new upper part, just before the lower one."""
+        if not lower.op:
+            return
+        op = self._writes.get(lower.op) or self._loads.get(lower.op)
+        if op is not None:
+            op.nodes.insert(op.nodes.index(lower), upper)
+        for adm in self._admissions.values():
+            for p in adm.plans:
+                for nodes in (p.device_nodes, p.load_nodes):
+                    if lower in nodes:
+                        nodes.insert(nodes.index(lower), upper)
+
+    # == numbers and checks =====================================================================
+
+    def statistics(self) -> TreeStatistics:
+        t = self.tree
+        return TreeStatistics(
+            nodes=t.nodes, device_tokens=t.device_tokens, host_tokens=t.host_tokens,
+            protected_tokens=t.protected_tokens, evictable_tokens=t.evictable_tokens,
+            live_handles=len(self._handles), writes_in_flight=len(self._writes), loads_in_flight=len(self._loads),
+            device_hit_tokens=self.n.device_hit_tokens, host_hit_tokens=self.n.host_hit_tokens,
+            evicted_device_tokens=self.n.evicted_device_tokens, evicted_host_tokens=self.n.evicted_host_tokens,
+            backups_done=self.n.backups_done, backups_failed=self.n.backups_failed,
+        )
+
+    def idle(self) -> bool:
+        """No handle held and nothing in flight."""
+        return not (self._handles or self._writes or self._loads or self._admissions
+                    or self._finishes or self._swaps)
+
+    def check_invariants(self) -> None:
+        self.tree.check_invariants()
+        unassigned = sum(w.tokens for w in self._writes.values() if not w.host_assigned)
+        if self.host_free != self.config.host_slots - self.tree.host_tokens - unassigned:
+            raise InvariantError(
+                f"tree: host mirror says {self.host_free} free, but capacity {self.config.host_slots} - "
+                f"{self.tree.host_tokens} held by nodes - {unassigned} being reserved differs"
+            )
+        for node in self.tree.walk():
+            if node.state is NodeState.WRITING and node.op not in self._writes:
+                raise InvariantError(f"tree: {node} is WRITING without a write in flight")
+            if node.state is NodeState.LOADING and node.op not in self._loads:
+                raise InvariantError(f"tree: {node} is LOADING without a load in flight")
+        for handle, h in self._handles.items():
+            if h.node is not None and (not h.node.alive or h.node.lock_ref <= 0):
+                raise InvariantError(f"tree: handle {handle} of {h.request_id!r} holds {h.node}, not alive and locked")
+        locks = sum(1 for h in self._handles.values() if h.node is not None) + len(self._writes)
+        if locks == 0 and not self._admissions:
+            held = [nd for nd in self.tree.walk() if nd.lock_ref]
+            if held or self.tree.protected_tokens:
+                raise InvariantError(
+                    f"tree: no request and no write holds a lock, yet {held[:3]} are locked and "
+                    f"{self.tree.protected_tokens} tokens protected (a leaked lock ref)"
+                )
+
+
+def _cat(parts: Sequence[torch.Tensor | None]) -> Indices:
+    tensors = [p for p in parts if p is not None and len(p)]
+    if not tensors:
+        return Indices()
+    return Indices.from_tensor(torch.cat(tensors))

@@ -1,0 +1,210 @@
+"""Verbs of the tree actor: admission, finish, chunked-prefill caching, eviction.
+
+The facade (the scheduler's thread) sends these as the `facade`; the tree answers
+each with one reply message to the facade once every step of it is done (device
+slots for load-back allocated, the device ledger released, ...).
+"""
+
+from __future__ import annotations
+
+from ._index import Indices, Tokens
+from ._registry import Message, message
+from .device import LedgerEntry, ReleaseReason
+
+
+@message(400)
+class AdmitItem(Message):
+    """One request to match against the cache."""
+
+    request_id: str
+    """The scheduler's request id."""
+    namespace: str
+    """Model / LoRA / cache-salt key; requests of different namespaces never share KV."""
+    tokens: Tokens
+    """The request's prompt (all of it; only whole pages can match)."""
+
+
+@message(401)
+class AdmitRequests(Message):
+    """Match, lock and start load-back for a batch of requests."""
+
+    op_id: int
+    """Correlation id echoed in `Admitted`."""
+    items: tuple[AdmitItem, ...]
+    """The requests, in scheduling order."""
+
+
+@message(402)
+class Admission(Message):
+    """What the cache has for one admitted request."""
+
+    request_id: str
+    """The request."""
+    handle: int
+    """Opaque lock handle: pass it back on finish, cache or release."""
+    device: Indices
+    """Device slots of the cached prefix, in token order (slots still loading included)."""
+    device_hit: int
+    """Tokens of the prefix that were already in device memory."""
+    host_hit: int
+    """Tokens of the prefix being loaded back from host memory now."""
+    host_miss: int
+    """Tokens found in host memory but not loaded (quota, minimum length or device memory)."""
+
+
+@message(403)
+class Admitted(Message):
+    """Reply to `AdmitRequests`: one admission per item, in order."""
+
+    op_id: int
+    """The `op_id` of the admission."""
+    admissions: tuple[Admission, ...]
+    """Per request."""
+
+
+@message(404)
+class FinishItem(Message):
+    """A request leaving: finished, aborted or retracted."""
+
+    request_id: str
+    """The request."""
+    handle: int
+    """Its lock handle."""
+    tokens: Tokens
+    """Every token whose KV was committed, in order."""
+    device: Indices
+    """The device slot of each committed token (same length as `tokens`)."""
+    reason: ReleaseReason
+    """Why it leaves."""
+
+
+@message(405)
+class FinishRequests(Message):
+    """Insert each request's committed prefix, free the rest, release its handle: one place."""
+
+    op_id: int
+    """Correlation id echoed in `Finished`."""
+    items: tuple[FinishItem, ...]
+    """The requests."""
+
+
+@message(406)
+class Finished(Message):
+    """Reply to `FinishRequests`: the final ledgers (freed == allocated)."""
+
+    op_id: int
+    """The `op_id` of the finish."""
+    entries: tuple[LedgerEntry, ...]
+    """Per request, in order."""
+
+
+@message(407)
+class CacheItem(Message):
+    """An unfinished request whose committed prefix should be cached now (chunked prefill)."""
+
+    request_id: str
+    """The request."""
+    handle: int
+    """Its lock handle (released; a new one is returned)."""
+    tokens: Tokens
+    """Tokens committed so far."""
+    device: Indices
+    """Their device slots."""
+
+
+@message(408)
+class CacheUnfinished(Message):
+    """Insert committed prefixes, swap to the tree's slots, move the locks."""
+
+    op_id: int
+    """Correlation id echoed in `Cached`."""
+    items: tuple[CacheItem, ...]
+    """The requests."""
+
+
+@message(409)
+class CachedPrefix(Message):
+    """One request after caching: its new handle and the slots its prefix now uses."""
+
+    request_id: str
+    """The request."""
+    handle: int
+    """The new lock handle (the old one is released)."""
+    device: Indices
+    """Device slots of the cached (page-aligned) prefix: the tree's, which replace the request's."""
+
+
+@message(410)
+class Cached(Message):
+    """Reply to `CacheUnfinished`."""
+
+    op_id: int
+    """The `op_id` of the request."""
+    prefixes: tuple[CachedPrefix, ...]
+    """Per request, in order."""
+
+
+@message(411)
+class EvictDevice(Message):
+    """Free at least `tokens` device slots held by the tree, if it can."""
+
+    op_id: int
+    """Correlation id echoed in `Evicted`."""
+    tokens: int
+    """How many slots to free."""
+
+
+@message(412)
+class EvictHost(Message):
+    """Free at least `tokens` host slots held by host-only nodes, if it can."""
+
+    op_id: int
+    """Correlation id echoed in `Evicted`."""
+    tokens: int
+    """How many slots to free."""
+
+
+@message(413)
+class Evicted(Message):
+    """Reply to `EvictDevice` / `EvictHost`."""
+
+    op_id: int
+    """The `op_id` of the request."""
+    device_tokens: int
+    """Device slots freed (the frees are queued at the device allocator before this reply)."""
+    host_tokens: int
+    """Host slots freed."""
+
+
+@message(414)
+class TreeStatistics(Message):
+    """The tree's numbers."""
+
+    nodes: int
+    """Nodes, roots excluded."""
+    device_tokens: int
+    """Tokens resident in device memory (loading included)."""
+    host_tokens: int
+    """Tokens with a host copy (writing included)."""
+    protected_tokens: int
+    """Device tokens under a lock."""
+    evictable_tokens: int
+    """Device tokens not under a lock."""
+    live_handles: int
+    """Lock handles held by requests."""
+    writes_in_flight: int
+    """Write-throughs not yet acknowledged."""
+    loads_in_flight: int
+    """Load-backs not yet acknowledged."""
+    device_hit_tokens: int
+    """Tokens matched in device memory by admissions."""
+    host_hit_tokens: int
+    """Tokens loaded back from host by admissions."""
+    evicted_device_tokens: int
+    """Device tokens evicted."""
+    evicted_host_tokens: int
+    """Host tokens evicted."""
+    backups_done: int
+    """Write-throughs completed."""
+    backups_failed: int
+    """Write-throughs that failed or found no host memory."""

@@ -1,0 +1,370 @@
+"""`HiCache`: the synchronous, batch-first facade a scheduler embeds (one per rank).
+
+Every call takes a batch and costs one round trip to the actors in the common
+case, so a scheduler calls it once or twice per tick. The facade keeps the
+scheduler-side view of each live request (its committed tokens and the device
+slot of every position) and checks every call before it reaches an actor: an
+unknown request, finishing twice, committing more than was allocated or a stale
+handle is a clear error here, and the actors keep running.
+
+Lifecycle of a request::
+
+    admit -> [start_loads, wait per layer] -> allocate/commit ... -> (cache_unfinished ...)
+          -> finish | abort | retract            (a retracted request may be admitted again)
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hicache.messages import (
+    ActorName,
+    AdmitItem,
+    AdmitRequests,
+    Admitted,
+    AllocateSlots,
+    CacheItem,
+    Cached,
+    CacheUnfinished,
+    CommitSlots,
+    DeviceStatistics,
+    EvictDevice,
+    Evicted,
+    EvictHost,
+    FinishItem,
+    Finished,
+    FinishRequests,
+    HostStatistics,
+    Indices,
+    LedgerEntry,
+    Message,
+    ReleaseReason,
+    SlotDemand,
+    SlotsAllocated,
+    SlotsInsufficient,
+    StartLoads,
+    StreamStatistics,
+    Tokens,
+    TreeStatistics,
+)
+
+from ._layers import LayerWaiter
+from ._system import Runtime, System
+from .config import Config
+
+FINISHED_REMEMBERED_MAX = 1 << 16
+"""Ended request ids remembered to tell "finished twice" from "never admitted"."""
+
+
+class RequestError(ValueError):
+    """A facade call named a request in a way its lifecycle does not allow."""
+
+
+class ExpiredHandleError(RequestError):
+    """A handle was used after `cache_unfinished` replaced it or its request ended."""
+
+
+@dataclass(frozen=True, slots=True)
+class CacheHandle:
+    """Opaque: what a request holds while it lives. Pass it to finish, abort, retract, cache."""
+
+    request_id: str
+    _token: int
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """A request to admit: its id, prompt tokens and namespace (model / LoRA / cache salt)."""
+
+    request_id: str
+    tokens: Sequence[int] | torch.Tensor
+    namespace: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class AdmitResult:
+    request_id: str
+    handle: CacheHandle
+    device_indices: torch.Tensor
+    """Slots of the cached prefix (`cached_tokens` of them); loads into some may still run."""
+    device_hit: int
+    """Prefix tokens already in device memory."""
+    host_hit: int
+    """Prefix tokens loaded back from host now (wait per layer before reading them)."""
+    host_miss: int
+    """Tokens in host memory that were not loaded back (quota, minimum length)."""
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.device_hit + self.host_hit
+
+
+@dataclass(frozen=True, slots=True)
+class Insufficient:
+    """An allocation that does not fit even after eviction; nothing was allocated."""
+
+    requested_slots: int
+    free_slots: int
+    shortfall_slots: int
+
+
+@dataclass(frozen=True, slots=True)
+class HiCacheStatistics:
+    tree: TreeStatistics
+    device: DeviceStatistics
+    host: HostStatistics
+    write: StreamStatistics
+    load: StreamStatistics
+
+
+@dataclass(slots=True)
+class _Live:
+    handle: CacheHandle
+    namespace: str
+    tokens: list[int]
+    """Committed tokens (the cached prefix first)."""
+    slots: torch.Tensor
+    """Device slot of every committed or allocated position."""
+    committed: int
+
+
+class HiCache:
+    """Start from a `Config`; use as a context manager (or `start()` / `close()`)."""
+
+    def __init__(self, config: Config | None = None, *, runtime: Runtime | None = None) -> None:
+        self.config = config or Config()
+        self.system = System(self.config, runtime=runtime)
+        self._live: dict[str, _Live] = {}
+        self._ended: OrderedDict[str, str] = OrderedDict()
+        self._ops = self.system.services.ids
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    def start(self) -> HiCache:
+        self.system.start()
+        return self
+
+    def close(self) -> None:
+        self.system.stop()
+
+    def __enter__(self) -> HiCache:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def device_kv(self) -> Any:
+        """The device KV buffer (`KVBuffer`; `.tensor` is `[2, layers, slots, heads, head_dim]`)."""
+        return self.system.device_kv
+
+    @property
+    def host_kv(self) -> Any:
+        return self.system.host_kv
+
+    # -- admission and loads -------------------------------------------------------
+
+    def admit(self, requests: Iterable[Request]) -> list[AdmitResult]:
+        """Match each request's prompt, lock its cached prefix, start load-back of host hits."""
+        reqs = list(requests)
+        seen: set[str] = set()
+        for r in reqs:
+            if r.request_id in self._live or r.request_id in seen:
+                raise RequestError(f"request {r.request_id!r} is already admitted; finish, abort or retract it first")
+            seen.add(r.request_id)
+        items = tuple(
+            AdmitItem(request_id=r.request_id, namespace=r.namespace, tokens=Tokens.from_tensor(_tokens(r.tokens)))
+            for r in reqs
+        )
+        reply = self._call(ActorName.TREE, AdmitRequests, Admitted, items=items)
+        out = []
+        for r, adm in zip(reqs, reply.admissions, strict=True):
+            handle = CacheHandle(r.request_id, adm.handle)
+            slots = adm.device.as_tensor().clone()
+            cached = adm.device_hit + adm.host_hit
+            prompt = _tokens(r.tokens)
+            self._ended.pop(r.request_id, None)
+            self._live[r.request_id] = _Live(handle, r.namespace, prompt[:cached].tolist(), slots, cached)
+            out.append(AdmitResult(r.request_id, handle, slots, adm.device_hit, adm.host_hit, adm.host_miss))
+        return out
+
+    def start_loads(self) -> LayerWaiter:
+        """Start every queued load-back as one batch; the forward pass waits per layer on the result."""
+        started = self.system.ask(ActorName.LOAD, StartLoads())
+        assert self.system.ring is not None
+        return self.system.ring.waiter(started.batch)
+
+    # -- slots ------------------------------------------------------------------------
+
+    def allocate(self, demands: Mapping[str, int]) -> dict[str, torch.Tensor] | Insufficient:
+        """Device slots for the next tokens of many requests, all or nothing. If the pool is
+        short, the tree evicts and the allocation is tried once more."""
+        for rid, n in demands.items():
+            self._req(rid)
+            if not isinstance(n, int) or n < 0:
+                raise RequestError(f"request {rid!r}: cannot allocate {n!r} slots")
+        reply = self._allocate(demands)
+        if isinstance(reply, SlotsInsufficient):
+            self._call(ActorName.TREE, EvictDevice, Evicted, tokens=reply.shortfall_slots)
+            reply = self._allocate(demands)
+        if isinstance(reply, SlotsInsufficient):
+            return Insufficient(reply.requested_slots, reply.free_slots, reply.shortfall_slots)
+        out = {}
+        for grant in reply.grants:
+            live = self._live[grant.request_id]
+            new = grant.indices.as_tensor()
+            live.slots = torch.cat([live.slots, new])
+            out[grant.request_id] = new.clone()
+        return out
+
+    def _allocate(self, demands: Mapping[str, int]) -> Any:
+        op = self._ops.next("op")
+        items = tuple(SlotDemand(request_id=r, tokens=n) for r, n in demands.items())
+        return self.system.ask(ActorName.DEVICE, AllocateSlots(op_id=op, demands=items))
+
+    def commit(self, tokens: Mapping[str, Sequence[int] | torch.Tensor]) -> None:
+        """Record that the KV of these new tokens (per request, in order) is written."""
+        batch = []
+        for rid, toks in tokens.items():
+            live = self._req(rid)
+            new = _tokens(toks).tolist()
+            if live.committed + len(new) > len(live.slots):
+                raise RequestError(
+                    f"request {rid!r}: committing {len(new)} tokens makes {live.committed + len(new)} committed "
+                    f"but only {len(live.slots)} slots are allocated (allocate before writing KV)"
+                )
+            batch.append((rid, live, new))
+        demands = tuple(SlotDemand(request_id=rid, tokens=len(new)) for rid, _, new in batch)
+        self.system.ask(ActorName.DEVICE, CommitSlots(op_id=self._ops.next("op"), demands=demands))
+        for _, live, new in batch:
+            live.tokens.extend(new)
+            live.committed += len(new)
+
+    def slots(self, request_id: str) -> torch.Tensor:
+        """Device slot of every committed or allocated position of a live request."""
+        return self._req(request_id).slots.clone()
+
+    def committed_tokens(self, request_id: str) -> list[int]:
+        return list(self._req(request_id).tokens)
+
+    # -- leaving ------------------------------------------------------------------------
+
+    def finish(self, handles: Iterable[CacheHandle]) -> list[LedgerEntry]:
+        return self._end(handles, ReleaseReason.FINISHED)
+
+    def abort(self, handles: Iterable[CacheHandle]) -> list[LedgerEntry]:
+        return self._end(handles, ReleaseReason.ABORTED)
+
+    def retract(self, handles: Iterable[CacheHandle]) -> list[LedgerEntry]:
+        """Give a request's memory back; it may be admitted again under the same id."""
+        return self._end(handles, ReleaseReason.RETRACTED)
+
+    def _end(self, handles: Iterable[CacheHandle], reason: ReleaseReason) -> list[LedgerEntry]:
+        hs = self._check_handles(handles)
+        items = tuple(
+            FinishItem(request_id=h.request_id, handle=h._token, reason=reason,
+                       tokens=Tokens.of(self._live[h.request_id].tokens),
+                       device=Indices.from_tensor(self._committed_slots(h.request_id)))
+            for h in hs
+        )
+        reply = self._call(ActorName.TREE, FinishRequests, Finished, items=items)
+        for h in hs:
+            del self._live[h.request_id]
+            if reason is not ReleaseReason.RETRACTED:
+                self._ended[h.request_id] = reason.value
+                while len(self._ended) > FINISHED_REMEMBERED_MAX:
+                    self._ended.popitem(last=False)
+        return list(reply.entries)
+
+    def cache_unfinished(self, handles: Iterable[CacheHandle]) -> list[CacheHandle]:
+        """After a prefill chunk: cache each request's committed prefix, switch it to the
+        tree's slots and move its lock. Returns the new handles (the old ones expire)."""
+        hs = self._check_handles(handles)
+        items = tuple(
+            CacheItem(request_id=h.request_id, handle=h._token, tokens=Tokens.of(self._live[h.request_id].tokens),
+                      device=Indices.from_tensor(self._committed_slots(h.request_id)))
+            for h in hs
+        )
+        reply = self._call(ActorName.TREE, CacheUnfinished, Cached, items=items)
+        out = []
+        for h, prefix in zip(hs, reply.prefixes, strict=True):
+            live = self._live[h.request_id]
+            tree_slots = prefix.device.as_tensor()
+            live.slots = torch.cat([tree_slots, live.slots[len(tree_slots):]])
+            live.handle = CacheHandle(h.request_id, prefix.handle)
+            out.append(live.handle)
+        return out
+
+    # -- eviction, numbers, checks ---------------------------------------------------------
+
+    def evict_device(self, tokens: int) -> int:
+        """Free at least `tokens` device slots held by the cache if it can; returns how many."""
+        return self._call(ActorName.TREE, EvictDevice, Evicted, tokens=tokens).device_tokens
+
+    def evict_host(self, tokens: int) -> int:
+        return self._call(ActorName.TREE, EvictHost, Evicted, tokens=tokens).host_tokens
+
+    def statistics(self) -> HiCacheStatistics:
+        s = self.system.statistics()
+        return HiCacheStatistics(tree=s[ActorName.TREE], device=s[ActorName.DEVICE], host=s[ActorName.HOST],
+                                 write=s[ActorName.WRITE], load=s[ActorName.LOAD])
+
+    def check_invariants(self) -> None:
+        """Every actor checks its core; the facade checks its own view against the ledger."""
+        self.system.check_invariants()
+        for rid, live in self._live.items():
+            if live.committed != len(live.tokens) or live.committed > len(live.slots):
+                raise AssertionError(f"facade: request {rid!r} has {live.committed} committed, "
+                                     f"{len(live.tokens)} tokens, {len(live.slots)} slots")
+
+    @property
+    def live_requests(self) -> tuple[str, ...]:
+        return tuple(self._live)
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _call(self, to: ActorName, verb: type[Message], reply: type[Message], **fields: Any) -> Any:
+        op = self._ops.next("op")
+        self.system.tell(to, verb(op_id=op, **fields))
+        return self.system.await_reply(op, reply)
+
+    def _req(self, rid: str) -> _Live:
+        live = self._live.get(rid)
+        if live is not None:
+            return live
+        if rid in self._ended:
+            raise RequestError(f"request {rid!r} already {self._ended[rid]}; it has no slots any more")
+        raise RequestError(f"request {rid!r} is unknown: admit it first")
+
+    def _check_handles(self, handles: Iterable[CacheHandle]) -> list[CacheHandle]:
+        hs = list(handles)
+        seen: set[str] = set()
+        for h in hs:
+            if not isinstance(h, CacheHandle):
+                raise RequestError(f"expected a CacheHandle from admit() or cache_unfinished(), got {h!r}")
+            live = self._req(h.request_id)
+            if live.handle != h:
+                raise ExpiredHandleError(
+                    f"handle of request {h.request_id!r} has expired: cache_unfinished() replaced it; "
+                    "use the handle it returned"
+                )
+            if h.request_id in seen:
+                raise RequestError(f"request {h.request_id!r} appears twice in one call")
+            seen.add(h.request_id)
+        return hs
+
+    def _committed_slots(self, rid: str) -> torch.Tensor:
+        live = self._live[rid]
+        return live.slots[: live.committed]
+
+
+def _tokens(tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    t = tokens if isinstance(tokens, torch.Tensor) else torch.tensor(list(tokens), dtype=torch.int64)
+    if t.dim() != 1:
+        raise RequestError(f"tokens must be one sequence, got shape {tuple(t.shape)}")
+    return t.to(torch.int64)
