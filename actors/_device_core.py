@@ -134,7 +134,11 @@ class DeviceCore:
     def release_many(self, releases: Sequence[tuple[str, torch.Tensor, ReleaseReason]]) -> list[LedgerView]:
         """Give back every page of each request: its `adopt` pages to the tree, the
         rest to the free list. Exactly once per request; all or nothing."""
-        ledgers = self._distinct_live([rid for rid, _, _ in releases], "release")
+        rids = [rid for rid, _, _ in releases]
+        for rid in rids:  # a request admitted and ended before it allocated has an empty ledger
+            if rid not in self._ledgers and rid not in self._released:
+                self._ledgers[rid] = _Ledger(rid)
+        ledgers = self._distinct_live(rids, "release")
         plans = [
             self._split_release(ledger, adopt)
             for ledger, (_, adopt, _) in zip(ledgers, releases, strict=True)
@@ -144,7 +148,7 @@ class DeviceCore:
             self._owner[adopt_pages] = PageOwner.TREE
             self._owner[rest] = PageOwner.FREE
             self._pool.free(rest)
-            del self._ledgers[rid]
+            self._ledgers.pop(rid, None)
             view = self._view(ledger, freed=ledger.allocated)
             if reason is not ReleaseReason.RETRACTED:
                 self._released[rid] = view
@@ -188,11 +192,11 @@ class DeviceCore:
                 )
         return adopt_pages, mine[~torch.isin(mine, adopt_pages)]
 
-    def _distinct_live(self, rids: list[str], what: str) -> list[_Ledger]:
+    def _distinct_live(self, rids: list[str], what: str, *, new_ok: bool = False) -> list[_Ledger]:
         if len(set(rids)) != len(rids):
             twice = sorted({r for r in rids if rids.count(r) > 1})
             raise LedgerError(f"cannot {what} request(s) {twice} twice in one call")
-        return [self._live(rid, what) for rid in rids]
+        return [self._live(rid, what, new_ok=new_ok) for rid in rids]
 
     def ledger(self, rid: str) -> LedgerView:
         if rid in self._ledgers:
@@ -274,12 +278,14 @@ class DeviceCore:
             )
         return self._ledgers.get(rid) or _Ledger(rid)
 
-    def _live(self, rid: str, what: str) -> _Ledger:
+    def _live(self, rid: str, what: str, *, new_ok: bool = False) -> _Ledger:
         ledger = self._ledgers.get(rid)
         if ledger is not None:
             return ledger
         if rid in self._released:
             raise LedgerError(f"cannot {what} request {rid!r}: it was already released (released twice?)")
+        if new_ok:
+            return _Ledger(rid)
         raise LedgerError(f"cannot {what} request {rid!r}: it has no slots (unknown request)")
 
     def _slots_of(self, ledger: _Ledger, start: int, end: int) -> torch.Tensor:

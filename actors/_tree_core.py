@@ -309,7 +309,7 @@ class TreeCore:
         for nd in w.nodes:
             nd.op = 0
             self.tree.set_state(nd, NodeState.SYNCED)
-            self.tree.lock(nd, -1)
+        self.tree.lock(w.nodes[-1], -1)  # one lock per write, on its deepest node (splits add uppers)
         self.n.backups_done += 1
         if w.evict_after:
             freed = [nd for nd in w.nodes if self.tree.device_evictable(nd)]
@@ -372,7 +372,7 @@ class TreeCore:
         for nd in w.nodes:
             nd.op = 0
             self.tree.set_state(nd, NodeState.DEVICE)
-            self.tree.lock(nd, -1)
+        self.tree.lock(w.nodes[-1], -1)
         if w.evict_after:
             frees = [self._drop_device(nd) for nd in w.nodes if self.tree.device_evictable(nd)]
             self._emit_device_frees(frees)
@@ -451,6 +451,9 @@ class TreeCore:
                 f"{h.prefix_tokens} it was admitted with"
             )
         out = self.tree.insert(h.namespace, tokens[:n], device[:n], own_from=h.prefix_tokens)
+        if out.revived:
+            revived = _cat([nd.host for nd in out.revived])
+            self._emit(HOST, SetHostState(indices=revived, state=HostSlotState.SYNCED))
         adopted.extend(out.adopted)
         duplicates.extend(out.duplicates)
         return out.path

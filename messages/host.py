@@ -42,6 +42,7 @@ HOST_TRANSITIONS: frozenset[tuple[HostSlotState, HostSlotState]] = frozenset(
         (_S.SYNCED, _S.FREE),  # host copy dropped while the device copy stays
         (_S.HOST_ONLY, _S.LOADING),  # load-back starts
         (_S.HOST_ONLY, _S.FREE),  # host eviction
+        (_S.HOST_ONLY, _S.SYNCED),  # the device copy was computed again (an insert revived the node)
         (_S.LOADING, _S.SYNCED),  # load done: device and host agree
         (_S.LOADING, _S.HOST_ONLY),  # load failed: the device copy is not valid
         (_S.PREFETCHING, _S.HOST_ONLY),  # page read from storage

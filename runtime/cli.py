@@ -21,6 +21,12 @@ def _parser() -> argparse.ArgumentParser:
     tr = bsub.add_parser("transfer", help="D2H/H2D throughput of the stream actors vs a raw copy")
     tr.add_argument("--json", action="store_true", help="print one JSON object with `results`")
     tr.add_argument("--quick", action="store_true", help="a small, fast run (for smoke tests)")
+    ov = bsub.add_parser("overhead", help="a tick of 64 requests through the actors vs directly on the cores")
+    ov.add_argument("--json", action="store_true", help="print one JSON object (actor_ms, direct_ms, ratio, ...)")
+    ov.add_argument("--quick", action="store_true", help="a small, fast run (for smoke tests)")
+    tree = bsub.add_parser("tree", help="radix tree match/insert/evict throughput as the tree grows")
+    tree.add_argument("--json", action="store_true", help="print one JSON object (evict_us_small, ...)")
+    tree.add_argument("--quick", action="store_true", help="a small, fast run (for smoke tests)")
     return p
 
 
@@ -35,6 +41,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ._bench_transfer import run_bench_transfer
 
         return run_bench_transfer(as_json=args.json, quick=args.quick)
+    if args.command == "bench" and args.bench == "overhead":
+        from ._bench_overhead import run_bench_overhead
+
+        return run_bench_overhead(as_json=args.json, quick=args.quick)
+    if args.command == "bench" and args.bench == "tree":
+        from ._bench_tree import run_bench_tree
+
+        return run_bench_tree(as_json=args.json, quick=args.quick)
     raise AssertionError(f"unhandled command {args}")  # argparse rejects unknown commands
 
 

@@ -47,11 +47,33 @@ class FingerprintOracle:
         self._grow(len(t))
         return torch.cumsum((t + 1) * self._weights[: len(t)], dim=0)
 
-    def expected(self, tokens: Sequence[int] | torch.Tensor, start: int, end: int) -> torch.Tensor:
-        """The KV of positions `start..end` of `tokens`, as `[2, L, end - start, H, D]`."""
+    def hash_at(self, tokens: Sequence[int] | torch.Tensor, position: int, *, base: int = 0, start: int = 0) -> int:
+        """The prefix hash of `position` (0 before position 0), extending `base`, the hash of
+        `start - 1`: so a caller that keeps it pays only for the new tokens."""
+        if position < start:
+            return base
+        t = torch.as_tensor(tokens[start : position + 1], dtype=torch.int64)
+        self._grow(position + 1)
+        total = base + int(((t + 1) * self._weights[start : position + 1]).sum())
+        return (total + 2**63) % 2**64 - 2**63  # int64 arithmetic wraps, as in prefix_hashes
+
+    def expected(
+        self, tokens: Sequence[int] | torch.Tensor, start: int, end: int, *, base: int | None = None
+    ) -> torch.Tensor:
+        """The KV of positions `start..end` of `tokens`, as `[2, L, end - start, H, D]`.
+
+        `base`, if given, is `hash_at(tokens, start - 1)`: only `tokens[start:end]` are read."""
         if not 0 <= start <= end <= len(tokens):
             raise ValueError(f"positions {start}..{end} outside a prefix of {len(tokens)} tokens")
-        h = self.prefix_hashes(tokens[:end])[start:end]
+        if base is None:
+            h = self.prefix_hashes(tokens[:end])[start:end]
+        else:
+            t = torch.as_tensor(tokens[start:end], dtype=torch.int64)
+            self._grow(end)
+            h = base + torch.cumsum((t + 1) * self._weights[start:end], dim=0)
+        return self._values(h)
+
+    def _values(self, h: torch.Tensor) -> torch.Tensor:
         x = h.view(1, 1, -1) * _MIX_A + self._layer_salt
         x = x ^ (x >> 29)
         x = x * _MIX_A
@@ -59,29 +81,39 @@ class FingerprintOracle:
         values = base.to(torch.float32).unsqueeze(-1).unsqueeze(-1) + self._ramp
         return values.to(self.shape.dtype)
 
-    def write(self, buffer: KVBuffer, tokens: Sequence[int] | torch.Tensor, slots: torch.Tensor, start: int = 0) -> None:
+    def write(
+        self, buffer: KVBuffer, tokens: Sequence[int] | torch.Tensor, slots: torch.Tensor, start: int = 0,
+        *, base: int | None = None,
+    ) -> None:
         """Write the KV of positions `start .. start + len(slots)` into `slots`."""
-        buffer.write(slots, self.expected(tokens, start, start + len(slots)))
+        buffer.write(slots, self.expected(tokens, start, start + len(slots), base=base))
 
-    def verify(self, buffer: KVBuffer, tokens: Sequence[int] | torch.Tensor, slots: torch.Tensor, start: int = 0) -> None:
-        """Raise `FingerprintMismatchError` at the first wrong slot (lowest position, then layer)."""
+    def verify(
+        self, buffer: KVBuffer, tokens: Sequence[int] | torch.Tensor, slots: torch.Tensor, start: int = 0,
+        *, layer: int | None = None,
+    ) -> None:
+        """Raise `FingerprintMismatchError` at the first wrong slot (lowest position, then layer).
+
+        With `layer`, only that layer is read and checked (a forward pass checks each
+        layer right after waiting for its load)."""
         if not len(slots):
             return
         actual = buffer.read(slots)
         want = self.expected(tokens, start, start + len(slots)).to(actual.device)
         wrong = (actual != want).flatten(3).any(-1)  # [2, L, n]
+        if layer is not None:
+            wrong[:, [i for i in range(wrong.shape[1]) if i != layer]] = False
         if not bool(wrong.any()):
             return
-        by_pos = wrong.any(0).any(0).nonzero()
-        pos = int(by_pos[0, 0])
-        kv_i, layer = (int(v) for v in wrong[:, :, pos].nonzero()[0])
+        pos = int(wrong.any(0).any(0).nonzero()[0, 0])
+        kv_i, bad_layer = (int(v) for v in wrong[:, :, pos].nonzero()[0])
         kv = "KV"[kv_i]
         slot = int(slots[pos])
         raise FingerprintMismatchError(
-            f"slot {slot} (position {start + pos}) layer {layer} {kv}: expected "
-            f"{want[kv_i, layer, pos].flatten()[:4].tolist()}..., found "
-            f"{actual[kv_i, layer, pos].flatten()[:4].tolist()}...",
-            slot=slot, position=start + pos, layer=layer, kv=kv,
+            f"slot {slot} (position {start + pos}) layer {bad_layer} {kv}: expected "
+            f"{want[kv_i, bad_layer, pos].flatten()[:4].tolist()}..., found "
+            f"{actual[kv_i, bad_layer, pos].flatten()[:4].tolist()}...",
+            slot=slot, position=start + pos, layer=bad_layer, kv=kv,
         )
 
     def _grow(self, n: int) -> None:

@@ -1,0 +1,319 @@
+"""The reference scheduler: a continuous-batching loop that embeds `HiCache` like an engine.
+
+Each `tick()`:
+
+1. admits waiting requests in order while the running set and the tick's token
+   budget allow (one `admit` call for the batch), and starts their load-backs;
+2. plans the tick: a prefill chunk for each request still in prefill, one token
+   for each request in decode, and allocates slots for all of it in one call;
+   when the pool is short even after eviction, it retracts the most recently
+   admitted decoding request (it goes back to the head of the queue) and tries
+   again;
+3. runs the fake model: it waits for each layer's load and checks, layer by layer,
+   the KV of every prefix the cache supplied (fingerprint oracle), then writes
+   fingerprint KV for the tokens it computes;
+4. commits what was computed (one call); caches requests that finished a prefill
+   chunk but not the prompt (`cache_unfinished`), finishes requests that produced
+   all their output, and aborts some when an abort rate is set.
+
+Token semantics follow an engine: a request is admitted with its sequence minus
+the last token (so at least one token is always computed), prefill computes the
+KV of prompt positions and yields the first output token, and each decode step
+computes the KV of the last token and yields the next one; the last output
+token's KV is never computed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from hicache.actors import KVShape
+
+from ._facade import CacheHandle, HiCache, Insufficient, Request
+from ._layers import LayerWaiter, LoadFailedError
+from .oracle import FingerprintOracle
+from .trace import VOCAB_SIZE
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_running: int = 32
+    """Most requests admitted at once."""
+    prefill_tokens_per_tick: int = 8192
+    """Token budget of prefill chunks in one tick."""
+    chunk_tokens: int = 4096
+    """Most prompt tokens one request computes in one tick (chunked prefill)."""
+    abort_rate: float = 0.0
+    """Chance per tick that a running request is aborted (tests)."""
+    seed: int = 0
+    """Seeds abort choices."""
+    verify: bool = True
+    """Check every cache-supplied prefix with the fingerprint oracle."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_running", "prefill_tokens_per_tick", "chunk_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"SchedulerConfig.{name} must be > 0, got {getattr(self, name)}")
+        if not 0.0 <= self.abort_rate <= 1.0:
+            raise ValueError(f"SchedulerConfig.abort_rate must be in [0, 1], got {self.abort_rate}")
+
+
+@dataclass(frozen=True, slots=True)
+class ServeRequest:
+    request_id: str
+    prompt: torch.Tensor
+    output_tokens: int
+    namespace: str = ""
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What happened to one request (hits from its first admission)."""
+
+    request_id: str
+    input_tokens: int
+    device_hit: int = 0
+    host_hit: int = 0
+    computed_prompt_tokens: int = 0
+    retractions: int = 0
+    aborted: bool = False
+    finished: bool = False
+    first_tick: int = -1
+
+
+@dataclass(slots=True)
+class _Running:
+    spec: ServeRequest
+    handle: CacheHandle
+    seq: list[int]
+    computed: int
+    """Positions whose KV is written and committed."""
+    verify_from: int
+    verify_to: int
+    """Cache-supplied positions not yet checked by the model."""
+    hash_base: int
+    """Oracle prefix hash of position `computed - 1`."""
+    outputs: int
+    admitted_at: int
+    since_cache: int = 0
+
+
+@dataclass(slots=True)
+class _Step:
+    run: _Running
+    start: int
+    count: int
+    slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+
+
+class FakeModel:
+    """Writes fingerprint KV for computed tokens; checks cached KV after each layer's load."""
+
+    def __init__(self, hc: HiCache) -> None:
+        self.hc = hc
+        self.oracle = FingerprintOracle(KVShape.of(hc.config))
+        self.verified_tokens = 0
+        self.written_tokens = 0
+
+    def forward(self, steps: list[_Step], waiter: LayerWaiter | None, verify: bool) -> None:
+        checks = [(st.run, self.hc.slots(st.run.spec.request_id)) for st in steps
+                  if verify and st.run.verify_to > st.run.verify_from]
+        for layer in range(self.hc.config.layers):
+            if waiter is not None:
+                waiter.wait_layer(layer)
+            for run, slots in checks:
+                lo, hi = run.verify_from, run.verify_to
+                self.oracle.verify(self.hc.device_kv, run.seq[:hi], slots[lo:hi], start=lo, layer=layer)
+        for run, _ in checks:
+            self.verified_tokens += run.verify_to - run.verify_from
+            run.verify_from = run.verify_to
+        for st in steps:
+            run = st.run
+            end = st.start + st.count
+            self.oracle.write(self.hc.device_kv, run.seq[:end], st.slots, start=st.start, base=run.hash_base)
+            run.hash_base = self.oracle.hash_at(run.seq, end - 1, base=run.hash_base, start=st.start)
+            self.written_tokens += st.count
+
+
+class ReferenceScheduler:
+    def __init__(self, hc: HiCache, config: SchedulerConfig | None = None) -> None:
+        self.hc = hc
+        self.config = config or SchedulerConfig()
+        self.model = FakeModel(hc)
+        self._rng = random.Random(f"scheduler:{self.config.seed}")
+        self.waiting: deque[ServeRequest | _Running] = deque()
+        self.running: dict[str, _Running] = {}
+        self.outcomes: dict[str, Outcome] = {}
+        self.ticks = 0
+        self.load_failures = 0
+
+    # -- driving ---------------------------------------------------------------------
+
+    def submit(self, requests: Iterable[ServeRequest]) -> None:
+        for r in requests:
+            if r.request_id in self.outcomes:
+                raise ValueError(f"request {r.request_id!r} was submitted twice")
+            if len(r.prompt) < 1 or r.output_tokens < 1:
+                raise ValueError(f"request {r.request_id!r} needs a prompt and at least one output token")
+            self.outcomes[r.request_id] = Outcome(r.request_id, len(r.prompt))
+            self.waiting.append(r)
+
+    def run(self, on_tick: Callable[[ReferenceScheduler], None] | None = None, max_ticks: int = 10_000_000) -> None:
+        """Tick until every submitted request finished or was aborted."""
+        while self.waiting or self.running:
+            if self.ticks >= max_ticks:
+                raise RuntimeError(f"still {len(self.waiting)} waiting, {len(self.running)} running after {max_ticks} ticks")
+            self.tick()
+            if on_tick is not None:
+                on_tick(self)
+
+    def tick(self) -> None:
+        self.ticks += 1
+        waiter = self._admit()
+        steps = self._plan()
+        if steps:
+            try:
+                self.model.forward(steps, waiter, self.config.verify)
+            except LoadFailedError:
+                self._retract_after_failed_load(steps)
+                return
+            self.hc.commit({st.run.spec.request_id: st.run.seq[st.start : st.start + st.count] for st in steps})
+            for st in steps:
+                st.run.computed += st.count
+        self._advance(steps)
+
+    # -- admission -------------------------------------------------------------------------
+
+    def _admit(self) -> LayerWaiter | None:
+        room = self.config.max_running - len(self.running)
+        budget = self.config.prefill_tokens_per_tick
+        batch: list[ServeRequest | _Running] = []
+        while self.waiting and room > 0:
+            nxt = self.waiting[0]
+            need = len(nxt.prompt) if isinstance(nxt, ServeRequest) else len(nxt.seq)
+            if batch and need > budget:
+                break
+            batch.append(self.waiting.popleft())
+            budget -= need
+            room -= 1
+        if not batch:
+            return None
+        reqs = []
+        for item in batch:
+            spec = item if isinstance(item, ServeRequest) else item.spec
+            seq = spec.prompt.tolist() if isinstance(item, ServeRequest) else item.seq
+            reqs.append(Request(spec.request_id, seq[:-1], spec.namespace))
+        results = self.hc.admit(reqs)
+        for item, res in zip(batch, results, strict=True):
+            spec = item if isinstance(item, ServeRequest) else item.spec
+            seq = spec.prompt.tolist() if isinstance(item, ServeRequest) else item.seq
+            outputs = 0 if isinstance(item, ServeRequest) else item.outputs
+            cached = res.cached_tokens
+            run = _Running(spec, res.handle, seq, cached, 0, cached,
+                           self.model.oracle.hash_at(seq, cached - 1), outputs, self.ticks)
+            self.running[spec.request_id] = run
+            out = self.outcomes[spec.request_id]
+            if out.first_tick < 0:
+                out.first_tick = self.ticks
+                out.device_hit, out.host_hit = res.device_hit, res.host_hit
+        if any(r.host_hit for r in results):
+            return self.hc.start_loads()
+        return None
+
+    # -- one tick of work --------------------------------------------------------------------
+
+    def _plan(self) -> list[_Step]:
+        """A step per running request: the rest of its sequence up to a chunk (prefill, or a
+        re-prefill after retraction) or its last token (decode); then slots for all of it."""
+        budget = self.config.prefill_tokens_per_tick
+        steps = []
+        for run in self.running.values():
+            left = len(run.seq) - run.computed
+            n = left if left == 1 else min(left, self.config.chunk_tokens, budget)
+            if n <= 0:
+                continue
+            if left > 1:
+                budget -= n
+            steps.append(_Step(run, run.computed, n))
+        while steps:
+            got = self.hc.allocate({st.run.spec.request_id: st.count for st in steps})
+            if not isinstance(got, Insufficient):
+                for st in steps:
+                    st.slots = got[st.run.spec.request_id]
+                return steps
+            victim = self._retraction_victim()
+            if victim is None or (len(self.running) == 1 and not self.waiting and len(steps) == 1):
+                raise RuntimeError(
+                    f"the device pool cannot hold one step of request {steps[0].run.spec.request_id!r} "
+                    f"({got.shortfall_slots} slots short after eviction); use a larger device_slots"
+                )
+            steps = [st for st in steps if st.run is not victim]
+            self._retract(victim)
+        return steps
+
+    def _advance(self, steps: list[_Step]) -> None:
+        to_finish: list[_Running] = []
+        to_cache: list[_Running] = []
+        for st in steps:
+            run = st.run
+            prompt_len = len(run.spec.prompt)
+            self.outcomes[run.spec.request_id].computed_prompt_tokens += (
+                min(st.start + st.count, prompt_len) - min(st.start, prompt_len)
+            )
+            if run.computed < len(run.seq):
+                to_cache.append(run)  # a chunk done, more of the sequence to compute
+                continue
+            run.seq.append(_output_token(run.spec.request_id, run.outputs))
+            run.outputs += 1
+            if run.outputs >= run.spec.output_tokens:
+                to_finish.append(run)
+        if to_cache:
+            new = self.hc.cache_unfinished([r.handle for r in to_cache])
+            for run, handle in zip(to_cache, new, strict=True):
+                run.handle = handle
+                run.verify_to = max(run.verify_to, run.computed - run.computed % self.hc.config.page_size)
+        if to_finish:
+            self.hc.finish([r.handle for r in to_finish])
+            for run in to_finish:
+                del self.running[run.spec.request_id]
+                self.outcomes[run.spec.request_id].finished = True
+        if self.config.abort_rate:
+            doomed = [r for r in self.running.values() if self._rng.random() < self.config.abort_rate]
+            if doomed:
+                self.hc.abort([r.handle for r in doomed])
+                for run in doomed:
+                    del self.running[run.spec.request_id]
+                    self.outcomes[run.spec.request_id].aborted = True
+
+    # -- retraction ---------------------------------------------------------------------------------
+
+    def _retraction_victim(self) -> _Running | None:
+        if not self.running:
+            return None
+        decoding = [r for r in self.running.values() if r.outputs > 0]
+        pool = decoding or list(self.running.values())
+        return max(pool, key=lambda r: (r.admitted_at, r.spec.request_id))
+
+    def _retract(self, run: _Running) -> None:
+        self.hc.retract([run.handle])
+        del self.running[run.spec.request_id]
+        self.outcomes[run.spec.request_id].retractions += 1
+        self.waiting.appendleft(run)
+
+    def _retract_after_failed_load(self, steps: list[_Step]) -> None:
+        """A load-back failed, so this tick's forward pass did not run: every request of
+        it is retracted (its allocations go back) and recomputes from what is cached."""
+        self.load_failures += 1
+        for run in sorted((st.run for st in steps), key=lambda r: r.admitted_at, reverse=True):
+            self._retract(run)
+
+
+def _output_token(request_id: str, index: int) -> int:
+    """The `index`-th output token of a request: deterministic, so a retried request repeats it."""
+    digest = hashlib.blake2b(request_id.encode() + index.to_bytes(8, "little"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % VOCAB_SIZE
