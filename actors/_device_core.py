@@ -134,11 +134,8 @@ class DeviceCore:
     def release_many(self, releases: Sequence[tuple[str, torch.Tensor, ReleaseReason]]) -> list[LedgerView]:
         """Give back every page of each request: its `adopt` pages to the tree, the
         rest to the free list. Exactly once per request; all or nothing."""
-        rids = [rid for rid, _, _ in releases]
-        for rid in rids:  # a request admitted and ended before it allocated has an empty ledger
-            if rid not in self._ledgers and rid not in self._released:
-                self._ledgers[rid] = _Ledger(rid)
-        ledgers = self._distinct_live(rids, "release")
+        # A request admitted and ended before it allocated has an empty ledger.
+        ledgers = self._distinct_live([rid for rid, _, _ in releases], "release", new_ok=True)
         plans = [
             self._split_release(ledger, adopt)
             for ledger, (_, adopt, _) in zip(ledgers, releases, strict=True)
@@ -160,7 +157,7 @@ class DeviceCore:
     def swap(self, rid: str, adopt: torch.Tensor, free: torch.Tensor) -> LedgerView:
         """Mid-life: whole committed pages of a live request go to the tree (`adopt`) or
         back to the free list (`free`, duplicates of the tree's); the request stays live."""
-        ledger = self._live(rid, "swap pages of")
+        ledger = self._live(rid, "swap pages of", new_ok=True)  # a full-prefix hit may not have allocated
         p = self.page_size
         adopt_pages = pages_of(adopt, p, f"slots adopted from request {rid!r}")
         free_pages = pages_of(free, p, f"duplicate slots freed from request {rid!r}")

@@ -104,11 +104,14 @@ class KVBuffer:
             return t[page, :, :, offset : offset + span].unsqueeze(2)
         return t[page, :, layer, offset : offset + span].unsqueeze(1)
 
-    def read(self, indices: torch.Tensor) -> torch.Tensor:
-        """A copy of the KV in `indices` as `[2, L, n, H, D]` on CPU, in index order."""
+    def read(self, indices: torch.Tensor, *, layer: int | None = None) -> torch.Tensor:
+        """A copy of the KV in `indices` as `[2, L, n, H, D]` on CPU, in index order
+        (with `layer`: that layer only, as `[2, 1, n, H, D]`)."""
         out = KVBuffer.staging(self.shape, len(indices))
-        copy_kv(self, indices, out, torch.arange(len(indices)))
-        return out.tensor[:, :, : len(indices)]
+        copy_kv(self, indices, out, torch.arange(len(indices)), layer=layer)
+        if layer is None:
+            return out.tensor[:, :, : len(indices)]
+        return out.tensor[:, layer : layer + 1, : len(indices)]
 
     def write(self, indices: torch.Tensor, data: torch.Tensor) -> None:
         """Write `data` (`[2, L, n, H, D]`) into `indices`."""

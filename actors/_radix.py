@@ -28,12 +28,12 @@ import enum
 import hashlib
 import heapq
 import itertools
+import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 
-from hicache.messages import Indices
 from hicache.runtime.config import EvictionPolicy
 
 from ._errors import InvariantError
@@ -105,7 +105,7 @@ class Node:
 
     @property
     def tokens(self) -> int:
-        return len(self.key)
+        return self.key.shape[0]
 
     @property
     def is_root(self) -> bool:
@@ -134,6 +134,21 @@ class InsertOutcome:
     """Slots of the caller whose KV the tree already holds in other slots."""
     revived: list[Node]
     """Host-only nodes that got the caller's device slots (now SYNCED)."""
+
+
+class _Where:
+    """`tree: <node>`, formatted only when an invariant message is built."""
+
+    __slots__ = ("node",)
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+
+    def __str__(self) -> str:
+        return f"tree: {self.node}"
+
+    def __format__(self, spec: str) -> str:
+        return str(self)
 
 
 class RadixTree:
@@ -183,6 +198,7 @@ class RadixTree:
             if partial:
                 child = self.split(child, same)
             child.last_access = self._tick
+            self.offer(child)  # its eviction key changed (LRU, LFU and PRIORITY use the access time)
             path.append(child)
             pos += child.tokens
             node = child
@@ -298,6 +314,7 @@ class RadixTree:
     # -- lifecycle and locks ----------------------------------------------------------
 
     def set_state(self, node: Node, to: NodeState) -> None:
+        self._require_move(node, to)  # before any counter changes: a refused move changes nothing
         self._account(node, -1)
         self._move(node, to)
         self._account(node, +1)
@@ -324,6 +341,7 @@ class RadixTree:
         self._account(node, +1)
 
     def _change(self, node: Node, to: NodeState, *, device: torch.Tensor | None) -> None:
+        self._require_move(node, to)
         self._account(node, -1)
         self._move(node, to)
         node.device = device
@@ -333,13 +351,17 @@ class RadixTree:
             self.offer(node.parent)
 
     def _move(self, node: Node, to: NodeState) -> None:
+        self._require_move(node, to)
+        node.state = to
+
+    @staticmethod
+    def _require_move(node: Node, to: NodeState) -> None:
         if (node.state, to) not in NODE_TRANSITIONS:
             raise NodeStateError(
                 f"illegal node transition {node.state.value} -> {to.value} on {node} "
                 f"(legal from {node.state.value}: "
                 f"{', '.join(sorted(b.value for a, b in NODE_TRANSITIONS if a is node.state)) or 'none'})"
             )
-        node.state = to
 
     def lock(self, node: Node, delta: int) -> None:
         """Add `delta` (+1 or -1) to the lock ref of `node` and every ancestor."""
@@ -474,7 +496,7 @@ class RadixTree:
 
     def _chain(self, prev: int, key: torch.Tensor) -> tuple[int, ...]:
         """hash(page) = blake2b(parent page hash || page token bytes), one per page."""
-        data = Indices.from_tensor(key).to_bytes()
+        data = struct.pack(f"<{key.shape[0]}q", *key.tolist())
         step = 8 * self.page_size
         out = []
         for at in range(0, len(data), step):
@@ -502,7 +524,7 @@ class RadixTree:
             count += 1
             parent = node.parent
             assert parent is not None
-            where = f"tree: {node}"
+            where = _Where(node)
             if parent.children.get(self._page_key(node.key, 0)) is not node:
                 raise InvariantError(f"{where} is not its parent's child under its first page")
             if node.tokens == 0 or node.tokens % p or len(node.hashes) != node.tokens // p:

@@ -42,7 +42,7 @@ from hicache.runtime.config import Config
 
 from ._errors import InvariantError
 from ._kv import CopyPlan, KVBuffer, copy_kv
-from ._transfer_core import TransferOp, TransferQueue, batch_indices, op_problem
+from ._transfer_core import Piece, TransferOp, TransferQueue, batch_indices, op_problem
 
 _COPY_ERRORS = (RuntimeError, ValueError, IndexError)
 """What a torch copy raises on bad input or a device fault; reported as a failed transfer."""
@@ -155,6 +155,9 @@ class WriteStreamActor(HiActor):
                 self.unknown(message)
         return None
 
+    def _batch_indices(self, batch: list[Piece]) -> tuple[torch.Tensor, torch.Tensor]:
+        return batch_indices(batch)
+
     def _schedule_drain(self) -> None:
         if not self._drain_pending:
             self._drain_pending = True
@@ -167,7 +170,7 @@ class WriteStreamActor(HiActor):
         ops = tuple(dict.fromkeys(p.op.op_id for p in batch))
         reason = self._services.faults.transfer_fault(self.name, ops)
         if reason is None:
-            src, dst = batch_indices(batch)
+            src, dst = self._batch_indices(batch)
             try:
                 with self._cuda.begin():
                     nbytes = copy_kv(self._device, src, self._host, dst, non_blocking=self._cuda.stream is not None)

@@ -53,6 +53,7 @@ from hicache.messages import (
     LedgerEntry,
     LoadKV,
     Message,
+    ReleaseReason,
     ReleaseRequests,
     SetHostState,
     SlotRelease,
@@ -147,16 +148,32 @@ class TreeCore:
         self._finishes: dict[int, int] = {}
         self._swaps: dict[int, _Swaps] = {}
         self._swap_of: dict[int, int] = {}
+        self._building: list[_Plan] = []
+        """Plans of the admission being built: a later item's match may split their nodes."""
         self.n = _Counters()
 
     # == facade verbs ====================================================================
 
     def admit(self, op_id: int, items: Sequence[AdmitItem]) -> None:
         quota = self.config.load_back_quota_tokens
-        planned: set[int] = set()
         plans: list[_Plan] = []
+        self._building = plans
+        try:
+            self._plan_admission(items, plans, quota)
+        finally:
+            self._building = []
+        total = sum(nd.tokens for p in plans for nd in p.load_nodes)
+        if total == 0:
+            self._reply_admitted(op_id, plans)
+            return
+        load_op = self._next_id()
+        self._admissions[load_op] = _Admission(op_id, plans)
+        self._emit(DEVICE, AllocateLoadSlots(op_id=load_op, tokens=total))
+
+    def _plan_admission(self, items: Sequence[AdmitItem], plans: list[_Plan], quota: int) -> None:
         for item in items:
             path = self.tree.match(item.namespace, item.tokens.as_tensor())
+            planned = {nd.id for p in plans for nd in p.load_nodes}  # after this match's splits
             dev = [nd for nd in path if nd.state in RESIDENT or nd.id in planned]
             rest = path[len(dev):]
             host_tokens = sum(nd.tokens for nd in rest)
@@ -174,22 +191,13 @@ class TreeCore:
             loaded = sum(nd.tokens for nd in load)
             handle = self._new_handle(item.request_id, item.namespace, top, sum(nd.tokens for nd in dev) + loaded)
             plans.append(_Plan(item, handle, dev, load, host_tokens - loaded))
-        total = sum(nd.tokens for p in plans for nd in p.load_nodes)
-        if total == 0:
-            self._reply_admitted(op_id, plans)
-            return
-        load_op = self._next_id()
-        self._admissions[load_op] = _Admission(op_id, plans)
-        self._emit(DEVICE, AllocateLoadSlots(op_id=load_op, tokens=total))
 
     def finish(self, op_id: int, items: Sequence[FinishItem]) -> None:
         releases = []
-        for it in items:
-            h = self._take_handle(it.handle, it.request_id)
+        for it, h in zip(items, self._take_handles(items), strict=True):
             adopted: list[torch.Tensor] = []
             path = self._insert(h, it.tokens.as_tensor(), it.device.as_tensor(), adopted, [])
-            if h.node is not None:
-                self.tree.lock(h.node, -1)
+            self._unlock_finished(h, it.reason)
             for nd in path:
                 self._consider_backup(nd)
             releases.append(SlotRelease(request_id=it.request_id, adopt=_cat(adopted), reason=it.reason))
@@ -199,8 +207,7 @@ class TreeCore:
 
     def cache_unfinished(self, op_id: int, items: Sequence[CacheItem]) -> None:
         swaps = _Swaps(op_id, [])
-        for it in items:
-            h = self._take_handle(it.handle, it.request_id)
+        for it, h in zip(items, self._take_handles(items), strict=True):
             adopted: list[torch.Tensor] = []
             duplicates: list[torch.Tensor] = []
             path = self._insert(h, it.tokens.as_tensor(), it.device.as_tensor(), adopted, duplicates)
@@ -345,9 +352,8 @@ class TreeCore:
         threshold = _THRESHOLD.get(self.config.write_policy)
         if threshold is None or not self.config.host_tier or not node.alive:
             return
-        parent = node.parent
-        parent_backed = parent is None or parent.is_root or parent.state in BACKED
-        if node.state is NodeState.DEVICE and node.op == 0 and node.hit_count >= threshold and parent_backed:
+        if (node.state is NodeState.DEVICE and node.op == 0 and node.hit_count >= threshold
+                and self._parent_backed(node)):
             self._start_backup(node, evict_after=False)
 
     def _start_backup(self, node: Node, *, evict_after: bool) -> bool:
@@ -424,17 +430,20 @@ class TreeCore:
 
     def _give_up_loads(self, adm: _Admission) -> None:
         for p in adm.plans:
-            if not p.load_nodes:
+            # Nodes another plan of the batch was to load sit in device_nodes, still host-only.
+            keep = [nd for nd in p.device_nodes if nd.state in RESIDENT]
+            dropped = p.device_nodes[len(keep):] + p.load_nodes
+            if not dropped:
                 continue
-            top = p.device_nodes[-1] if p.device_nodes else None
+            top = keep[-1] if keep else None
             if top is not None:
                 self.tree.lock(top, +1)
-            self.tree.lock(p.load_nodes[-1], -1)
+            self.tree.lock(dropped[-1], -1)
             h = self._handles[p.handle]
             h.node = top
-            h.prefix_tokens = sum(nd.tokens for nd in p.device_nodes)
-            p.host_miss += sum(nd.tokens for nd in p.load_nodes)
-            p.load_nodes = []
+            h.prefix_tokens = sum(nd.tokens for nd in keep)
+            p.host_miss += sum(nd.tokens for nd in dropped)
+            p.device_nodes, p.load_nodes = keep, []
 
     # == helpers ==============================================================================
 
@@ -460,10 +469,11 @@ class TreeCore:
 
     def _reply_admitted(self, op_id: int, plans: list[_Plan]) -> None:
         admissions = []
+        loading = {nd.id for p in plans for nd in p.load_nodes}  # loaded by this batch, for any of its plans
         for p in plans:
             nodes = p.device_nodes + p.load_nodes
-            dev_hit = sum(nd.tokens for nd in p.device_nodes)
-            host_hit = sum(nd.tokens for nd in p.load_nodes)
+            dev_hit = sum(nd.tokens for nd in nodes if nd.id not in loading)
+            host_hit = sum(nd.tokens for nd in nodes if nd.id in loading)
             self.n.device_hit_tokens += dev_hit
             self.n.host_hit_tokens += host_hit
             admissions.append(Admission(
@@ -479,14 +489,33 @@ class TreeCore:
         self._handles[handle] = _Handle(request_id, namespace, node, prefix)
         return handle
 
-    def _take_handle(self, handle: int, request_id: str) -> _Handle:
-        h = self._handles.pop(handle, None)
-        if h is None:
-            raise HandleError(f"lock handle {handle} of request {request_id!r} is unknown or already released")
-        if h.request_id != request_id:
-            self._handles[handle] = h
-            raise HandleError(f"lock handle {handle} belongs to request {h.request_id!r}, not {request_id!r}")
-        return h
+    def _take_handles(self, items: Sequence[FinishItem] | Sequence[CacheItem]) -> list[_Handle]:
+        """Every item's handle, all checked before any is taken: one bad item refuses the
+        whole batch and changes nothing."""
+        seen: set[int] = set()
+        for it in items:
+            h = self._handles.get(it.handle)
+            if h is None:
+                raise HandleError(f"lock handle {it.handle} of request {it.request_id!r} is unknown or already released")
+            if h.request_id != it.request_id:
+                raise HandleError(f"lock handle {it.handle} belongs to request {h.request_id!r}, not {it.request_id!r}")
+            if it.handle in seen:
+                raise HandleError(f"lock handle {it.handle} of request {it.request_id!r} appears twice in one batch")
+            if len(it.tokens) != len(it.device):
+                raise ValueError(f"request {it.request_id!r}: {len(it.tokens)} tokens but {len(it.device)} slots")
+            n = len(it.tokens) - len(it.tokens) % self.page_size
+            if n < h.prefix_tokens:
+                raise ValueError(
+                    f"request {it.request_id!r}: {n} committed page-aligned tokens, fewer than the "
+                    f"{h.prefix_tokens} it was admitted with"
+                )
+            seen.add(it.handle)
+        return [self._handles.pop(it.handle) for it in items]
+
+    def _unlock_finished(self, h: _Handle, reason: ReleaseReason) -> None:
+        """The one lock release of a request that leaves, whatever the reason."""
+        if h.node is not None:
+            self.tree.lock(h.node, -1)
 
     def _parent_backed(self, node: Node) -> bool:
         return node.parent is None or node.parent.is_root or node.parent.state in BACKED
@@ -499,17 +528,20 @@ class TreeCore:
         self.outbox.append((to, message))
 
     def _follow_split(self, upper: Node, lower: Node) -> None:
-        """An op's node list gets the new upper part, just before the lower one."""
+        """An op's or a plan's node list gets the new upper part, just before the lower one.
+
+        Plans follow whether or not an op runs yet: a node planned for load-back has none
+        until its device slots arrive."""
+        plans = [p for adm in self._admissions.values() for p in adm.plans] + self._building
+        for p in plans:
+            for nodes in (p.device_nodes, p.load_nodes):
+                if lower in nodes:
+                    nodes.insert(nodes.index(lower), upper)
         if not lower.op:
             return
         op = self._writes.get(lower.op) or self._loads.get(lower.op)
         if op is not None:
             op.nodes.insert(op.nodes.index(lower), upper)
-        for adm in self._admissions.values():
-            for p in adm.plans:
-                for nodes in (p.device_nodes, p.load_nodes):
-                    if lower in nodes:
-                        nodes.insert(nodes.index(lower), upper)
 
     # == numbers and checks =====================================================================
 

@@ -133,10 +133,8 @@ class Indices:
 def _tensor_bytes(flat: torch.Tensor) -> bytes:
     """The raw bytes of a contiguous CPU tensor, without numpy."""
     out = bytearray(flat.numel() * _ITEM_BYTES)
-    if out:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            torch.frombuffer(out, dtype=torch.int64).copy_(flat)
+    if out:  # a bytearray is writable: torch has nothing to warn about
+        torch.frombuffer(out, dtype=torch.int64).copy_(flat)
     return bytes(out)
 
 

@@ -42,6 +42,14 @@ from .config import (
 )
 
 __all__ = [
+    "MUTANTS",
+    "FakeModel",
+    "Mutant",
+    "Outcome",
+    "ReferenceScheduler",
+    "SchedulerConfig",
+    "ServeRequest",
+    "mutant",
     "AdmitResult",
     "CacheHandle",
     "ExpiredHandleError",
@@ -89,3 +97,25 @@ __all__ = [
     "WritePolicy",
     "WrongSenderError",
 ]
+
+
+# These import the actors, which import this package: loaded on first use (PEP 562).
+_LAZY = {
+    "MUTANTS": "_mutants",
+    "Mutant": "_mutants",
+    "mutant": "_mutants",
+    "FakeModel": "_scheduler",
+    "Outcome": "_scheduler",
+    "ReferenceScheduler": "_scheduler",
+    "SchedulerConfig": "_scheduler",
+    "ServeRequest": "_scheduler",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)

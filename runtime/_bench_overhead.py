@@ -34,16 +34,19 @@ import itertools
 import json
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from hicache.actors import DeviceCore, HostCore, Insufficient, TreeCore, copy_kv
+from hicache.actors import DeviceCore, HostCore, Insufficient, TransferOp, TransferQueue, TreeCore, copy_kv
+from hicache.actors._transfer_core import batch_indices
 from hicache.messages import (
     ActorName,
     AdmitItem,
@@ -70,17 +73,21 @@ from hicache.messages import (
     SwapRequestPages,
     Tokens,
     TreeStatistics,
+    WriteDone,
     WriteKV,
 )
 
 from ._bench_transfer import _machine
 from ._facade import HiCache, Request
+from ._system import ThreadedRuntime
 from .config import Config, DeviceKind
 from .trace import load_trace
 
 TARGET_RATIO = 1.5
-DRAIN_POLLS_MAX = 100_000
+DRAIN_ASKS_MAX = 10_000
 """Most statistics asks while waiting for the write-throughs of one batch."""
+DRAIN_WAIT_S = 0.01
+"""Longest wait for the expected write acks before the tree is asked again (a failed write never acks)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +138,8 @@ class DirectCores:
         self.tree = TreeCore(config, self._next_id)
         self.device = DeviceCore(config)
         self.host = HostCore(config)
+        # The write stream's op merger/splitter: the same copy batches as the actor's.
+        self.writes = TransferQueue(config.transfer_pages_max * config.page_size, config.transfer_queue_ops_max)
         self._replies: dict[int, Message] = {}
 
     def admit(self, batch: list[tuple[str, torch.Tensor]]) -> tuple[Admission, ...]:
@@ -166,6 +175,15 @@ class DirectCores:
                 self._one(to, message)
         return self._replies.pop(op)
 
+    def _copy_writes(self) -> None:
+        """Copy what the write queue holds, batch by batch, as the write stream does."""
+        while batch := self.writes.next_batch():
+            src, dst = batch_indices(batch)
+            copy_kv(self.device.kv, src, self.host.kv, dst)
+            for piece in batch:
+                if piece.last:
+                    self.tree.on_write_done(piece.op.op_id)
+
     def _one(self, to: ActorName, message: Message) -> None:
         tree, device, host = self.tree, self.device, self.host
         match message:
@@ -176,8 +194,9 @@ class DirectCores:
             case FreeHostSlots(indices=idx):
                 host.free(idx.as_tensor())
             case WriteKV(op_id=op, device=dev, host=dst):
-                copy_kv(device.kv, dev.as_tensor(), host.kv, dst.as_tensor())
-                tree.on_write_done(op)
+                if not self.writes.push(TransferOp(op, ActorName.TREE, dev.as_tensor(), dst.as_tensor())):
+                    raise RuntimeError("bench overhead: the write queue is full")
+                self._copy_writes()
             case ReleaseRequests(op_id=op, releases=releases):
                 views = device.release_many([(r.request_id, r.adopt.as_tensor(), r.reason) for r in releases])
                 tree.on_released(op, tuple(
@@ -209,7 +228,30 @@ class DirectCores:
 # -- one tick on each side -----------------------------------------------------
 
 
-def _tick_actors(cache: HiCache, batch: list[tuple[str, torch.Tensor]]) -> int:
+class WriteAcks:
+    """A delivery observer that counts `WriteDone` mail reaching the tree.
+
+    With it the bench waits for the write-throughs in flight without polling: the
+    tree's statistics say how many writes are in flight and how many it has
+    handled; the bench sleeps until that many acks were delivered, then asks again
+    (a write-through that completes may start its children's)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._count = 0
+
+    def __call__(self, receiver: ActorName, mail: Any) -> None:
+        if receiver is ActorName.TREE and isinstance(mail.message, WriteDone):
+            with self._cond:
+                self._count += 1
+                self._cond.notify_all()
+
+    def wait_for(self, count: int, timeout_s: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self._count >= count, timeout_s)
+
+
+def _tick_actors(cache: HiCache, acks: WriteAcks, batch: list[tuple[str, torch.Tensor]]) -> int:
     """Admit, allocate, commit, finish, then wait for the write-throughs; the drain asks made."""
     admitted = cache.admit(Request(rid, t) for rid, t in batch)
     cached = {a.request_id: a.cached_tokens for a in admitted}
@@ -218,20 +260,21 @@ def _tick_actors(cache: HiCache, batch: list[tuple[str, torch.Tensor]]) -> int:
         raise RuntimeError(f"bench overhead: the device pool is sized for the run, yet {got}")
     cache.commit({rid: t[cached[rid]:] for rid, t in batch})
     cache.finish(a.handle for a in admitted)
-    return _drain(cache)
+    return _drain(cache, acks)
 
 
-def _drain(cache: HiCache) -> int:
+def _drain(cache: HiCache, acks: WriteAcks) -> int:
     system = cache.system
-    for polls in range(1, DRAIN_POLLS_MAX + 1):
+    for asks in range(1, DRAIN_ASKS_MAX + 1):
         s = system.ask(ActorName.TREE, GetStatistics())
         if not (s.writes_in_flight or s.loads_in_flight):
             break
+        acks.wait_for(s.backups_done + s.writes_in_flight, DRAIN_WAIT_S)
     else:
-        raise RuntimeError(f"bench overhead: write-throughs still in flight after {DRAIN_POLLS_MAX} polls")
+        raise RuntimeError(f"bench overhead: write-throughs still in flight after {DRAIN_ASKS_MAX} asks")
     # The tree sent every SetHostState before it answered; an empty one queues behind them.
     system.ask(ActorName.HOST, SetHostState(indices=Indices(), state=HostSlotState.SYNCED), sender=ActorName.TREE)
-    return polls + 1
+    return asks + 1
 
 
 def _tick_direct(cores: DirectCores, batch: list[tuple[str, torch.Tensor]]) -> None:
@@ -308,7 +351,8 @@ def _measure(w: Workload, step: Callable[[], None]) -> Result:
     actor_s: list[float] = []
     direct_s: list[float] = []
     drains: list[int] = []
-    with HiCache(config) as cache:
+    acks = WriteAcks()
+    with HiCache(config, runtime=ThreadedRuntime(observe=acks)) as cache:
         for i, batch in enumerate(batches):
             gc.collect()
             sides = ("actors", "direct") if i % 2 == 0 else ("direct", "actors")
@@ -316,7 +360,7 @@ def _measure(w: Workload, step: Callable[[], None]) -> Result:
             for side in sides:
                 t0 = time.perf_counter()
                 if side == "actors":
-                    polls = _tick_actors(cache, batch)
+                    polls = _tick_actors(cache, acks, batch)
                 else:
                     _tick_direct(cores, batch)
                 times[side] = time.perf_counter() - t0

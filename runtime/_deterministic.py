@@ -200,8 +200,9 @@ class DeterministicRuntime:
         self._in_handler: str | None = None
         self._classes: dict[type, type] = {}
         self._waiting_on: list[str] = []
-        self.after_step: Callable[[], None] | None = None
-        """Called after every delivery (exploration checks invariants here)."""
+        self.after_step: Callable[[pykka.Actor | None], None] | None = None
+        """Called after every step with the actor that handled a mail (None for a timer);
+        exploration checks that actor's invariants here."""
         self.services = Services(
             clock=self.clock,
             ids=IdSource(),
@@ -274,12 +275,15 @@ class DeterministicRuntime:
             return False
         pick = self.strategy.choose(len(self.schedule), choices)
         self.schedule.append(Step(len(self.schedule), pick))
+        actor = None
         if pick.startswith("timer:"):
             self._fire_next_timer()
         else:
-            self._deliver(self._inboxes[pick])
-        if self.after_step is not None:
-            self.after_step()
+            inbox = self._inboxes[pick]
+            actor = inbox.actor
+            self._deliver(inbox)
+        if self.after_step is not None and not (actor is not None and actor.actor_stopped.is_set()):
+            self.after_step(actor)
         return True
 
     def drive_until(self, done: Callable[[], bool], what: str, *, timeout_s: float | None = None) -> None:
@@ -295,6 +299,7 @@ class DeterministicRuntime:
             steps = 0
             while not done():
                 if not self.step():
+                    self.services.failures.raise_first()  # a stopped actor explains the silence
                     if not self._advance_time(deadline):
                         if deadline is not None and self._timers and self._timers[0].due_s > deadline:
                             raise pykka.Timeout(f"{what} did not arrive within {timeout_s} virtual seconds")

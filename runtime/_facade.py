@@ -53,6 +53,7 @@ from hicache.messages import (
     TreeStatistics,
 )
 
+from ._actor import HiActor
 from ._layers import LayerWaiter
 from ._system import Runtime, System
 from .config import Config
@@ -126,19 +127,31 @@ class HiCacheStatistics:
 class _Live:
     handle: CacheHandle
     namespace: str
-    tokens: list[int]
-    """Committed tokens (the cached prefix first)."""
+    chunks: list[torch.Tensor]
+    """Committed tokens in order (the cached prefix first), one tensor per commit; `tokens()` joins them."""
     slots: torch.Tensor
     """Device slot of every committed or allocated position."""
     committed: int
+
+    def tokens(self) -> torch.Tensor:
+        """Every committed token (int64), joined once and kept joined."""
+        if len(self.chunks) != 1:
+            self.chunks = [torch.cat(self.chunks) if self.chunks else torch.empty(0, dtype=torch.int64)]
+        return self.chunks[0]
 
 
 class HiCache:
     """Start from a `Config`; use as a context manager (or `start()` / `close()`)."""
 
-    def __init__(self, config: Config | None = None, *, runtime: Runtime | None = None) -> None:
+    def __init__(
+        self,
+        config: Config | None = None,
+        *,
+        runtime: Runtime | None = None,
+        actor_classes: Mapping[ActorName, type[HiActor]] | None = None,
+    ) -> None:
         self.config = config or Config()
-        self.system = System(self.config, runtime=runtime)
+        self.system = System(self.config, runtime=runtime, actor_classes=actor_classes)
         self._live: dict[str, _Live] = {}
         self._ended: OrderedDict[str, str] = OrderedDict()
         self._ops = self.system.services.ids
@@ -189,7 +202,7 @@ class HiCache:
             cached = adm.device_hit + adm.host_hit
             prompt = _tokens(r.tokens)
             self._ended.pop(r.request_id, None)
-            self._live[r.request_id] = _Live(handle, r.namespace, prompt[:cached].tolist(), slots, cached)
+            self._live[r.request_id] = _Live(handle, r.namespace, [prompt[:cached].clone()], slots, cached)
             out.append(AdmitResult(r.request_id, handle, slots, adm.device_hit, adm.host_hit, adm.host_miss))
         return out
 
@@ -232,25 +245,31 @@ class HiCache:
         batch = []
         for rid, toks in tokens.items():
             live = self._req(rid)
-            new = _tokens(toks).tolist()
+            new = _tokens(toks).clone()
             if live.committed + len(new) > len(live.slots):
                 raise RequestError(
                     f"request {rid!r}: committing {len(new)} tokens makes {live.committed + len(new)} committed "
                     f"but only {len(live.slots)} slots are allocated (allocate before writing KV)"
                 )
             batch.append((rid, live, new))
-        demands = tuple(SlotDemand(request_id=rid, tokens=len(new)) for rid, _, new in batch)
-        self.system.ask(ActorName.DEVICE, CommitSlots(op_id=self._ops.next("op"), demands=demands))
+        # Nothing to record for an empty commit (a request on a full cache hit may have no ledger yet).
+        demands = tuple(SlotDemand(request_id=rid, tokens=len(new)) for rid, _, new in batch if len(new))
+        if demands:
+            self.system.ask(ActorName.DEVICE, CommitSlots(op_id=self._ops.next("op"), demands=demands))
         for _, live, new in batch:
-            live.tokens.extend(new)
+            live.chunks.append(new)
             live.committed += len(new)
+
+    def allocated(self, request_id: str) -> int:
+        """Positions of a live request that have a slot (committed or not)."""
+        return len(self._req(request_id).slots)
 
     def slots(self, request_id: str) -> torch.Tensor:
         """Device slot of every committed or allocated position of a live request."""
         return self._req(request_id).slots.clone()
 
     def committed_tokens(self, request_id: str) -> list[int]:
-        return list(self._req(request_id).tokens)
+        return self._req(request_id).tokens().tolist()
 
     # -- leaving ------------------------------------------------------------------------
 
@@ -268,7 +287,7 @@ class HiCache:
         hs = self._check_handles(handles)
         items = tuple(
             FinishItem(request_id=h.request_id, handle=h._token, reason=reason,
-                       tokens=Tokens.of(self._live[h.request_id].tokens),
+                       tokens=Tokens.from_tensor(self._live[h.request_id].tokens()),
                        device=Indices.from_tensor(self._committed_slots(h.request_id)))
             for h in hs
         )
@@ -286,7 +305,7 @@ class HiCache:
         tree's slots and move its lock. Returns the new handles (the old ones expire)."""
         hs = self._check_handles(handles)
         items = tuple(
-            CacheItem(request_id=h.request_id, handle=h._token, tokens=Tokens.of(self._live[h.request_id].tokens),
+            CacheItem(request_id=h.request_id, handle=h._token, tokens=Tokens.from_tensor(self._live[h.request_id].tokens()),
                       device=Indices.from_tensor(self._committed_slots(h.request_id)))
             for h in hs
         )
@@ -318,9 +337,9 @@ class HiCache:
         """Every actor checks its core; the facade checks its own view against the ledger."""
         self.system.check_invariants()
         for rid, live in self._live.items():
-            if live.committed != len(live.tokens) or live.committed > len(live.slots):
+            if live.committed != len(live.tokens()) or live.committed > len(live.slots):
                 raise AssertionError(f"facade: request {rid!r} has {live.committed} committed, "
-                                     f"{len(live.tokens)} tokens, {len(live.slots)} slots")
+                                     f"{len(live.tokens())} tokens, {len(live.slots)} slots")
 
     @property
     def live_requests(self) -> tuple[str, ...]:

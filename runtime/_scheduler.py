@@ -54,11 +54,21 @@ class SchedulerConfig:
     """Seeds abort choices."""
     verify: bool = True
     """Check every cache-supplied prefix with the fingerprint oracle."""
+    lookahead_slots: int = 0
+    """Slots allocated beyond what a step computes, as speculative decoding does: the
+    ledger then holds more than is committed, and finishing must free the surplus."""
+    device_budget_ratio: float = 0.9
+    """Admit while the running requests' full lengths fit in this share of the device slots
+    (cached prefixes counted as if private: conservative, so decode rarely runs out)."""
 
     def __post_init__(self) -> None:
         for name in ("max_running", "prefill_tokens_per_tick", "chunk_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"SchedulerConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.lookahead_slots < 0:
+            raise ValueError(f"SchedulerConfig.lookahead_slots must be >= 0, got {self.lookahead_slots}")
+        if not 0.0 < self.device_budget_ratio:
+            raise ValueError(f"SchedulerConfig.device_budget_ratio must be > 0, got {self.device_budget_ratio}")
         if not 0.0 <= self.abort_rate <= 1.0:
             raise ValueError(f"SchedulerConfig.abort_rate must be in [0, 1], got {self.abort_rate}")
 
@@ -121,15 +131,20 @@ class FakeModel:
         self.written_tokens = 0
 
     def forward(self, steps: list[_Step], waiter: LayerWaiter | None, verify: bool) -> None:
-        checks = [(st.run, self.hc.slots(st.run.spec.request_id)) for st in steps
-                  if verify and st.run.verify_to > st.run.verify_from]
+        checks = []
+        for st in steps:
+            run = st.run
+            if verify and run.verify_to > run.verify_from:
+                lo, hi = run.verify_from, run.verify_to
+                slots = self.hc.slots(run.spec.request_id)[lo:hi]
+                checks.append((run, slots, self.oracle.expected(run.seq[:hi], lo, hi)))
         for layer in range(self.hc.config.layers):
             if waiter is not None:
                 waiter.wait_layer(layer)
-            for run, slots in checks:
-                lo, hi = run.verify_from, run.verify_to
-                self.oracle.verify(self.hc.device_kv, run.seq[:hi], slots[lo:hi], start=lo, layer=layer)
-        for run, _ in checks:
+            for run, slots, want in checks:
+                got = self.hc.device_kv.read(slots, layer=layer)
+                self.oracle.compare(got, want[:, layer : layer + 1], slots, run.verify_from, first_layer=layer)
+        for run, _, _ in checks:
             self.verified_tokens += run.verify_to - run.verify_from
             run.verify_from = run.verify_to
         for st in steps:
@@ -192,14 +207,19 @@ class ReferenceScheduler:
     def _admit(self) -> LayerWaiter | None:
         room = self.config.max_running - len(self.running)
         budget = self.config.prefill_tokens_per_tick
+        memory = int(self.hc.config.device_slots * self.config.device_budget_ratio)
+        memory -= sum(len(r.seq) + r.spec.output_tokens - r.outputs for r in self.running.values())
         batch: list[ServeRequest | _Running] = []
         while self.waiting and room > 0:
             nxt = self.waiting[0]
+            spec = nxt if isinstance(nxt, ServeRequest) else nxt.spec
             need = len(nxt.prompt) if isinstance(nxt, ServeRequest) else len(nxt.seq)
-            if batch and need > budget:
+            whole = need + spec.output_tokens - (0 if isinstance(nxt, ServeRequest) else nxt.outputs)
+            if (batch and need > budget) or (self.running or batch) and whole > memory:
                 break
             batch.append(self.waiting.popleft())
             budget -= need
+            memory -= whole
             room -= 1
         if not batch:
             return None
@@ -241,10 +261,15 @@ class ReferenceScheduler:
                 budget -= n
             steps.append(_Step(run, run.computed, n))
         while steps:
-            got = self.hc.allocate({st.run.spec.request_id: st.count for st in steps})
+            ahead = self.config.lookahead_slots
+            want = {}
+            for st in steps:
+                rid = st.run.spec.request_id
+                want[rid] = max(0, st.start + st.count + ahead - self.hc.allocated(rid))
+            got = self.hc.allocate(want)
             if not isinstance(got, Insufficient):
                 for st in steps:
-                    st.slots = got[st.run.spec.request_id]
+                    st.slots = self.hc.slots(st.run.spec.request_id)[st.start : st.start + st.count]
                 return steps
             victim = self._retraction_victim()
             if victim is None or (len(self.running) == 1 and not self.waiting and len(steps) == 1):

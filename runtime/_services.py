@@ -76,6 +76,10 @@ DeliveryObserver = Callable[[ActorName, Any], None]
 """Called once per delivered mail, by the receiving actor, before it is handled."""
 
 
+class ActorFailedError(RuntimeError):
+    """An actor stopped because a handler raised; the original error is the cause."""
+
+
 @dataclass(slots=True)
 class Failures:
     """Failures of actors (an exception in a handler of a told message)."""
@@ -90,6 +94,13 @@ class Failures:
     def first(self) -> tuple[ActorName, BaseException] | None:
         with self._lock:
             return self._items[0] if self._items else None
+
+    def raise_first(self) -> None:
+        """Raise `ActorFailedError` (caused by the original error) if an actor failed."""
+        failed = self.first()
+        if failed is not None:
+            name, error = failed
+            raise ActorFailedError(f"the {name.value} actor failed: {error}") from error
 
 
 @dataclass(slots=True)

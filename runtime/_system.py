@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
 import pykka
@@ -19,6 +19,7 @@ from hicache.messages import ActorName, CheckInvariants, GetStatistics, Message
 from ._actor import Directory, HiActor, Mail
 from ._layers import LayerDoneRing
 from ._services import (
+    ActorFailedError,
     DeliveryObserver,
     FaultPlan,
     Failures,
@@ -31,10 +32,6 @@ from .config import Config
 
 DEFAULT_ASK_TIMEOUT_S = 60.0
 """How long the caller waits for an actor's reply before raising TimeoutError."""
-
-
-class ActorFailedError(RuntimeError):
-    """An actor stopped because a handler raised; the original error is the cause."""
 
 
 class ThreadedRuntime:
@@ -138,11 +135,14 @@ class System:
         *,
         runtime: Runtime | None = None,
         stand_ins: Iterable[ActorName] = (),
+        actor_classes: Mapping[ActorName, type[HiActor]] | None = None,
     ) -> None:
         self.config = config
         self.runtime: Runtime = runtime or ThreadedRuntime()
         self.services = self.runtime.services
         self._stand_in_names = tuple(stand_ins)
+        self._overrides = dict(actor_classes or {})
+        """Subclasses to run in place of an actor's class: exploration's mutants, never config."""
         self.directory = Directory()
         self.probes: dict[ActorName, Any] = {}
         self._started = False
@@ -189,7 +189,10 @@ class System:
         return self
 
     def _register(self, cls: type[HiActor], **kwargs: Any) -> None:
-        self.directory.register(cls.name, self.runtime.start(cls, **kwargs))
+        use = self._overrides.get(cls.name, cls)
+        if not issubclass(use, cls):
+            raise TypeError(f"{use.__name__} must subclass {cls.__name__} to run as the {cls.name.value} actor")
+        self.directory.register(cls.name, self.runtime.start(use, **kwargs))
 
     def stop(self) -> None:
         if not self._started:
@@ -253,10 +256,7 @@ class System:
             return message
 
     def raise_if_failed(self) -> None:
-        failed = self.services.failures.first()
-        if failed is not None:
-            name, error = failed
-            raise ActorFailedError(f"the {name.value} actor failed: {error}") from error
+        self.services.failures.raise_first()
 
     def check_invariants(self) -> None:
         """Ask every actor to check its invariants; raises the first violation."""

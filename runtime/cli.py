@@ -15,6 +15,9 @@ def _parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="run the main job end to end on an embedded default")
     demo.add_argument("--requests", type=int, default=None, help="requests of the trace to serve")
     demo.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    demo.add_argument("--prefill-tps", type=float, default=None, help="TTFT model: prefill tokens per second")
+    demo.add_argument("--l2-gbps", type=float, default=None, help="TTFT model: host -> device GB/s")
+    demo.add_argument("--kv-bytes-per-token", type=int, default=None, help="TTFT model: KV bytes per token")
 
     bench = sub.add_parser("bench", help="benchmarks, each measured side by side in one run")
     bsub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
@@ -34,9 +37,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     args = _parser().parse_args(argv)
     if args.command == "demo":
-        from ._demo import run_demo
+        from ._demo import CostModel, run_demo
 
-        return run_demo(requests=args.requests, as_json=args.json)
+        given = {"prefill_tokens_per_s": args.prefill_tps, "l2_gbps": args.l2_gbps,
+                 "kv_bytes_per_token": args.kv_bytes_per_token}
+        cost = CostModel(**{k: v for k, v in given.items() if v is not None})
+        return run_demo(requests=args.requests, as_json=args.json, cost=cost)
     if args.command == "bench" and args.bench == "transfer":
         from ._bench_transfer import run_bench_transfer
 

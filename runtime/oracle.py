@@ -98,8 +98,15 @@ class FingerprintOracle:
         layer right after waiting for its load)."""
         if not len(slots):
             return
-        actual = buffer.read(slots)
-        want = self.expected(tokens, start, start + len(slots)).to(actual.device)
+        self.compare(buffer.read(slots), self.expected(tokens, start, start + len(slots)), slots, start, layer=layer)
+
+    def compare(
+        self, actual: torch.Tensor, want: torch.Tensor, slots: torch.Tensor, start: int, *,
+        layer: int | None = None, first_layer: int = 0,
+    ) -> None:
+        """`verify` for KV already read (`[2, L, n, H, D]`) against `expected(...)` of the same
+        positions; `first_layer` is the model layer of index 0 when only some layers were read."""
+        want = want.to(actual.device)
         wrong = (actual != want).flatten(3).any(-1)  # [2, L, n]
         if layer is not None:
             wrong[:, [i for i in range(wrong.shape[1]) if i != layer]] = False
@@ -110,10 +117,10 @@ class FingerprintOracle:
         kv = "KV"[kv_i]
         slot = int(slots[pos])
         raise FingerprintMismatchError(
-            f"slot {slot} (position {start + pos}) layer {bad_layer} {kv}: expected "
+            f"slot {slot} (position {start + pos}) layer {first_layer + bad_layer} {kv}: expected "
             f"{want[kv_i, bad_layer, pos].flatten()[:4].tolist()}..., found "
             f"{actual[kv_i, bad_layer, pos].flatten()[:4].tolist()}...",
-            slot=slot, position=start + pos, layer=bad_layer, kv=kv,
+            slot=slot, position=start + pos, layer=first_layer + bad_layer, kv=kv,
         )
 
     def _grow(self, n: int) -> None:

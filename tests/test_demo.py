@@ -2,21 +2,33 @@
 
 import json
 
+import pytest
+
 from hicache.runtime.cli import main
 
 
-def test_demo_round_trips_a_trace_prefix_and_conserves_slots(capsys) -> None:
-    assert main(["demo", "--requests", "6", "--json"]) == 0
-    figures = json.loads(capsys.readouterr().out)
-    assert figures["requests"] + figures["skipped_longer_than_device"] == 6
-    assert figures["requests"] >= 5
-    assert figures["verified_tokens"] == figures["input_tokens"] > 0
-    assert figures["d2h_bytes"] == figures["h2d_bytes"] > 0
-    assert figures["slots_conserved"] is True
+def test_demo_serves_a_trace_prefix_through_l1_and_l2_and_reports_every_figure(capsys) -> None:
+    assert main(["demo", "--requests", "12", "--json"]) == 0
+    f = json.loads(capsys.readouterr().out)
+    for key in ("requests", "input_tokens", "hit_tokens_l1", "hit_tokens_l2", "recomputed_tokens", "hit_rate",
+                "hit_rate_l1_only", "hit_rate_infinite", "ttft_p50_s", "ttft_p99_s"):
+        assert key in f, key
+    assert f["requests"] + f["skipped_longer_than_half_device"] == 12
+    assert f["input_tokens"] > 0 and f["verified_tokens"] > 0
+    # every request of the trace starts with the same 512-token block: later ones hit it
+    assert f["hit_tokens_l1"] >= 512 * (f["requests"] - 8)
+    assert f["hit_rate"] == pytest.approx((f["hit_tokens_l1"] + f["hit_tokens_l2"]) / f["input_tokens"], abs=1e-4)
+    assert f["hit_rate_l1_only"] <= f["hit_rate_infinite"] and f["hit_rate"] <= f["hit_rate_infinite"]
+    assert 0 < f["ttft_p50_s"] <= f["ttft_p99_s"]
+    assert f["d2h_bytes"] > 0
 
 
 def test_demo_rejects_a_non_positive_request_count() -> None:
-    import pytest
-
     with pytest.raises(SystemExit, match="--requests must be > 0"):
         main(["demo", "--requests", "0"])
+
+
+def test_demo_states_its_cost_model_in_the_json(capsys) -> None:
+    assert main(["demo", "--requests", "3", "--json", "--prefill-tps", "1000", "--l2-gbps", "5"]) == 0
+    f = json.loads(capsys.readouterr().out)
+    assert f["cost_model"]["prefill_tokens_per_s"] == 1000.0 and f["cost_model"]["l2_gbps"] == 5.0

@@ -1,0 +1,190 @@
+"""Mutants: the seeds' bugs put back on purpose, to show exploration catches each.
+
+Each mutant is a small subclass of one actor (or of its core) that re-introduces
+one known bug. They are reachable only through the exploration harness
+(`hicache explore --mutants`), which passes them to `System(actor_classes=...)`:
+no `Config` field selects them, so production cannot run one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hicache.actors import (
+    DeviceAllocatorActor,
+    DeviceCore,
+    Node,
+    NodeState,
+    RadixTree,
+    TreeActor,
+    TreeCore,
+    WriteStreamActor,
+)
+from hicache.actors._tree_core import _Handle
+from hicache.messages import (
+    ActorName,
+    AdmitRequests,
+    HostSlotState,
+    Indices,
+    Message,
+    ReleaseReason,
+    SetHostState,
+    WriteDone,
+)
+
+from ._actor import HiActor
+
+
+@dataclass(frozen=True, slots=True)
+class Mutant:
+    name: str
+    bug: str
+    """The bug, and where it comes from."""
+    actor_classes: Mapping[ActorName, type[HiActor]]
+
+
+# -- 1. seed 003: write acks handled only on admission ----------------------------------
+
+
+class _AcksOnAdmission(TreeActor):
+    """Like the scheduler that ran `writing_check` only in the prefill path: a WriteDone
+    waits until the next admission, so a pure decode loop never unlocks its nodes."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self._parked: list[Message] = []
+
+    def handle(self, sender: ActorName, message: Message) -> Message | None:
+        if isinstance(message, WriteDone):
+            self._parked.append(message)
+            return None
+        if isinstance(message, AdmitRequests):
+            parked, self._parked = self._parked, []
+            for ack in parked:
+                super().handle(ActorName.WRITE, ack)
+        return super().handle(sender, message)
+
+
+# -- 2. seed 001: slots freed by an inferred length, not the ledger ------------------------
+
+
+class _InferredLengthCore(DeviceCore):
+    """Frees the pages that cover the committed length, as `len(input) + len(output) - 1`
+    did: over-allocated pages (speculative lookahead) leak."""
+
+    def _split_release(self, ledger: Any, adopt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        adopt_pages, rest = super()._split_release(ledger, adopt)
+        p = self.page_size
+        inferred = -(-max(ledger.committed - ledger.given, 0) // p)
+        mine = torch.tensor(ledger.pages, dtype=torch.int64)[:inferred]
+        return adopt_pages, rest[torch.isin(rest, mine)]
+
+
+class _InferredLengthDevice(DeviceAllocatorActor):
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.core.__class__ = _InferredLengthCore
+
+
+# -- 3. seed 004: a device copy dropped before its host copy is synced ---------------------
+
+
+class _EagerRadix(RadixTree):
+    @staticmethod
+    def device_evictable(node: Node) -> bool:
+        if node.alive and node.parent is not None and node.state is NodeState.WRITING and node.resident_children == 0:
+            return True
+        return RadixTree.device_evictable(node)
+
+
+class _EvictWhileWritingCore(TreeCore):
+    def _drop_device(self, node: Node) -> torch.Tensor:
+        if node.state is not NodeState.WRITING:
+            return super()._drop_device(node)
+        device = node.device
+        assert device is not None
+        if node.host is not None:
+            self._emit(ActorName.HOST, SetHostState(indices=Indices.from_tensor(node.host),
+                                                    state=HostSlotState.HOST_ONLY))
+        t = self.tree
+        t._account(node, -1)
+        node.state, node.device = NodeState.HOST_ONLY, None  # the bug: no synced check
+        t._account(node, +1)
+        return device
+
+
+class _EvictWhileWriting(TreeActor):
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.core.__class__ = _EvictWhileWritingCore
+        self.core.tree.__class__ = _EagerRadix
+
+
+# -- 4. a lock ref decremented twice on retract ---------------------------------------------
+
+
+class _DoubleUnlockCore(TreeCore):
+    def _unlock_finished(self, h: _Handle, reason: ReleaseReason) -> None:
+        super()._unlock_finished(h, reason)
+        if reason is ReleaseReason.RETRACTED and h.node is not None:
+            self.tree.lock(h.node, -1)
+
+
+class _DoubleUnlockOnRetract(TreeActor):
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.core.__class__ = _DoubleUnlockCore
+
+
+# -- 5. a short transfer marked done --------------------------------------------------------
+
+
+class _ShortWrites(WriteStreamActor):
+    """Copies all but the last page of a batch and still reports every write done."""
+
+    def _batch_indices(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        src, dst = super()._batch_indices(batch)
+        keep = max(0, len(src) - self._device.shape.page_size)
+        return src[:keep], dst[:keep]
+
+
+# -- 6. a node backed up under a parent that is not -----------------------------------------
+
+
+class _UnclosedBackupCore(TreeCore):
+    def _parent_backed(self, node: Node) -> bool:
+        return True
+
+
+class _UnclosedBackup(TreeActor):
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.core.__class__ = _UnclosedBackupCore
+
+
+MUTANTS: tuple[Mutant, ...] = (
+    Mutant("write-acks-on-admission", "seed 003: write acks handled only when a batch is admitted",
+           {ActorName.TREE: _AcksOnAdmission}),
+    Mutant("free-by-inferred-length", "seed 001: a request's slots freed by an inferred length, not its ledger",
+           {ActorName.DEVICE: _InferredLengthDevice}),
+    Mutant("evict-before-synced", "seed 004: a device copy dropped before its host copy is synced",
+           {ActorName.TREE: _EvictWhileWriting}),
+    Mutant("double-unlock-on-retract", "a lock ref decremented twice when a request is retracted",
+           {ActorName.TREE: _DoubleUnlockOnRetract}),
+    Mutant("short-write-marked-done", "a short transfer reported done",
+           {ActorName.WRITE: _ShortWrites}),
+    Mutant("backup-under-unbacked-parent", "a node backed up under a parent that is not backed up",
+           {ActorName.TREE: _UnclosedBackup}),
+)
+"""Every mutant, in a stable order."""
+
+
+def mutant(name: str) -> Mutant:
+    for m in MUTANTS:
+        if m.name == name:
+            return m
+    raise KeyError(f"no mutant named {name!r}; known: {', '.join(m.name for m in MUTANTS)}")

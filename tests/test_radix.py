@@ -1,0 +1,583 @@
+"""`RadixTree` driven directly: matching, insertion, splits, namespaces, the page
+hash chain, locks and their counters, eviction order under every policy, the
+node lifecycle and index copies.
+
+Every tree here is wrapped by the `checked` fixture: `check_invariants()` runs
+after every call, including calls that raised (a refused operation must leave the
+tree consistent).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from hicache.actors import NODE_TRANSITIONS, InvariantError, Node, NodeState, NodeStateError, RadixTree
+from hicache.runtime import EvictionPolicy
+
+P = 4
+"""Tokens per page in every tree here."""
+
+S = NodeState
+
+
+def toks(n: int, start: int = 1) -> torch.Tensor:
+    """`n` token ids `start, start + 1, ...`."""
+    return torch.arange(start, start + n, dtype=torch.int64)
+
+
+def slots(n: int, start: int = 0) -> torch.Tensor:
+    return torch.arange(start, start + n, dtype=torch.int64)
+
+
+def cat(*parts: torch.Tensor) -> torch.Tensor:
+    return torch.cat(parts)
+
+
+@pytest.fixture
+def make_tree(checked: Callable[[Any], Any]) -> Callable[..., Any]:
+    """`make_tree(policy=LRU)`: a RadixTree with pages of 4 tokens, checked after every call."""
+    return lambda policy=EvictionPolicy.LRU: checked(RadixTree(P, policy))
+
+
+@pytest.fixture
+def tree(make_tree: Callable[..., Any]) -> Any:
+    return make_tree()
+
+
+def back_up(tree: Any, node: Node, host: torch.Tensor) -> None:
+    """DEVICE -> WRITING (with host slots) -> SYNCED, as a write-through does."""
+    tree.set_state(node, S.WRITING)
+    tree.set_host(node, host)
+    tree.set_state(node, S.SYNCED)
+
+
+def to_host_only(tree: Any, node: Node, host: torch.Tensor) -> None:
+    back_up(tree, node, host)
+    tree.evict_to_host(node)
+
+
+def drain_device(tree: Any) -> list[list[int]]:
+    """Pop device victims until none is left, deleting DEVICE ones and dropping the device copy
+    of SYNCED ones; the first token of each victim, in eviction order."""
+    order = []
+    while (victim := tree.pop_device_victim()) is not None:
+        order.append(int(victim.key[0]))
+        if victim.state is S.SYNCED:
+            tree.evict_to_host(victim)
+        else:
+            tree.remove(victim)
+    return order
+
+
+def storage_is_exact(t: torch.Tensor) -> bool:
+    return t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
+# -- match -----------------------------------------------------------------------------
+
+
+def test_match_finds_the_longest_page_aligned_prefix_and_ignores_a_partial_last_page(tree: Any) -> None:
+    tree.insert("", toks(12), slots(12))
+    path = tree.match("", cat(toks(10), torch.tensor([99, 98])))  # 10 cached, then a difference
+    assert sum(nd.tokens for nd in path) == 8
+    assert path[-1].device.tolist() == slots(8).tolist()
+    assert sum(nd.tokens for nd in tree.match("", toks(11))) == 8  # 11 = 2 pages + a partial page
+    assert sum(nd.tokens for nd in tree.match("", toks(3))) == 0  # less than a page never matches
+    assert tree.match("", toks(8, start=50)) == []
+
+
+def test_match_of_a_prefix_ending_inside_a_node_splits_it_at_the_page_boundary(tree: Any) -> None:
+    tree.insert("", toks(12), slots(12))
+    [upper] = tree.match("", toks(4))
+    assert upper.key.tolist() == toks(4).tolist()
+    [lower] = upper.children.values()
+    assert lower.key.tolist() == toks(8, start=5).tolist()
+    assert tree.nodes == 2
+
+
+# -- insert --------------------------------------------------------------------------------
+
+
+def test_insert_returns_how_many_tokens_were_already_present_and_which_slots_it_adopted(tree: Any) -> None:
+    first = tree.insert("", toks(8), slots(8))
+    assert first.present == 0
+    assert [a.tolist() for a in first.adopted] == [slots(8).tolist()]
+    assert first.duplicates == []
+
+    # The same 8 tokens computed again in slots 20..27, then 8 new tokens in 28..35.
+    second = tree.insert("", toks(16), cat(slots(8, 20), slots(8, 28)))
+    assert second.present == 8
+    assert [d.tolist() for d in second.duplicates] == [slots(8, 20).tolist()]
+    assert [a.tolist() for a in second.adopted] == [slots(8, 28).tolist()]
+    assert [nd.tokens for nd in second.path] == [8, 8]
+    assert tree.device_tokens == 16
+
+
+def test_insert_of_the_trees_own_slots_reports_no_duplicates(tree: Any) -> None:
+    tree.insert("", toks(8), slots(8))
+    again = tree.insert("", toks(8), slots(8))
+    assert (again.present, again.duplicates, again.adopted) == (8, [], [])
+
+
+def test_insert_reports_only_the_slots_that_differ_as_duplicates(tree: Any) -> None:
+    tree.insert("", toks(8), slots(8))
+    mixed = cat(slots(4), slots(4, 40))  # first page is the tree's own, the second a copy
+    out = tree.insert("", toks(8), mixed)
+    assert [d.tolist() for d in out.duplicates] == [slots(4, 40).tolist()]
+
+
+def test_insert_refuses_partial_pages_and_a_slot_count_that_differs(tree: Any) -> None:
+    with pytest.raises(ValueError, match="whole pages with one slot per token, got 6 tokens, 6 slots"):
+        tree.insert("", toks(6), slots(6))
+    with pytest.raises(ValueError, match="got 8 tokens, 4 slots"):
+        tree.insert("", toks(8), slots(4))
+    assert tree.nodes == 0
+
+
+def test_insert_counts_a_hit_on_every_node_it_passes(tree: Any) -> None:
+    tree.insert("", toks(8), slots(8))
+    out = tree.insert("", toks(16), slots(16))
+    assert [nd.hit_count for nd in out.path] == [2, 1]
+
+
+def test_insert_below_own_from_neither_adopts_nor_reports_duplicates(tree: Any) -> None:
+    tree.insert("", toks(8), slots(8))
+    # The caller's first 8 positions are the tree's slots (its cached prefix); whatever it
+    # passes there is not its own and must not be reported back.
+    garbage = slots(8, 100)
+    out = tree.insert("", toks(16), cat(garbage, slots(8, 40)), own_from=8)
+    assert out.present == 8
+    assert out.duplicates == []
+    assert [a.tolist() for a in out.adopted] == [slots(8, 40).tolist()]
+    assert out.path[0].device.tolist() == slots(8).tolist()
+
+
+def test_insert_with_own_from_inside_a_node_splits_it_so_only_the_callers_part_is_compared(tree: Any) -> None:
+    tree.insert("", toks(16), slots(16))
+    out = tree.insert("", toks(16), cat(slots(8, 100), slots(8, 40)), own_from=8)
+    assert [nd.tokens for nd in out.path] == [8, 8]
+    assert out.present == 16
+    assert [d.tolist() for d in out.duplicates] == [slots(8, 40).tolist()]  # only positions 8..15
+    assert out.adopted == []
+
+
+def test_insert_refuses_a_cached_prefix_that_is_no_longer_in_the_tree(tree: Any) -> None:
+    tree.insert("", toks(4), slots(4))
+    with pytest.raises(InvariantError, match=r"cached prefix \(8 tokens\) is no longer in the tree at 4"):
+        tree.insert("", toks(12), slots(12), own_from=8)
+
+
+def test_insert_revives_a_host_only_node_with_the_callers_fresh_device_slots(tree: Any) -> None:
+    [node] = tree.insert("", toks(8), slots(8)).path
+    to_host_only(tree, node, slots(8, 64))
+    assert (tree.device_tokens, tree.host_tokens) == (0, 8)
+
+    out = tree.insert("", toks(8), slots(8, 16))
+    assert out.revived == [node]
+    assert [a.tolist() for a in out.adopted] == [slots(8, 16).tolist()]
+    assert (out.present, out.duplicates) == (8, [])
+    assert node.state is S.SYNCED
+    assert node.device.tolist() == slots(8, 16).tolist()
+    assert node.host.tolist() == slots(8, 64).tolist()
+    assert (tree.device_tokens, tree.host_tokens, tree.evictable_tokens) == (8, 8, 8)
+
+
+def test_insert_does_not_revive_a_loading_node_but_reports_the_callers_slots_as_duplicates(tree: Any) -> None:
+    [node] = tree.insert("", toks(8), slots(8)).path
+    to_host_only(tree, node, slots(8, 64))
+    tree.start_load(node, slots(8, 32))
+    out = tree.insert("", toks(8), slots(8, 16))
+    assert out.revived == []
+    assert [d.tolist() for d in out.duplicates] == [slots(8, 16).tolist()]
+    assert node.device.tolist() == slots(8, 32).tolist()
+
+
+# -- split -------------------------------------------------------------------------------------
+
+
+def test_split_divides_keys_device_and_host_indices_hashes_and_keeps_lock_refs(tree: Any) -> None:
+    [node] = tree.insert("", toks(12), slots(12)).path
+    back_up(tree, node, slots(12, 100))
+    tree.lock(node, +1)
+    tree.lock(node, +1)
+    hashes = node.hashes
+    upper = tree.split(node, 4)
+    assert upper.parent is tree.root("") and node.parent is upper
+    assert upper.key.tolist() == toks(4).tolist() and node.key.tolist() == toks(8, start=5).tolist()
+    assert upper.device.tolist() == slots(4).tolist() and node.device.tolist() == slots(8, 4).tolist()
+    assert upper.host.tolist() == slots(4, 100).tolist() and node.host.tolist() == slots(8, 104).tolist()
+    assert upper.hashes + node.hashes == hashes
+    assert len(upper.hashes) == 1 and len(node.hashes) == 2
+    assert (upper.lock_ref, node.lock_ref) == (2, 2)
+    assert upper.state is node.state is S.SYNCED
+    assert (tree.protected_tokens, tree.evictable_tokens, tree.nodes) == (12, 0, 2)
+    tree.lock(node, -1)
+    tree.lock(node, -1)
+    assert (upper.lock_ref, tree.protected_tokens, tree.evictable_tokens) == (0, 0, 12)
+
+
+@pytest.mark.parametrize("at", [0, 2, 5, 12, 16])
+def test_split_refuses_a_cut_that_is_not_an_inner_page_boundary(tree: Any, at: int) -> None:
+    [node] = tree.insert("", toks(12), slots(12)).path
+    with pytest.raises(ValueError, match=f"cannot split .* at {at}"):
+        tree.split(node, at)
+    assert tree.nodes == 1
+
+
+def test_split_and_insert_copy_indices_so_no_node_keeps_a_large_tensor_alive(tree: Any) -> None:
+    big_tokens = torch.arange(1, 4097, dtype=torch.int64)
+    big_slots = torch.arange(0, 4096, dtype=torch.int64)
+    [node] = tree.insert("", big_tokens[:12], big_slots[100:112]).path
+    back_up(tree, node, big_slots[200:212])
+    assert all(storage_is_exact(t) for t in (node.key, node.device, node.host))
+    upper = tree.split(node, 8)
+    for nd in (upper, node):
+        for t in (nd.key, nd.device, nd.host):
+            assert storage_is_exact(t), f"{nd} holds a view of {t.untyped_storage().nbytes()} bytes"
+    out = tree.insert("", big_tokens[:16], big_slots[300:316])
+    assert all(storage_is_exact(t) for t in out.adopted + out.duplicates + [out.path[-1].key])
+
+
+def test_a_node_holding_a_view_is_caught_by_the_invariant_check() -> None:
+    tree = RadixTree(P, EvictionPolicy.LRU)
+    [node] = tree.insert("", toks(8), slots(8)).path
+    node.device = torch.arange(64, dtype=torch.int64)[:8]
+    with pytest.raises(InvariantError, match="holds a view of a larger tensor"):
+        tree.check_invariants()
+
+
+# -- namespaces and the hash chain -------------------------------------------------------------------
+
+
+def test_the_same_tokens_in_two_namespaces_make_two_nodes_with_different_hashes(tree: Any) -> None:
+    a = tree.insert("model-a", toks(8), slots(8)).path
+    b = tree.insert("model-b", toks(8), slots(8, 8)).path
+    assert a[0] is not b[0]
+    assert tree.nodes == 2
+    assert set(a[0].hashes).isdisjoint(b[0].hashes)
+    assert tree.root("model-a") is not tree.root("model-b")
+    assert tree.match("model-a", toks(8))[0] is a[0]
+    assert tree.match("model-b", toks(8))[0] is b[0]
+    assert tree.match("model-c", toks(8)) == []
+
+
+def test_an_insert_in_one_namespace_never_reports_anothers_slots_as_present(tree: Any) -> None:
+    tree.insert("model-a", toks(8), slots(8))
+    out = tree.insert("model-b", toks(8), slots(8, 8))
+    assert (out.present, out.duplicates) == (0, [])
+
+
+def test_the_same_prefix_gets_the_same_page_hashes_in_any_tree(make_tree: Callable[..., Any]) -> None:
+    one, two = make_tree(), make_tree()
+    [a] = one.insert("m", toks(12), slots(12)).path
+    two.insert("m", toks(4), slots(4))
+    two.insert("m", toks(8), slots(8))
+    b = two.insert("m", toks(12), slots(12)).path
+    assert len(b) == 3
+    assert a.hashes == tuple(h for nd in b for h in nd.hashes)
+    assert len(set(a.hashes)) == 3
+
+
+def test_a_differing_earlier_page_changes_every_later_page_hash(tree: Any) -> None:
+    [a] = tree.insert("", toks(12), slots(12)).path
+    other = toks(12)
+    other[1] = 999  # only the first page differs
+    [b] = tree.insert("", other, slots(12, 12)).path
+    assert all(ha != hb for ha, hb in zip(a.hashes, b.hashes, strict=True))
+    assert a.key[4:].tolist() == b.key[4:].tolist()  # same tokens in the later pages
+
+
+# -- locks ------------------------------------------------------------------------------------------------
+
+
+def test_a_lock_counts_up_the_whole_path_with_exact_protected_and_evictable_counts(tree: Any) -> None:
+    x, = tree.insert("", toks(8), slots(8)).path
+    _, y = tree.insert("", toks(16), slots(16)).path
+    _, _, z = tree.insert("", toks(24), slots(24)).path
+    tree.lock(z, +1)
+    assert [n.lock_ref for n in (x, y, z)] == [1, 1, 1]
+    assert (tree.protected_tokens, tree.evictable_tokens) == (24, 0)
+    tree.lock(y, +1)
+    assert [n.lock_ref for n in (x, y, z)] == [2, 2, 1]
+    tree.lock(z, -1)
+    assert [n.lock_ref for n in (x, y, z)] == [1, 1, 0]
+    assert (tree.protected_tokens, tree.evictable_tokens) == (16, 8)
+    tree.lock(y, -1)
+    assert (tree.protected_tokens, tree.evictable_tokens) == (0, 24)
+
+
+def test_a_lock_on_one_branch_leaves_the_other_branch_evictable(tree: Any) -> None:
+    tree.insert("", toks(8), slots(8))
+    _, left = tree.insert("", cat(toks(8), toks(4, 100)), cat(slots(8), slots(4, 8))).path
+    _, right = tree.insert("", cat(toks(8), toks(4, 200)), cat(slots(8), slots(4, 12))).path
+    tree.lock(left, +1)
+    assert (tree.protected_tokens, tree.evictable_tokens) == (12, 4)
+    assert right.lock_ref == 0
+
+
+def test_releasing_a_lock_that_is_not_held_is_refused_and_changes_nothing(tree: Any) -> None:
+    [node] = tree.insert("", toks(8), slots(8)).path
+    with pytest.raises(InvariantError, match=r"lock ref of .* would become -1 \(invariant: lock ref >= 0"):
+        tree.lock(node, -1)
+    assert node.lock_ref == 0
+    assert (tree.protected_tokens, tree.evictable_tokens) == (0, 8)
+    tree.lock(node, +1)
+    tree.lock(node, -1)
+    with pytest.raises(InvariantError, match="released twice"):
+        tree.lock(node, -1)
+
+
+def test_a_lock_moves_by_one_at_a_time(tree: Any) -> None:
+    [node] = tree.insert("", toks(8), slots(8)).path
+    with pytest.raises(ValueError, match="lock delta must be \\+1 or -1, got 2"):
+        tree.lock(node, 2)
+    assert node.lock_ref == 0
+
+
+def test_a_host_pin_below_zero_is_refused(tree: Any) -> None:
+    [node] = tree.insert("", toks(8), slots(8)).path
+    with pytest.raises(InvariantError, match="host ref of .* would become -1"):
+        tree.pin_host(node, -1)
+    assert node.host_ref == 0
+
+
+# -- device eviction order ---------------------------------------------------------------------------------
+
+
+def _three_leaves(tree: Any, priorities: tuple[int, int, int] = (0, 0, 0)) -> list[Node]:
+    """Leaves starting with tokens 1, 101 and 201, inserted in that order."""
+    return [
+        tree.insert("", toks(4, start), slots(4, 4 * i), priority=prio).path[0]
+        for i, (start, prio) in enumerate(zip((1, 101, 201), priorities, strict=True))
+    ]
+
+
+def test_lru_evicts_the_least_recently_used_leaf_first(make_tree: Callable[..., Any]) -> None:
+    tree = make_tree(EvictionPolicy.LRU)
+    _three_leaves(tree)
+    tree.match("", toks(4, 1))  # the oldest becomes the most recent
+    tree.match("", toks(4, 201))
+    assert drain_device(tree) == [101, 1, 201]
+
+
+def test_lfu_evicts_the_least_frequently_hit_leaf_first(make_tree: Callable[..., Any]) -> None:
+    tree = make_tree(EvictionPolicy.LFU)
+    _three_leaves(tree)
+    for _ in range(3):
+        tree.insert("", toks(4, 1), slots(4, 0))  # hit count 4
+    tree.insert("", toks(4, 201), slots(4, 8))  # hit count 2
+    assert drain_device(tree) == [101, 201, 1]
+
+
+def test_fifo_evicts_in_creation_order_whatever_the_accesses(make_tree: Callable[..., Any]) -> None:
+    tree = make_tree(EvictionPolicy.FIFO)
+    _three_leaves(tree)
+    tree.match("", toks(4, 1))
+    tree.insert("", toks(4, 1), slots(4, 0))
+    assert drain_device(tree) == [1, 101, 201]
+
+
+def test_priority_evicts_the_lowest_priority_first(make_tree: Callable[..., Any]) -> None:
+    tree = make_tree(EvictionPolicy.PRIORITY)
+    _three_leaves(tree, priorities=(5, 1, 3))
+    tree.match("", toks(4, 101))  # access does not outrank priority
+    assert drain_device(tree) == [101, 201, 1]
+
+
+def test_priority_of_a_node_is_the_highest_any_insert_gave_it(make_tree: Callable[..., Any]) -> None:
+    tree = make_tree(EvictionPolicy.PRIORITY)
+    _three_leaves(tree, priorities=(1, 2, 3))
+    tree.insert("", toks(4, 1), slots(4, 0), priority=9)
+    tree.insert("", toks(4, 1), slots(4, 0), priority=0)
+    assert drain_device(tree) == [101, 201, 1]
+
+
+@pytest.mark.parametrize("policy", list(EvictionPolicy))
+def test_eviction_skips_locked_leaves_under_every_policy(make_tree: Callable[..., Any], policy: EvictionPolicy) -> None:
+    tree = make_tree(policy)
+    first, _, _ = _three_leaves(tree)
+    tree.lock(first, +1)
+    assert drain_device(tree) == [101, 201]
+    assert tree.pop_device_victim() is None
+    tree.lock(first, -1)  # unlocked: evictable again
+    assert drain_device(tree) == [1]
+
+
+@pytest.mark.parametrize("policy", list(EvictionPolicy))
+def test_a_node_with_device_resident_children_is_evicted_only_after_them(
+    make_tree: Callable[..., Any], policy: EvictionPolicy
+) -> None:
+    tree = make_tree(policy)
+    [parent] = tree.insert("", toks(4), slots(4)).path  # the oldest, least hit, lowest priority
+    tree.insert("", toks(8), slots(8), priority=5)
+    tree.insert("", cat(toks(4), toks(4, 50)), cat(slots(4), slots(4, 8)), priority=5)
+    assert parent.resident_children == 2
+    order = drain_device(tree)
+    assert sorted(order[:2]) == [5, 50] and order[2] == 1
+
+
+def test_a_locked_child_keeps_its_parent_off_the_eviction_list(tree: Any) -> None:
+    tree.insert("", toks(4), slots(4))
+    _, child = tree.insert("", toks(8), slots(8)).path
+    tree.lock(child, +1)
+    assert tree.pop_device_victim() is None
+    tree.lock(child, -1)
+    assert drain_device(tree) == [5, 1]
+
+
+def test_a_host_only_child_does_not_keep_its_synced_parent_on_the_device(tree: Any) -> None:
+    [parent] = tree.insert("", toks(4), slots(4)).path
+    _, child = tree.insert("", toks(8), slots(8)).path
+    back_up(tree, parent, slots(4, 100))
+    to_host_only(tree, child, slots(4, 104))
+    assert tree.pop_device_victim() is parent
+
+
+def test_evicting_a_leaf_makes_its_parent_a_victim(tree: Any) -> None:
+    tree.insert("", toks(4), slots(4))
+    _, child = tree.insert("", toks(8), slots(8)).path
+    assert tree.pop_device_victim() is child
+    tree.remove(child)
+    assert int(tree.pop_device_victim().key[0]) == 1
+
+
+def test_writing_and_loading_nodes_are_never_device_victims(tree: Any) -> None:
+    [writing] = tree.insert("", toks(4, 1), slots(4)).path
+    tree.set_state(writing, S.WRITING)
+    [loading] = tree.insert("", toks(4, 101), slots(4, 4)).path
+    to_host_only(tree, loading, slots(4, 100))
+    tree.start_load(loading, slots(4, 8))
+    assert tree.pop_device_victim() is None
+
+
+def test_only_a_leaf_can_be_removed(tree: Any) -> None:
+    [parent] = tree.insert("", toks(4), slots(4)).path
+    tree.insert("", toks(8), slots(8))
+    with pytest.raises(InvariantError, match="only a leaf can be removed"):
+        tree.remove(parent)
+    assert tree.nodes == 2
+
+
+# -- host eviction -------------------------------------------------------------------------------------
+
+
+def test_host_eviction_takes_host_only_leaves_in_policy_order(tree: Any) -> None:
+    nodes = _three_leaves(tree)
+    for i, nd in enumerate(nodes):
+        to_host_only(tree, nd, slots(4, 100 + 4 * i))
+    tree.match("", toks(4, 1))  # most recent now
+    order = []
+    while (victim := tree.pop_host_victim()) is not None:
+        order.append(int(victim.key[0]))
+        tree.remove(victim)
+    assert order == [101, 201, 1]
+    assert tree.host_tokens == 0
+
+
+def test_host_eviction_skips_device_resident_pinned_locked_and_inner_nodes(tree: Any) -> None:
+    [synced] = tree.insert("", toks(4, 1), slots(4)).path
+    back_up(tree, synced, slots(4, 100))  # host copy, but still on the device
+    [pinned] = tree.insert("", toks(4, 101), slots(4, 4)).path
+    to_host_only(tree, pinned, slots(4, 104))
+    tree.pin_host(pinned, +1)
+    [locked] = tree.insert("", toks(4, 201), slots(4, 8)).path
+    to_host_only(tree, locked, slots(4, 108))
+    tree.lock(locked, +1)
+    [inner] = tree.insert("", toks(4, 301), slots(4, 12)).path
+    _, leaf = tree.insert("", cat(toks(4, 301), toks(4, 401)), cat(slots(4, 12), slots(4, 16))).path
+    back_up(tree, inner, slots(4, 112))  # backups parent first, evictions child first
+    to_host_only(tree, leaf, slots(4, 116))
+    tree.evict_to_host(inner)
+
+    assert tree.pop_host_victim() is leaf  # the only host-only leaf with no pin and no lock
+    tree.remove(leaf)
+    assert tree.pop_host_victim() is inner  # a leaf now
+    tree.remove(inner)
+    assert tree.pop_host_victim() is None
+    tree.pin_host(pinned, -1)
+    tree.lock(locked, -1)
+    got = {tree.pop_host_victim(), tree.pop_host_victim()}
+    assert got == {pinned, locked}
+    assert tree.pop_host_victim() is None
+
+
+def test_a_host_only_node_is_not_a_device_victim_and_a_device_node_is_not_a_host_victim(tree: Any) -> None:
+    [dev] = tree.insert("", toks(4, 1), slots(4)).path
+    [host] = tree.insert("", toks(4, 101), slots(4, 4)).path
+    to_host_only(tree, host, slots(4, 100))
+    assert tree.pop_device_victim() is dev
+    assert tree.pop_host_victim() is host
+    assert tree.pop_device_victim() is None and tree.pop_host_victim() is None
+
+
+# -- node lifecycle -----------------------------------------------------------------------------------
+
+
+def test_every_legal_lifecycle_move_keeps_the_counters_exact(tree: Any) -> None:
+    [node] = tree.insert("", toks(8), slots(8)).path
+    tree.set_state(node, S.WRITING)  # DEVICE -> WRITING
+    tree.set_state(node, S.DEVICE)  # WRITING -> DEVICE (failed write)
+    back_up(tree, node, slots(8, 100))  # DEVICE -> WRITING -> SYNCED
+    assert (tree.device_tokens, tree.host_tokens) == (8, 8)
+    tree.evict_to_host(node)  # SYNCED -> HOST_ONLY
+    assert (tree.device_tokens, tree.evictable_tokens) == (0, 0)
+    tree.start_load(node, slots(8, 16))  # HOST_ONLY -> LOADING
+    assert (tree.device_tokens, tree.evictable_tokens) == (8, 8)
+    tree.fail_load(node)  # LOADING -> HOST_ONLY
+    assert node.device is None and tree.device_tokens == 0
+    tree.start_load(node, slots(8, 16))
+    tree.set_state(node, S.SYNCED)  # LOADING -> SYNCED
+    tree.evict_to_host(node)
+    tree.insert("", toks(8), slots(8, 24))  # HOST_ONLY -> SYNCED (revival)
+    assert node.state is S.SYNCED
+    seen = {(S.DEVICE, S.WRITING), (S.WRITING, S.DEVICE), (S.WRITING, S.SYNCED), (S.SYNCED, S.HOST_ONLY),
+            (S.HOST_ONLY, S.LOADING), (S.LOADING, S.HOST_ONLY), (S.LOADING, S.SYNCED), (S.HOST_ONLY, S.SYNCED)}
+    assert seen == NODE_TRANSITIONS
+
+
+def _node_in(tree: Any, state: NodeState) -> Node:
+    [node] = tree.insert("", toks(8), slots(8)).path
+    if state is S.DEVICE:
+        return node
+    tree.set_state(node, S.WRITING)
+    if state is S.WRITING:
+        return node
+    tree.set_host(node, slots(8, 100))
+    tree.set_state(node, S.SYNCED)
+    if state is S.SYNCED:
+        return node
+    tree.evict_to_host(node)
+    if state is S.HOST_ONLY:
+        return node
+    tree.start_load(node, slots(8, 16))
+    return node
+
+
+@pytest.mark.parametrize(
+    ("start", "to"),
+    sorted(
+        ((a, b) for a in NodeState for b in NodeState if (a, b) not in NODE_TRANSITIONS),
+        key=lambda ab: (ab[0].value, ab[1].value),
+    ),
+    ids=lambda s: s.value,
+)
+def test_an_illegal_lifecycle_move_is_refused_naming_both_states_and_changes_nothing(
+    tree: Any, start: NodeState, to: NodeState
+) -> None:
+    node = _node_in(tree, start)
+    counters = (tree.device_tokens, tree.host_tokens, tree.protected_tokens, tree.evictable_tokens)
+    with pytest.raises(NodeStateError, match=f"illegal node transition {start.value} -> {to.value}"):
+        tree.set_state(node, to)
+    assert node.state is start
+    assert (tree.device_tokens, tree.host_tokens, tree.protected_tokens, tree.evictable_tokens) == counters
+
+
+def test_dropping_the_device_copy_of_a_node_that_is_not_backed_up_is_refused(tree: Any) -> None:
+    [node] = tree.insert("", toks(8), slots(8)).path
+    with pytest.raises(NodeStateError, match="illegal node transition device -> host_only"):
+        tree.evict_to_host(node)
+    assert node.device is not None and tree.device_tokens == 8

@@ -1,0 +1,868 @@
+"""`TreeCore` driven directly, with the real device and host cores answering it.
+
+A `Player` plays every actor the tree talks to: the device allocator and the host
+pool answer at once (their real cores), the write and load streams hold each copy
+until the test completes or fails it (copying the KV bytes with `copy_kv`), and
+the facade's replies are collected. It also plays the scheduler: admit, allocate
+and commit (writing fingerprint KV), finish. After every message and every verb,
+all three cores check their invariants, and the tree's mirror of free host slots
+must equal the host pool's.
+
+The seed 003 test (`test_write_ack_unlocks_node_during_pure_decode`) runs at the
+end on the real actors through the `HiCache` facade, on both runtimes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import pytest
+import torch
+
+from hicache.actors import (
+    DeviceCore,
+    HandleError,
+    HostCore,
+    Insufficient,
+    KVShape,
+    NodeState,
+    PageOwner,
+    TreeCore,
+    copy_kv,
+)
+from hicache.messages import (
+    ActorName,
+    AdmitItem,
+    Admitted,
+    AdoptLoadedSlots,
+    AllocateHost,
+    AllocateLoadSlots,
+    CacheItem,
+    Cached,
+    Evicted,
+    FinishItem,
+    Finished,
+    FreeDeviceSlots,
+    FreeHostSlots,
+    HostSlotState,
+    Indices,
+    LedgerEntry,
+    LoadKV,
+    Message,
+    ReleaseReason,
+    ReleaseRequests,
+    SetHostState,
+    SwapRequestPages,
+    Tokens,
+    WriteKV,
+)
+from hicache.runtime import Config, HiCache, Request, WritePolicy
+from hicache.runtime.oracle import FingerprintOracle
+
+from conftest import make_runtime
+
+M = TypeVar("M", bound=Message)
+S = NodeState
+P = 4
+
+
+def seq(n: int, start: int) -> list[int]:
+    return list(range(start, start + n))
+
+
+@dataclass
+class Req:
+    """The scheduler's view of one request."""
+
+    rid: str
+    namespace: str
+    tokens: list[int]
+    """Committed tokens (the cached prefix first)."""
+    slots: torch.Tensor
+    """Device slot of every committed or allocated position."""
+    handle: int
+    device_hit: int = 0
+    host_hit: int = 0
+    host_miss: int = 0
+
+
+class Player:
+    """Plays the device, host, write, load and facade actors around a `TreeCore`."""
+
+    def __init__(self, config: Config, *, refuse_host: bool = False) -> None:
+        ids = itertools.count(1)
+        self.config = config
+        self.tree = TreeCore(config, lambda: next(ids))
+        self.device = DeviceCore(config)
+        self.host = HostCore(config)
+        self.oracle = FingerprintOracle(KVShape.of(config))
+        self.refuse_host = refuse_host
+        """Answer every AllocateHost as if the pool were short (the mirror says it cannot be)."""
+        self.writes: dict[int, WriteKV] = {}
+        self.loads: dict[int, LoadKV] = {}
+        self.replies: list[Message] = []
+        self.sent: list[tuple[ActorName, Message]] = []
+        """Everything the tree emitted, in order."""
+        self._ops = itertools.count(10_000)
+        self.checks = 0
+
+    # -- the other actors ---------------------------------------------------------------
+
+    def check(self) -> None:
+        self.tree.check_invariants()
+        self.device.check_invariants()
+        self.host.check_invariants()
+        if not self.tree.outbox:  # every reservation and free delivered
+            assert self.tree.host_free == self.host.free_slots, "the tree's mirror of free host slots drifted"
+        self.checks += 1
+
+    def pump(self) -> None:
+        """Deliver what the tree emitted (and what that makes it emit) until it is quiet."""
+        self.check()
+        while self.tree.outbox:
+            to, message = self.tree.outbox.pop(0)
+            self.sent.append((to, message))
+            self._deliver(to, message)
+            self.check()
+
+    def _deliver(self, to: ActorName, m: Message) -> None:
+        tree, device, host = self.tree, self.device, self.host
+        match m:
+            case AllocateLoadSlots(op_id=op, tokens=n):
+                assert to is ActorName.DEVICE
+                got = device.allocate_load(n)
+                if isinstance(got, Insufficient):
+                    tree.on_load_slots(op, None, got.shortfall_slots)
+                else:
+                    tree.on_load_slots(op, got, 0)
+            case ReleaseRequests(op_id=op, releases=rs):
+                views = device.release_many([(r.request_id, r.adopt.as_tensor(), r.reason) for r in rs])
+                tree.on_released(op, tuple(
+                    LedgerEntry(request_id=v.request_id, allocated=v.allocated, committed=v.committed, freed=v.freed)
+                    for v in views
+                ))
+            case SwapRequestPages(op_id=op, request_id=rid, adopt=adopt, free=free):
+                device.swap(rid, adopt.as_tensor(), free.as_tensor())
+                tree.on_swapped(op)
+            case AdoptLoadedSlots(indices=idx):
+                device.adopt_loaded(idx.as_tensor())
+            case FreeDeviceSlots(indices=idx):
+                device.free_tree(idx.as_tensor())
+            case AllocateHost(op_id=op, tokens=n):
+                assert to is ActorName.HOST
+                tree.on_host_allocated(op, None if self.refuse_host else host.allocate(n))
+            case SetHostState(indices=idx, state=state):
+                host.transition(idx.as_tensor(), state)
+            case FreeHostSlots(indices=idx):
+                host.free(idx.as_tensor())
+            case WriteKV(op_id=op):
+                assert to is ActorName.WRITE
+                self.writes[op] = m
+            case LoadKV(op_id=op):
+                assert to is ActorName.LOAD
+                self.loads[op] = m
+            case _:
+                assert to is ActorName.FACADE, f"unexpected {m!r} to {to.value}"
+                self.replies.append(m)
+
+    def complete_writes(self, *, fail: bool = False) -> None:
+        for op, w in sorted(self.writes.items()):
+            del self.writes[op]
+            if fail:
+                self.tree.on_write_failed(op)
+            else:
+                copy_kv(self.device.kv, w.device.as_tensor(), self.host.kv, w.host.as_tensor())
+                self.tree.on_write_done(op)
+            self.pump()
+
+    def complete_loads(self, *, fail: bool = False) -> None:
+        for op, load in sorted(self.loads.items()):
+            del self.loads[op]
+            if fail:
+                self.tree.on_load_failed(op)
+            else:
+                copy_kv(self.host.kv, load.host.as_tensor(), self.device.kv, load.device.as_tensor())
+                self.tree.on_load_done(op)
+            self.pump()
+
+    def sent_since(self, mark: int, *types: type[M]) -> list[M]:
+        return [m for _, m in self.sent[mark:] if isinstance(m, types)]
+
+    # -- the scheduler ----------------------------------------------------------------------
+
+    def _reply(self, op: int, kind: type[M]) -> M:
+        [reply] = [r for r in self.replies if getattr(r, "op_id", None) == op]
+        self.replies.remove(reply)
+        assert isinstance(reply, kind), reply
+        return reply
+
+    def admit(self, *requests: tuple[str, Sequence[int]] | tuple[str, Sequence[int], str]) -> list[Req]:
+        op = next(self._ops)
+        items = [AdmitItem(request_id=r[0], namespace=r[2] if len(r) > 2 else "", tokens=Tokens.of(r[1]))
+                 for r in requests]
+        self.tree.admit(op, items)
+        self.pump()
+        out = []
+        for r, a in zip(requests, self._reply(op, Admitted).admissions, strict=True):
+            cached = a.device_hit + a.host_hit
+            assert len(a.device) == cached
+            out.append(Req(a.request_id, items[len(out)].namespace, list(r[1])[:cached], a.device.as_tensor(),
+                           a.handle, a.device_hit, a.host_hit, a.host_miss))
+        return out
+
+    def extend(self, req: Req, new: Sequence[int], *, extra: int = 0) -> None:
+        """Allocate for `new` tokens (and `extra` more), write their KV, commit them."""
+        spare = len(req.slots) - len(req.tokens)
+        need = max(0, len(new) + extra - spare)
+        if need:
+            got = self.device.allocate([(req.rid, need)])
+            assert not isinstance(got, Insufficient), got
+            req.slots = torch.cat([req.slots, got[req.rid]])
+        at = len(req.tokens)
+        req.tokens = req.tokens + list(new)
+        self.oracle.write(self.device.kv, req.tokens, req.slots[at : at + len(new)], start=at)
+        if new:
+            self.device.commit(req.rid, len(new))
+        self.check()
+
+    def run(self, rid: str, tokens: Sequence[int], namespace: str = "", *, extra: int = 0) -> Req:
+        """Admit, then compute the rest of the prompt."""
+        [req] = self.admit((rid, tokens, namespace))
+        self.extend(req, list(tokens)[len(req.tokens):], extra=extra)
+        return req
+
+    def finish(self, *reqs: Req, reason: ReleaseReason = ReleaseReason.FINISHED) -> tuple[LedgerEntry, ...]:
+        op = next(self._ops)
+        self.tree.finish(op, [self._finish_item(r, reason) for r in reqs])
+        self.pump()
+        return self._reply(op, Finished).entries
+
+    @staticmethod
+    def _finish_item(r: Req, reason: ReleaseReason) -> FinishItem:
+        return FinishItem(request_id=r.rid, handle=r.handle, tokens=Tokens.of(r.tokens),
+                          device=Indices.from_tensor(r.slots[: len(r.tokens)]), reason=reason)
+
+    def cache(self, *reqs: Req) -> None:
+        op = next(self._ops)
+        items = [CacheItem(request_id=r.rid, handle=r.handle, tokens=Tokens.of(r.tokens),
+                           device=Indices.from_tensor(r.slots[: len(r.tokens)])) for r in reqs]
+        self.tree.cache_unfinished(op, items)
+        self.pump()
+        for r, prefix in zip(reqs, self._reply(op, Cached).prefixes, strict=True):
+            tree_slots = prefix.device.as_tensor()
+            r.slots = torch.cat([tree_slots, r.slots[len(tree_slots):]])
+            r.handle = prefix.handle
+
+    def evict_device(self, tokens: int) -> int:
+        op = next(self._ops)
+        self.tree.evict_device(op, tokens)
+        self.pump()
+        return self._reply(op, Evicted).device_tokens
+
+    def evict_host(self, tokens: int) -> int:
+        op = next(self._ops)
+        self.tree.evict_host(op, tokens)
+        self.pump()
+        return self._reply(op, Evicted).host_tokens
+
+    # -- looking -------------------------------------------------------------------------------
+
+    def node(self, tokens: Sequence[int], namespace: str = "") -> Any:
+        """The node that ends exactly at `tokens` (without touching access times)."""
+        node = self.tree.tree.root(namespace)
+        pos = 0
+        while pos < len(tokens):
+            node = node.children[tuple(tokens[pos : pos + P])]
+            pos += node.tokens
+        assert pos == len(tokens), f"no node ends at {len(tokens)} tokens"
+        return node
+
+    def verify_host(self, tokens: Sequence[int], start: int = 0) -> None:
+        """The host copy of `tokens[start:]` (one node) holds their KV."""
+        node = self.node(tokens)
+        assert node.tokens == len(tokens) - start
+        self.oracle.verify(self.host.kv, tokens, node.host, start=start)
+
+    def assert_idle(self) -> None:
+        """Nothing live: no lock, nothing protected, every device slot free or the tree's."""
+        stats = self.tree.statistics()
+        assert (stats.protected_tokens, stats.live_handles, stats.writes_in_flight, stats.loads_in_flight) == (0, 0, 0, 0)
+        assert self.tree.idle()
+        counts = self.device.counts()
+        assert (counts[PageOwner.REQUEST], counts[PageOwner.LOADING], self.device.live_requests()) == (0, 0, 0)
+        assert counts[PageOwner.FREE] + counts[PageOwner.TREE] == self.device.capacity_slots
+        assert counts[PageOwner.TREE] == stats.device_tokens
+        assert all(nd.lock_ref == 0 for nd in self.tree.tree.walk())
+
+
+@pytest.fixture
+def play(make_config: Callable[..., Config]) -> Callable[..., Player]:
+    """`play(**config_fields)`: a Player over a tiny config (16 device pages, 32 host pages of 4)."""
+    return lambda refuse_host=False, **fields: Player(make_config(**fields), refuse_host=refuse_host)
+
+
+# == write policies =============================================================================
+
+
+def test_write_through_backs_up_a_node_on_its_first_insert(play: Callable[..., Player]) -> None:
+    p = play(write_policy=WritePolicy.WRITE_THROUGH)
+    a = p.run("a", seq(10, 1))
+    mark = len(p.sent)
+    p.finish(a)
+    [alloc] = p.sent_since(mark, AllocateHost)
+    assert alloc.tokens == 8  # the page-aligned prefix; the 2-token tail is freed
+    node = p.node(seq(8, 1))
+    assert node.state is S.WRITING and node.lock_ref == 1
+    assert p.tree.statistics().protected_tokens == 8
+    assert len(p.writes) == 1
+    p.complete_writes()
+    assert node.state is S.SYNCED and node.lock_ref == 0
+    assert p.tree.statistics().backups_done == 1
+    p.verify_host(seq(8, 1))
+    p.assert_idle()
+
+
+def test_write_through_selective_backs_up_only_on_the_second_hit(play: Callable[..., Player]) -> None:
+    p = play(write_policy=WritePolicy.WRITE_THROUGH_SELECTIVE)
+    p.finish(p.run("a", seq(8, 1)))
+    assert p.sent_since(0, AllocateHost) == [] and p.writes == {}
+    node = p.node(seq(8, 1))
+    assert node.state is S.DEVICE and node.hit_count == 1
+
+    mark = len(p.sent)
+    b = p.run("b", seq(8, 1) + seq(4, 50))
+    assert b.device_hit == 8
+    p.finish(b)
+    [alloc] = p.sent_since(mark, AllocateHost)
+    assert alloc.tokens == 8  # the twice-hit prefix only; the new leaf has one hit
+    assert node.state is S.WRITING and p.node(seq(8, 1) + seq(4, 50)).state is S.DEVICE
+    p.complete_writes()
+    p.verify_host(seq(8, 1))
+    p.assert_idle()
+
+
+def test_write_back_backs_up_only_at_eviction_before_the_device_slots_go(play: Callable[..., Player]) -> None:
+    p = play(write_policy=WritePolicy.WRITE_BACK)
+    p.finish(p.run("a", seq(8, 1)))
+    p.finish(p.run("b", seq(8, 1)))  # a second hit changes nothing under write_back
+    assert p.sent_since(0, AllocateHost) == []
+    node = p.node(seq(8, 1))
+    slots = node.device.clone()
+
+    mark = len(p.sent)
+    assert p.evict_device(8) == 0  # nothing freed yet: the write must land first
+    assert [m.tokens for m in p.sent_since(mark, AllocateHost)] == [8]
+    assert p.sent_since(mark, FreeDeviceSlots) == []
+    assert node.state is S.WRITING and node.lock_ref == 1
+    assert p.device.counts()[PageOwner.TREE] == 8
+
+    mark = len(p.sent)
+    p.complete_writes()
+    [freed] = p.sent_since(mark, FreeDeviceSlots)
+    assert freed.indices.tolist() == slots.tolist()
+    assert node.state is S.HOST_ONLY
+    p.verify_host(seq(8, 1))
+    assert p.tree.statistics().evicted_device_tokens == 8
+    p.assert_idle()
+
+
+def test_without_a_host_tier_nothing_is_backed_up_and_eviction_deletes(play: Callable[..., Player]) -> None:
+    p = play(write_policy=WritePolicy.WRITE_BACK, host_tier=False)
+    p.finish(p.run("a", seq(8, 1)))
+    assert p.evict_device(8) == 8
+    assert p.sent_since(0, AllocateHost) == []
+    assert p.tree.tree.nodes == 0
+    p.assert_idle()
+
+
+def test_backup_is_prefix_closed_a_child_waits_for_its_parents_write(play: Callable[..., Player]) -> None:
+    p = play(write_policy=WritePolicy.WRITE_THROUGH)
+    x, y, z = seq(8, 1), seq(8, 20), seq(8, 40)
+    p.finish(p.run("a", x + y))  # one node x+y, being written
+    b = p.run("b", x + z)  # splits it at x; the write covers both halves
+    assert b.device_hit == 8
+    assert p.node(x).state is S.WRITING and p.node(x + y).state is S.WRITING
+
+    mark = len(p.sent)
+    p.finish(b)
+    child = p.node(x + z)
+    assert child.state is S.DEVICE and child.hit_count >= 1
+    assert p.sent_since(mark, AllocateHost) == [], "a child was backed up before its parent"
+
+    mark = len(p.sent)
+    p.complete_writes()  # the parent's write lands: the child's starts
+    assert p.node(x).state is S.SYNCED and p.node(x + y).state is S.SYNCED
+    assert [m.tokens for m in p.sent_since(mark, AllocateHost)] == [8]
+    assert child.state is S.WRITING
+    p.complete_writes()
+    assert child.state is S.SYNCED
+    p.verify_host(x)
+    p.verify_host(x + y, start=8)
+    p.verify_host(x + z, start=8)
+    assert p.tree.statistics().backups_done == 2
+    p.assert_idle()
+
+
+# == eviction =====================================================================================
+
+
+def test_device_eviction_turns_backed_up_nodes_host_only_and_deletes_the_others(play: Callable[..., Player]) -> None:
+    p = play(write_policy=WritePolicy.WRITE_THROUGH_SELECTIVE)
+    backed, plain = seq(8, 1), seq(8, 100)
+    p.finish(p.run("a", backed))
+    p.finish(p.run("b", backed))  # second hit: backed up
+    p.complete_writes()
+    p.finish(p.run("c", plain))  # one hit: device only
+    mark = len(p.sent)
+    assert p.evict_device(16) == 16
+    assert p.node(backed).state is S.HOST_ONLY
+    assert tuple(plain[:P]) not in p.tree.tree.root("").children
+    assert sorted(len(m.indices) for m in p.sent_since(mark, FreeDeviceSlots)) == [16]
+    [moved] = [m for m in p.sent_since(mark, SetHostState) if m.state is HostSlotState.HOST_ONLY]
+    assert len(moved.indices) == 8
+    stats = p.tree.statistics()
+    assert (stats.device_tokens, stats.host_tokens, stats.evicted_device_tokens) == (0, 8, 16)
+    assert p.device.counts()[PageOwner.FREE] == p.device.capacity_slots
+    p.assert_idle()
+
+
+def test_device_eviction_never_takes_a_node_a_request_holds(play: Callable[..., Player]) -> None:
+    p = play()
+    p.finish(p.run("a", seq(8, 1)))
+    p.complete_writes()
+    [held] = p.admit(("b", seq(8, 1) + [99]))
+    assert held.device_hit == 8
+    assert p.evict_device(100) == 0
+    assert p.node(seq(8, 1)).state is S.SYNCED
+    p.finish(held)
+    assert p.evict_device(100) == 8
+    p.assert_idle()
+
+
+def test_host_eviction_frees_host_only_leaves_through_the_host_pool(play: Callable[..., Player]) -> None:
+    p = play()
+    p.finish(p.run("a", seq(8, 1)))
+    p.complete_writes()
+    assert p.evict_host(8) == 0  # still on the device: not a host victim
+    p.evict_device(8)
+    host = p.node(seq(8, 1)).host.clone()
+    mark = len(p.sent)
+    assert p.evict_host(8) == 8
+    [freed] = p.sent_since(mark, FreeHostSlots)
+    assert freed.indices.tolist() == host.tolist()
+    assert p.tree.tree.nodes == 0
+    assert p.host.free_slots == p.host.capacity_slots == p.tree.host_free
+    p.assert_idle()
+
+
+# == load-back ====================================================================================
+
+
+def _host_only(p: Player, *prompts: list[int]) -> None:
+    """Each prompt cached, backed up and evicted from the device (host-only)."""
+    for i, prompt in enumerate(prompts):
+        p.finish(p.run(f"warm-{i}", prompt))
+        p.complete_writes()
+    p.evict_device(p.config.device_slots)
+    for prompt in prompts:
+        assert p.node(prompt).state is S.HOST_ONLY
+
+
+def test_a_host_hit_is_loaded_back_and_reads_the_computed_kv(play: Callable[..., Player]) -> None:
+    p = play()
+    _host_only(p, seq(8, 1))
+    [a] = p.admit(("a", seq(8, 1) + [7, 7]))
+    assert (a.device_hit, a.host_hit, a.host_miss) == (0, 8, 0)
+    node = p.node(seq(8, 1))
+    assert node.state is S.LOADING and node.lock_ref == 1
+    assert len(p.loads) == 1
+    mark = len(p.sent)
+    p.complete_loads()
+    assert node.state is S.SYNCED
+    assert p.sent_since(mark, AdoptLoadedSlots)[0].indices.tolist() == a.slots.tolist()
+    p.oracle.verify(p.device.kv, a.tokens, a.slots)
+    p.extend(a, [7, 7])
+    p.finish(a)
+    assert p.tree.statistics().host_hit_tokens == 8
+    p.assert_idle()
+
+
+def test_a_host_hit_shorter_than_load_back_min_tokens_is_reported_as_a_host_miss(play: Callable[..., Player]) -> None:
+    p = play(load_back_min_tokens=12)
+    _host_only(p, seq(8, 1))
+    [a] = p.admit(("a", seq(8, 1) + seq(8, 50)))
+    assert (a.device_hit, a.host_hit, a.host_miss) == (0, 0, 8)
+    assert p.sent_since(0, AllocateLoadSlots) == [] and p.loads == {}
+    assert p.node(seq(8, 1)).lock_ref == 0
+    p.extend(a, seq(8, 1) + seq(8, 50))  # recomputed from scratch
+    p.finish(a)
+    p.complete_writes()
+    p.assert_idle()
+
+
+def test_load_back_stays_within_the_quota_of_one_admission_batch(play: Callable[..., Player]) -> None:
+    p = play(load_back_quota_tokens=8)
+    x, y, w = seq(8, 1), seq(8, 20), seq(8, 100)
+    p.finish(p.run("warm-x", x))
+    p.finish(p.run("warm-xy", x + y))  # a second node under x
+    p.finish(p.run("warm-w", w))
+    p.complete_writes()
+    p.complete_writes()
+    p.evict_device(p.config.device_slots)
+    a, b = p.admit(("a", x + y), ("b", w))
+    assert (a.host_hit, a.host_miss) == (8, 8)  # x fits the quota, y does not
+    assert (b.host_hit, b.host_miss) == (0, 8)  # the quota is spent
+    assert [m.tokens for m in p.sent_since(0, AllocateLoadSlots)] == [8]
+    p.complete_loads()
+    p.oracle.verify(p.device.kv, a.tokens, a.slots)
+    p.finish(a, reason=ReleaseReason.ABORTED)
+    p.finish(b, reason=ReleaseReason.ABORTED)
+    p.assert_idle()
+
+
+def test_two_requests_of_one_batch_share_a_load_even_when_the_second_splits_the_node(
+    play: Callable[..., Player],
+) -> None:
+    p = play()
+    x, y, z = seq(8, 1), seq(8, 20), seq(8, 40)
+    _host_only(p, x + y)  # one host-only node of 16 tokens
+    a, b = p.admit(("a", x + y + [9]), ("b", x + z))
+    assert (a.device_hit + a.host_hit, b.device_hit + b.host_hit) == (16, 8)
+    assert (a.host_hit, b.host_hit) == (16, 8)  # both wait for the load of this batch
+    assert b.slots.tolist() == a.slots[:8].tolist()
+    assert [m.tokens for m in p.sent_since(0, AllocateLoadSlots)] == [16]
+    p.complete_loads()
+    p.oracle.verify(p.device.kv, a.tokens, a.slots)
+    p.oracle.verify(p.device.kv, b.tokens, b.slots)
+    p.finish(a, b, reason=ReleaseReason.ABORTED)
+    p.assert_idle()
+
+
+def test_a_short_device_evicts_and_retries_the_load_once(play: Callable[..., Player]) -> None:
+    p = play(device_pages=8)  # 32 slots
+    x, e = seq(8, 1), seq(8, 100)
+    _host_only(p, x)
+    p.finish(p.run("e", e))  # an evictable node that the retry can take
+    p.complete_writes()
+    [r] = p.admit(("r", []))
+    p.extend(r, [], extra=24)  # a live request holds the rest of the device
+    assert p.device.counts()[PageOwner.FREE] == 0
+
+    mark = len(p.sent)
+    [a] = p.admit(("a", x))
+    assert [m.tokens for m in p.sent_since(mark, AllocateLoadSlots)] == [8, 8]
+    assert (a.host_hit, a.host_miss) == (8, 0)
+    assert p.node(e).state is S.HOST_ONLY  # evicted for the retry
+    p.complete_loads()
+    p.oracle.verify(p.device.kv, a.tokens, a.slots)
+    p.finish(a, r)
+    p.assert_idle()
+
+
+def test_a_short_device_gives_up_the_loads_after_one_retry(play: Callable[..., Player]) -> None:
+    p = play(device_pages=8)
+    x = seq(8, 1)
+    _host_only(p, x)
+    [r] = p.admit(("r", []))
+    p.extend(r, [], extra=32)  # nothing evictable, nothing free
+
+    mark = len(p.sent)
+    [a] = p.admit(("a", x + [5]))
+    assert [m.tokens for m in p.sent_since(mark, AllocateLoadSlots)] == [8, 8]
+    assert (a.device_hit, a.host_hit, a.host_miss) == (0, 0, 8)
+    assert len(a.slots) == 0 and p.loads == {}
+    node = p.node(x)
+    assert node.state is S.HOST_ONLY and node.lock_ref == 0
+    p.finish(r)
+    p.extend(a, x + [5])
+    p.finish(a)
+    p.assert_idle()
+
+
+def test_a_given_up_load_also_trims_a_request_that_shared_it(play: Callable[..., Player]) -> None:
+    p = play(device_pages=8)
+    x = seq(8, 1)
+    _host_only(p, x)
+    [r] = p.admit(("r", []))
+    p.extend(r, [], extra=32)
+    a, b = p.admit(("a", x), ("b", x + [3]))
+    for req in (a, b):
+        assert (req.device_hit, req.host_hit, req.host_miss, len(req.slots)) == (0, 0, 8, 0)
+    assert p.node(x).lock_ref == 0
+    p.finish(a, b, r, reason=ReleaseReason.ABORTED)
+    p.assert_idle()
+
+
+# == failures ======================================================================================
+
+
+def test_a_failed_write_is_never_marked_done_and_the_tree_frees_its_host_slots(play: Callable[..., Player]) -> None:
+    p = play()
+    p.finish(p.run("a", seq(8, 1)))
+    node = p.node(seq(8, 1))
+    host = p.writes[next(iter(p.writes))].host
+    mark = len(p.sent)
+    p.complete_writes(fail=True)
+    [freed] = p.sent_since(mark, FreeHostSlots)
+    assert freed.indices == host
+    assert [m.state for m in p.sent_since(mark, SetHostState)] == [HostSlotState.RESERVED]
+    assert node.state is S.DEVICE and node.host is None and node.lock_ref == 0
+    stats = p.tree.statistics()
+    assert (stats.backups_done, stats.backups_failed, stats.host_tokens) == (0, 1, 0)
+    assert p.host.free_slots == p.host.capacity_slots
+    assert p.evict_device(8) == 8  # not backed up: deleted, not made host-only
+    assert p.tree.tree.nodes == 0
+    p.assert_idle()
+
+
+def test_a_refused_host_reservation_puts_the_node_back_and_unlocks_it(play: Callable[..., Player]) -> None:
+    p = play(refuse_host=True)
+    p.finish(p.run("a", seq(8, 1)))
+    node = p.node(seq(8, 1))
+    assert node.state is S.DEVICE and node.lock_ref == 0 and p.writes == {}
+    assert p.tree.host_free == p.host.capacity_slots
+    assert p.tree.statistics().backups_failed == 1
+    p.assert_idle()
+
+
+def test_a_failed_load_is_never_marked_done_and_the_request_can_leave(play: Callable[..., Player]) -> None:
+    p = play()
+    x = seq(8, 1)
+    _host_only(p, x)
+    [a] = p.admit(("a", x))
+    node = p.node(x)
+    mark = len(p.sent)
+    p.complete_loads(fail=True)
+    [freed] = p.sent_since(mark, FreeDeviceSlots)
+    assert freed.indices.tolist() == a.slots.tolist()
+    assert p.sent_since(mark, AdoptLoadedSlots) == []
+    assert [m.state for m in p.sent_since(mark, SetHostState)] == [HostSlotState.HOST_ONLY]
+    assert node.state is S.HOST_ONLY and node.host is not None
+    assert p.device.counts()[PageOwner.LOADING] == 0  # no slot left loading
+    p.finish(a, reason=ReleaseReason.ABORTED)
+    assert node.lock_ref == 0
+    [again] = p.admit(("again", x))  # the host copy is intact: a second load works
+    p.complete_loads()
+    p.oracle.verify(p.device.kv, again.tokens, again.slots)
+    p.finish(again)
+    p.assert_idle()
+
+
+# == handles =======================================================================================
+
+
+def test_an_unknown_handle_is_a_handle_error_and_changes_nothing(play: Callable[..., Player]) -> None:
+    p = play()
+    a = p.run("a", seq(8, 1))
+    ghost = Req("a", "", a.tokens, a.slots, handle=999)
+    with pytest.raises(HandleError, match="lock handle 999 of request 'a' is unknown or already released"):
+        p.finish(ghost)
+    p.check()
+    p.finish(a)
+    with pytest.raises(HandleError, match=f"lock handle {a.handle} of request 'a' is unknown or already released"):
+        p.finish(a)
+    p.check()
+    p.complete_writes()
+    p.assert_idle()
+
+
+def test_another_requests_handle_is_a_handle_error_and_the_whole_batch_is_refused(
+    play: Callable[..., Player],
+) -> None:
+    p = play()
+    a = p.run("a", seq(8, 1))
+    b = p.run("b", seq(8, 1))
+    stolen = Req("b", "", b.tokens, b.slots, handle=a.handle)
+    with pytest.raises(HandleError, match=f"lock handle {a.handle} belongs to request 'a', not 'b'"):
+        p.finish(a, stolen)
+    p.check()
+    assert p.tree.statistics().live_handles == 2 and p.tree.tree.nodes == 0  # a was not finished either
+    with pytest.raises(HandleError, match="belongs to request 'a', not 'b'"):
+        p.cache(stolen)
+    p.finish(a, b)
+    p.complete_writes()
+    p.assert_idle()
+
+
+def test_finishing_with_fewer_tokens_than_admitted_is_refused(play: Callable[..., Player]) -> None:
+    p = play()
+    p.finish(p.run("a", seq(8, 1)))
+    [b] = p.admit(("b", seq(8, 1)))
+    short = Req("b", "", b.tokens[:4], b.slots[:4], b.handle)
+    with pytest.raises(ValueError, match="request 'b': 4 committed page-aligned tokens, fewer than the 8"):
+        p.finish(short)
+    p.finish(b)
+    p.complete_writes()
+    p.assert_idle()
+
+
+# == finish, chunked prefill, ledgers ==========================================================
+
+
+def test_finish_adopts_new_pages_and_frees_duplicates_tail_and_over_allocation(play: Callable[..., Player]) -> None:
+    p = play(write_policy=WritePolicy.WRITE_BACK)
+    a, c = p.admit(("a", seq(8, 1)), ("c", seq(8, 1) + seq(6, 30)))  # both compute the same prefix
+    p.extend(a, seq(8, 1))
+    p.extend(c, seq(8, 1) + seq(6, 30), extra=7)  # 6 new tokens, then 7 slots never used
+    p.finish(a)
+    mark = len(p.sent)
+    [entry] = p.finish(c)
+    assert (entry.allocated, entry.committed, entry.freed) == (21, 14, 21)
+    [release] = p.sent_since(mark, ReleaseRequests)
+    assert release.releases[0].adopt.tolist() == c.slots[8:12].tolist()  # only its one new whole page
+    node = p.node(seq(8, 1) + seq(4, 30))
+    assert node.device.tolist() == c.slots[8:12].tolist()
+    assert p.node(seq(8, 1)).device.tolist() == a.slots.tolist()  # a's copy stays, c's duplicate is freed
+    assert p.device.counts()[PageOwner.TREE] == 12
+    assert p.device.ledger("c").freed == p.device.ledger("c").allocated
+    p.assert_idle()
+
+
+def test_cache_unfinished_swaps_to_the_trees_slots_and_frees_duplicates(play: Callable[..., Player]) -> None:
+    p = play(write_policy=WritePolicy.WRITE_BACK)
+    prompt = seq(14, 1)
+    a, b = p.admit(("a", prompt), ("b", prompt))
+    p.extend(a, prompt[:6])
+    p.extend(b, prompt[:6])
+    old_a, old_b = a.handle, b.handle
+    mark = len(p.sent)
+    p.cache(a)
+    p.cache(b)
+    assert a.handle != old_a and b.handle != old_b
+    swaps = p.sent_since(mark, SwapRequestPages)
+    assert [(len(s.adopt), len(s.free)) for s in swaps] == [(4, 0), (0, 4)]
+    assert b.slots[:4].tolist() == a.slots[:4].tolist()  # both read the tree's page now
+    assert p.device.ledger("b").freed == 4
+    with pytest.raises(HandleError, match=f"lock handle {old_a} of request 'a' is unknown"):
+        p.finish(Req("a", "", a.tokens, a.slots, old_a))
+    p.extend(a, prompt[6:])
+    p.extend(b, prompt[6:])
+    p.oracle.verify(p.device.kv, prompt, a.slots)
+    p.oracle.verify(p.device.kv, prompt, b.slots)
+    entries = p.finish(a, b)
+    assert all(e.freed == e.allocated == 14 for e in entries)
+    p.assert_idle()
+
+
+# == seed 003 on the core ===========================================================================
+
+
+def test_a_write_ack_returns_protected_tokens_to_the_other_requests_share(play: Callable[..., Player]) -> None:
+    p = play(device_pages=32, host_pages=64)
+    shared = seq(8, 1)
+    p.finish(p.run("warm", shared))
+    p.complete_writes()
+    a = p.run("a", shared + seq(8, 20))
+    b = p.run("b", shared + seq(8, 40))
+    p.finish(a)  # a's own pages start a write-through
+    assert p.tree.statistics().protected_tokens == 8 + 8
+    for step in range(50):  # b decodes; the tree hears nothing but the write's ack
+        p.extend(b, [1000 + step])
+        if step == 3:
+            p.complete_writes()
+        assert p.tree.statistics().protected_tokens == (8 if step >= 3 else 16)
+    p.finish(b)
+    p.complete_writes()
+    p.assert_idle()
+
+
+# == seed 003 on the real actors ====================================================================
+
+
+class _WriteAcks:
+    """A delivery observer counting the write acks delivered to the tree (before it handles each)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, receiver: ActorName, mail: Any) -> None:
+        if receiver is ActorName.TREE and type(mail.message).__name__ == "WriteDone":
+            self.count += 1
+
+
+def _settle(hc: HiCache, timeout_s: float = 10.0) -> Any:
+    """Statistics once no write or load is in flight (threads: the copies take real time)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = hc.statistics()
+        if stats.tree.writes_in_flight == 0 and stats.tree.loads_in_flight == 0:
+            return stats
+        assert time.monotonic() < deadline, f"transfers still in flight after {timeout_s}s: {stats.tree}"
+
+
+def _compute(hc: HiCache, oracle: FingerprintOracle, rid: str, tokens: list[int]) -> None:
+    """Allocate, write the KV of and commit the positions of `tokens` after the request's cached prefix."""
+    done = len(hc.committed_tokens(rid))
+    new = tokens[done:]
+    got = hc.allocate({rid: len(new)})
+    assert isinstance(got, dict), got
+    oracle.write(hc.device_kv, tokens, got[rid], start=done)
+    hc.commit({rid: new})
+
+
+DECODE_STEPS = 300
+
+
+def test_write_ack_unlocks_node_during_pure_decode(
+    runtime_kind: str, make_config: Callable[..., Config], oracle_for: Callable[[Config], FingerprintOracle]
+) -> None:
+    """Seed 003: request a finishes and its pages start a write-through (locked); request b
+    keeps decoding with no new request. The ack unlocks a's pages as soon as the tree gets
+    it, and over a long decode-only run the protected tokens stay at b's own share."""
+    cfg = make_config(device_pages=128, host_pages=256, write_policy=WritePolicy.WRITE_THROUGH)
+    oracle = oracle_for(cfg)
+    acks = _WriteAcks()
+    with HiCache(cfg, runtime=make_runtime(runtime_kind, seed=3, observe=acks)) as hc:
+        shared = seq(8, 1)
+        [warm] = hc.admit([Request("warm", shared)])
+        _compute(hc, oracle, "warm", shared)
+        hc.finish([warm.handle])
+        assert _settle(hc).tree.protected_tokens == 0
+
+        a_prompt, b_prompt = shared + seq(8, 20), shared + seq(8, 40)
+        a, b = hc.admit([Request("a", a_prompt), Request("b", b_prompt)])
+        assert a.device_hit == b.device_hit == 8
+        _compute(hc, oracle, "a", a_prompt)
+        _compute(hc, oracle, "b", b_prompt)
+        share = 8  # b's lock: the shared prefix it was admitted with
+        assert hc.statistics().tree.protected_tokens == share
+
+        acks_before = acks.count
+        hc.finish([a.handle])  # a's own 8 tokens: inserted, locked for their write-through
+        written = 8
+        history = []
+        for step in range(DECODE_STEPS):
+            token = 5000 + step
+            got = hc.allocate({"b": 1})
+            assert isinstance(got, dict)
+            oracle.write(hc.device_kv, hc.committed_tokens("b") + [token], got["b"], start=len(b_prompt) + step)
+            hc.commit({"b": [token]})
+            acked_before = acks.count > acks_before  # the tree got the ack before the question below
+            tree = hc.statistics().tree
+            acked_after = acks.count > acks_before
+            history.append(tree.protected_tokens)
+            got_stats = (tree.protected_tokens, tree.writes_in_flight)
+            if acked_before:
+                assert got_stats == (share, 0), (
+                    f"decode step {step}: the write ack was delivered, yet {tree.protected_tokens} tokens "
+                    f"are protected (b's share is {share})"
+                )
+            elif not acked_after:
+                assert got_stats == (share + written, 1)  # nothing but the ack may unlock a's pages
+            else:
+                assert got_stats in ((share, 0), (share + written, 1))  # the ack raced the question
+        assert acks.count == acks_before + 1, "the write ack never reached the tree during the decode-only run"
+        assert history[-DECODE_STEPS // 2 :] == [share] * (DECODE_STEPS // 2)
+        assert max(history) <= share + written
+
+        oracle.verify(hc.device_kv, hc.committed_tokens("b"), hc.slots("b"))
+        hc.finish([b.handle])
+        stats = _settle(hc)
+        assert (stats.tree.protected_tokens, stats.tree.live_handles) == (0, 0)
+        assert (stats.device.request_slots, stats.device.loading_slots) == (0, 0)
+        assert stats.device.free_slots + stats.device.tree_slots == stats.device.capacity_slots
+        hc.check_invariants()
