@@ -35,6 +35,16 @@ from hicache.runtime.config import Config
 from ._tree_core import TreeCore
 
 
+_SENDER: dict[type[Message], ActorName] = {
+    **dict.fromkeys((AdmitRequests, FinishRequests, CacheUnfinished, EvictDevice, EvictHost), ActorName.FACADE),
+    **dict.fromkeys((SlotsAllocated, SlotsInsufficient, RequestsReleased, RequestPagesSwapped), ActorName.DEVICE),
+    **dict.fromkeys((HostAllocated, HostInsufficient), ActorName.HOST),
+    **dict.fromkeys((WriteDone, WriteFailed), ActorName.WRITE),
+    **dict.fromkeys((LoadDone, LoadFailed), ActorName.LOAD),
+}
+"""Who may send each message the tree handles: a reply from anyone else is a bug."""
+
+
 class TreeActor(HiActor):
     name = ActorName.TREE
 
@@ -43,6 +53,9 @@ class TreeActor(HiActor):
         self.core = TreeCore(config, lambda: services.ids.next("op"))
 
     def handle(self, sender: ActorName, message: Message) -> Message | None:
+        expected = _SENDER.get(type(message))
+        if expected is not None:
+            self.require_sender(sender, expected, type(message).__name__)
         core = self.core
         match message:
             case AdmitRequests(op_id=op, items=items):

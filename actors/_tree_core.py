@@ -196,7 +196,9 @@ class TreeCore:
         releases = []
         for it, h in zip(items, self._take_handles(items), strict=True):
             adopted: list[torch.Tensor] = []
-            path = self._insert(h, it.tokens.as_tensor(), it.device.as_tensor(), adopted, [])
+            path: list[Node] = []
+            if not self._prefix_lost(h):  # else its KV was computed over a failed load: cache none of it
+                path = self._insert(h, it.tokens.as_tensor(), it.device.as_tensor(), adopted, [])
             self._unlock_finished(h, it.reason)
             for nd in path:
                 self._consider_backup(nd)
@@ -206,8 +208,13 @@ class TreeCore:
         self._emit(DEVICE, ReleaseRequests(op_id=device_op, releases=tuple(releases)))
 
     def cache_unfinished(self, op_id: int, items: Sequence[CacheItem]) -> None:
+        lost = tuple(it.request_id for it in items
+                     if (h := self._handles.get(it.handle)) is not None and self._prefix_lost(h))
+        if lost:  # their new nodes would hang under host-only ones: refuse the batch, change nothing
+            self._emit(FACADE, Cached(op_id=op_id, prefixes=(), refused=lost))
+            return
         swaps = _Swaps(op_id, [])
-        for it, h in zip(items, self._take_handles(items), strict=True):
+        for it, h in zip(items, self._take_handles(items, caching=True), strict=True):
             adopted: list[torch.Tensor] = []
             duplicates: list[torch.Tensor] = []
             path = self._insert(h, it.tokens.as_tensor(), it.device.as_tensor(), adopted, duplicates)
@@ -216,12 +223,6 @@ class TreeCore:
                 self.tree.lock(top, +1)
             if h.node is not None:
                 self.tree.lock(h.node, -1)
-            lost = [nd for nd in path if nd.device is None]
-            if lost:
-                raise InvariantError(
-                    f"request {it.request_id!r}: its cached prefix has no device copy ({lost[0]}), "
-                    "after a failed load-back; abort or retract the request instead of caching it"
-                )
             prefix = sum(nd.tokens for nd in path)
             handle = self._new_handle(it.request_id, h.namespace, top, prefix)
             device = _cat([nd.device for nd in path if nd.device is not None])
@@ -236,7 +237,7 @@ class TreeCore:
         if swaps.waiting:
             self._swaps[op_id] = swaps
         else:
-            self._emit(FACADE, Cached(op_id=op_id, prefixes=tuple(swaps.prefixes)))
+            self._emit(FACADE, Cached(op_id=op_id, prefixes=tuple(swaps.prefixes), refused=()))
 
     def evict_device(self, op_id: int, tokens: int) -> None:
         freed = self._evict_device(tokens)
@@ -344,7 +345,7 @@ class TreeCore:
         swaps.waiting.discard(swap_op)
         if not swaps.waiting:
             del self._swaps[facade_op]
-            self._emit(FACADE, Cached(op_id=facade_op, prefixes=tuple(swaps.prefixes)))
+            self._emit(FACADE, Cached(op_id=facade_op, prefixes=tuple(swaps.prefixes), refused=()))
 
     # == policies ===========================================================================
 
@@ -385,15 +386,16 @@ class TreeCore:
 
     def _evict_device(self, tokens: int) -> int:
         frees: list[torch.Tensor] = []
-        freed = 0
-        while freed < tokens:
+        freed = pending = 0
+        while freed + pending < tokens:  # a write-back counts: its slots go when its write lands
             node = self.tree.pop_device_victim()
             if node is None:
                 break
             if (node.state is NodeState.DEVICE and self.config.write_policy is WritePolicy.WRITE_BACK
                     and self.config.host_tier and self._parent_backed(node)
                     and self._start_backup(node, evict_after=True)):
-                continue  # freed when its write completes
+                pending += node.tokens
+                continue
             frees.append(self._drop_device(node))
             freed += node.tokens
         self._emit_device_frees(frees)
@@ -489,7 +491,9 @@ class TreeCore:
         self._handles[handle] = _Handle(request_id, namespace, node, prefix)
         return handle
 
-    def _take_handles(self, items: Sequence[FinishItem] | Sequence[CacheItem]) -> list[_Handle]:
+    def _take_handles(
+        self, items: Sequence[FinishItem] | Sequence[CacheItem], *, caching: bool = False
+    ) -> list[_Handle]:
         """Every item's handle, all checked before any is taken: one bad item refuses the
         whole batch and changes nothing."""
         seen: set[int] = set()
@@ -516,6 +520,11 @@ class TreeCore:
         """The one lock release of a request that leaves, whatever the reason."""
         if h.node is not None:
             self.tree.lock(h.node, -1)
+
+    @staticmethod
+    def _prefix_lost(h: _Handle) -> bool:
+        """The request's cached prefix has no device copy any more (its load-back failed)."""
+        return h.node is not None and any(nd.state not in RESIDENT for nd in h.node.path())
 
     def _parent_backed(self, node: Node) -> bool:
         return node.parent is None or node.parent.is_root or node.parent.state in BACKED

@@ -141,7 +141,9 @@ class Cached(Message):
     op_id: int
     """The `op_id` of the request."""
     prefixes: tuple[CachedPrefix, ...]
-    """Per request, in order."""
+    """Per request, in order (empty when the batch was refused)."""
+    refused: tuple[str, ...]
+    """Requests whose cached prefix was lost to a failed load-back: nothing was done."""
 
 
 @message(411)

@@ -6,21 +6,25 @@ a conversation share their first blocks): admit the batch, allocate and commit t
 tokens the cache did not have, finish the batch.
 
 - **actors**: the `HiCache` facade on the threaded runtime. The tick ends when
-  `finish` has returned and the write-throughs it started are acknowledged (the
-  bench asks the tree for its statistics until no write is in flight, then sends
-  the host pool an empty state change, so the pool has applied every state the
-  tree sent it): the same work as the direct side, none of it left to spill into
-  the next measurement.
+  `finish` has returned and the write-throughs it started are acknowledged: the
+  bench asks the tree how many writes are in flight, sleeps until that many
+  `WriteDone` were delivered (a delivery observer counts them; no polling), asks
+  again (a finished write may start its children's), and at the end sends the
+  host pool an empty state change, which queues behind every state the tree
+  sent it. So the actors do the same work as the direct side within the timed
+  tick, and none of it spills into the next measurement.
 - **direct**: `TreeCore`, `DeviceCore` and `HostCore` in this thread, with no
   actor. `DirectCores` delivers the tree's outbox synchronously and in order,
-  each message to the core method its actor shell calls (a write-through's copy
-  included), and feeds the results back to the tree.
+  each message to the core method its actor shell calls, and feeds the results
+  back to the tree; a write-through's copy goes through a `TransferQueue` like
+  the write stream's, so it is split into the same copy batches.
 
 Both sides see the same batches in the same order (their trees grow alike; the
 bench checks at the end that their tree statistics are equal), interleaved batch
 by batch, alternating which side goes first; the median per batch counts.
 `round_trip_p50_us` is the median of a bare `System.ask` (GetStatistics to the
-write stream actor, whose statistics are a few counters) on the idle system.
+write stream actor, whose statistics are a few counters) on the idle system,
+timed in slices after each measured batch.
 
 The KV shape is tiny (32 bytes a token): the bytes are not what is measured.
 This is not actor code: it reads `time.perf_counter` and drives the system from
@@ -108,7 +112,7 @@ class Workload:
         return self.batch * (self.warmup + self.reps)
 
 
-FULL = Workload(batch=64, prompt_tokens_max=4096, warmup=2, reps=9, round_trips=2000)
+FULL = Workload(batch=64, prompt_tokens_max=4096, warmup=2, reps=15, round_trips=2000)
 QUICK = Workload(batch=64, prompt_tokens_max=1024, warmup=1, reps=2, round_trips=200)
 """A smoke test: short prompts, two measured batches; its figures mean nothing."""
 
@@ -351,6 +355,7 @@ def _measure(w: Workload, step: Callable[[], None]) -> Result:
     actor_s: list[float] = []
     direct_s: list[float] = []
     drains: list[int] = []
+    rtt: list[float] = []
     acks = WriteAcks()
     with HiCache(config, runtime=ThreadedRuntime(observe=acks)) as cache:
         for i, batch in enumerate(batches):
@@ -360,17 +365,18 @@ def _measure(w: Workload, step: Callable[[], None]) -> Result:
             for side in sides:
                 t0 = time.perf_counter()
                 if side == "actors":
-                    polls = _tick_actors(cache, acks, batch)
+                    asks = _tick_actors(cache, acks, batch)
                 else:
                     _tick_direct(cores, batch)
                 times[side] = time.perf_counter() - t0
             if i >= w.warmup:
                 actor_s.append(times["actors"])
                 direct_s.append(times["direct"])
-                drains.append(polls)
+                drains.append(asks)
+                # spread over the run, so a burst of load on the machine weighs on a few of them
+                rtt += _round_trips(cache, w.round_trips // w.reps)
             step()
-        rtt = sorted(_round_trips(cache, w.round_trips))
-        step()
+        rtt.sort()
         actor_tree = cache.statistics().tree
         cache.check_invariants()
     direct_tree = cores.tree.statistics()
@@ -434,7 +440,7 @@ def run_bench_overhead(*, as_json: bool, quick: bool) -> int:
         console=err, transient=as_json,
     )
     with progress:
-        task = progress.add_task("overhead", total=w.warmup + w.reps + 1)
+        task = progress.add_task("overhead", total=w.warmup + w.reps)
         result = _measure(w, lambda: progress.advance(task))
     machine = _machine(DeviceKind.CPU)
     table = _table(result, w, machine)

@@ -189,6 +189,9 @@ class HiCache:
         for r in reqs:
             if r.request_id in self._live or r.request_id in seen:
                 raise RequestError(f"request {r.request_id!r} is already admitted; finish, abort or retract it first")
+            if r.request_id in self._ended:  # its ledger is closed for good (seed 001); only retract keeps an id
+                raise RequestError(f"request {r.request_id!r} already {self._ended[r.request_id]}; "
+                                   "a finished or aborted request id is never admitted again")
             seen.add(r.request_id)
         items = tuple(
             AdmitItem(request_id=r.request_id, namespace=r.namespace, tokens=Tokens.from_tensor(_tokens(r.tokens)))
@@ -201,7 +204,6 @@ class HiCache:
             slots = adm.device.as_tensor().clone()
             cached = adm.device_hit + adm.host_hit
             prompt = _tokens(r.tokens)
-            self._ended.pop(r.request_id, None)
             self._live[r.request_id] = _Live(handle, r.namespace, [prompt[:cached].clone()], slots, cached)
             out.append(AdmitResult(r.request_id, handle, slots, adm.device_hit, adm.host_hit, adm.host_miss))
         return out
@@ -310,6 +312,11 @@ class HiCache:
             for h in hs
         )
         reply = self._call(ActorName.TREE, CacheUnfinished, Cached, items=items)
+        if reply.refused:
+            raise RequestError(
+                f"request(s) {list(reply.refused)}: the cached prefix was lost to a failed load-back, so "
+                "nothing was cached; abort or retract them (the whole batch was refused)"
+            )
         out = []
         for h, prefix in zip(hs, reply.prefixes, strict=True):
             live = self._live[h.request_id]

@@ -22,16 +22,16 @@ import pytest
 import torch
 
 from hicache.actors import KVShape
-from hicache.messages import LedgerEntry
+from hicache.messages import ActorName, LedgerEntry
 from hicache.runtime import (
     CacheHandle,
     Config,
     ExpiredHandleError,
     HiCache,
     Insufficient,
+    LoadFailedError,
     Request,
     RequestError,
-    WritePolicy,
 )
 from hicache.runtime.oracle import FingerprintOracle
 
@@ -94,13 +94,26 @@ class Scheduler:
         self.hc.check_invariants()
 
 
+class FailFirstLoad:
+    """A fault plan: the first load batch fails, everything else runs."""
+
+    def __init__(self) -> None:
+        self.failed = 0
+
+    def transfer_fault(self, stream: ActorName, op_ids: tuple[int, ...]) -> str | None:
+        if stream is ActorName.LOAD and not self.failed:
+            self.failed += 1
+            return "injected: the first load-back fails"
+        return None
+
+
 @pytest.fixture
 def open_cache(runtime_kind: str, make_config: Callable[..., Config]) -> Iterator[Callable[..., Scheduler]]:
-    """`open_cache(**config_fields)`: a started HiCache on this test's runtime, closed at the end."""
+    """`open_cache(faults=None, **config_fields)`: a started HiCache on this test's runtime, closed at the end."""
     opened: list[HiCache] = []
 
-    def open_(**fields: Any) -> Scheduler:
-        hc = HiCache(make_config(**fields), runtime=make_runtime(runtime_kind, seed=7))
+    def open_(faults: Any = None, **fields: Any) -> Scheduler:
+        hc = HiCache(make_config(**fields), runtime=make_runtime(runtime_kind, seed=7, faults=faults))
         opened.append(hc.start())
         return Scheduler(hc)
 
@@ -156,6 +169,57 @@ def test_a_prefix_evicted_from_the_device_is_a_host_hit_loaded_back_layer_by_lay
     _freed_once(hc.finish([b.handle]))
     stats = s.settle()
     assert stats.tree.host_hit_tokens == 12 and stats.load.ops_done == 1
+    s.assert_quiet()
+
+
+def test_a_failed_load_back_raises_in_the_forward_pass_and_the_request_can_be_aborted(
+    open_cache: Callable[..., Scheduler],
+) -> None:
+    faults = FailFirstLoad()
+    s = open_cache(faults=faults)
+    hc = s.hc
+    prompt = seq(8, 1)
+    hc.finish([s.run("a", prompt).handle])
+    s.settle()
+    hc.evict_device(8)
+    [b] = hc.admit([Request("b", prompt + [5])])
+    assert b.host_hit == 8
+    waiter = hc.start_loads()
+    with pytest.raises(LoadFailedError, match="injected: the first load-back fails"):
+        waiter.wait_layer(0, timeout_s=30)
+    assert faults.failed == 1
+    hc.abort([b.handle])
+    stats = s.settle()
+    assert (stats.tree.host_tokens, stats.tree.device_tokens, stats.load.ops_failed) == (8, 0, 1)
+
+    [c] = hc.admit([Request("c", prompt)])  # the host copy is intact: the next load works
+    assert c.host_hit == 8
+    hc.start_loads().wait_all(timeout_s=30)
+    s.verify("c", prompt, c.device_indices)
+    hc.abort([c.handle])
+    s.assert_quiet()
+
+
+def test_caching_a_chunk_over_a_failed_load_back_is_a_clear_error_and_the_actors_keep_running(
+    open_cache: Callable[..., Scheduler],
+) -> None:
+    s = open_cache(faults=FailFirstLoad())
+    hc = s.hc
+    prompt = seq(8, 1)
+    hc.finish([s.run("a", prompt).handle])
+    s.settle()
+    hc.evict_device(8)
+    [b] = hc.admit([Request("b", prompt + seq(8, 40))])
+    with pytest.raises(LoadFailedError):
+        hc.start_loads().wait_layer(0, timeout_s=30)
+    slots = hc.allocate({"b": 8})
+    assert not isinstance(slots, Insufficient)
+    hc.commit({"b": seq(8, 40)})
+    with pytest.raises(RequestError, match=r"\['b'\]: the cached prefix was lost to a failed load-back.*abort or retract"):
+        hc.cache_unfinished([b.handle])
+    hc.check_invariants()
+    hc.retract([b.handle])  # the same handle still works: nothing changed
+    s.settle()
     s.assert_quiet()
 
 
@@ -361,6 +425,23 @@ def test_committing_more_than_was_allocated_is_an_error_and_nothing_is_committed
         hc.allocate({"a": -1})
     s.compute("a", seq(8, 1))
     _freed_once(hc.finish([a.handle]))
+    s.assert_quiet()
+
+
+def test_admitting_a_finished_request_again_is_an_error_and_the_cache_keeps_working(
+    open_cache: Callable[..., Scheduler],
+) -> None:
+    s = open_cache()
+    hc = s.hc
+    hc.finish([s.run("a", seq(8, 1)).handle])
+    with pytest.raises(RequestError, match="request 'a' already finished; a finished or aborted request id is never"):
+        hc.admit([Request("a", seq(8, 1))])
+    [b] = hc.admit([Request("b", seq(8, 1))])
+    hc.abort([b.handle])
+    with pytest.raises(RequestError, match="request 'b' already aborted"):
+        hc.admit([Request("c", seq(4, 1)), Request("b", seq(8, 1))])
+    assert hc.live_requests == ()
+    hc.finish([s.run("c", seq(8, 1)).handle])
     s.assert_quiet()
 
 

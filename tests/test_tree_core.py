@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -28,6 +28,7 @@ from hicache.actors import (
     HandleError,
     HostCore,
     Insufficient,
+    InvariantError,
     KVShape,
     NodeState,
     PageOwner,
@@ -246,16 +247,21 @@ class Player:
         return FinishItem(request_id=r.rid, handle=r.handle, tokens=Tokens.of(r.tokens),
                           device=Indices.from_tensor(r.slots[: len(r.tokens)]), reason=reason)
 
-    def cache(self, *reqs: Req) -> None:
+    def cache(self, *reqs: Req) -> tuple[str, ...]:
+        """Cache the requests' committed prefixes; returns the ids the tree refused (then nothing changed)."""
         op = next(self._ops)
         items = [CacheItem(request_id=r.rid, handle=r.handle, tokens=Tokens.of(r.tokens),
                            device=Indices.from_tensor(r.slots[: len(r.tokens)])) for r in reqs]
         self.tree.cache_unfinished(op, items)
         self.pump()
-        for r, prefix in zip(reqs, self._reply(op, Cached).prefixes, strict=True):
+        reply = self._reply(op, Cached)
+        if reply.refused:
+            return reply.refused
+        for r, prefix in zip(reqs, reply.prefixes, strict=True):
             tree_slots = prefix.device.as_tensor()
             r.slots = torch.cat([tree_slots, r.slots[len(tree_slots):]])
             r.handle = prefix.handle
+        return ()
 
     def evict_device(self, tokens: int) -> int:
         op = next(self._ops)
@@ -370,6 +376,20 @@ def test_write_back_backs_up_only_at_eviction_before_the_device_slots_go(play: C
     p.assert_idle()
 
 
+def test_write_back_evicts_only_as_much_as_was_asked_for(play: Callable[..., Player]) -> None:
+    p = play(write_policy=WritePolicy.WRITE_BACK)
+    prompts = [seq(8, 1), seq(8, 100), seq(8, 200)]
+    for i, prompt in enumerate(prompts):
+        p.finish(p.run(f"r{i}", prompt))
+    mark = len(p.sent)
+    assert p.evict_device(8) == 0
+    assert [m.tokens for m in p.sent_since(mark, AllocateHost)] == [8]  # one write-back covers the 8 asked for
+    p.complete_writes()
+    assert sum(len(m.indices) for m in p.sent_since(mark, FreeDeviceSlots)) == 8
+    assert [p.node(t).state for t in prompts] == [S.HOST_ONLY, S.DEVICE, S.DEVICE]  # least recently used first
+    p.assert_idle()
+
+
 def test_without_a_host_tier_nothing_is_backed_up_and_eviction_deletes(play: Callable[..., Player]) -> None:
     p = play(write_policy=WritePolicy.WRITE_BACK, host_tier=False)
     p.finish(p.run("a", seq(8, 1)))
@@ -456,6 +476,58 @@ def test_host_eviction_frees_host_only_leaves_through_the_host_pool(play: Callab
     assert freed.indices.tolist() == host.tolist()
     assert p.tree.tree.nodes == 0
     assert p.host.free_slots == p.host.capacity_slots == p.tree.host_free
+    p.assert_idle()
+
+
+def test_a_backup_evicts_host_only_leaves_first_when_the_mirror_says_the_host_is_short(
+    play: Callable[..., Player],
+) -> None:
+    p = play(device_pages=4, host_pages=5)  # 16 device slots, 20 host slots
+    x, y, z = seq(8, 1), seq(8, 100), seq(8, 200)
+    _host_only(p, x, y)
+    assert p.tree.host_free == p.host.free_slots == 4
+    x_host = p.node(x).host.tolist()
+    mark = len(p.sent)
+    p.finish(p.run("z", z))
+    sent = [m for _, m in p.sent[mark:] if isinstance(m, FreeHostSlots | AllocateHost)]
+    assert [type(m).__name__ for m in sent] == ["FreeHostSlots", "AllocateHost"]  # evict, then reserve
+    assert sent[0].indices.tolist() == x_host
+    assert tuple(x[:P]) not in p.tree.tree.root("").children  # the least recently used host-only leaf
+    assert p.node(y).state is S.HOST_ONLY
+    p.complete_writes()
+    stats = p.tree.statistics()
+    assert (stats.backups_done, stats.backups_failed, stats.evicted_host_tokens) == (3, 0, 8)
+    p.verify_host(z)
+    p.assert_idle()
+
+
+def test_a_backup_is_skipped_when_no_host_memory_can_be_freed(play: Callable[..., Player]) -> None:
+    p = play(device_pages=4, host_pages=5)
+    x, y, z = seq(8, 1), seq(8, 100), seq(8, 200)
+    _host_only(p, x, y)
+    r1, r2 = p.admit(("r1", x), ("r2", y))
+    p.complete_loads(fail=True)  # both stay host-only, locked by their requests: not host victims
+    mark = len(p.sent)
+    p.finish(p.run("z", z))
+    assert p.sent_since(mark, AllocateHost, FreeHostSlots) == []
+    node = p.node(z)
+    assert node.state is S.DEVICE and node.lock_ref == 0
+    assert p.tree.statistics().backups_failed == 1
+    p.finish(r1, r2, reason=ReleaseReason.ABORTED)
+    p.assert_idle()
+
+
+def test_namespaces_never_share_a_cached_prefix(play: Callable[..., Player]) -> None:
+    p = play()
+    p.finish(p.run("a", seq(8, 1), namespace="model-a"))
+    b = p.run("b", seq(8, 1), namespace="model-b")
+    assert (b.device_hit, b.host_hit) == (0, 0)
+    c = p.run("c", seq(8, 1), namespace="model-a")
+    assert c.device_hit == 8
+    p.finish(b, c)
+    p.complete_writes()
+    assert p.tree.tree.nodes == 2
+    assert p.node(seq(8, 1), "model-a").hashes != p.node(seq(8, 1), "model-b").hashes
     p.assert_idle()
 
 
@@ -649,6 +721,37 @@ def test_a_failed_load_is_never_marked_done_and_the_request_can_leave(play: Call
     p.complete_loads()
     p.oracle.verify(p.device.kv, again.tokens, again.slots)
     p.finish(again)
+    p.assert_idle()
+
+
+def test_a_request_whose_load_failed_caches_nothing_of_its_own_when_it_finishes(play: Callable[..., Player]) -> None:
+    p = play()
+    x = seq(8, 1)
+    _host_only(p, x)
+    [a] = p.admit(("a", x + seq(8, 30)))
+    p.complete_loads(fail=True)
+    p.extend(a, seq(8, 30))  # a scheduler that went on regardless: its KV read a failed load
+    mark = len(p.sent)
+    [entry] = p.finish(a)
+    assert entry.freed == entry.allocated == 8
+    [release] = p.sent_since(mark, ReleaseRequests)
+    assert len(release.releases[0].adopt) == 0  # none of it is cached
+    assert p.tree.tree.nodes == 1 and p.node(x).state is S.HOST_ONLY
+    assert p.sent_since(mark, AllocateHost) == []
+    p.assert_idle()
+
+
+def test_caching_a_chunk_over_a_failed_load_is_refused_and_changes_nothing(play: Callable[..., Player]) -> None:
+    p = play()
+    x = seq(8, 1)
+    _host_only(p, x)
+    [a] = p.admit(("a", x + seq(8, 30)))
+    p.complete_loads(fail=True)
+    p.extend(a, seq(8, 30))
+    assert p.cache(a) == ("a",)
+    p.check()
+    assert p.tree.tree.nodes == 1 and p.tree.statistics().live_handles == 1
+    p.finish(a, reason=ReleaseReason.ABORTED)
     p.assert_idle()
 
 
