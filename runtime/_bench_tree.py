@@ -8,8 +8,8 @@ DEVICE-resident and unlocked, so every leaf is evictable.
 
 At each size, several repetitions of, side by side:
 
-- **match**: `match` of 200 recent sequences (whole ones, so nothing splits);
-  pages matched per second.
+- **match**: `match` of the 200 most recent sequences (whole ones, which end at
+  a node boundary unless eviction cut them); pages matched per second.
 - **evict**: `pop_device_victim` + `remove` (the tree core's path for a device
   leaf with no host copy) until 1000 pages are gone; microseconds per page. An
   evicted leaf's parent may become a leaf and follow it, as in the tree core.

@@ -328,6 +328,10 @@ class HiCache:
 
     # -- eviction, numbers, checks ---------------------------------------------------------
 
+    def quiesce(self, timeout_s: float = 60.0) -> None:
+        """Wait until every write-through and load-back in flight has been acknowledged."""
+        self.system.quiesce(timeout_s)
+
     def evict_device(self, tokens: int) -> int:
         """Free at least `tokens` device slots held by the cache if it can; returns how many."""
         return self._call(ActorName.TREE, EvictDevice, Evicted, tokens=tokens).device_tokens

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
@@ -254,6 +255,26 @@ class System:
                 wanted = " or ".join(t.__name__ for t in types)
                 raise RuntimeError(f"waiting for {wanted} of op {op_id}, the facade got {message!r} from {sender.value}")
             return message
+
+    def quiesce(self, timeout_s: float = DEFAULT_ASK_TIMEOUT_S) -> None:
+        """Return once the tree has no write-through or load-back in flight (every ack handled)."""
+        run_until_idle = getattr(self.runtime, "run_until_idle", None)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if run_until_idle is not None:
+                run_until_idle()  # deterministic: deliver everything, then look
+            stats = self.ask(ActorName.TREE, GetStatistics())
+            if not (stats.writes_in_flight or stats.loads_in_flight):
+                return
+            if run_until_idle is not None:
+                raise RuntimeError(
+                    f"{stats.writes_in_flight} writes and {stats.loads_in_flight} loads in flight, but no actor "
+                    "has mail: their acknowledgements will never be handled"
+                )
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"still in flight after {timeout_s}s: {stats}")
+            if run_until_idle is None:
+                time.sleep(0.0005)
 
     def raise_if_failed(self) -> None:
         self.services.failures.raise_first()

@@ -1,4 +1,4 @@
-"""`hicache`: the command line (demo, benchmarks)."""
+"""`hicache`: the command line (demo, explore, benchmarks)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import sys
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -19,6 +20,17 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--l2-gbps", type=float, default=None, help="TTFT model: host -> device GB/s")
     demo.add_argument("--kv-bytes-per-token", type=int, default=None, help="TTFT model: KV bytes per token")
 
+    ex = sub.add_parser("explore", help="explore schedules deterministically; find and replay failures")
+    ex.add_argument("--scenario", default="standard", help="scenario to run (default: standard)")
+    ex.add_argument("--strategy", choices=("pct", "random"), default="pct", help="scheduling strategy")
+    ex.add_argument("--seeds", type=int, default=100, help="how many seeds (schedules) to run")
+    ex.add_argument("--first-seed", type=int, default=0, help="the first seed")
+    ex.add_argument("--depth", type=int, default=3, help="PCT depth (bug depth it targets)")
+    ex.add_argument("--json", action="store_true", help="print one JSON object")
+    ex.add_argument("--out", type=Path, default=Path("explore-failures"), help="where failure traces and logs go")
+    ex.add_argument("--replay", type=Path, default=None, metavar="TRACE", help="replay a recorded schedule")
+    ex.add_argument("--mutants", action="store_true", help="show that exploration catches each seeded bug")
+
     bench = sub.add_parser("bench", help="benchmarks, each measured side by side in one run")
     bsub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
     tr = bsub.add_parser("transfer", help="D2H/H2D throughput of the stream actors vs a raw copy")
@@ -27,6 +39,9 @@ def _parser() -> argparse.ArgumentParser:
     ov = bsub.add_parser("overhead", help="a tick of 64 requests through the actors vs directly on the cores")
     ov.add_argument("--json", action="store_true", help="print one JSON object (actor_ms, direct_ms, ratio, ...)")
     ov.add_argument("--quick", action="store_true", help="a small, fast run (for smoke tests)")
+    bex = bsub.add_parser("explore", help="schedules and deliveries per second of deterministic exploration")
+    bex.add_argument("--json", action="store_true", help="print one JSON object")
+    bex.add_argument("--quick", action="store_true", help="a small, fast run (for smoke tests)")
     tree = bsub.add_parser("tree", help="radix tree match/insert/evict throughput as the tree grows")
     tree.add_argument("--json", action="store_true", help="print one JSON object (evict_us_small, ...)")
     tree.add_argument("--quick", action="store_true", help="a small, fast run (for smoke tests)")
@@ -43,6 +58,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                  "kv_bytes_per_token": args.kv_bytes_per_token}
         cost = CostModel(**{k: v for k, v in given.items() if v is not None})
         return run_demo(requests=args.requests, as_json=args.json, cost=cost)
+    if args.command == "explore":
+        from ._explore_cli import run_explore
+
+        return run_explore(scenario=args.scenario, strategy=args.strategy, seeds=args.seeds, depth=args.depth,
+                           as_json=args.json, out=args.out, replay_path=args.replay, mutants=args.mutants,
+                           first_seed=args.first_seed)
+    if args.command == "bench" and args.bench == "explore":
+        from ._explore_cli import run_bench_explore
+
+        return run_bench_explore(as_json=args.json, quick=args.quick)
     if args.command == "bench" and args.bench == "transfer":
         from ._bench_transfer import run_bench_transfer
 

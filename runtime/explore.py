@@ -118,6 +118,7 @@ def _standard(rt: DeterministicRuntime, seed: int, mut: Mutant | None) -> None:
         ))
         sched.submit(synthetic_workload(seed, 12, cfg.page_size))
         sched.run(on_tick=lambda s: hc.check_invariants())
+        hc.quiesce()
         hc.check_invariants()
         check_quiescent(hc)
 
@@ -201,7 +202,7 @@ def run_schedule(
     except Exception as err:  # noqa: BLE001 - every failure of a schedule is its result
         result.error = f"{type(err).__name__}: {err}"
         cause = err.__cause__
-        if cause is not None:
+        if cause is not None and str(cause) not in str(err):
             result.error += f" (caused by {type(cause).__name__}: {cause})"
         result.error_type = type(err).__name__
     result.choices = [s.actor for s in rt.schedule]

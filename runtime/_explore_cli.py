@@ -1,0 +1,147 @@
+"""`hicache explore` and `hicache bench explore`: the command-line face of `runtime.explore`."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from .explore import (
+    SCENARIOS,
+    MutantResult,
+    ScheduleResult,
+    explore,
+    hunt_mutants,
+    replay,
+    run_schedule,
+    write_failure,
+)
+
+DEFAULT_OUT = Path("explore-failures")
+
+
+def run_explore(
+    *, scenario: str, strategy: str, seeds: int, depth: int, as_json: bool, out: Path,
+    replay_path: Path | None, mutants: bool, first_seed: int = 0,
+) -> int:
+    err = Console(stderr=True)
+    if replay_path is not None:
+        return _replay(replay_path, as_json, err)
+    if mutants:
+        return _mutants(scenario, as_json, err)
+    if scenario not in SCENARIOS:
+        raise SystemExit(f"hicache explore: unknown scenario {scenario!r}; known: {', '.join(SCENARIOS)}")
+    if seeds <= 0:
+        raise SystemExit(f"hicache explore: --seeds must be > 0, got {seeds}")
+    with Progress(console=err, transient=True) as bar:
+        task = bar.add_task(f"{scenario}: {strategy} schedules", total=seeds)
+        report = explore(scenario, strategy, range(first_seed, first_seed + seeds), depth,
+                         on_schedule=lambda r: bar.advance(task))
+    reports = [_failure_report(f, out) for f in report.failures]
+    if as_json:
+        print(json.dumps({
+            "scenario": scenario, "strategy": strategy, "seeds": report.seeds, "depth": depth,
+            "failures": reports, "schedules_per_s": round(report.schedules_per_s, 2),
+            "deliveries_per_s": round(report.deliveries / report.elapsed_s, 1) if report.elapsed_s else 0.0,
+            "deterministic": report.deterministic,
+        }))
+    else:
+        for r in reports:
+            _print_failure(r, err)
+        verdict = "no failure" if not reports else f"{len(reports)} failing schedule(s)"
+        Console().print(
+            f"{scenario}: {report.seeds} {strategy} schedules (depth {depth}), {verdict}; "
+            f"{report.schedules_per_s:.1f} schedules/s; deterministic: {report.deterministic}"
+        )
+    return 1 if reports or not report.deterministic else 0
+
+
+def _failure_report(res: ScheduleResult, out: Path) -> dict[str, Any]:
+    trace, log = write_failure(res, out)
+    return {
+        "scenario": res.scenario, "seed": res.seed, "strategy": res.strategy, "depth": res.depth,
+        "mutant": res.mutant, "error": res.error, "trace": str(trace), "log": str(log),
+        "replay": f"hicache explore --replay {trace}",
+    }
+
+
+def _print_failure(r: dict[str, Any], console: Console) -> None:
+    console.print(f"[bold red]FAILED[/] {r['scenario']} seed {r['seed']} ({r['strategy']}, depth {r['depth']})"
+                  + (f" mutant {r['mutant']}" if r["mutant"] else ""))
+    console.print(f"  {r['error']}", markup=False)
+    console.print(f"  schedule: {r['trace']}", markup=False)
+    console.print(f"  log:      {r['log']}", markup=False)
+    console.print(f"  replay:   {r['replay']}", markup=False)
+
+
+def _replay(path: Path, as_json: bool, err: Console) -> int:
+    try:
+        res = replay(path)
+    except (ValueError, KeyError) as e:
+        raise SystemExit(f"hicache explore --replay: {e}") from None
+    if as_json:
+        print(json.dumps({"trace": str(path), "failed": res.failed, "error": res.error,
+                          "deliveries": res.deliveries, "digest": res.digest}))
+    else:
+        if res.failed:
+            err.print(f"[bold red]reproduced[/]: {res.error}")
+        Console().print(f"replayed {res.deliveries} deliveries of {res.scenario} seed {res.seed}: "
+                        + ("failed" if res.failed else "no failure"))
+    return 1 if res.failed else 0
+
+
+def _mutants(scenario: str, as_json: bool, err: Console) -> int:
+    with Progress(console=err, transient=True) as bar:
+        task = bar.add_task("hunting mutants with PCT", total=None)
+
+        def done(m: MutantResult) -> None:
+            bar.advance(task)
+
+        results = hunt_mutants(scenario, on_result=done)
+    if as_json:
+        print(json.dumps([{"mutant": m.mutant, "caught": m.caught,
+                           "schedules_to_first_failure": m.schedules_to_first_failure, "error": m.error}
+                          for m in results]))
+    else:
+        t = Table(title=f"mutants vs PCT exploration ({scenario}, at most 50 schedules each)")
+        t.add_column("mutant")
+        t.add_column("bug")
+        t.add_column("caught")
+        t.add_column("schedules", justify="right")
+        for m in results:
+            t.add_row(m.mutant, m.bug, "yes" if m.caught else "NO", str(m.schedules_to_first_failure or "-"))
+        Console().print(t)
+    return 0 if all(m.caught for m in results) else 1
+
+
+def run_bench_explore(*, as_json: bool, quick: bool) -> int:
+    """Schedules and delivered messages per second for the standard scenario."""
+    seeds = 3 if quick else 30
+    err = Console(stderr=True)
+    run_schedule("standard", 0, "pct")  # warm-up
+    deliveries = 0
+    t0 = time.perf_counter()
+    with Progress(console=err, transient=True) as bar:
+        task = bar.add_task("standard scenario, PCT schedules", total=seeds)
+        for seed in range(seeds):
+            deliveries += run_schedule("standard", seed, "pct").deliveries
+            bar.advance(task)
+    elapsed = time.perf_counter() - t0
+    figures = {"scenario": "standard", "schedules": seeds, "schedules_per_s": round(seeds / elapsed, 2),
+               "deliveries_per_s": round(deliveries / elapsed, 1), "deliveries_per_schedule": deliveries // seeds,
+               "machine": {"cpus": os.cpu_count()}}
+    if as_json:
+        print(json.dumps(figures))
+    else:
+        Console().print(
+            f"standard scenario: {figures['schedules_per_s']} schedules/s, {figures['deliveries_per_s']:,} "
+            f"deliveries/s ({figures['deliveries_per_schedule']} deliveries per schedule, invariants checked "
+            "after every delivery, oracle on every cached read)"
+        )
+    return 0

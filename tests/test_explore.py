@@ -1,0 +1,97 @@
+"""Schedule exploration: the unmutated system passes, every seeded bug is caught, failures replay."""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+
+import pytest
+
+from hicache.messages import decode
+from hicache.runtime import MUTANTS
+from hicache.runtime.cli import main
+from hicache.runtime.explore import explore, hunt_mutants, replay, run_schedule, write_failure
+
+
+def test_the_unmutated_standard_scenario_passes_two_hundred_seeds_under_pct_and_random() -> None:
+    pct = explore("standard", "pct", range(120), depth=3)
+    rnd = explore("standard", "random", range(1000, 1080))
+    assert pct.failures == [] and rnd.failures == [], [f.error for f in pct.failures + rnd.failures]
+    assert pct.deterministic and rnd.deterministic
+    assert pct.seeds + rnd.seeds == 200 and pct.deliveries > 120 * 100
+
+
+def test_every_mutant_is_caught_within_fifty_pct_schedules() -> None:
+    results = hunt_mutants("standard", schedules=50)
+    assert [r.mutant for r in results] == [m.name for m in MUTANTS]
+    missed = [r.mutant for r in results if not r.caught]
+    assert not missed, f"exploration missed {missed}"
+    assert all(r.schedules_to_first_failure is not None and r.schedules_to_first_failure <= 50 for r in results)
+
+
+@pytest.mark.parametrize(("name", "symptom"), [
+    ("write-acks-on-admission", "writes and 0 loads in flight, but no actor has mail"),
+    ("free-by-inferred-length", "ledgers hold .* pages but .* pages are marked request-owned"),
+    ("evict-before-synced", "illegal host slot transition to HOST_ONLY .* is WRITING"),
+    ("double-unlock-on-retract", "would become -1 .*a lock released twice"),
+    ("short-write-marked-done", "FingerprintMismatchError"),
+    ("backup-under-unbacked-parent", "written under a parent that is not backed up"),
+])
+def test_each_mutant_fails_with_the_symptom_of_its_bug(name: str, symptom: str) -> None:
+    import re
+
+    found = next(r for r in (run_schedule("standard", s, "pct", 3, name) for s in range(50)) if r.failed)
+    assert re.search(symptom, found.error or ""), found.error
+
+
+def test_a_failure_found_by_pct_replays_exactly_from_its_trace(tmp_path: Path) -> None:
+    failing = next(r for r in (run_schedule("standard", s, "pct", 3, "backup-under-unbacked-parent")
+                               for s in range(50)) if r.failed)
+    trace, log = write_failure(failing, tmp_path)
+    again = replay(trace, keep_log=True)
+    assert again.failed and again.error == failing.error
+    assert again.choices == failing.choices and again.digest == failing.digest
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(lines) == failing.deliveries
+    first = lines[0]
+    assert {"seq", "t", "receiver", "sender", "type", "body"} <= set(first)
+    assert type(decode(base64.b64decode(first["body"]))).__name__ == first["type"]
+
+
+def test_the_cli_reports_a_failure_with_the_command_that_replays_it(tmp_path: Path, capsys) -> None:
+    failing = next(r for r in (run_schedule("standard", s, "pct", 3, "double-unlock-on-retract")
+                               for s in range(50)) if r.failed)
+    trace, _ = write_failure(failing, tmp_path)
+    assert main(["explore", "--replay", str(trace), "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["failed"] and "would become -1" in out["error"]
+
+
+def test_explore_json_names_scenario_strategy_seeds_failures_and_speed(tmp_path: Path, capsys) -> None:
+    assert main(["explore", "--seeds", "3", "--json", "--out", str(tmp_path)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["scenario"], out["strategy"], out["seeds"], out["failures"]) == ("standard", "pct", 3, [])
+    assert out["schedules_per_s"] > 0 and out["deterministic"] is True
+
+
+def test_explore_mutants_json_lists_every_mutant_caught(capsys) -> None:
+    assert main(["explore", "--mutants", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [m["mutant"] for m in out] == [m.name for m in MUTANTS]
+    assert all(m["caught"] and m["schedules_to_first_failure"] <= 50 for m in out)
+
+
+def test_bad_explore_input_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="unknown scenario 'nope'"):
+        main(["explore", "--scenario", "nope"])
+    bad = tmp_path / "bad.trace.json"
+    bad.write_text("{not json")
+    with pytest.raises(SystemExit, match="cannot read schedule trace"):
+        main(["explore", "--replay", str(bad)])
+
+
+def test_bench_explore_reports_schedules_and_deliveries_per_second(capsys) -> None:
+    assert main(["bench", "explore", "--quick", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["schedules_per_s"] > 0 and out["deliveries_per_s"] > out["schedules_per_s"]
