@@ -31,7 +31,7 @@ class HostPoolActor(HiActor):
         match message:
             case AllocateHost(op_id=op, tokens=n):
                 self.require_sender(sender, ActorName.TREE, "reserving host slots")
-                slots = self.core.allocate(n)
+                slots = None if self._services.faults.host_exhausted(n) else self.core.allocate(n)
                 if slots is None:
                     return HostInsufficient(op_id=op, requested_slots=n, free_slots=self.core.free_slots)
                 return HostAllocated(op_id=op, indices=Indices.from_tensor(slots))

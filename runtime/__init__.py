@@ -28,7 +28,7 @@ from ._facade import (
 )
 from ._layers import LayerDoneRing, LayerWaiter, LoadFailedError, StaleWaiterError
 from ._strategies import PCTStrategy, RandomStrategy, ReplayStrategy, ScheduleDivergedError, Strategy
-from ._services import FailedTransfers, FaultPlan, IdSource, NoFaults, Services
+from ._services import FailedTransfers, FaultPlan, IdSource, NoFaults, SeededFaults, Services
 from ._system import DEFAULT_ASK_TIMEOUT_S, ActorFailedError, System, ThreadedRuntime
 from .config import (
     DTYPES,
@@ -90,6 +90,7 @@ __all__ = [
     "Mail",
     "NoFaults",
     "PrefetchPolicy",
+    "SeededFaults",
     "Services",
     "StaleWaiterError",
     "System",

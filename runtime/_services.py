@@ -53,12 +53,49 @@ class FaultPlan(Protocol):
         """A reason to fail this copy batch, or None to let it run."""
         ...
 
+    def host_exhausted(self, tokens: int) -> bool:
+        """True to answer a host reservation as if the pool were full."""
+        ...
+
 
 class NoFaults:
     """Production: nothing is injected."""
 
     def transfer_fault(self, stream: ActorName, op_ids: tuple[int, ...]) -> str | None:
         return None
+
+    def host_exhausted(self, tokens: int) -> bool:
+        return False
+
+
+class SeededFaults:
+    """Random faults from a seed: failed copy batches and refused host reservations.
+
+    Decisions are drawn in the order the actors ask for them, so under the
+    deterministic runtime the same seed and schedule inject the same faults."""
+
+    def __init__(self, seed: int, *, transfer_fail_rate: float = 0.05, host_exhausted_rate: float = 0.05) -> None:
+        for name, rate in (("transfer_fail_rate", transfer_fail_rate), ("host_exhausted_rate", host_exhausted_rate)):
+            if not 0.0 <= rate <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {rate}")
+        self._rng = random.Random(f"faults:{seed}")
+        self._lock = threading.Lock()
+        self.transfer_fail_rate = transfer_fail_rate
+        self.host_exhausted_rate = host_exhausted_rate
+        self.injected = 0
+
+    def transfer_fault(self, stream: ActorName, op_ids: tuple[int, ...]) -> str | None:
+        with self._lock:
+            if self._rng.random() < self.transfer_fail_rate:
+                self.injected += 1
+                return f"injected {stream.value} failure (seeded)"
+        return None
+
+    def host_exhausted(self, tokens: int) -> bool:
+        with self._lock:
+            hit = self._rng.random() < self.host_exhausted_rate
+            self.injected += hit
+            return hit
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +107,9 @@ class FailedTransfers:
 
     def transfer_fault(self, stream: ActorName, op_ids: tuple[int, ...]) -> str | None:
         return self.reason if self.op_ids.intersection(op_ids) else None
+
+    def host_exhausted(self, tokens: int) -> bool:
+        return False
 
 
 DeliveryObserver = Callable[[ActorName, Any], None]

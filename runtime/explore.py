@@ -33,6 +33,7 @@ from hicache.messages import ActorName, HostSlotState, encode
 
 from ._actor import HiActor, Mail
 from ._deterministic import DeterministicRuntime
+from ._services import SeededFaults
 from ._facade import HiCache
 from ._mutants import MUTANTS, Mutant, mutant
 from ._scheduler import ReferenceScheduler, SchedulerConfig, ServeRequest
@@ -108,6 +109,15 @@ def synthetic_workload(seed: int, n: int, page: int) -> list[ServeRequest]:
 
 
 def _standard(rt: DeterministicRuntime, seed: int, mut: Mutant | None) -> None:
+    _serve_workload(rt, seed, mut)
+
+
+def _faults(rt: DeterministicRuntime, seed: int, mut: Mutant | None) -> None:
+    rt.services.faults = SeededFaults(seed, transfer_fail_rate=0.08, host_exhausted_rate=0.1)
+    _serve_workload(rt, seed, mut)
+
+
+def _serve_workload(rt: DeterministicRuntime, seed: int, mut: Mutant | None) -> None:
     policy = (WritePolicy.WRITE_THROUGH, WritePolicy.WRITE_THROUGH_SELECTIVE, WritePolicy.WRITE_BACK)[seed % 3]
     cfg = Config(layers=2, kv_heads=1, head_dim=8, page_size=4, device_slots=4 * 24, host_slots=4 * 48,
                  write_policy=policy, load_back_min_tokens=4, transfer_pages_max=2)
@@ -130,6 +140,13 @@ SCENARIOS: dict[str, Scenario] = {
         "chunked prefill, decode with lookahead slots, finish, retraction, abort, device and host "
         "eviction, load-back; the write policy rotates with the seed",
         _standard,
+    ),
+    "faults": Scenario(
+        "faults",
+        "the standard workload with seeded faults: 8% of copy batches fail (write-throughs are "
+        "abandoned, failed load-backs make the scheduler retract) and 10% of host reservations are "
+        "refused as if the pool were full",
+        _faults,
     ),
 }
 

@@ -95,3 +95,39 @@ def test_bench_explore_reports_schedules_and_deliveries_per_second(capsys) -> No
     assert main(["bench", "explore", "--quick", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["schedules_per_s"] > 0 and out["deliveries_per_s"] > out["schedules_per_s"]
+
+
+def test_the_faults_scenario_injects_seeded_faults_and_the_system_survives_them() -> None:
+    import dataclasses
+
+    from hicache.runtime import explore as ex
+
+    injected: list[int] = []
+    scenario = ex.SCENARIOS["faults"]
+
+    def counting(rt, seed, mut):  # type: ignore[no-untyped-def]
+        try:
+            scenario.run(rt, seed, mut)
+        finally:
+            injected.append(rt.services.faults.injected)
+
+    ex.SCENARIOS["counted-faults"] = dataclasses.replace(scenario, name="counted-faults", run=counting)
+    try:
+        report = explore("counted-faults", "pct", range(40))
+    finally:
+        del ex.SCENARIOS["counted-faults"]
+    assert report.failures == [], [f.error for f in report.failures]
+    assert sum(injected) > 40, f"too few faults injected: {injected}"
+
+
+def test_seeded_faults_repeat_for_the_same_seed_and_differ_across_seeds() -> None:
+    from hicache.messages import ActorName
+    from hicache.runtime import SeededFaults
+
+    def draws(seed: int) -> list[object]:
+        f = SeededFaults(seed, transfer_fail_rate=0.3, host_exhausted_rate=0.3)
+        return [f.transfer_fault(ActorName.WRITE, (i,)) for i in range(30)] + [f.host_exhausted(4) for _ in range(30)]
+
+    assert draws(1) == draws(1) and draws(1) != draws(2)
+    with pytest.raises(ValueError, match="transfer_fail_rate must be in"):
+        SeededFaults(0, transfer_fail_rate=2.0)
