@@ -122,6 +122,19 @@ class _Swaps:
 
 
 @dataclass(slots=True)
+class _Eviction:
+    """An eviction waiting for its write-backs (write_back policy) before it is answered."""
+
+    freed: int
+    waiting: set[int]
+    """Write-backs whose slots are still to be freed."""
+    reply_op: int = 0
+    """The facade's EvictDevice to answer with Evicted, if any."""
+    retry_load: int = 0
+    """The admission whose AllocateLoadSlots to send again, if any."""
+
+
+@dataclass(slots=True)
 class _Counters:
     device_hit_tokens: int = 0
     host_hit_tokens: int = 0
@@ -148,6 +161,8 @@ class TreeCore:
         self._finishes: dict[int, int] = {}
         self._swaps: dict[int, _Swaps] = {}
         self._swap_of: dict[int, int] = {}
+        self._evictions: dict[int, _Eviction] = {}
+        self._eviction_of: dict[int, int] = {}
         self._building: list[_Plan] = []
         """Plans of the admission being built: a later item's match may split their nodes."""
         self.n = _Counters()
@@ -240,8 +255,24 @@ class TreeCore:
             self._emit(FACADE, Cached(op_id=op_id, prefixes=tuple(swaps.prefixes), refused=()))
 
     def evict_device(self, op_id: int, tokens: int) -> None:
-        freed = self._evict_device(tokens)
-        self._emit(FACADE, Evicted(op_id=op_id, device_tokens=freed, host_tokens=0))
+        """Reply once the slots are free: under write_back, after the write-backs it started land."""
+        freed, writes = self._evict_device(tokens)
+        if not writes:
+            self._emit(FACADE, Evicted(op_id=op_id, device_tokens=freed, host_tokens=0))
+            return
+        self._wait_for_writes(writes, _Eviction(freed, set(), reply_op=op_id))
+
+    def _wait_for_writes(self, writes: list[int], ev: _Eviction) -> None:
+        key = self._next_id()
+        ev.waiting = set(writes)
+        self._evictions[key] = ev
+        for w in writes:
+            self._eviction_of[w] = key
+
+    def _retry_load_slots(self, load_op: int) -> None:
+        adm = self._admissions[load_op]
+        total = sum(nd.tokens for p in adm.plans for nd in p.load_nodes)
+        self._emit(DEVICE, AllocateLoadSlots(op_id=load_op, tokens=total))
 
     def evict_host(self, op_id: int, tokens: int) -> None:
         freed = self._evict_host(tokens)
@@ -253,11 +284,13 @@ class TreeCore:
         adm = self._admissions.pop(load_op)
         if slots is None:
             if not adm.retried:
-                self._evict_device(shortfall)
                 adm.retried = True
                 self._admissions[load_op] = adm
-                total = sum(nd.tokens for p in adm.plans for nd in p.load_nodes)
-                self._emit(DEVICE, AllocateLoadSlots(op_id=load_op, tokens=total))
+                _, writes = self._evict_device(shortfall)
+                if writes:  # retry once the write-backs' slots are free
+                    self._wait_for_writes(writes, _Eviction(0, set(), retry_load=load_op))
+                else:
+                    self._retry_load_slots(load_op)
                 return
             self._give_up_loads(adm)
             self._reply_admitted(adm.facade_op, adm.plans)
@@ -322,6 +355,7 @@ class TreeCore:
         if w.evict_after:
             freed = [nd for nd in w.nodes if self.tree.device_evictable(nd)]
             self._emit_device_frees([self._drop_device(nd) for nd in freed])
+            self._evicted_after_write(op, freed)
         for nd in w.nodes:
             for child in sorted(nd.children.values(), key=lambda c: c.id):
                 self._consider_backup(child)
@@ -381,12 +415,16 @@ class TreeCore:
             self.tree.set_state(nd, NodeState.DEVICE)
         self.tree.lock(w.nodes[-1], -1)
         if w.evict_after:
-            frees = [self._drop_device(nd) for nd in w.nodes if self.tree.device_evictable(nd)]
-            self._emit_device_frees(frees)
+            dropped = [nd for nd in w.nodes if self.tree.device_evictable(nd)]
+            self._emit_device_frees([self._drop_device(nd) for nd in dropped])
+            self._evicted_after_write(op, dropped)
 
-    def _evict_device(self, tokens: int) -> int:
+    def _evict_device(self, tokens: int) -> tuple[int, list[int]]:
+        """Free device slots now (returns how many) and start write-backs whose slots go when
+        their writes land (returns their op ids)."""
         frees: list[torch.Tensor] = []
         freed = pending = 0
+        writes: list[int] = []
         while freed + pending < tokens:  # a write-back counts: its slots go when its write lands
             node = self.tree.pop_device_victim()
             if node is None:
@@ -395,11 +433,27 @@ class TreeCore:
                     and self.config.host_tier and self._parent_backed(node)
                     and self._start_backup(node, evict_after=True)):
                 pending += node.tokens
+                writes.append(node.op)
                 continue
             frees.append(self._drop_device(node))
             freed += node.tokens
         self._emit_device_frees(frees)
-        return freed
+        return freed, writes
+
+    def _evicted_after_write(self, op: int, dropped: list[Node]) -> None:
+        """A write-back of an eviction landed (or failed): its slots are freed; reply when all are."""
+        evict_op = self._eviction_of.pop(op, None)
+        if evict_op is None:
+            return
+        ev = self._evictions[evict_op]
+        ev.freed += sum(nd.tokens for nd in dropped)
+        ev.waiting.discard(op)
+        if not ev.waiting:
+            del self._evictions[evict_op]
+            if ev.reply_op:
+                self._emit(FACADE, Evicted(op_id=ev.reply_op, device_tokens=ev.freed, host_tokens=0))
+            if ev.retry_load:
+                self._retry_load_slots(ev.retry_load)
 
     def _drop_device(self, node: Node) -> torch.Tensor:
         """Free a device-evictable node's device copy: to HOST_ONLY if backed up, else delete it."""
@@ -568,7 +622,7 @@ class TreeCore:
     def idle(self) -> bool:
         """No handle held and nothing in flight."""
         return not (self._handles or self._writes or self._loads or self._admissions
-                    or self._finishes or self._swaps)
+                    or self._finishes or self._swaps or self._evictions)
 
     def check_invariants(self) -> None:
         self.tree.check_invariants()
@@ -583,6 +637,9 @@ class TreeCore:
                 raise InvariantError(f"tree: {node} is WRITING without a write in flight")
             if node.state is NodeState.LOADING and node.op not in self._loads:
                 raise InvariantError(f"tree: {node} is LOADING without a load in flight")
+        for key, ev in self._evictions.items():
+            if not ev.waiting or not ev.waiting <= set(self._writes):
+                raise InvariantError(f"tree: eviction {key} waits for writes {ev.waiting} that are not in flight")
         for handle, h in self._handles.items():
             if h.node is not None and (not h.node.alive or h.node.lock_ref <= 0):
                 raise InvariantError(f"tree: handle {handle} of {h.request_id!r} holds {h.node}, not alive and locked")

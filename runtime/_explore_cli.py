@@ -12,6 +12,10 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from hicache.messages import ActorName, DrainWrites, Message
+
+from ._actor import Directory, HiActor, Mail
+from ._deterministic import DeterministicRuntime
 from .explore import (
     SCENARIOS,
     MutantResult,
@@ -120,8 +124,52 @@ def _mutants(scenario: str, as_json: bool, err: Console) -> int:
     return 0 if all(m.caught for m in results) else 1
 
 
+class _Bouncer(HiActor):
+    """Sends every `DrainWrites` on to its partner until a budget runs out (the bare runtime's speed)."""
+
+    name = ActorName.TREE
+    partner = ActorName.PREFETCH
+
+    def __init__(self, *, budget: list[int], **kw: Any) -> None:
+        super().__init__(**kw)
+        self._budget = budget
+
+    def handle(self, sender: ActorName, message: Message) -> Message | None:
+        if self._budget[0] > 0:
+            self._budget[0] -= 1
+            self.send(self.partner, DrainWrites())
+        return None
+
+    def check_invariants(self) -> None:
+        return None
+
+    def statistics(self) -> Message:
+        raise TypeError("no statistics")
+
+
+class _Bouncer2(_Bouncer):
+    name = ActorName.PREFETCH
+    partner = ActorName.TREE
+
+
+def _bare_messages_per_s(messages: int) -> float:
+    rt = DeterministicRuntime(seed=0)
+    d = Directory()
+    budget = [messages]
+    for cls in (_Bouncer, _Bouncer2):
+        d.register(cls.name, rt.start(cls, budget=budget, services=rt.services, directory=d))
+    t0 = time.perf_counter()
+    d.ref(ActorName.TREE).tell(Mail(ActorName.FACADE, DrainWrites()))
+    delivered = rt.run_until_idle()
+    elapsed = time.perf_counter() - t0
+    for name in d.names():
+        d.ref(name).stop()
+    return delivered / elapsed
+
+
 def run_bench_explore(*, as_json: bool, quick: bool) -> int:
-    """Schedules and delivered messages per second for the standard scenario."""
+    """Schedules and delivered messages per second for the standard scenario, and the bare
+    runtime's messages per second (two actors bouncing one message) for comparison."""
     seeds = 3 if quick else 30
     err = Console(stderr=True)
     run_schedule("standard", 0, "pct")  # warm-up
@@ -133,15 +181,17 @@ def run_bench_explore(*, as_json: bool, quick: bool) -> int:
             deliveries += run_schedule("standard", seed, "pct").deliveries
             bar.advance(task)
     elapsed = time.perf_counter() - t0
+    bare = _bare_messages_per_s(20_000 if quick else 200_000)
     figures = {"scenario": "standard", "schedules": seeds, "schedules_per_s": round(seeds / elapsed, 2),
                "deliveries_per_s": round(deliveries / elapsed, 1), "deliveries_per_schedule": deliveries // seeds,
-               "machine": {"cpus": os.cpu_count()}}
+               "bare_messages_per_s": round(bare, 1), "machine": {"cpus": os.cpu_count()}}
     if as_json:
         print(json.dumps(figures))
     else:
         Console().print(
             f"standard scenario: {figures['schedules_per_s']} schedules/s, {figures['deliveries_per_s']:,} "
             f"deliveries/s ({figures['deliveries_per_schedule']} deliveries per schedule, invariants checked "
-            "after every delivery, oracle on every cached read)"
+            "after every delivery, oracle on every cached read); the bare runtime bounces "
+            f"{figures['bare_messages_per_s']:,} messages/s"
         )
     return 0

@@ -59,7 +59,8 @@ class FaultPlan(Protocol):
 
 
 class NoFaults:
-    """Production: nothing is injected."""
+    """Production: nothing is injected. Subclass it for a plan that injects some faults:
+    the hooks it does not override inject nothing."""
 
     def transfer_fault(self, stream: ActorName, op_ids: tuple[int, ...]) -> str | None:
         return None

@@ -24,6 +24,8 @@ import torch
 from hicache.actors import KVShape
 from hicache.messages import ActorName, LedgerEntry
 from hicache.runtime import (
+    WritePolicy,
+    NoFaults,
     CacheHandle,
     Config,
     ExpiredHandleError,
@@ -94,7 +96,7 @@ class Scheduler:
         self.hc.check_invariants()
 
 
-class FailFirstLoad:
+class FailFirstLoad(NoFaults):
     """A fault plan: the first load batch fails, everything else runs."""
 
     def __init__(self) -> None:
@@ -235,6 +237,23 @@ def test_an_allocation_that_does_not_fit_evicts_the_cache_and_retries(open_cache
     too_many = hc.allocate({"b": 64})
     assert isinstance(too_many, Insufficient) and too_many.shortfall_slots > 0
     assert len(hc.slots("b")) == 28  # nothing was allocated
+    hc.abort([b.handle])
+    s.assert_quiet()
+
+
+def test_under_write_back_an_allocation_waits_for_the_write_backs_its_eviction_started(
+    open_cache: Callable[..., Scheduler],
+) -> None:
+    s = open_cache(device_pages=8, write_policy=WritePolicy.WRITE_BACK)  # 32 slots
+    hc = s.hc
+    hc.finish([s.run("a", seq(16, 1)).handle])
+    s.settle()
+    assert hc.statistics().tree.host_tokens == 0  # write_back: nothing backed up yet
+    [b] = hc.admit([Request("b", seq(8, 100))])
+    got = hc.allocate({"b": 28})  # the tree's 16 must be written back, then freed
+    assert isinstance(got, dict) and len(got["b"]) == 28
+    stats = hc.statistics().tree
+    assert stats.evicted_device_tokens >= 12 and stats.host_tokens >= 12
     hc.abort([b.handle])
     s.assert_quiet()
 

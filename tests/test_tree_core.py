@@ -264,9 +264,20 @@ class Player:
         return ()
 
     def evict_device(self, tokens: int) -> int:
+        op = self.start_evict_device(tokens)
+        return self._reply(op, Evicted).device_tokens
+
+    def start_evict_device(self, tokens: int) -> int:
+        """Ask for an eviction; under write_back its `Evicted` comes once the write-backs land."""
         op = next(self._ops)
         self.tree.evict_device(op, tokens)
         self.pump()
+        return op
+
+    def evicted(self, op: int) -> int | None:
+        """Device tokens of the eviction's `Evicted`, or None while it is not answered yet."""
+        if not any(getattr(r, "op_id", None) == op for r in self.replies):
+            return None
         return self._reply(op, Evicted).device_tokens
 
     def evict_host(self, tokens: int) -> int:
@@ -360,7 +371,8 @@ def test_write_back_backs_up_only_at_eviction_before_the_device_slots_go(play: C
     slots = node.device.clone()
 
     mark = len(p.sent)
-    assert p.evict_device(8) == 0  # nothing freed yet: the write must land first
+    op = p.start_evict_device(8)
+    assert p.evicted(op) is None  # not answered: nothing is free until the write lands
     assert [m.tokens for m in p.sent_since(mark, AllocateHost)] == [8]
     assert p.sent_since(mark, FreeDeviceSlots) == []
     assert node.state is S.WRITING and node.lock_ref == 1
@@ -368,6 +380,7 @@ def test_write_back_backs_up_only_at_eviction_before_the_device_slots_go(play: C
 
     mark = len(p.sent)
     p.complete_writes()
+    assert p.evicted(op) == 8  # answered once the slots are free
     [freed] = p.sent_since(mark, FreeDeviceSlots)
     assert freed.indices.tolist() == slots.tolist()
     assert node.state is S.HOST_ONLY
@@ -382,9 +395,11 @@ def test_write_back_evicts_only_as_much_as_was_asked_for(play: Callable[..., Pla
     for i, prompt in enumerate(prompts):
         p.finish(p.run(f"r{i}", prompt))
     mark = len(p.sent)
-    assert p.evict_device(8) == 0
+    op = p.start_evict_device(8)
+    assert p.evicted(op) is None
     assert [m.tokens for m in p.sent_since(mark, AllocateHost)] == [8]  # one write-back covers the 8 asked for
     p.complete_writes()
+    assert p.evicted(op) == 8
     assert sum(len(m.indices) for m in p.sent_since(mark, FreeDeviceSlots)) == 8
     assert [p.node(t).state for t in prompts] == [S.HOST_ONLY, S.DEVICE, S.DEVICE]  # least recently used first
     p.assert_idle()
