@@ -107,6 +107,27 @@ def _ignore(receiver: ActorName, mail: Any) -> None:
     return None
 
 
+class _CallerRef:
+    """Stands where an actor ref would for the caller (the facade): a tell is a put into
+    its inbox, observed like any delivery."""
+
+    def __init__(self, probe: Any, services: Services) -> None:
+        self._probe = probe
+        self._services = services
+        self._alive = True
+
+    def tell(self, mail: Mail) -> None:
+        self._services.observe(ActorName.FACADE, mail)
+        self._probe._inbox.put((mail.sender, mail.message))
+
+    def is_alive(self) -> bool:
+        return self._alive
+
+    def stop(self, block: bool = True, timeout: float | None = None) -> bool:
+        self._alive = False
+        return True
+
+
 class Runtime(Protocol):
     """What `System` needs from a runtime (threaded or deterministic)."""
 
@@ -182,10 +203,15 @@ class System:
         )
         if ActorName.TREE not in self._stand_in_names:
             self._register(TreeActor, config=cfg, **common)
-        for name in dict.fromkeys((*self._stand_in_names, ActorName.FACADE)):
+        for name in self._stand_in_names:
             probe = Probe(name, self.runtime.new_mailbox(f"probe {name.value}"))
             d.register(name, self.runtime.start(probe.actor_class(), probe=probe, **common))
             self.probes[name] = probe
+        if ActorName.FACADE not in self._stand_in_names:
+            # The caller is not an actor: mail for it goes straight into its inbox (no thread hop).
+            inbox = Probe(ActorName.FACADE, self.runtime.new_mailbox("the facade's inbox"))
+            d.register(ActorName.FACADE, _CallerRef(inbox, svc))  # type: ignore[arg-type]
+            self.probes[ActorName.FACADE] = inbox
         self._started = True
         return self
 

@@ -33,7 +33,8 @@ def test_every_mutant_is_caught_within_fifty_pct_schedules() -> None:
 @pytest.mark.parametrize(("name", "symptom"), [
     ("write-acks-on-admission", "writes and 0 loads in flight, but no actor has mail"),
     ("free-by-inferred-length", "ledgers hold .* pages but .* pages are marked request-owned"),
-    ("evict-before-synced", "illegal host slot transition to HOST_ONLY .* is WRITING"),
+    ("evict-before-synced",
+     "illegal host slot transition to HOST_ONLY .* is WRITING|host_only .*backed-up state without a full host copy"),
     ("double-unlock-on-retract", "would become -1 .*a lock released twice"),
     ("short-write-marked-done", "FingerprintMismatchError"),
     ("backup-under-unbacked-parent", "written under a parent that is not backed up"),
