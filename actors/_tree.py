@@ -50,7 +50,8 @@ class TreeActor(HiActor):
 
     def __init__(self, *, config: Config, services: Services, directory: Directory) -> None:
         super().__init__(services=services, directory=directory)
-        self.core = TreeCore(config, lambda: services.ids.next("op"))
+        # Its own id sequence: the ids it draws depend on its inbox only (replay needs that).
+        self.core = TreeCore(config, lambda: services.ids.next("tree-op"))
 
     def handle(self, sender: ActorName, message: Message) -> Message | None:
         expected = _SENDER.get(type(message))

@@ -26,6 +26,8 @@ from ._facade import (
     Request,
     RequestError,
 )
+from ._log import LOG_VERSION, DeliveryLog
+from ._replay import Delivery, Divergence, ParsedLog, ReplayLogError, ReplayResult, read_log, replay_log
 from ._layers import LayerDoneRing, LayerWaiter, LoadFailedError, StaleWaiterError
 from ._strategies import PCTStrategy, RandomStrategy, ReplayStrategy, ScheduleDivergedError, Strategy
 from ._services import FailedTransfers, FaultPlan, IdSource, NoFaults, SeededFaults, Services
@@ -42,6 +44,15 @@ from .config import (
 )
 
 __all__ = [
+    "LOG_VERSION",
+    "Delivery",
+    "DeliveryLog",
+    "Divergence",
+    "ParsedLog",
+    "ReplayLogError",
+    "ReplayResult",
+    "read_log",
+    "replay_log",
     "MUTANTS",
     "FakeModel",
     "Mutant",

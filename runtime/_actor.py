@@ -93,20 +93,33 @@ class HiActor(pykka.ThreadingActor, abc.ABC):
                 f"{self.name.value} received {type(mail).__name__}; actors exchange Mail "
                 "(send through System.tell/ask or HiActor.send)"
             )
-        self._services.observe(self.name, mail)
-        message = mail.message
-        if isinstance(message, CheckInvariants):
-            self.check_invariants()
-            reply: Message | None = InvariantsHeld(actor=self.name)
-        elif isinstance(message, GetStatistics):
-            reply = self.statistics()
+        services = self._services
+        services.observe(self.name, mail)
+        log = services.log
+        if log is None:
+            reply = self._dispatch(mail)
         else:
-            reply = self.handle(mail.sender, message)
+            seq, t = log.next_seq(), services.clock.now_s()
+            try:
+                reply = self._dispatch(mail)
+            except Exception as err:
+                log.delivery(seq, t, self.name, mail.sender, mail.message, mail.ask, None, err)
+                raise
+            log.delivery(seq, t, self.name, mail.sender, mail.message, mail.ask, reply, None)
         if mail.ask:
             return reply
         if reply is not None:
             self.send(mail.sender, reply)
         return None
+
+    def _dispatch(self, mail: Mail) -> Message | None:
+        message = mail.message
+        if isinstance(message, CheckInvariants):
+            self.check_invariants()
+            return InvariantsHeld(actor=self.name)
+        if isinstance(message, GetStatistics):
+            return self.statistics()
+        return self.handle(mail.sender, message)
 
     def on_failure(
         self,

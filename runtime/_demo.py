@@ -16,6 +16,7 @@ figures printed say which cost model produced them.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from dataclasses import asdict, dataclass
 
 from rich.console import Console
@@ -55,6 +56,7 @@ def run_demo(
     requests: int | None = None,
     as_json: bool = False,
     cost: CostModel | None = None,
+    log_path: Path | None = None,
 ) -> int:
     n = DEMO_REQUESTS if requests is None else requests
     if n <= 0:
@@ -65,7 +67,7 @@ def run_demo(
     served = [r for r in trace if r.input_length <= cfg.device_slots // 2]
     err = Console(stderr=True)
     with Progress(console=err, transient=True) as bar:
-        hier = _serve(served, cfg, bar, "L1 + L2")
+        hier = _serve(served, cfg.replace(log_path=str(log_path)) if log_path else cfg, bar, "L1 + L2")
         l1 = _serve(served, demo_config(host_tier=False), bar, "L1 only")
     infinite = _infinite_hits(served, cfg.page_size)
     figures = _figures(served, len(trace) - len(served), hier, l1, infinite, cost, cfg)

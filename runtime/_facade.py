@@ -238,7 +238,7 @@ class HiCache:
         return out
 
     def _allocate(self, demands: Mapping[str, int]) -> Any:
-        op = self._ops.next("op")
+        op = self._ops.next("facade-op")
         items = tuple(SlotDemand(request_id=r, tokens=n) for r, n in demands.items())
         return self.system.ask(ActorName.DEVICE, AllocateSlots(op_id=op, demands=items))
 
@@ -257,7 +257,7 @@ class HiCache:
         # Nothing to record for an empty commit (a request on a full cache hit may have no ledger yet).
         demands = tuple(SlotDemand(request_id=rid, tokens=len(new)) for rid, _, new in batch if len(new))
         if demands:
-            self.system.ask(ActorName.DEVICE, CommitSlots(op_id=self._ops.next("op"), demands=demands))
+            self.system.ask(ActorName.DEVICE, CommitSlots(op_id=self._ops.next("facade-op"), demands=demands))
         for _, live, new in batch:
             live.chunks.append(new)
             live.committed += len(new)
@@ -359,7 +359,7 @@ class HiCache:
     # -- helpers -------------------------------------------------------------------------------
 
     def _call(self, to: ActorName, verb: type[Message], reply: type[Message], **fields: Any) -> Any:
-        op = self._ops.next("op")
+        op = self._ops.next("facade-op")
         self.system.tell(to, verb(op_id=op, **fields))
         return self.system.await_reply(op, reply)
 

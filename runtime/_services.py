@@ -158,6 +158,8 @@ class Services:
     """`(ring_size, layers) -> LayerDoneRing` (threaded or deterministic)."""
     call_later: Callable[[float, ActorName, Any, Any], None]
     """`(delay_s, receiver, ref, mail)`: deliver `mail` to `ref` after `delay_s` (virtual or real)."""
+    log: Any = None
+    """The `DeliveryLog` every delivery is written to, or None."""
 
     def rng(self, name: str) -> random.Random:
         """A random source seeded by the runtime seed and `name` (stable across runs)."""

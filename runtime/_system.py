@@ -11,6 +11,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any, Protocol
 
 import pykka
@@ -117,7 +118,11 @@ class _CallerRef:
         self._alive = True
 
     def tell(self, mail: Mail) -> None:
-        self._services.observe(ActorName.FACADE, mail)
+        services = self._services
+        services.observe(ActorName.FACADE, mail)
+        if services.log is not None:
+            services.log.delivery(services.log.next_seq(), services.clock.now_s(), ActorName.FACADE,
+                                  mail.sender, mail.message, False, None, None)
         self._probe._inbox.put((mail.sender, mail.message))
 
     def is_alive(self) -> bool:
@@ -158,11 +163,13 @@ class System:
         runtime: Runtime | None = None,
         stand_ins: Iterable[ActorName] = (),
         actor_classes: Mapping[ActorName, type[HiActor]] | None = None,
+        log_path: str | Path | None = None,
     ) -> None:
         self.config = config
         self.runtime: Runtime = runtime or ThreadedRuntime()
         self.services = self.runtime.services
         self._stand_in_names = tuple(stand_ins)
+        self._log_path = log_path or config.log_path or None
         self._overrides = dict(actor_classes or {})
         """Subclasses to run in place of an actor's class: exploration's mutants, never config."""
         self.directory = Directory()
@@ -190,6 +197,8 @@ class System:
         if self._started:
             raise RuntimeError("system already started")
         cfg, svc, d = self.config, self.services, self.directory
+        if self._log_path:
+            self._open_log(self._log_path)
         device = DeviceCore(cfg)
         host = HostCore(cfg)
         self.device_kv, self.host_kv = device.kv, host.kv
@@ -215,6 +224,19 @@ class System:
         self._started = True
         return self
 
+    def _open_log(self, path: str | Path) -> None:
+        from ._log import DeliveryLog, _LoggedFaults, _versions
+
+        svc = self.services
+        header = {
+            "versions": _versions(), "config": self.config.to_mapping(),
+            "runtime": type(self.runtime).__name__, "seed": svc.seed,
+            "stand_ins": sorted(n.value for n in self._stand_in_names),
+            "actor_classes": {n.value: c.__qualname__ for n, c in sorted(self._overrides.items(), key=lambda i: i[0].value)},
+        }
+        svc.log = DeliveryLog(path, header)
+        svc.faults = _LoggedFaults(svc.faults, svc.log)
+
     def _register(self, cls: type[HiActor], **kwargs: Any) -> None:
         use = self._overrides.get(cls.name, cls)
         if not issubclass(use, cls):
@@ -229,6 +251,9 @@ class System:
             if ref.is_alive():
                 ref.stop(block=True, timeout=DEFAULT_ASK_TIMEOUT_S)
         self.runtime.shutdown()
+        if self.services.log is not None:
+            self.services.log.close()
+            self.services.log = None
         self._started = False
 
     def __enter__(self) -> System:

@@ -18,6 +18,8 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     demo.add_argument("--prefill-tps", type=float, default=None, help="TTFT model: prefill tokens per second")
     demo.add_argument("--l2-gbps", type=float, default=None, help="TTFT model: host -> device GB/s")
+    demo.add_argument("--log", type=Path, default=None, metavar="PATH",
+                      help="write every delivery of the L1 + L2 run to PATH (hicache replay reads it)")
     demo.add_argument("--kv-bytes-per-token", type=int, default=None, help="TTFT model: KV bytes per token")
 
     ex = sub.add_parser("explore", help="explore schedules deterministically; find and replay failures")
@@ -30,6 +32,14 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--out", type=Path, default=Path("explore-failures"), help="where failure traces and logs go")
     ex.add_argument("--replay", type=Path, default=None, metavar="TRACE", help="replay a recorded schedule")
     ex.add_argument("--mutants", action="store_true", help="show that exploration catches each seeded bug")
+
+    rp = sub.add_parser("replay", help="replay a delivery log and report the first divergence")
+    rp.add_argument("log", type=Path, help="a log written with --log PATH (or Config.log_path)")
+    rp.add_argument("--until", type=int, default=None, metavar="SEQ", help="stop after delivery SEQ")
+    rp.add_argument("--actor", default=None, help="replay only this actor (tree, device, host, write, load)")
+    rp.add_argument("--dump", choices=("tree", "device", "host", "ledger"), default=None,
+                    help="print that actor's state where replay stopped")
+    rp.add_argument("--json", action="store_true", help="print one JSON object")
 
     bench = sub.add_parser("bench", help="benchmarks, each measured side by side in one run")
     bsub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
@@ -57,7 +67,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         given = {"prefill_tokens_per_s": args.prefill_tps, "l2_gbps": args.l2_gbps,
                  "kv_bytes_per_token": args.kv_bytes_per_token}
         cost = CostModel(**{k: v for k, v in given.items() if v is not None})
-        return run_demo(requests=args.requests, as_json=args.json, cost=cost)
+        return run_demo(requests=args.requests, as_json=args.json, cost=cost, log_path=args.log)
+    if args.command == "replay":
+        from ._replay_cli import run_replay
+
+        return run_replay(args.log, until=args.until, actor=args.actor, dump=args.dump, as_json=args.json)
     if args.command == "explore":
         from ._explore_cli import run_explore
 

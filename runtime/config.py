@@ -120,6 +120,9 @@ class Config:
     load_back_quota_tokens: int = 1 << 20
     """Most tokens one admission batch may load back from host (device memory it may take)."""
 
+    log_path: str = ""
+    """Write every delivery to this JSON-lines file (`hicache replay` reads it); empty: no log."""
+
     # -- transfer bounds -----------------------------------------------------
     transfer_pages_max: int = 64
     """Most pages one copy batch moves; larger operations are split, smaller ones merged."""
@@ -143,6 +146,8 @@ class Config:
                 f"host_slots={self.host_slots} must be larger than device_slots="
                 f"{self.device_slots}: the host tier backs up the device tier"
             )
+        if not isinstance(self.log_path, str):
+            raise ConfigError(f"log_path={self.log_path!r} must be a path string (empty: no log)")
         if not isinstance(self.host_tier, bool):
             raise ConfigError(f"host_tier={self.host_tier!r} must be true or false")
         if self.dtype not in DTYPES:

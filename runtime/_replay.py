@@ -1,0 +1,336 @@
+"""Replay a delivery log: rebuild the actors, feed each its logged inbox, find the first divergence.
+
+Each actor is deterministic given the order of its inbox (it takes ids, time and
+faults from its services, and the faults it saw are in the log). So replay needs
+no threads and no scheduler: for every actor it builds a fresh instance from the
+logged `Config`, hands it the mail logged for it, one delivery after another, and
+records what it sends. Mail from one actor to another arrives in the order it was
+sent, so an actor's sends to each receiver must equal, in order, the deliveries
+the log has from it to that receiver; an ask's reply must equal the logged reply.
+The first delivery (lowest `seq`) where that fails is the divergence.
+
+This replays logs recorded on threads as well as in the deterministic runtime.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from collections import defaultdict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hicache.messages import ActorName, CodecError, Message, decode, encode
+
+from ._actor import Directory, HiActor, Mail
+from ._layers import LayerDoneRing
+from ._log import LOG_VERSION
+from ._services import Failures, IdSource, NoFaults, Services
+from .config import Config, ConfigError
+
+REPLAYED = (ActorName.TREE, ActorName.DEVICE, ActorName.HOST, ActorName.WRITE, ActorName.LOAD)
+
+
+class ReplayLogError(ValueError):
+    """The log cannot be replayed: the message names the line and what is wrong."""
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    seq: int
+    t: float
+    receiver: ActorName
+    sender: ActorName
+    message: Message
+    ask: bool
+    reply: bytes | None
+    error: str | None
+    line: int
+
+
+@dataclass(slots=True)
+class ParsedLog:
+    header: dict[str, Any]
+    config: Config
+    deliveries: list[Delivery]
+    faults: dict[str, list[tuple[str, Any]]]
+
+
+@dataclass(slots=True)
+class Divergence:
+    seq: int
+    actor: str
+    expected: str
+    actual: str
+    context: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class ReplayResult:
+    deliveries: int
+    divergence: Divergence | None
+    actors: dict[str, HiActor]
+
+
+# -- reading -----------------------------------------------------------------------------------
+
+
+def read_log(path: str | Path) -> ParsedLog:
+    p = Path(path)
+    try:
+        text = p.read_bytes()
+    except OSError as err:
+        raise ReplayLogError(f"{p}: cannot read: {err.strerror}") from None
+    lines = text.split(b"\n")
+    if not text.strip():
+        raise ReplayLogError(f"{p}: line 1: the log is empty")
+    if not text.endswith(b"\n"):
+        raise ReplayLogError(f"{p}: line {len(lines)}: the log is truncated (its last line is incomplete)")
+    header = _json(p, 1, lines[0])
+    if header.get("event") != "header":
+        raise ReplayLogError(f"{p}: line 1: expected the header line, found {header.get('event')!r}")
+    if header.get("version") != LOG_VERSION:
+        raise ReplayLogError(
+            f"{p}: line 1: log version {header.get('version')!r} is not supported (this hicache reads "
+            f"version {LOG_VERSION}; replay it with the hicache that wrote it, "
+            f"{header.get('versions', {}).get('hicache', 'unknown')})"
+        )
+    try:
+        config = Config.from_mapping({**header["config"], "log_path": ""})
+    except (KeyError, ConfigError, TypeError) as err:
+        raise ReplayLogError(f"{p}: line 1: the logged config is not valid: {err}") from None
+    deliveries: list[Delivery] = []
+    faults: dict[str, list[tuple[str, Any]]] = defaultdict(list)
+    for n, raw in enumerate(lines[1:-1], start=2):
+        rec = _json(p, n, raw)
+        event = rec.get("event")
+        if event == "delivery":
+            deliveries.append(_delivery(p, n, rec))
+        elif event == "fault":
+            faults[str(rec.get("actor"))].append((str(rec.get("hook")), rec.get("value")))
+        else:
+            raise ReplayLogError(f"{p}: line {n}: unknown event {event!r}")
+    deliveries.sort(key=lambda d: d.seq)
+    for a, b in zip(deliveries, deliveries[1:]):
+        if a.seq == b.seq:
+            raise ReplayLogError(f"{p}: line {b.line}: sequence number {b.seq} appears twice (line {a.line})")
+    return ParsedLog(header, config, deliveries, dict(faults))
+
+
+def _json(p: Path, n: int, raw: bytes) -> dict[str, Any]:
+    try:
+        rec = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ReplayLogError(f"{p}: line {n}: not a JSON object ({err})") from None
+    if not isinstance(rec, dict):
+        raise ReplayLogError(f"{p}: line {n}: not a JSON object")
+    return rec
+
+
+def _delivery(p: Path, n: int, rec: dict[str, Any]) -> Delivery:
+    try:
+        message = decode(base64.b64decode(rec["body"], validate=True))
+        reply = base64.b64decode(rec["reply"], validate=True) if rec.get("reply") else None
+        return Delivery(int(rec["seq"]), float(rec["t"]), ActorName(rec["receiver"]), ActorName(rec["sender"]),
+                        message, bool(rec["ask"]), reply, rec.get("error"), n)
+    except KeyError as err:
+        raise ReplayLogError(f"{p}: line {n}: delivery without field {err}") from None
+    except (CodecError, binascii.Error, ValueError, TypeError) as err:
+        raise ReplayLogError(f"{p}: line {n}: corrupt delivery: {err}") from None
+
+
+# -- replaying -----------------------------------------------------------------------------------
+
+
+class _Capture:
+    """Where a replayed actor's sends go: recorded per receiver, in order."""
+
+    def __init__(self, receiver: ActorName, sink: Callable[[ActorName, Mail], None]) -> None:
+        self._receiver = receiver
+        self._sink = sink
+
+    def tell(self, mail: Mail) -> None:
+        self._sink(self._receiver, mail)
+
+    def is_alive(self) -> bool:
+        return True
+
+
+class _ReplayFaults(NoFaults):
+    """Gives each actor the fault decisions the log recorded for it, in order."""
+
+    def __init__(self, faults: dict[str, list[tuple[str, Any]]]) -> None:
+        self._left = {actor: deque(items) for actor, items in faults.items()}
+
+    def _next(self, actor: str, hook: str) -> Any:
+        q = self._left.get(actor)
+        if not q:
+            return None
+        logged_hook, value = q.popleft()
+        if logged_hook != hook:
+            raise ReplayLogError(f"the {actor} actor asked the fault plan {hook}, the log has {logged_hook}")
+        return value
+
+    def transfer_fault(self, stream: ActorName, op_ids: tuple[int, ...]) -> str | None:
+        return self._next(stream.value, "transfer_fault")  # type: ignore[no-any-return]
+
+    def host_exhausted(self, tokens: int) -> bool:
+        return bool(self._next(ActorName.HOST.value, "host_exhausted"))
+
+
+def _build_actors(log: ParsedLog, sink: Callable[[ActorName, ActorName, Mail], None]) -> dict[ActorName, HiActor]:
+    """Fresh, unstarted actors of the logged system, their sends going to `sink(sender, receiver, mail)`."""
+    from hicache.actors import (
+        DeviceAllocatorActor,
+        DeviceCore,
+        HostCore,
+        HostPoolActor,
+        LoadStreamActor,
+        TreeActor,
+        WriteStreamActor,
+    )
+
+    cfg = log.config
+    stood_in = set(log.header.get("stand_ins", []))
+    out: dict[ActorName, HiActor] = {}
+    faults = _ReplayFaults(log.faults)
+    device, host = DeviceCore(cfg), HostCore(cfg)
+    for name in REPLAYED:
+        if name.value in stood_in:
+            continue
+        services = Services(clock=_LoggedClock(), ids=IdSource(), seed=int(log.header.get("seed", 0)), faults=faults,
+                            failures=Failures(), observe=lambda r, m: None, new_layer_ring=LayerDoneRing,
+                            call_later=lambda delay, receiver, ref, mail: ref.tell(mail))
+        directory = Directory()
+        for other in ActorName:
+            directory.register(other, _Capture(other, lambda r, m, me=name: sink(me, r, m)))  # type: ignore[arg-type]
+        common = {"services": services, "directory": directory}
+        if name is ActorName.TREE:
+            actor: HiActor = TreeActor(config=cfg, **common)
+        elif name is ActorName.DEVICE:
+            actor = DeviceAllocatorActor(config=cfg, core=device, **common)
+        elif name is ActorName.HOST:
+            actor = HostPoolActor(config=cfg, core=host, **common)
+        elif name is ActorName.WRITE:
+            actor = WriteStreamActor(config=cfg, device_kv=device.kv, host_kv=host.kv, **common)
+        else:
+            actor = LoadStreamActor(config=cfg, device_kv=device.kv, host_kv=host.kv,
+                                    ring=LayerDoneRing(cfg.load_ring_size, cfg.layers), **common)
+        out[name] = actor
+    return out
+
+
+class _LoggedClock:
+    """The time of the delivery being replayed."""
+
+    t = 0.0
+
+    def now_s(self) -> float:
+        return self.t
+
+
+def replay_log(
+    log: ParsedLog,
+    *,
+    until: int | None = None,
+    only: ActorName | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> ReplayResult:
+    sent: dict[tuple[ActorName, ActorName], list[tuple[int, Message]]] = defaultdict(list)
+    current: dict[ActorName, int] = {}
+
+    def sink(sender: ActorName, receiver: ActorName, mail: Mail) -> None:
+        sent[(sender, receiver)].append((current[sender], mail.message))
+
+    actors = _build_actors(log, sink)
+    if only is not None:
+        actors = {only: actors[only]} if only in actors else {}
+    logged: dict[tuple[ActorName, ActorName], list[Delivery]] = defaultdict(list)
+    first: Divergence | None = None
+    count = 0
+    for d in log.deliveries:
+        if until is not None and d.seq > until:
+            break
+        logged[(d.sender, d.receiver)].append(d)
+        actor = actors.get(d.receiver)
+        if actor is None:
+            continue
+        count += 1
+        current[d.receiver] = d.seq
+        actor._services.clock.t = d.t  # type: ignore[attr-defined]
+        problem = _deliver(actor, d)
+        if problem is not None and first is None:
+            first = problem
+        if progress is not None and count % 1000 == 0:
+            progress(count)
+    for (sender, receiver), emitted in sent.items():
+        if sender not in actors:
+            continue
+        expected = logged.get((sender, receiver), [])
+        for i, (cause, msg) in enumerate(emitted):
+            want = expected[i] if i < len(expected) else None
+            if want is None:
+                if until is None:
+                    div = Divergence(cause, sender.value, f"(no more deliveries from {sender.value} to {receiver.value})",
+                                     f"delivery {cause} made {sender.value} send {msg!r}")
+                    first = _earlier(first, div)
+                break
+            if encode(want.message) != encode(msg):
+                div = Divergence(want.seq, sender.value, f"{want.message!r}",
+                                 f"{msg!r} (sent while handling delivery {cause})")
+                first = _earlier(first, div)
+                break
+        else:
+            if until is None and len(expected) > len(emitted):
+                missing = expected[len(emitted)]
+                div = Divergence(missing.seq, sender.value, f"{missing.message!r}",
+                                 f"(the replayed {sender.value} never sent it)")
+                first = _earlier(first, div)
+    gap = _first_gap(log.deliveries, until)
+    if first is not None and gap is not None and gap <= first.seq:
+        # A delivery is missing from the log: that, not its consequence, is the divergence.
+        first = Divergence(gap, first.actor, f"(delivery {gap} is missing from the log)", first.actual)
+    if first is not None:
+        first.context = [_describe(d) for d in log.deliveries if first.seq - 5 <= d.seq < first.seq]
+    return ReplayResult(count, first, {n.value: a for n, a in actors.items()})
+
+
+def _deliver(actor: HiActor, d: Delivery) -> Divergence | None:
+    try:
+        reply = actor.on_receive(Mail(d.sender, d.message, ask=d.ask))
+    except Exception as err:  # noqa: BLE001 - a handler error is compared with the logged one
+        got = f"{type(err).__name__}: {err}"
+        if d.error != got:
+            return Divergence(d.seq, actor.name.value, d.error or "no error", got)
+        return None
+    if d.error is not None:
+        return Divergence(d.seq, actor.name.value, d.error, "no error")
+    if d.ask:
+        got_bytes = encode(reply) if reply is not None else None
+        if got_bytes != d.reply:
+            want = decode(d.reply) if d.reply else None
+            return Divergence(d.seq, actor.name.value, f"reply {want!r}", f"reply {reply!r}")
+    return None
+
+
+def _first_gap(ds: list[Delivery], until: int | None) -> int | None:
+    """The first sequence number missing between 1 and the last logged one."""
+    expect = 1
+    for d in ds:
+        if until is not None and d.seq > until:
+            break
+        if d.seq != expect:
+            return expect
+        expect += 1
+    return None
+
+
+def _earlier(a: Divergence | None, b: Divergence) -> Divergence:
+    return b if a is None or b.seq < a.seq else a
+
+
+def _describe(d: Delivery) -> str:
+    return f"#{d.seq} {d.sender.value} -> {d.receiver.value}: {d.message!r}"[:300]
