@@ -29,9 +29,9 @@ from ._actor import Directory, HiActor, Mail
 from ._layers import LayerDoneRing
 from ._log import LOG_VERSION
 from ._services import Failures, IdSource, NoFaults, Services
+from ._system import actor_specs
 from .config import Config, ConfigError
 
-REPLAYED = (ActorName.TREE, ActorName.DEVICE, ActorName.HOST, ActorName.WRITE, ActorName.LOAD)
 
 
 class ReplayLogError(ValueError):
@@ -183,22 +183,13 @@ class _ReplayFaults(NoFaults):
 
 def _build_actors(log: ParsedLog, sink: Callable[[ActorName, ActorName, Mail], None]) -> dict[ActorName, HiActor]:
     """Fresh, unstarted actors of the logged system, their sends going to `sink(sender, receiver, mail)`."""
-    from hicache.actors import (
-        DeviceAllocatorActor,
-        DeviceCore,
-        HostCore,
-        HostPoolActor,
-        LoadStreamActor,
-        TreeActor,
-        WriteStreamActor,
-    )
-
     cfg = log.config
     stood_in = set(log.header.get("stand_ins", []))
-    out: dict[ActorName, HiActor] = {}
     faults = _ReplayFaults(log.faults)
-    device, host = DeviceCore(cfg), HostCore(cfg)
-    for name in REPLAYED:
+    specs, _, _ = actor_specs(cfg, LayerDoneRing(cfg.load_ring_size, cfg.layers))
+    out: dict[ActorName, HiActor] = {}
+    for cls, kwargs in specs:
+        name = cls.name
         if name.value in stood_in:
             continue
         services = Services(clock=_LoggedClock(), ids=IdSource(), seed=int(log.header.get("seed", 0)), faults=faults,
@@ -207,19 +198,7 @@ def _build_actors(log: ParsedLog, sink: Callable[[ActorName, ActorName, Mail], N
         directory = Directory()
         for other in ActorName:
             directory.register(other, _Capture(other, lambda r, m, me=name: sink(me, r, m)))  # type: ignore[arg-type]
-        common = {"services": services, "directory": directory}
-        if name is ActorName.TREE:
-            actor: HiActor = TreeActor(config=cfg, **common)
-        elif name is ActorName.DEVICE:
-            actor = DeviceAllocatorActor(config=cfg, core=device, **common)
-        elif name is ActorName.HOST:
-            actor = HostPoolActor(config=cfg, core=host, **common)
-        elif name is ActorName.WRITE:
-            actor = WriteStreamActor(config=cfg, device_kv=device.kv, host_kv=host.kv, **common)
-        else:
-            actor = LoadStreamActor(config=cfg, device_kv=device.kv, host_kv=host.kv,
-                                    ring=LayerDoneRing(cfg.load_ring_size, cfg.layers), **common)
-        out[name] = actor
+        out[name] = cls(**kwargs, services=services, directory=directory)
     return out
 
 

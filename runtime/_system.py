@@ -108,6 +108,32 @@ def _ignore(receiver: ActorName, mail: Any) -> None:
     return None
 
 
+def actor_specs(cfg: Config, ring: LayerDoneRing) -> tuple[list[tuple[type[HiActor], dict[str, Any]]], Any, Any]:
+    """The five actor classes of a system with their constructor arguments (services and
+    directory aside), built over fresh cores; and the device and host KV buffers.
+
+    The one place that wires cores, buffers and actors: `System.start` and log replay use it."""
+    from hicache.actors import (  # late: actors import this package
+        DeviceAllocatorActor,
+        DeviceCore,
+        HostCore,
+        HostPoolActor,
+        LoadStreamActor,
+        TreeActor,
+        WriteStreamActor,
+    )
+
+    device, host = DeviceCore(cfg), HostCore(cfg)
+    specs: list[tuple[type[HiActor], dict[str, Any]]] = [
+        (DeviceAllocatorActor, {"config": cfg, "core": device}),
+        (HostPoolActor, {"config": cfg, "core": host}),
+        (WriteStreamActor, {"config": cfg, "device_kv": device.kv, "host_kv": host.kv}),
+        (LoadStreamActor, {"config": cfg, "device_kv": device.kv, "host_kv": host.kv, "ring": ring}),
+        (TreeActor, {"config": cfg}),
+    ]
+    return specs, device.kv, host.kv
+
+
 class _CallerRef:
     """Stands where an actor ref would for the caller (the facade): a tell is a put into
     its inbox, observed like any delivery."""
@@ -182,16 +208,6 @@ class System:
     # -- lifecycle ------------------------------------------------------------
 
     def start(self) -> System:
-        from hicache.actors import (  # late: actors import this package
-            DeviceAllocatorActor,
-            DeviceCore,
-            HostCore,
-            HostPoolActor,
-            LoadStreamActor,
-            TreeActor,
-            WriteStreamActor,
-        )
-
         from .testing import Probe
 
         if self._started:
@@ -199,19 +215,12 @@ class System:
         cfg, svc, d = self.config, self.services, self.directory
         if self._log_path:
             self._open_log(self._log_path)
-        device = DeviceCore(cfg)
-        host = HostCore(cfg)
-        self.device_kv, self.host_kv = device.kv, host.kv
         self.ring = svc.new_layer_ring(cfg.load_ring_size, cfg.layers)
+        specs, self.device_kv, self.host_kv = actor_specs(cfg, self.ring)
         common = {"services": svc, "directory": d}
-        self._register(DeviceAllocatorActor, config=cfg, core=device, **common)
-        self._register(HostPoolActor, config=cfg, core=host, **common)
-        self._register(WriteStreamActor, config=cfg, device_kv=device.kv, host_kv=host.kv, **common)
-        self._register(
-            LoadStreamActor, config=cfg, device_kv=device.kv, host_kv=host.kv, ring=self.ring, **common
-        )
-        if ActorName.TREE not in self._stand_in_names:
-            self._register(TreeActor, config=cfg, **common)
+        for cls, kwargs in specs:
+            if cls.name not in self._stand_in_names:
+                self._register(cls, **kwargs, **common)
         for name in self._stand_in_names:
             probe = Probe(name, self.runtime.new_mailbox(f"probe {name.value}"))
             d.register(name, self.runtime.start(probe.actor_class(), probe=probe, **common))

@@ -94,17 +94,21 @@ class ExploreReport:
 # -- scenarios -------------------------------------------------------------------------------
 
 
-def synthetic_workload(seed: int, n: int, page: int) -> list[ServeRequest]:
-    """Requests whose prompts share blocks, so prefixes repeat across requests."""
+def synthetic_workload(
+    seed: int, n: int, page: int, *, blocks: int = 5, blocks_per_prompt: int = 3, tail_pages: int = 2,
+    outputs_max: int = 5,
+) -> list[ServeRequest]:
+    """`n` requests whose prompts are 1..`blocks_per_prompt` blocks (of two pages) drawn from
+    `blocks` shared ones, then up to `tail_pages` pages of their own: prefixes repeat."""
     rng = random.Random(f"workload:{seed}")
-    blocks = [[rng.randrange(32_000) for _ in range(2 * page)] for _ in range(5)]
+    shared = [[rng.randrange(32_000) for _ in range(2 * page)] for _ in range(blocks)]
     out = []
     for i in range(n):
         prompt: list[int] = []
-        for _ in range(rng.randint(1, 3)):
-            prompt += rng.choice(blocks)
-        prompt += [rng.randrange(32_000) for _ in range(rng.randint(1, 2 * page))]
-        out.append(ServeRequest(f"q{i}", torch.tensor(prompt), rng.randint(1, 5)))
+        for _ in range(rng.randint(1, blocks_per_prompt)):
+            prompt += rng.choice(shared)
+        prompt += [rng.randrange(32_000) for _ in range(rng.randint(1, tail_pages * page))]
+        out.append(ServeRequest(f"q{i}", torch.tensor(prompt), rng.randint(1, outputs_max)))
     return out
 
 

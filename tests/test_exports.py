@@ -28,6 +28,7 @@ INTERNAL = {
     "hicache.runtime._services.MonotonicClock": "the threaded runtime's clock",
     "hicache.runtime._services.Failures": "the runtime's record of failed actors; System raises from it",
     "hicache.runtime._system.Runtime": "protocol System needs from a runtime; both runtimes are exported",
+    "hicache.runtime._system.actor_specs": "the wiring of cores and actors shared by System.start and log replay",
 }
 """Public-looking names of private modules that are deliberately not exported.
 Each entry needs a reason; a stale entry (the name is gone, or now exported) fails."""

@@ -10,7 +10,6 @@ held and every device and host slot is accounted for.
 
 from __future__ import annotations
 
-import random
 from typing import Any
 
 import pytest
@@ -18,33 +17,22 @@ import torch
 
 from hicache.messages import HostSlotState
 from hicache.runtime import HiCache, WritePolicy
-from hicache.runtime._scheduler import ReferenceScheduler, SchedulerConfig, ServeRequest
+from hicache.runtime._scheduler import ReferenceScheduler, SchedulerConfig
+from hicache.runtime.explore import synthetic_workload
 
 from conftest import make_runtime, small_config
 
 
-def _workload(seed: int, n: int, page: int) -> list[ServeRequest]:
-    rng = random.Random(seed)
-    blocks = [[rng.randrange(32_000) for _ in range(2 * page)] for _ in range(6)]
-    out = []
-    for i in range(n):
-        prompt: list[int] = []
-        for _ in range(rng.randint(1, 4)):
-            prompt += rng.choice(blocks)
-        prompt += [rng.randrange(32_000) for _ in range(rng.randint(1, 3 * page))]
-        out.append(ServeRequest(f"q{i}", torch.tensor(prompt), rng.randint(1, 6)))
-    return out
-
-
 def _serve(runtime_kind: str, seed: int, policy: WritePolicy) -> dict[str, Any]:
-    cfg = small_config(page_size=4, device_pages=40, host_pages=400, write_policy=policy, load_back_min_tokens=4)
+    cfg = small_config(page_size=4, device_pages=32, host_pages=400, write_policy=policy, load_back_min_tokens=4)
     runtime = make_runtime(runtime_kind, seed=seed)
     with HiCache(cfg, runtime=runtime) as hc:
         sched = ReferenceScheduler(hc, SchedulerConfig(
-            max_running=6, prefill_tokens_per_tick=24, chunk_tokens=8, abort_rate=0.03, seed=seed,
-            device_budget_ratio=2.5,  # over-admit on purpose: decode runs out and retracts
+            max_running=8, prefill_tokens_per_tick=24, chunk_tokens=8, abort_rate=0.03, seed=seed, lookahead_slots=2,
+            device_budget_ratio=4.0,  # over-admit on purpose: decode runs out and retracts
         ))
-        sched.submit(_workload(seed, 40, cfg.page_size))
+        sched.submit(synthetic_workload(seed, 40, cfg.page_size, blocks=6, blocks_per_prompt=4, tail_pages=3,
+                                        outputs_max=6))
         caches = 0
         original = hc.cache_unfinished
 
