@@ -3,8 +3,8 @@
 Every message travels in a `Mail` that names its sender, so a receiver can refuse
 what it must not accept (a host free that does not come from the tree).
 `HiActor.on_receive` is the single place every delivery goes through: it reports
-the delivery to the runtime's observer (structured logging hooks in there), then
-calls the subclass's `handle(sender, message)`.
+the delivery to the runtime's observer, calls the subclass's `handle(sender,
+message)` and, when the system has a delivery log, writes it there with its reply.
 
 A handler returns its reply (or None). If the mail was an ask, pykka hands the
 reply to the asker's future; if it was a tell from another actor, the reply is

@@ -21,16 +21,17 @@ def run_replay(path: Path, *, until: int | None, actor: str | None, dump: str | 
     err = Console(stderr=True)
     try:
         log = read_log(path)
-        only = ActorName(actor) if actor else None
     except ReplayLogError as e:
         print(f"hicache replay: {e}", file=sys.stderr)
         return 2
-    except ValueError:
-        print(f"hicache replay: --actor {actor!r} is not an actor; use one of "
-              f"{', '.join(a.value for a in ActorName if a is not ActorName.FACADE)}", file=sys.stderr)
+    replayable = ("tree", "device", "host", "write", "load")
+    if actor is not None and actor not in replayable:
+        print(f"hicache replay: --actor {actor!r} cannot be replayed; use one of {', '.join(replayable)}",
+              file=sys.stderr)
         return 2
+    only = ActorName(actor) if actor else None
     try:
-        with Progress(console=err, transient=True) as bar:
+        with Progress(console=err, transient=True, disable=not err.is_terminal) as bar:
             task = bar.add_task("replaying", total=len(log.deliveries))
             result = replay_log(log, until=until, only=only, progress=lambda n: bar.update(task, completed=n))
     except ReplayLogError as e:

@@ -244,6 +244,7 @@ class System:
             "actor_classes": {n.value: c.__qualname__ for n, c in sorted(self._overrides.items(), key=lambda i: i[0].value)},
         }
         svc.log = DeliveryLog(path, header)
+        self._unlogged_faults = svc.faults
         svc.faults = _LoggedFaults(svc.faults, svc.log)
 
     def _register(self, cls: type[HiActor], **kwargs: Any) -> None:
@@ -263,6 +264,7 @@ class System:
         if self.services.log is not None:
             self.services.log.close()
             self.services.log = None
+            self.services.faults = self._unlogged_faults
         self._started = False
 
     def __enter__(self) -> System:

@@ -55,6 +55,14 @@ def _parser() -> argparse.ArgumentParser:
     tree = bsub.add_parser("tree", help="radix tree match/insert/evict throughput as the tree grows")
     tree.add_argument("--json", action="store_true", help="print one JSON object (evict_us_small, ...)")
     tree.add_argument("--quick", action="store_true", help="a small, fast run (for smoke tests)")
+    lg = bsub.add_parser("logging", help="cost of the delivery log: per delivery, and bench overhead with it on vs off")
+    lg.add_argument("--json", action="store_true",
+                    help="print one JSON object (us_per_delivery, overhead_ms_off, overhead_ms_on, slowdown, ...)")
+    lg.add_argument("--quick", action="store_true", help="a small, fast run (for smoke tests)")
+    rb = bsub.add_parser("replay", help="deliveries replayed per second from the log of a scheduler run")
+    rb.add_argument("--json", action="store_true",
+                    help="print one JSON object (deliveries, replay_s, deliveries_per_s, read_s, ...)")
+    rb.add_argument("--quick", action="store_true", help="a small, fast run (for smoke tests)")
     return p
 
 
@@ -94,6 +102,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ._bench_tree import run_bench_tree
 
         return run_bench_tree(as_json=args.json, quick=args.quick)
+    if args.command == "bench" and args.bench == "logging":
+        from ._bench_logging import run_bench_logging
+
+        return run_bench_logging(as_json=args.json, quick=args.quick)
+    if args.command == "bench" and args.bench == "replay":
+        from ._bench_replay import run_bench_replay
+
+        return run_bench_replay(as_json=args.json, quick=args.quick)
     raise AssertionError(f"unhandled command {args}")  # argparse rejects unknown commands
 
 
