@@ -136,3 +136,21 @@ def test_a_bad_log_is_one_clear_line_with_exit_code_2(threaded_log: Path, tmp_pa
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "Traceback" not in err
     assert re.search(message, err), err
+
+
+def test_a_missing_delivery_is_reported_even_when_nothing_diverges_after_it(threaded_log: Path, tmp_path: Path,
+                                                                           capsys) -> None:
+    lines = _lines(threaded_log)
+    last = max(x["seq"] for x in lines if x.get("event") == "delivery")
+    # the facade's inbox is not replayed: dropping a delivery to it changes no replayed actor
+    drop = next(x for x in lines if x.get("receiver") == "facade" and x["seq"] < last)
+    bad = tmp_path / "gap.log"
+    _write(bad, [x for x in lines if x is not drop])
+    assert main(["replay", str(bad), "--json"]) == 1
+    div = json.loads(capsys.readouterr().out)["divergence"]
+    assert div["seq"] == drop["seq"] and f"delivery {drop['seq']} is missing" in div["expected"]
+
+
+def test_replay_refuses_an_actor_it_cannot_replay(threaded_log: Path, capsys) -> None:
+    assert main(["replay", str(threaded_log), "--actor", "facade"]) == 2
+    assert "cannot be replayed; use one of tree, device, host, write, load" in capsys.readouterr().err
