@@ -40,6 +40,7 @@ from .config import (
     EvictionPolicy,
     HostLayout,
     PrefetchPolicy,
+    StorageKind,
     WritePolicy,
 )
 
@@ -101,6 +102,7 @@ __all__ = [
     "Mail",
     "NoFaults",
     "PrefetchPolicy",
+    "StorageKind",
     "SeededFaults",
     "Services",
     "StaleWaiterError",

@@ -61,6 +61,17 @@ class PrefetchPolicy(enum.Enum):
     """When complete, or when its timeout expires."""
 
 
+class StorageKind(enum.Enum):
+    """Which storage (L3) backend the prefetcher talks to."""
+
+    NONE = "none"
+    """No L3 tier: nothing is prefetched or backed up to storage."""
+    FILE = "file"
+    """One checksummed file per page under `storage_dir` (shared by instances on one machine)."""
+    MOONCAKE = "mooncake"
+    """Mooncake Store: a master and its metadata server, shared by many machines."""
+
+
 class DeviceKind(enum.Enum):
     """Where the device (L1) buffer lives."""
 
@@ -120,6 +131,40 @@ class Config:
     load_back_quota_tokens: int = 1 << 20
     """Most tokens one admission batch may load back from host (device memory it may take)."""
 
+    # -- storage (L3) -------------------------------------------------------
+    storage: StorageKind = StorageKind.NONE
+    """The L3 backend; `none` turns prefetch and backup off."""
+    storage_dir: str = ""
+    """Directory of the file backend (created if missing); required when `storage` is `file`."""
+    mooncake_master: str = "127.0.0.1:50051"
+    """`host:port` of the Mooncake master (its RPC port)."""
+    mooncake_metadata: str = "http://127.0.0.1:8080/metadata"
+    """URL of the Mooncake HTTP metadata server (`mooncake_master --enable_http_metadata_server`)."""
+    mooncake_local_host: str = "127.0.0.1"
+    """This machine's address as other Mooncake clients reach it."""
+    mooncake_segment_mb: int = 256
+    """Memory this instance contributes to the Mooncake Store, in MiB."""
+    storage_timeout_s: float = 5.0
+    """Longest one storage call may take before it counts as failed (never a hang)."""
+    storage_batch_pages: int = 16
+    """Pages the prefetcher reads or writes per step (a stop waits for at most one step)."""
+    prefetch_threshold_pages: int = 2
+    """A prefetch starts only when at least this many pages of a request are not in L1/L2."""
+    prefetch_rate_fraction: float = 0.5
+    """Tokens being prefetched stay at most this fraction of the host capacity."""
+    prefetch_timeout_base_s: float = 1.0
+    """`timeout` policy: base seconds a request waits for its prefetch ..."""
+    prefetch_timeout_per_1k_s: float = 0.25
+    """... plus these seconds per 1,000 prefetched tokens ..."""
+    prefetch_timeout_max_s: float = 10.0
+    """... capped at this."""
+
+    # -- tensor parallel -----------------------------------------------------
+    tp_rank: int = 0
+    """This instance's rank in its tensor-parallel group."""
+    tp_size: int = 1
+    """Ranks in the group; with more than one, rank-local outcomes are agreed before they apply."""
+
     log_path: str = ""
     """Write every delivery to this JSON-lines file (`hicache replay` reads it); empty: no log."""
 
@@ -133,8 +178,19 @@ class Config:
 
     def __post_init__(self) -> None:
         for name in ("layers", "kv_heads", "head_dim", "page_size", "transfer_pages_max",
-                     "transfer_queue_ops_max", "load_ring_size", "load_back_min_tokens", "load_back_quota_tokens"):
+                     "transfer_queue_ops_max", "load_ring_size", "load_back_min_tokens", "load_back_quota_tokens",
+                     "mooncake_segment_mb", "storage_batch_pages", "prefetch_threshold_pages", "tp_size"):
             _positive_int(name, getattr(self, name))
+        if isinstance(self.tp_rank, bool) or not isinstance(self.tp_rank, int) or not 0 <= self.tp_rank < self.tp_size:
+            raise ConfigError(f"tp_rank={self.tp_rank!r} must be an integer in 0..tp_size-1 (tp_size={self.tp_size})")
+        for name in ("storage_timeout_s", "prefetch_rate_fraction", "prefetch_timeout_base_s",
+                     "prefetch_timeout_per_1k_s", "prefetch_timeout_max_s"):
+            _positive_number(name, getattr(self, name))
+        if self.prefetch_rate_fraction > 1:
+            raise ConfigError(f"prefetch_rate_fraction={self.prefetch_rate_fraction} must be in (0, 1]")
+        for name in ("storage_dir", "mooncake_master", "mooncake_metadata", "mooncake_local_host"):
+            if not isinstance(getattr(self, name), str):
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be a string")
         for name in ("device_slots", "host_slots"):
             _positive_int(name, getattr(self, name))
             if getattr(self, name) % self.page_size:
@@ -146,6 +202,10 @@ class Config:
                 f"host_slots={self.host_slots} must be larger than device_slots="
                 f"{self.device_slots}: the host tier backs up the device tier"
             )
+        if self.storage is StorageKind.FILE and not self.storage_dir:
+            raise ConfigError("storage='file' needs storage_dir: the directory that holds the pages")
+        if self.storage is not StorageKind.NONE and not self.host_tier:
+            raise ConfigError("storage needs host_tier=true: pages move between storage and host memory")
         if not isinstance(self.log_path, str):
             raise ConfigError(f"log_path={self.log_path!r} must be a path string (empty: no log)")
         if not isinstance(self.host_tier, bool):
@@ -199,6 +259,8 @@ class Config:
                 values[name] = _member(name, type(default), value)
             elif isinstance(default, bool):
                 values[name] = _parse_bool(name, value)
+            elif isinstance(default, float):
+                values[name] = _parse_float(name, value)
             elif not isinstance(default, int):
                 values[name] = value
             else:
@@ -220,6 +282,24 @@ def _parse_bool(name: str, value: Any) -> bool:
     if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
         return value.lower() in ("true", "1", "yes")
     raise ConfigError(f"{name}={value!r} must be true or false")
+
+
+def _parse_float(name: str, value: Any) -> float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    raise ConfigError(f"{name}={value!r} must be a number")
+
+
+def _positive_number(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise ConfigError(f"{name}={value!r} must be a number")
+    if value <= 0:
+        raise ConfigError(f"{name}={value} must be > 0")
 
 
 def _positive_int(name: str, value: Any) -> None:
