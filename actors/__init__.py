@@ -10,8 +10,31 @@ from ._errors import InvariantError, LedgerError, SlotStateError
 from ._host import HostPoolActor
 from ._host_core import HostCore
 from ._kv import CopyPlan, KVBuffer, KVShape, copy_kv, runs
+from ._facts import Facts
+from ._mooncake import MooncakeBackend
 from ._pages import PagePool, pages_of
-from ._radix import BACKED, NODE_TRANSITIONS, RESIDENT, InsertOutcome, Node, NodeState, NodeStateError, RadixTree
+from ._prefetch import StoragePrefetcherActor
+from ._radix import (
+    BACKED,
+    NODE_TRANSITIONS,
+    RESIDENT,
+    HostInsert,
+    InsertOutcome,
+    Node,
+    NodeState,
+    NodeStateError,
+    RadixTree,
+)
+from ._storage import (
+    KEY_CHARS_MAX,
+    FileBackend,
+    PageFormat,
+    StorageBackend,
+    StorageError,
+    StorageIO,
+    open_backend,
+    page_keys,
+)
 from ._streams import LoadStreamActor, WriteStreamActor
 from ._tree import TreeActor
 from ._tree_core import HandleError, TreeCore
@@ -22,11 +45,15 @@ __all__ = [
     "NODE_TRANSITIONS",
     "RELEASED_REMEMBERED_MAX",
     "RESIDENT",
+    "KEY_CHARS_MAX",
     "CopyPlan",
     "DeviceAllocatorActor",
     "DeviceCore",
+    "FileBackend",
+    "Facts",
     "HandleError",
     "HostCore",
+    "HostInsert",
     "HostPoolActor",
     "InsertOutcome",
     "Insufficient",
@@ -36,20 +63,28 @@ __all__ = [
     "LedgerError",
     "LedgerView",
     "LoadStreamActor",
+    "MooncakeBackend",
     "Node",
     "NodeState",
     "NodeStateError",
+    "PageFormat",
     "PageOwner",
     "PagePool",
     "Piece",
     "RadixTree",
     "SlotStateError",
+    "StorageBackend",
+    "StorageError",
+    "StorageIO",
+    "StoragePrefetcherActor",
     "TransferOp",
     "TransferQueue",
     "TreeActor",
     "TreeCore",
     "WriteStreamActor",
     "copy_kv",
+    "open_backend",
+    "page_keys",
     "pages_of",
     "runs",
 ]

@@ -99,6 +99,8 @@ class Node:
     priority: int = 0
     op: int = 0
     """The write or load operation in flight on this node, 0 if none."""
+    stored: bool = False
+    """Every page is in storage (L3): backed up there, or prefetched from there."""
     resident_children: int = 0
     version: int = 0
     alive: bool = True
@@ -120,6 +122,16 @@ class Node:
 
     def __repr__(self) -> str:
         return f"Node(#{self.id} {self.state.value} tokens={self.tokens} lock={self.lock_ref})"
+
+
+@dataclass(slots=True)
+class HostInsert:
+    """What `RadixTree.insert_host` did with pages that arrived from storage."""
+
+    new: list[Node]
+    """Host-only nodes created for them (their slots are the tree's now)."""
+    unused: list[torch.Tensor]
+    """Slots not taken: pages the tree already held, and pages past a node that is not backed up."""
 
 
 @dataclass(slots=True)
@@ -285,6 +297,7 @@ class RadixTree:
             host=None if node.host is None else node.host[:at].clone(),
             lock_ref=node.lock_ref, host_ref=node.host_ref, hit_count=node.hit_count,
             last_access=node.last_access, created=node.created, priority=node.priority, op=node.op,
+            stored=node.stored,
         )
         node.key = node.key[at:].clone()
         node.hashes = node.hashes[pages:]
@@ -457,12 +470,45 @@ class RadixTree:
                     last_access=self._tick, created=next(self._seq), priority=priority)
         return node
 
-    def attach_host_only(self, parent: Node, key: torch.Tensor, host: torch.Tensor) -> Node:
-        """A new host-only child (pages that arrived from storage)."""
-        node = self._new_node(parent, key.clone(), NodeState.HOST_ONLY, 0)
-        node.host = host.clone()
-        self._attach(node)
-        return node
+    def insert_host(self, anchor: Node, tokens: torch.Tensor, host: torch.Tensor) -> HostInsert:
+        """Attach pages that arrived from storage below `anchor` (whose end they follow) as
+        host-only nodes. Pages already in the tree are not taken; the walk stops at a node
+        that is not backed up, since a host-only child under it would break backup
+        prefix-closure, and the pages past it are not taken either."""
+        p = self.page_size
+        if len(tokens) % p or len(host) != len(tokens):
+            raise ValueError(f"insert_host needs whole pages with one slot per token, got {len(tokens)} tokens, {len(host)} slots")
+        if not anchor.alive or not (anchor.is_root or anchor.state in BACKED):
+            raise InvariantError(f"prefetch anchor {anchor} must be alive and backed up (or a root)")
+        self._tick += 1
+        out = HostInsert(new=[], unused=[])
+        node, pos, n = anchor, 0, len(tokens)
+        while pos < n:
+            child = node.children.get(self._page_key(tokens, pos))
+            if child is None:
+                new = self._new_node(node, tokens[pos:n].clone(), NodeState.HOST_ONLY, 0)
+                new.host = host[pos:n].clone()
+                new.stored = True
+                self._attach(new)
+                out.new.append(new)
+                return out
+            if child.state not in BACKED:
+                break
+            same = self._common(child.key, tokens[pos:n])
+            if same < child.tokens:
+                child = self.split(child, same)
+            child.last_access = self._tick
+            self.offer(child)
+            out.unused.append(host[pos : pos + child.tokens])
+            pos += child.tokens
+            node = child
+        if pos < n:
+            out.unused.append(host[pos:n])
+        return out
+
+    def chain(self, node: Node, tokens: torch.Tensor) -> tuple[int, ...]:
+        """Page hashes of `tokens` (whole pages) continuing the chain after `node`."""
+        return self._chain(node.hashes[-1], tokens)
 
     def _attach(self, node: Node) -> None:
         assert node.parent is not None

@@ -11,6 +11,19 @@ from __future__ import annotations
 from hicache.messages import (
     ActorName,
     AdmitRequests,
+    ApplyFacts,
+    DigestTree,
+    FactsApplied,
+    PagesStored,
+    PrefetchHit,
+    PrefetchProgress,
+    PrefetchReadiness,
+    PrefetchRequests,
+    PrefetchStates,
+    PrefetchStopped,
+    ReportFacts,
+    SettlePrefetches,
+    TerminatePrefetches,
     CacheUnfinished,
     EvictDevice,
     EvictHost,
@@ -36,7 +49,10 @@ from ._tree_core import TreeCore
 
 
 _SENDER: dict[type[Message], ActorName] = {
-    **dict.fromkeys((AdmitRequests, FinishRequests, CacheUnfinished, EvictDevice, EvictHost), ActorName.FACADE),
+    **dict.fromkeys((AdmitRequests, FinishRequests, CacheUnfinished, EvictDevice, EvictHost, PrefetchRequests,
+                     PrefetchStates, TerminatePrefetches, SettlePrefetches, ReportFacts, ApplyFacts, DigestTree),
+                    ActorName.FACADE),
+    **dict.fromkeys((PrefetchHit, PrefetchProgress, PrefetchStopped, PagesStored), ActorName.PREFETCH),
     **dict.fromkeys((SlotsAllocated, SlotsInsufficient, RequestsReleased, RequestPagesSwapped), ActorName.DEVICE),
     **dict.fromkeys((HostAllocated, HostInsufficient), ActorName.HOST),
     **dict.fromkeys((WriteDone, WriteFailed), ActorName.WRITE),
@@ -51,7 +67,7 @@ class TreeActor(HiActor):
     def __init__(self, *, config: Config, services: Services, directory: Directory) -> None:
         super().__init__(services=services, directory=directory)
         # Its own id sequence: the ids it draws depend on its inbox only (replay needs that).
-        self.core = TreeCore(config, lambda: services.ids.next("tree-op"))
+        self.core = TreeCore(config, lambda: services.ids.next("tree-op"), services.clock.now_s)
 
     def handle(self, sender: ActorName, message: Message) -> Message | None:
         expected = _SENDER.get(type(message))
@@ -89,6 +105,29 @@ class TreeActor(HiActor):
                 core.on_released(op, entries)
             case RequestPagesSwapped(op_id=op):
                 core.on_swapped(op)
+            case PrefetchRequests(op_id=op, items=items):
+                core.prefetch(op, items)
+            case PrefetchStates(op_id=op, request_ids=ids):
+                core.outbox.append((ActorName.FACADE, PrefetchReadiness(op_id=op, ready=core.prefetch_states(ids))))
+            case TerminatePrefetches(op_id=op, request_ids=ids, reason=reason):
+                core.terminate_prefetches(op, ids, reason)
+            case SettlePrefetches(op_id=op, request_ids=ids, pages=pages):
+                core.settle_prefetches(op, ids, pages)
+            case PrefetchHit(op_id=op, pages=pages):
+                core.on_prefetch_hit(op, pages)
+            case PrefetchProgress(op_id=op, pages=pages, finished=finished):
+                core.on_prefetch_progress(op, pages, finished)
+            case PrefetchStopped(op_id=op, pages=pages):
+                core.on_prefetch_stopped(op, pages)
+            case PagesStored(op_id=op, pages=pages, written=written):
+                core.on_pages_stored(op, pages, written)
+            case ReportFacts(op_id=op):
+                core.report_facts(op)
+            case ApplyFacts(op_id=op, counts=counts, values=values):
+                core.apply_facts(counts, values)
+                core.outbox.append((ActorName.FACADE, FactsApplied(op_id=op)))
+            case DigestTree(op_id=op):
+                core.digest(op)
             case _:
                 self.unknown(message)
         self._flush()
@@ -106,6 +145,8 @@ class TreeActor(HiActor):
             parts.append(f"{s.writes_in_flight} write acks")
         if s.loads_in_flight:
             parts.append(f"{s.loads_in_flight} load acks")
+        if s.prefetches_in_flight:
+            parts.append(f"{s.prefetches_in_flight} prefetches")
         return tuple(parts)
 
     def check_invariants(self) -> None:

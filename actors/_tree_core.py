@@ -27,6 +27,8 @@ each method is one event.
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -52,21 +54,34 @@ from hicache.messages import (
     Indices,
     LedgerEntry,
     LoadKV,
+    LocalFacts,
     Message,
+    Prefetch,
+    PrefetchEnd,
+    PrefetchesSettled,
+    PrefetchesStarted,
+    PrefetchesStopped,
+    PrefetchReadiness,
+    ReadPrefetch,
     ReleaseReason,
     ReleaseRequests,
     SetHostState,
     SlotRelease,
+    StopPrefetch,
+    StorePages,
     SwapRequestPages,
+    TreeDigest,
     TreeStatistics,
     WriteKV,
 )
-from hicache.runtime.config import Config, WritePolicy
+from hicache.runtime.config import Config, PrefetchPolicy, StorageKind, WritePolicy
 
 from ._errors import InvariantError
+from ._facts import KINDS, Facts
 from ._radix import BACKED, RESIDENT, Node, NodeState, RadixTree
 
 DEVICE, HOST, WRITE, LOAD, FACADE = ActorName.DEVICE, ActorName.HOST, ActorName.WRITE, ActorName.LOAD, ActorName.FACADE
+PREFETCH = ActorName.PREFETCH
 
 _THRESHOLD = {WritePolicy.WRITE_THROUGH: 1, WritePolicy.WRITE_THROUGH_SELECTIVE: 2}
 
@@ -135,6 +150,45 @@ class _Eviction:
 
 
 @dataclass(slots=True)
+class _Prefetch:
+    """A storage prefetch from its reservation until the tree settles it."""
+
+    op: int
+    request_id: str
+    anchor: Node
+    """A backed-up node (or a root), host-pinned until settled: the pages follow its end."""
+    tokens: torch.Tensor
+    """Tokens of the prefetched pages (whole pages)."""
+    keys: tuple[str, ...]
+    reserved: int
+    """Host tokens reserved for it (counted in the host mirror)."""
+    started: float
+    timeout: float
+    host: torch.Tensor | None = None
+    """The reserved slots once the host pool granted them."""
+    host_reply: bool = False
+    """The host pool answered the reservation (with slots or refused)."""
+    hit: int = -1
+    """Agreed leading pages storage holds (-1: not agreed yet)."""
+    read: int = 0
+    """Pages the prefetcher was told to read (their slots are PREFETCHING)."""
+    local_pages: int = 0
+    local_finished: bool = False
+    stopping: bool = False
+    stopped: int = -1
+    """Pages complete on this rank when the prefetcher stopped (-1: not stopped yet)."""
+    reason: PrefetchEnd = PrefetchEnd.BEST_EFFORT
+
+
+@dataclass(slots=True)
+class _Termination:
+    facade_op: int
+    ops: list[int]
+    """The prefetch of each request, 0 for a request without one."""
+    waiting: set[int]
+
+
+@dataclass(slots=True)
 class _Counters:
     device_hit_tokens: int = 0
     host_hit_tokens: int = 0
@@ -142,10 +196,15 @@ class _Counters:
     evicted_host_tokens: int = 0
     backups_done: int = 0
     backups_failed: int = 0
+    prefetches_started: int = 0
+    prefetch_skipped: int = 0
+    prefetch_ends: list[int] = field(default_factory=lambda: [0] * len(PrefetchEnd))
+    storage_hit_tokens: int = 0
+    stored_tokens: int = 0
 
 
 class TreeCore:
-    def __init__(self, config: Config, next_id: Callable[[], int]) -> None:
+    def __init__(self, config: Config, next_id: Callable[[], int], now: Callable[[], float] = lambda: 0.0) -> None:
         self.config = config
         self.page_size = config.page_size
         self.tree = RadixTree(config.page_size, config.eviction_policy)
@@ -166,6 +225,16 @@ class TreeCore:
         self._building: list[_Plan] = []
         """Plans of the admission being built: a later item's match may split their nodes."""
         self.n = _Counters()
+        self._now = now
+        self.facts = Facts()
+        self._agree_locally = config.tp_size == 1
+        self._storage = config.storage is not StorageKind.NONE
+        self._prefetches: dict[int, _Prefetch] = {}
+        self._prefetch_of: dict[str, int] = {}
+        self._prefetch_tokens = 0
+        self._terminations: dict[int, _Termination] = {}
+        self._termination_of: dict[int, int] = {}
+        self._stores: dict[int, Node] = {}
 
     # == facade verbs ====================================================================
 
@@ -304,11 +373,57 @@ class TreeCore:
         host = _cat([nd.host for nd in nodes if nd.host is not None])
         device = _cat([nd.device for nd in nodes if nd.device is not None])
         self._loads[load_op] = _Load(nodes)
+        self.facts.expect("load", load_op)
         self._emit(HOST, SetHostState(indices=host, state=HostSlotState.LOADING))
         self._emit(LOAD, LoadKV(op_id=load_op, host=host, device=device))
         self._reply_admitted(adm.facade_op, adm.plans)
 
+    # == rank-local outcomes: recorded here, applied once agreed (see `Facts`) ==================
+
+    def on_write_done(self, op: int) -> None:
+        self._fact("write", op, 1)
+
+    def on_write_failed(self, op: int) -> None:
+        self._fact("write", op, 0)
+
     def on_load_done(self, op: int) -> None:
+        self._fact("load", op, 1)
+
+    def on_load_failed(self, op: int) -> None:
+        self._fact("load", op, 0)
+
+    def on_prefetch_hit(self, op: int, pages: int) -> None:
+        self._fact("hit", op, pages)
+
+    def on_pages_stored(self, op: int, pages: int, written: int) -> None:
+        self.n.stored_tokens += written * self.page_size
+        self._fact("backup", op, pages)
+
+    def report_facts(self, op_id: int) -> None:
+        known = self.facts.known()
+        self._emit(FACADE, LocalFacts(op_id=op_id, known=known, values=self.facts.values(known)))
+
+    def apply_facts(self, counts: tuple[int, ...], values: tuple[int, ...]) -> None:
+        for kind, op, value in self.facts.take(counts, values):
+            self._apply(kind, op, value)
+
+    def _fact(self, kind: str, op: int, value: int) -> None:
+        self.facts.record(kind, op, value)
+        if self._agree_locally:  # one rank: its outcomes are the agreed ones, applied at once
+            known = self.facts.known()
+            self.apply_facts(known, self.facts.values(known))
+
+    def _apply(self, kind: str, op: int, value: int) -> None:
+        if kind == "write":
+            self._write_done(op) if value else self._write_failed(op)
+        elif kind == "load":
+            self._load_done(op) if value else self._load_failed(op)
+        elif kind == "hit":
+            self._prefetch_hit(op, value)
+        else:
+            self._stored(op, value)
+
+    def _load_done(self, op: int) -> None:
         load = self._loads.pop(op)
         for nd in load.nodes:
             nd.op = 0
@@ -317,7 +432,7 @@ class TreeCore:
                                       state=HostSlotState.SYNCED))
         self._emit(DEVICE, AdoptLoadedSlots(indices=_cat([nd.device for nd in load.nodes if nd.device is not None])))
 
-    def on_load_failed(self, op: int) -> None:
+    def _load_failed(self, op: int) -> None:
         load = self._loads.pop(op)
         device = _cat([nd.device for nd in load.nodes if nd.device is not None])
         for nd in load.nodes:
@@ -328,10 +443,12 @@ class TreeCore:
         self._emit(DEVICE, FreeDeviceSlots(indices=device))
 
     def on_host_allocated(self, op: int, slots: torch.Tensor | None) -> None:
+        if op in self._prefetches:
+            self._prefetch_host(self._prefetches[op], slots)
+            return
         w = self._writes[op]
-        if slots is None:  # the mirror says this cannot happen; recover all the same
-            self.host_free += w.tokens
-            self._abandon_write(op, w)
+        if slots is None:  # the mirror says this cannot happen (an injected fault): the write fails
+            self._fact("write", op, 0)
             return
         at = 0
         for nd in w.nodes:
@@ -343,7 +460,7 @@ class TreeCore:
         self._emit(HOST, SetHostState(indices=host, state=HostSlotState.WRITING))
         self._emit(WRITE, WriteKV(op_id=op, device=device, host=host))
 
-    def on_write_done(self, op: int) -> None:
+    def _write_done(self, op: int) -> None:
         w = self._writes.pop(op)
         self._emit(HOST, SetHostState(indices=_cat([nd.host for nd in w.nodes if nd.host is not None]),
                                       state=HostSlotState.SYNCED))
@@ -357,17 +474,20 @@ class TreeCore:
             self._emit_device_frees([self._drop_device(nd) for nd in freed])
             self._evicted_after_write(op, freed)
         for nd in w.nodes:
+            self._consider_store(nd)
+        for nd in w.nodes:
             for child in sorted(nd.children.values(), key=lambda c: c.id):
                 self._consider_backup(child)
 
-    def on_write_failed(self, op: int) -> None:
-        w = self._writes.pop(op)
-        host = _cat([nd.host for nd in w.nodes if nd.host is not None])
-        self._emit(HOST, SetHostState(indices=host, state=HostSlotState.RESERVED))
-        self._emit(HOST, FreeHostSlots(indices=host))
+    def _write_failed(self, op: int) -> None:
+        w = self._writes[op]
+        if w.host_assigned:  # its bytes are not valid (on this rank or another)
+            host = _cat([nd.host for nd in w.nodes if nd.host is not None])
+            self._emit(HOST, SetHostState(indices=host, state=HostSlotState.RESERVED))
+            self._emit(HOST, FreeHostSlots(indices=host))
+            for nd in w.nodes:
+                self.tree.set_host(nd, None)
         self.host_free += w.tokens
-        for nd in w.nodes:
-            self.tree.set_host(nd, None)
         self._abandon_write(op, w)
 
     def on_released(self, device_op: int, entries: tuple[LedgerEntry, ...]) -> None:
@@ -380,6 +500,230 @@ class TreeCore:
         if not swaps.waiting:
             del self._swaps[facade_op]
             self._emit(FACADE, Cached(op_id=facade_op, prefixes=tuple(swaps.prefixes), refused=()))
+
+    # == storage: prefetch (L3 -> host) and backup (host -> L3) ================================
+
+    def prefetch(self, op_id: int, items: Sequence[AdmitItem]) -> None:
+        """Start a prefetch for each request whose part missing from L1/L2 is long enough."""
+        for it in items:
+            if it.request_id in self._prefetch_of:
+                raise HandleError(f"request {it.request_id!r} already has a prefetch in flight")
+        started = tuple(self._start_prefetch(it) for it in items)
+        self._emit(FACADE, PrefetchesStarted(op_id=op_id, tokens=started))
+
+    def _start_prefetch(self, item: AdmitItem) -> int:
+        if not self._storage:
+            return 0
+        p, cfg = self.page_size, self.config
+        tokens = item.tokens.as_tensor()
+        n = len(tokens) - len(tokens) % p
+        path = self.tree.match(item.namespace, tokens)
+        matched = sum(nd.tokens for nd in path)
+        threshold = cfg.prefetch_threshold_pages * p
+        if n - matched < threshold:
+            return 0
+        anchor, start, pos = self.tree.root(item.namespace), 0, 0
+        for nd in path:  # the deepest backed-up node: eviction can never delete it
+            pos += nd.tokens
+            if nd.state in BACKED:
+                anchor, start = nd, pos
+        want = n - start
+        if self._prefetch_tokens + want > cfg.prefetch_rate_fraction * cfg.host_slots:
+            self.n.prefetch_skipped += 1
+            return 0
+        self.tree.pin_host(anchor, +1)  # before evicting host memory: the anchor must stay
+        if self.host_free < want:
+            self._evict_host(want - self.host_free)
+        if self.host_free < want:  # shrink to the page-aligned free space if that is still worth it (seed 002)
+            want = self.host_free - self.host_free % p
+            if start + want - matched < threshold:
+                self.tree.pin_host(anchor, -1)
+                self.n.prefetch_skipped += 1
+                return 0
+        op = self._next_id()
+        toks = tokens[start : start + want].clone()
+        pf = _Prefetch(op, item.request_id, anchor, toks, _keys(self.tree.chain(anchor, toks), cfg.tp_rank),
+                       want, self._now(), self._timeout(want))
+        self._prefetches[op] = pf
+        self._prefetch_of[item.request_id] = op
+        self.host_free -= want
+        self._prefetch_tokens += want
+        self.n.prefetches_started += 1
+        self.facts.expect("hit", op)
+        self._emit(HOST, AllocateHost(op_id=op, tokens=want))
+        return want
+
+    def _timeout(self, tokens: int) -> float:
+        cfg = self.config
+        return min(cfg.prefetch_timeout_base_s + cfg.prefetch_timeout_per_1k_s * tokens / 1000, cfg.prefetch_timeout_max_s)
+
+    def _prefetch_host(self, pf: _Prefetch, slots: torch.Tensor | None) -> None:
+        pf.host_reply = True
+        if slots is None:  # refused (an injected fault): it never reaches storage
+            self._fact("hit", pf.op, 0)
+            if pf.stopping:
+                self.on_prefetch_stopped(pf.op, 0)
+            return
+        pf.host = slots.clone()
+        self._emit(PREFETCH, Prefetch(op_id=pf.op, keys=pf.keys, host=Indices.from_tensor(pf.host)))
+        if pf.stopping:
+            self._emit(PREFETCH, StopPrefetch(op_id=pf.op))
+
+    def _prefetch_hit(self, op: int, pages: int) -> None:
+        """The agreed hit: free the surplus slots now, read the rest (unless stopping already)."""
+        pf = self._prefetches.get(op)
+        if pf is None:  # settled already: everything it held was freed then
+            return
+        pf.hit = min(pages, len(pf.keys))
+        keep = pf.hit * self.page_size
+        surplus = pf.reserved - keep
+        if surplus:
+            if pf.host is not None:
+                self._emit(HOST, FreeHostSlots(indices=Indices.from_tensor(pf.host[keep:])))
+                pf.host = pf.host[:keep].clone()
+            pf.reserved = keep
+            self.host_free += surplus
+            self._prefetch_tokens -= surplus
+        if pf.hit and not pf.stopping and pf.host is not None:
+            pf.read = pf.hit
+            self._emit(HOST, SetHostState(indices=Indices.from_tensor(pf.host), state=HostSlotState.PREFETCHING))
+            self._emit(PREFETCH, ReadPrefetch(op_id=op, pages=pf.hit))
+
+    def on_prefetch_progress(self, op: int, pages: int, finished: bool) -> None:
+        pf = self._prefetches.get(op)
+        if pf is not None:
+            pf.local_pages, pf.local_finished = pages, finished
+
+    def prefetch_states(self, request_ids: Sequence[str]) -> tuple[bool, ...]:
+        """Per request: may its prefetch terminate now by this rank's view (no prefetch: yes)?"""
+        out = []
+        for rid in request_ids:
+            op = self._prefetch_of.get(rid)
+            out.append(True if op is None else self._may_terminate(self._prefetches[op]))
+        return tuple(out)
+
+    def _may_terminate(self, pf: _Prefetch) -> bool:
+        policy = self.config.prefetch_policy
+        complete = pf.hit == 0 or (pf.hit > 0 and pf.read > 0 and pf.local_finished)
+        if policy is PrefetchPolicy.BEST_EFFORT or complete:
+            return True
+        if policy is PrefetchPolicy.WAIT_COMPLETE:
+            return False
+        return self._now() - pf.started >= pf.timeout
+
+    def terminate_prefetches(self, op_id: int, request_ids: Sequence[str], reason: PrefetchEnd) -> None:
+        """Stop the prefetches; reply with each one's local final count once all stopped."""
+        t = _Termination(op_id, [], set())
+        for rid in request_ids:
+            op = self._prefetch_of.get(rid, 0)
+            t.ops.append(op)
+            if not op:
+                continue
+            pf = self._prefetches[op]
+            if pf.stopping:
+                raise HandleError(f"the prefetch of request {rid!r} is already being terminated")
+            pf.stopping, pf.reason = True, reason
+            t.waiting.add(op)
+            self._termination_of[op] = op_id
+        self._terminations[op_id] = t
+        for op in sorted(t.waiting):
+            pf = self._prefetches[op]
+            if pf.host_reply and pf.host is None:  # never reached the prefetcher
+                pf.stopped = 0
+                t.waiting.discard(op)
+                del self._termination_of[op]
+            elif pf.host_reply:
+                self._emit(PREFETCH, StopPrefetch(op_id=op))
+            # else: the Stop follows the Prefetch once the host pool answers
+        if not t.waiting:
+            self._stopped_all(t)
+
+    def on_prefetch_stopped(self, op: int, pages: int) -> None:
+        pf = self._prefetches[op]
+        pf.stopped = min(pages, pf.read)
+        t = self._terminations[self._termination_of.pop(op)]
+        t.waiting.discard(op)
+        if not t.waiting:
+            self._stopped_all(t)
+
+    def _stopped_all(self, t: _Termination) -> None:
+        del self._terminations[t.facade_op]
+        pages = tuple(self._prefetches[op].stopped if op else 0 for op in t.ops)
+        self._emit(FACADE, PrefetchesStopped(op_id=t.facade_op, pages=pages))
+
+    def settle_prefetches(self, op_id: int, request_ids: Sequence[str], pages: Sequence[int]) -> None:
+        """The one place a prefetch's slots are kept or freed, after the ranks agreed on `pages`."""
+        out = []
+        for rid, agreed in zip(request_ids, pages, strict=True):
+            op = self._prefetch_of.get(rid)
+            if op is None:
+                out.append(0)
+                continue
+            pf = self._prefetches[op]
+            if pf.stopped < 0:
+                raise InvariantError(f"prefetch {op} of {rid!r} settled before its prefetcher stopped (seed 000)")
+            del self._prefetch_of[rid], self._prefetches[op]
+            out.append(self._settle(pf, min(agreed, pf.read)))
+        self._emit(FACADE, PrefetchesSettled(op_id=op_id, tokens=tuple(out)))
+
+    def _settle(self, pf: _Prefetch, pages: int) -> int:
+        p = self.page_size
+        keep = pages * p
+        unused: list[torch.Tensor] = []
+        kept = 0
+        if pf.host is not None:
+            if keep:
+                res = self.tree.insert_host(pf.anchor, pf.tokens[:keep], pf.host[:keep])
+                for nd in res.new:
+                    kept += nd.tokens
+                new = _cat([nd.host for nd in res.new])
+                if len(new):
+                    self._emit(HOST, SetHostState(indices=new, state=HostSlotState.HOST_ONLY))
+                unused.extend(res.unused)
+            read = pf.host[keep : pf.read * p]  # read (or being read) and not kept
+            if len(read):
+                unused.append(read)
+            prefetching = _cat(unused)
+            if len(prefetching):
+                self._emit(HOST, SetHostState(indices=prefetching, state=HostSlotState.RESERVED))
+            free = _cat([prefetching.as_tensor(), pf.host[pf.read * p :]])
+            if len(free):
+                self._emit(HOST, FreeHostSlots(indices=free))
+        self.host_free += pf.reserved - kept
+        self._prefetch_tokens -= pf.reserved
+        self.tree.pin_host(pf.anchor, -1)
+        if pf.reason in (PrefetchEnd.ABORTED, PrefetchEnd.RETRACTED):
+            end = pf.reason
+        elif pf.hit == 0:
+            end = PrefetchEnd.MISS
+        elif pf.hit > 0 and pages == pf.hit:
+            end = PrefetchEnd.COMPLETE
+        elif self.config.prefetch_policy is PrefetchPolicy.TIMEOUT:
+            end = PrefetchEnd.TIMEOUT
+        elif self.config.prefetch_policy is PrefetchPolicy.WAIT_COMPLETE:
+            end = PrefetchEnd.FAILED
+        else:
+            end = PrefetchEnd.BEST_EFFORT
+        self.n.prefetch_ends[list(PrefetchEnd).index(end)] += 1
+        self.n.storage_hit_tokens += keep
+        return keep
+
+    def _consider_store(self, node: Node) -> None:
+        """Back a node's freshly synced host copy up to storage, pinned until it lands."""
+        if not self._storage or node.stored or not node.alive or node.host is None:
+            return
+        op = self._next_id()
+        self.tree.pin_host(node, +1)
+        self._stores[op] = node
+        self.facts.expect("backup", op)
+        self._emit(PREFETCH, StorePages(op_id=op, keys=_keys(node.hashes, self.config.tp_rank),
+                                        host=Indices.from_tensor(node.host)))
+
+    def _stored(self, op: int, pages: int) -> None:
+        node = self._stores.pop(op)
+        self.tree.pin_host(node, -1)
+        if pages >= len(node.hashes):
+            node.stored = True
 
     # == policies ===========================================================================
 
@@ -403,6 +747,7 @@ class TreeCore:
         self.tree.lock(node, +1)
         node.op = op
         self._writes[op] = _Write([node], evict_after, need)
+        self.facts.expect("write", op)
         self.host_free -= need
         self._emit(HOST, AllocateHost(op_id=op, tokens=need))
         return True
@@ -617,21 +962,57 @@ class TreeCore:
             device_hit_tokens=self.n.device_hit_tokens, host_hit_tokens=self.n.host_hit_tokens,
             evicted_device_tokens=self.n.evicted_device_tokens, evicted_host_tokens=self.n.evicted_host_tokens,
             backups_done=self.n.backups_done, backups_failed=self.n.backups_failed,
+            prefetches_started=self.n.prefetches_started, prefetches_in_flight=len(self._prefetches),
+            prefetch_skipped=self.n.prefetch_skipped, prefetch_ends=tuple(self.n.prefetch_ends),
+            storage_hit_tokens=self.n.storage_hit_tokens, stored_tokens=self.n.stored_tokens,
+            facts_pending=self.facts.pending(),
         )
 
     def idle(self) -> bool:
         """No handle held and nothing in flight."""
         return not (self._handles or self._writes or self._loads or self._admissions
-                    or self._finishes or self._swaps or self._evictions)
+                    or self._finishes or self._swaps or self._evictions or self._prefetches
+                    or self._stores or self._terminations or self.facts.pending())
+
+    def digest(self, op_id: int) -> None:
+        """A digest of the logical state: nodes (pages, state, locks, pins, storage), in-flight
+        prefetches and the host mirror; slot numbers are left out. Ranks of a group agree on it."""
+        h = hashlib.blake2b(digest_size=16)
+        for node in self.tree.walk():
+            h.update(struct.pack("<Qqiiii?", node.hashes[-1], node.tokens, list(NodeState).index(node.state),
+                                 node.lock_ref, node.host_ref, node.op, node.stored))
+        for op in sorted(self._prefetches):
+            pf = self._prefetches[op]
+            h.update(struct.pack("<qqqq", op, pf.reserved, pf.hit, pf.read))
+        h.update(struct.pack("<qq", self.host_free, self.facts.pending()))
+        self._emit(FACADE, TreeDigest(op_id=op_id, digest=h.hexdigest(), host_used=self.config.host_slots - self.host_free))
 
     def check_invariants(self) -> None:
         self.tree.check_invariants()
         unassigned = sum(w.tokens for w in self._writes.values() if not w.host_assigned)
-        if self.host_free != self.config.host_slots - self.tree.host_tokens - unassigned:
+        prefetching = sum(pf.reserved for pf in self._prefetches.values())
+        if self.host_free != self.config.host_slots - self.tree.host_tokens - unassigned - prefetching:
             raise InvariantError(
                 f"tree: host mirror says {self.host_free} free, but capacity {self.config.host_slots} - "
-                f"{self.tree.host_tokens} held by nodes - {unassigned} being reserved differs"
+                f"{self.tree.host_tokens} held by nodes - {unassigned} being reserved - {prefetching} "
+                "reserved by prefetches differs"
             )
+        if prefetching != self._prefetch_tokens:
+            raise InvariantError(f"tree: prefetches reserve {prefetching} tokens but the rate limit counts {self._prefetch_tokens}")
+        for op, pf in self._prefetches.items():
+            a = pf.anchor
+            if not a.alive or not (a.is_root or (a.state in BACKED and a.host_ref > 0)):
+                raise InvariantError(
+                    f"tree: prefetch {op} of {pf.request_id!r} is anchored on {a}, which must be alive, backed "
+                    "up and host-pinned (or a root) so that eviction cannot delete it"
+                )
+            if self._prefetch_of.get(pf.request_id) != op:
+                raise InvariantError(f"tree: prefetch {op} is not the one of request {pf.request_id!r}")
+            if pf.host is not None and len(pf.host) != pf.reserved:
+                raise InvariantError(f"tree: prefetch {op} holds {len(pf.host)} host slots but reserved {pf.reserved}")
+        for op, node in self._stores.items():
+            if not node.alive or node.host is None or node.host_ref <= 0:
+                raise InvariantError(f"tree: backup {op} to storage of {node} needs it alive, on host and pinned")
         for node in self.tree.walk():
             if node.state is NodeState.WRITING and node.op not in self._writes:
                 raise InvariantError(f"tree: {node} is WRITING without a write in flight")
@@ -651,6 +1032,12 @@ class TreeCore:
                     f"tree: no request and no write holds a lock, yet {held[:3]} are locked and "
                     f"{self.tree.protected_tokens} tokens protected (a leaked lock ref)"
                 )
+
+
+def _keys(hashes: Sequence[int], rank: int) -> tuple[str, ...]:
+    """Storage keys: the namespace-seeded page-hash chain plus the rank (each rank holds its own
+    heads' KV of a page)."""
+    return tuple(f"{h & 0xFFFFFFFFFFFFFFFF:016x}-r{rank}" for h in hashes)
 
 
 def _cat(parts: Sequence[torch.Tensor | None]) -> Indices:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from ._index import Indices, Tokens
 from ._registry import Message, message
 from .device import LedgerEntry, ReleaseReason
+from .storage import PrefetchEnd
 
 
 @message(400)
@@ -210,3 +211,161 @@ class TreeStatistics(Message):
     """Write-throughs completed."""
     backups_failed: int
     """Write-throughs that failed or found no host memory."""
+    prefetches_started: int
+    """Storage prefetches started."""
+    prefetches_in_flight: int
+    """Storage prefetches not yet settled."""
+    prefetch_skipped: int
+    """Prefetches not started for the rate limit or for want of host memory."""
+    prefetch_ends: tuple[int, ...]
+    """Settled prefetches per `PrefetchEnd`, in its member order."""
+    storage_hit_tokens: int
+    """Tokens prefetched from storage into host memory and kept by the tree."""
+    stored_tokens: int
+    """Tokens written to storage by backups (pages already there not counted)."""
+    facts_pending: int
+    """Rank-local outcomes issued and not yet applied (waiting for agreement with several ranks)."""
+
+
+@message(415)
+class PrefetchRequests(Message):
+    """Start storage prefetches for queued requests (those whose missing part is long enough)."""
+
+    op_id: int
+    """Correlation id echoed in `PrefetchesStarted`."""
+    items: tuple[AdmitItem, ...]
+    """The requests, with their prompts."""
+
+
+@message(416)
+class PrefetchesStarted(Message):
+    """Reply to `PrefetchRequests`: host tokens reserved per request (0: no prefetch started)."""
+
+    op_id: int
+    """The `op_id` of the request."""
+    tokens: tuple[int, ...]
+    """Per item, in order."""
+
+
+@message(417)
+class PrefetchStates(Message):
+    """May these requests' prefetches terminate now, by this rank's view and the policy?"""
+
+    op_id: int
+    """Correlation id echoed in `PrefetchReadiness`."""
+    request_ids: tuple[str, ...]
+    """The requests (one without a prefetch is ready)."""
+
+
+@message(418)
+class PrefetchReadiness(Message):
+    """Reply to `PrefetchStates`."""
+
+    op_id: int
+    """The `op_id` of the request."""
+    ready: tuple[bool, ...]
+    """Per request, in order (the ranks then agree: all must say yes)."""
+
+
+@message(419)
+class TerminatePrefetches(Message):
+    """Stop these requests' prefetches; reply once each prefetcher confirmed its final count."""
+
+    op_id: int
+    """Correlation id echoed in `PrefetchesStopped`."""
+    request_ids: tuple[str, ...]
+    """The requests (one without a prefetch counts 0 pages)."""
+    reason: PrefetchEnd
+    """`BEST_EFFORT` for a termination by policy, `ABORTED` / `RETRACTED` for a cancelled request."""
+
+
+@message(420)
+class PrefetchesStopped(Message):
+    """Reply to `TerminatePrefetches`: pages complete on this rank, per request."""
+
+    op_id: int
+    """The `op_id` of the request."""
+    pages: tuple[int, ...]
+    """Per request, in order."""
+
+
+@message(421)
+class SettlePrefetches(Message):
+    """Keep the agreed pages of stopped prefetches as host-only nodes; free the rest (one place)."""
+
+    op_id: int
+    """Correlation id echoed in `PrefetchesSettled`."""
+    request_ids: tuple[str, ...]
+    """The requests, as in `TerminatePrefetches`."""
+    pages: tuple[int, ...]
+    """Agreed complete pages per request (the minimum over ranks)."""
+
+
+@message(422)
+class PrefetchesSettled(Message):
+    """Reply to `SettlePrefetches`: tokens now in host memory from storage, per request."""
+
+    op_id: int
+    """The `op_id` of the request."""
+    tokens: tuple[int, ...]
+    """Per request, in order."""
+
+
+@message(423)
+class ReportFacts(Message):
+    """Ask for the rank-local outcomes waiting for agreement (tensor parallel)."""
+
+    op_id: int
+    """Correlation id echoed in `LocalFacts`."""
+
+
+@message(424)
+class LocalFacts(Message):
+    """Reply to `ReportFacts`."""
+
+    op_id: int
+    """The `op_id` of the request."""
+    known: tuple[int, ...]
+    """Per kind of outcome (write, load, hit, backup): leading operations known on this rank."""
+    values: tuple[int, ...]
+    """Their outcomes, concatenated in kind order."""
+
+
+@message(425)
+class ApplyFacts(Message):
+    """Apply agreed outcomes: the first `counts[k]` operations of each kind, with `values`."""
+
+    op_id: int
+    """Correlation id echoed in `FactsApplied`."""
+    counts: tuple[int, ...]
+    """Per kind, how many (the minimum of every rank's `known`)."""
+    values: tuple[int, ...]
+    """Their agreed outcomes (the minimum over ranks), concatenated in kind order."""
+
+
+@message(426)
+class FactsApplied(Message):
+    """Reply to `ApplyFacts`."""
+
+    op_id: int
+    """The `op_id` of the request."""
+
+
+@message(427)
+class DigestTree(Message):
+    """Ask for a digest of the tree's logical state (equal on every rank of a group)."""
+
+    op_id: int
+    """Correlation id echoed in `TreeDigest`."""
+
+
+@message(428)
+class TreeDigest(Message):
+    """Reply to `DigestTree`."""
+
+    op_id: int
+    """The `op_id` of the request."""
+    digest: str
+    """Hex digest over every node's pages, state, locks and pins, and the host mirror."""
+    host_used: int
+    """Host slots the tree holds or has reserved."""

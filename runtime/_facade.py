@@ -9,8 +9,14 @@ handle is a clear error here, and the actors keep running.
 
 Lifecycle of a request::
 
-    admit -> [start_loads, wait per layer] -> allocate/commit ... -> (cache_unfinished ...)
-          -> finish | abort | retract            (a retracted request may be admitted again)
+    [prefetch -> ready ...] -> admit -> [start_loads, wait per layer] -> allocate/commit ...
+          -> (cache_unfinished ...) -> finish | abort | retract   (a retracted request may be admitted again)
+
+With storage (L3), a queued request may first get a prefetch (`prefetch`); it is
+admitted once `ready` reports it (its prefetch terminated by the policy, its
+pages kept as host-only nodes that admission loads back). With several
+tensor-parallel ranks, call `sync` once per tick on every rank: it agrees on the
+rank-local outcomes (acks, storage hits) and applies them.
 """
 
 from __future__ import annotations
@@ -27,6 +33,22 @@ from hicache.messages import (
     AdmitItem,
     AdmitRequests,
     Admitted,
+    ApplyFacts,
+    DigestTree,
+    FactsApplied,
+    LocalFacts,
+    PrefetchEnd,
+    PrefetcherStatistics,
+    PrefetchesSettled,
+    PrefetchesStarted,
+    PrefetchesStopped,
+    PrefetchReadiness,
+    PrefetchRequests,
+    PrefetchStates,
+    ReportFacts,
+    SettlePrefetches,
+    TerminatePrefetches,
+    TreeDigest,
     AllocateSlots,
     CacheItem,
     Cached,
@@ -54,6 +76,7 @@ from hicache.messages import (
 )
 
 from ._actor import HiActor
+from ._group import Group, SingleGroup
 from ._layers import LayerWaiter
 from ._system import Runtime, System
 from .config import Config
@@ -121,6 +144,7 @@ class HiCacheStatistics:
     host: HostStatistics
     write: StreamStatistics
     load: StreamStatistics
+    prefetch: PrefetcherStatistics
 
 
 @dataclass(slots=True)
@@ -149,10 +173,19 @@ class HiCache:
         *,
         runtime: Runtime | None = None,
         actor_classes: Mapping[ActorName, type[HiActor]] | None = None,
+        group: Group | None = None,
     ) -> None:
         self.config = config or Config()
+        self.group: Group = group or SingleGroup()
+        if (self.group.size, self.group.rank) != (self.config.tp_size, self.config.tp_rank):
+            raise ValueError(
+                f"the group is rank {self.group.rank} of {self.group.size} but the config says tp_rank="
+                f"{self.config.tp_rank}, tp_size={self.config.tp_size}; make them equal"
+            )
         self.system = System(self.config, runtime=runtime, actor_classes=actor_classes)
         self._live: dict[str, _Live] = {}
+        self._prefetching: dict[str, int] = {}
+        """Queued requests with a storage prefetch in flight, and the host tokens reserved for it."""
         self._ended: OrderedDict[str, str] = OrderedDict()
         self._ops = self.system.services.ids
 
@@ -189,6 +222,9 @@ class HiCache:
         for r in reqs:
             if r.request_id in self._live or r.request_id in seen:
                 raise RequestError(f"request {r.request_id!r} is already admitted; finish, abort or retract it first")
+            if r.request_id in self._prefetching:
+                raise RequestError(f"request {r.request_id!r} has a storage prefetch in flight; admit it once "
+                                   "ready() reports it, or abort it by id")
             if r.request_id in self._ended:  # its ledger is closed for good (seed 001); only retract keeps an id
                 raise RequestError(f"request {r.request_id!r} already {self._ended[r.request_id]}; "
                                    "a finished or aborted request id is never admitted again")
@@ -207,6 +243,81 @@ class HiCache:
             self._live[r.request_id] = _Live(handle, r.namespace, [prompt[:cached].clone()], slots, cached)
             out.append(AdmitResult(r.request_id, handle, slots, adm.device_hit, adm.host_hit, adm.host_miss))
         return out
+
+    # -- storage prefetch (L3 -> host) ----------------------------------------------------
+
+    def prefetch(self, requests: Iterable[Request]) -> dict[str, int]:
+        """Start storage prefetches for queued requests whose part missing from L1/L2 reaches
+        `prefetch_threshold_pages` (and the rate limit allows). Returns the host tokens reserved
+        per request (0: no prefetch). Admit a prefetching request only after `ready` reports it."""
+        reqs = list(requests)
+        seen: set[str] = set()
+        for r in reqs:
+            if r.request_id in self._live or r.request_id in self._prefetching or r.request_id in seen:
+                raise RequestError(f"request {r.request_id!r} is already admitted or prefetching")
+            if r.request_id in self._ended:
+                raise RequestError(f"request {r.request_id!r} already {self._ended[r.request_id]}")
+            seen.add(r.request_id)
+        items = tuple(
+            AdmitItem(request_id=r.request_id, namespace=r.namespace, tokens=Tokens.from_tensor(_tokens(r.tokens)))
+            for r in reqs
+        )
+        reply = self._call(ActorName.TREE, PrefetchRequests, PrefetchesStarted, items=items)
+        out = {}
+        for r, n in zip(reqs, reply.tokens, strict=True):
+            out[r.request_id] = n
+            if n:
+                self._prefetching[r.request_id] = n
+        return out
+
+    def ready(self, request_ids: Iterable[str]) -> dict[str, int]:
+        """Which of these queued requests may be admitted now: those without a prefetch, and
+        those whose prefetch may terminate under `prefetch_policy` on every rank. Those
+        prefetches are stopped and settled first: the agreed pages become host-only nodes.
+        Returns, per ready request, the tokens it got from storage."""
+        ids = list(dict.fromkeys(request_ids))
+        local = self._call(ActorName.TREE, PrefetchStates, PrefetchReadiness, request_ids=tuple(ids)).ready
+        agreed = self.group.all_min([int(x) for x in local])
+        go = [rid for rid, ok in zip(ids, agreed, strict=True) if ok]
+        got = self._terminate([rid for rid in go if rid in self._prefetching], PrefetchEnd.BEST_EFFORT)
+        return {rid: got.get(rid, 0) for rid in go}
+
+    @property
+    def prefetching(self) -> tuple[str, ...]:
+        """Queued requests with a storage prefetch in flight."""
+        return tuple(self._prefetching)
+
+    def _terminate(self, ids: list[str], reason: PrefetchEnd) -> dict[str, int]:
+        """Stop, agree on the complete pages, settle: the one path that ends a prefetch."""
+        stopped = self._call(ActorName.TREE, TerminatePrefetches, PrefetchesStopped,
+                             request_ids=tuple(ids), reason=reason).pages
+        pages = self.group.all_min(list(stopped))
+        settled = self._call(ActorName.TREE, SettlePrefetches, PrefetchesSettled,
+                             request_ids=tuple(ids), pages=tuple(pages)).tokens
+        for rid in ids:
+            del self._prefetching[rid]
+        return dict(zip(ids, settled, strict=True))
+
+    def sync(self) -> None:
+        """Agree with the other ranks on rank-local outcomes and apply them (once per tick on
+        every rank). With one rank the tree applies them as they arrive and this does nothing."""
+        if self.group.size == 1:
+            return
+        facts = self._call(ActorName.TREE, ReportFacts, LocalFacts)
+        counts = self.group.all_min(list(facts.known))
+        mine: list[int] = []
+        at = 0
+        for known, n in zip(facts.known, counts, strict=True):
+            mine.extend(facts.values[at : at + n])
+            at += known
+        values = self.group.all_min(mine)
+        self._call(ActorName.TREE, ApplyFacts, FactsApplied, counts=tuple(counts), values=tuple(values))
+
+    def tree_digest(self) -> tuple[str, int]:
+        """A digest of the tree's logical state and the host tokens it holds or reserved:
+        equal on every rank of a group after each `sync`."""
+        reply = self._call(ActorName.TREE, DigestTree, TreeDigest)
+        return reply.digest, reply.host_used
 
     def start_loads(self) -> LayerWaiter:
         """Start every queued load-back as one batch; the forward pass waits per layer on the result."""
@@ -278,15 +389,35 @@ class HiCache:
     def finish(self, handles: Iterable[CacheHandle]) -> list[LedgerEntry]:
         return self._end(handles, ReleaseReason.FINISHED)
 
-    def abort(self, handles: Iterable[CacheHandle]) -> list[LedgerEntry]:
-        return self._end(handles, ReleaseReason.ABORTED)
+    def abort(self, requests: Iterable[CacheHandle | str]) -> list[LedgerEntry]:
+        """End admitted requests (by handle) and queued ones with a prefetch in flight (by id).
+        A prefetch is released through the same path as `ready` (stopped, agreed, settled),
+        even mid-I/O. Returns the ledgers of the admitted ones."""
+        return self._end(requests, ReleaseReason.ABORTED)
 
-    def retract(self, handles: Iterable[CacheHandle]) -> list[LedgerEntry]:
-        """Give a request's memory back; it may be admitted again under the same id."""
-        return self._end(handles, ReleaseReason.RETRACTED)
+    def retract(self, requests: Iterable[CacheHandle | str]) -> list[LedgerEntry]:
+        """Give a request's memory back (a queued one's prefetch too); it may come back under the same id."""
+        return self._end(requests, ReleaseReason.RETRACTED)
 
-    def _end(self, handles: Iterable[CacheHandle], reason: ReleaseReason) -> list[LedgerEntry]:
-        hs = self._check_handles(handles)
+    def _end(self, requests: Iterable[CacheHandle | str], reason: ReleaseReason) -> list[LedgerEntry]:
+        items = list(requests)
+        # Only abort and retract take ids (of prefetching requests); finish needs handles.
+        queued = [r for r in items if isinstance(r, str)] if reason is not ReleaseReason.FINISHED else []
+        for rid in queued:
+            if rid not in self._prefetching:
+                raise RequestError(f"request {rid!r} has no prefetch in flight; pass the CacheHandle of an "
+                                   "admitted request instead of its id")
+        if len(set(queued)) != len(queued):
+            raise RequestError(f"a request appears twice in one call: {queued}")
+        hs = self._check_handles([r for r in items if r not in queued])
+        if queued:
+            ended = PrefetchEnd.RETRACTED if reason is ReleaseReason.RETRACTED else PrefetchEnd.ABORTED
+            self._terminate(queued, ended)
+            if reason is not ReleaseReason.RETRACTED:
+                for rid in queued:
+                    self._ended[rid] = reason.value
+        if not hs:
+            return []
         items = tuple(
             FinishItem(request_id=h.request_id, handle=h._token, reason=reason,
                        tokens=Tokens.from_tensor(self._live[h.request_id].tokens()),
@@ -342,7 +473,7 @@ class HiCache:
     def statistics(self) -> HiCacheStatistics:
         s = self.system.statistics()
         return HiCacheStatistics(tree=s[ActorName.TREE], device=s[ActorName.DEVICE], host=s[ActorName.HOST],
-                                 write=s[ActorName.WRITE], load=s[ActorName.LOAD])
+                                 write=s[ActorName.WRITE], load=s[ActorName.LOAD], prefetch=s[ActorName.PREFETCH])
 
     def check_invariants(self) -> None:
         """Every actor checks its core; the facade checks its own view against the ledger."""

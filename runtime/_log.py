@@ -196,6 +196,16 @@ class _LoggedFaults:
         self._log.fault(ActorName.HOST.value, "host_exhausted", value)
         return value
 
+    def storage_fault(self, op_id: int, call: str) -> str | None:
+        value = self._inner.storage_fault(op_id, call)
+        self._log.fault(ActorName.PREFETCH.value, "storage_fault", value)
+        return value
+
+    def storage_delay(self, op_id: int) -> float:
+        value = self._inner.storage_delay(op_id)
+        self._log.fault(ActorName.PREFETCH.value, "storage_delay", value)
+        return value
+
 
 def _versions() -> dict[str, str]:
     out = {}

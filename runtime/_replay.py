@@ -183,13 +183,19 @@ class _ReplayFaults(NoFaults):
     def host_exhausted(self, tokens: int) -> bool:
         return bool(self._next(ActorName.HOST.value, "host_exhausted"))
 
+    def storage_fault(self, op_id: int, call: str) -> str | None:
+        return self._next(ActorName.PREFETCH.value, "storage_fault")  # type: ignore[no-any-return]
+
+    def storage_delay(self, op_id: int) -> float:
+        return float(self._next(ActorName.PREFETCH.value, "storage_delay") or 0.0)
+
 
 def _build_actors(log: ParsedLog, sink: Callable[[ActorName, ActorName, Mail], None]) -> dict[ActorName, HiActor]:
     """Fresh, unstarted actors of the logged system, their sends going to `sink(sender, receiver, mail)`."""
     cfg = log.config
     stood_in = set(log.header.get("stand_ins", []))
     faults = _ReplayFaults(log.faults)
-    specs, _, _ = actor_specs(cfg, LayerDoneRing(cfg.load_ring_size, cfg.layers))
+    specs, _, _ = actor_specs(cfg, LayerDoneRing(cfg.load_ring_size, cfg.layers), storage=False)
     out: dict[ActorName, HiActor] = {}
     for cls, kwargs in specs:
         name = cls.name

@@ -57,6 +57,14 @@ class FaultPlan(Protocol):
         """True to answer a host reservation as if the pool were full."""
         ...
 
+    def storage_fault(self, op_id: int, call: str) -> str | None:
+        """A reason to fail this storage call (`exists`, `read`, `write`) of an operation, or None."""
+        ...
+
+    def storage_delay(self, op_id: int) -> float:
+        """Seconds of injected latency before the next read step of a prefetch (0: none)."""
+        ...
+
 
 class NoFaults:
     """Production: nothing is injected. Subclass it for a plan that injects some faults:
@@ -68,21 +76,34 @@ class NoFaults:
     def host_exhausted(self, tokens: int) -> bool:
         return False
 
+    def storage_fault(self, op_id: int, call: str) -> str | None:
+        return None
 
-class SeededFaults:
+    def storage_delay(self, op_id: int) -> float:
+        return 0.0
+
+
+class SeededFaults(NoFaults):
     """Random faults from a seed: failed copy batches and refused host reservations.
 
     Decisions are drawn in the order the actors ask for them, so under the
     deterministic runtime the same seed and schedule inject the same faults."""
 
-    def __init__(self, seed: int, *, transfer_fail_rate: float = 0.05, host_exhausted_rate: float = 0.05) -> None:
-        for name, rate in (("transfer_fail_rate", transfer_fail_rate), ("host_exhausted_rate", host_exhausted_rate)):
+    def __init__(
+        self, seed: int, *, transfer_fail_rate: float = 0.05, host_exhausted_rate: float = 0.05,
+        storage_fail_rate: float = 0.0, storage_delay_s: float = 0.0,
+    ) -> None:
+        for name, rate in (("transfer_fail_rate", transfer_fail_rate), ("host_exhausted_rate", host_exhausted_rate),
+                           ("storage_fail_rate", storage_fail_rate)):
             if not 0.0 <= rate <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {rate}")
         self._rng = random.Random(f"faults:{seed}")
         self._lock = threading.Lock()
         self.transfer_fail_rate = transfer_fail_rate
         self.host_exhausted_rate = host_exhausted_rate
+        self.storage_fail_rate = storage_fail_rate
+        self.storage_delay_s = storage_delay_s
+        """Each read step waits up to this long (uniformly drawn)."""
         self.injected = 0
 
     def transfer_fault(self, stream: ActorName, op_ids: tuple[int, ...]) -> str | None:
@@ -98,9 +119,24 @@ class SeededFaults:
             self.injected += hit
             return hit
 
+    def storage_fault(self, op_id: int, call: str) -> str | None:
+        if not self.storage_fail_rate:
+            return None
+        with self._lock:
+            if self._rng.random() < self.storage_fail_rate:
+                self.injected += 1
+                return f"injected storage {call} failure (seeded)"
+        return None
+
+    def storage_delay(self, op_id: int) -> float:
+        if not self.storage_delay_s:
+            return 0.0
+        with self._lock:
+            return self._rng.random() * self.storage_delay_s
+
 
 @dataclass(frozen=True, slots=True)
-class FailedTransfers:
+class FailedTransfers(NoFaults):
     """A fault plan that fails every copy batch containing one of `op_ids`."""
 
     op_ids: frozenset[int]
@@ -108,9 +144,6 @@ class FailedTransfers:
 
     def transfer_fault(self, stream: ActorName, op_ids: tuple[int, ...]) -> str | None:
         return self.reason if self.op_ids.intersection(op_ids) else None
-
-    def host_exhausted(self, tokens: int) -> bool:
-        return False
 
 
 DeliveryObserver = Callable[[ActorName, Any], None]

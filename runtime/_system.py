@@ -30,7 +30,7 @@ from ._services import (
     NoFaults,
     Services,
 )
-from .config import Config
+from .config import Config, StorageKind
 
 DEFAULT_ASK_TIMEOUT_S = 60.0
 """How long the caller waits for an actor's reply before raising TimeoutError."""
@@ -108,17 +108,22 @@ def _ignore(receiver: ActorName, mail: Any) -> None:
     return None
 
 
-def actor_specs(cfg: Config, ring: LayerDoneRing) -> tuple[list[tuple[type[HiActor], dict[str, Any]]], Any, Any]:
-    """The five actor classes of a system with their constructor arguments (services and
+def actor_specs(
+    cfg: Config, ring: LayerDoneRing, *, storage: bool = True
+) -> tuple[list[tuple[type[HiActor], dict[str, Any]]], Any, Any]:
+    """The six actor classes of a system with their constructor arguments (services and
     directory aside), built over fresh cores; and the device and host KV buffers.
 
-    The one place that wires cores, buffers and actors: `System.start` and log replay use it."""
+    The one place that wires cores, buffers and actors: `System.start` and log replay use it.
+    `storage=False` leaves the prefetcher out (replay: its results come from storage contents
+    the log does not hold, so its messages are replayed as inputs) and opens no backend."""
     from hicache.actors import (  # late: actors import this package
         DeviceAllocatorActor,
         DeviceCore,
         HostCore,
         HostPoolActor,
         LoadStreamActor,
+        StoragePrefetcherActor,
         TreeActor,
         WriteStreamActor,
     )
@@ -131,6 +136,13 @@ def actor_specs(cfg: Config, ring: LayerDoneRing) -> tuple[list[tuple[type[HiAct
         (LoadStreamActor, {"config": cfg, "device_kv": device.kv, "host_kv": host.kv, "ring": ring}),
         (TreeActor, {"config": cfg}),
     ]
+    if storage:
+        backend = None
+        if cfg.storage is not StorageKind.NONE:
+            from hicache.actors._storage import open_backend
+
+            backend = open_backend(cfg)
+        specs.append((StoragePrefetcherActor, {"config": cfg, "host_kv": host.kv, "backend": backend}))
     return specs, device.kv, host.kv
 
 

@@ -1,0 +1,192 @@
+"""`StoragePrefetcherActor`: the storage (L3) client; prefetch into host slots and backup from them.
+
+It owns no slot and frees nothing (seed 000): the tree reserves the host slots of
+a prefetch and names them in `Prefetch`; the prefetcher fills them and reports in
+messages, and every prefetch ends with the tree's `StopPrefetch`, answered by the
+final page count, after which the prefetcher never writes those slots again. The
+tree alone then keeps or frees them.
+
+Reads go in steps of `storage_batch_pages`, each step a message to itself, so a
+`StopPrefetch` waits for one step at most. A page counts as complete only once
+its verified bytes are in host memory (the backend copies before it returns).
+Injected storage latency delays the next step by a runtime timer, never a sleep,
+so the deterministic runtime runs it in virtual time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hicache.messages import (
+    ActorName,
+    ContinuePrefetch,
+    Message,
+    PagesStored,
+    Prefetch,
+    PrefetcherStatistics,
+    PrefetchHit,
+    PrefetchProgress,
+    PrefetchStopped,
+    ReadPrefetch,
+    StopPrefetch,
+    StorePages,
+)
+from hicache.runtime._actor import Directory, HiActor
+from hicache.runtime._services import Services
+from hicache.runtime.config import Config
+
+from ._errors import InvariantError
+from ._kv import KVBuffer
+
+
+@dataclass(slots=True)
+class _Read:
+    keys: tuple[str, ...]
+    host: torch.Tensor
+    hit: int
+    target: int = 0
+    """Pages the tree asked to read (its agreed hit)."""
+    done: int = 0
+    """Leading pages whose bytes are in host memory."""
+    finished: bool = False
+    step_pending: bool = False
+
+
+@dataclass(slots=True)
+class _Counters:
+    prefetches: int = 0
+    pages_read: int = 0
+    bytes_read: int = 0
+    pages_written: int = 0
+    bytes_written: int = 0
+    errors: int = 0
+
+
+class StoragePrefetcherActor(HiActor):
+    name = ActorName.PREFETCH
+
+    def __init__(
+        self, *, config: Config, host_kv: KVBuffer, backend: Any, services: Services, directory: Directory
+    ) -> None:
+        super().__init__(services=services, directory=directory)
+        self._host = host_kv
+        self._backend = backend
+        """A `StorageBackend`, or None when the config has no storage (every page is a miss)."""
+        self._page = config.page_size
+        self._batch = config.storage_batch_pages
+        self._reads: dict[int, _Read] = {}
+        self._n = _Counters()
+
+    def handle(self, sender: ActorName, message: Message) -> Message | None:
+        if not isinstance(message, ContinuePrefetch):
+            self.require_sender(sender, ActorName.TREE, type(message).__name__)
+        match message:
+            case Prefetch(op_id=op, keys=keys, host=host):
+                return PrefetchHit(op_id=op, pages=self._start(op, keys, host.as_tensor()))
+            case ReadPrefetch(op_id=op, pages=pages):
+                r = self._reads[op]
+                if pages > r.hit:
+                    raise InvariantError(f"prefetch {op}: asked to read {pages} pages but storage holds {r.hit}")
+                r.target = pages
+                self._schedule(op, r)
+                return None
+            case ContinuePrefetch(op_id=op):
+                return self._step(op)
+            case StopPrefetch(op_id=op):
+                r = self._reads.pop(op, None)  # unknown: the tree stops one that never reached storage
+                return PrefetchStopped(op_id=op, pages=0 if r is None else r.done)
+            case StorePages(op_id=op, keys=keys, host=host):
+                return self._store(op, keys, host.as_tensor())
+            case _:
+                self.unknown(message)
+        return None
+
+    def _start(self, op: int, keys: tuple[str, ...], host: torch.Tensor) -> int:
+        if op in self._reads:
+            raise InvariantError(f"prefetch {op} started twice")
+        if len(host) != len(keys) * self._page:
+            raise InvariantError(f"prefetch {op}: {len(keys)} pages need {len(keys) * self._page} slots, got {len(host)}")
+        self._n.prefetches += 1
+        hit = 0
+        fault = self._services.faults.storage_fault(op, "exists")
+        if fault is not None:
+            self._n.errors += 1
+        elif self._backend is not None:
+            hit = self._backend.exists(keys)
+        self._reads[op] = _Read(keys, host, hit)
+        return hit
+
+    def _schedule(self, op: int, r: _Read) -> None:
+        if r.done >= r.target:
+            r.finished = True
+            self.send(ActorName.TREE, PrefetchProgress(op_id=op, pages=r.done, finished=True, error=""))
+            return
+        r.step_pending = True
+        delay = self._services.faults.storage_delay(op)
+        if delay > 0:
+            self.send_later(delay, self.name, ContinuePrefetch(op_id=op))
+        else:
+            self.send(self.name, ContinuePrefetch(op_id=op))
+
+    def _step(self, op: int) -> Message | None:
+        r = self._reads.get(op)
+        if r is None:  # stopped while the step was queued
+            return None
+        r.step_pending = False
+        p = self._page
+        a, b = r.done, min(r.done + self._batch, r.target)
+        error = self._services.faults.storage_fault(op, "read") or ""
+        got = 0
+        if not error:
+            io = self._backend.read(r.keys[a:b], self._host, r.host[a * p : b * p])
+            got, error = io.pages, io.error
+            self._n.bytes_read += io.bytes
+        self._n.pages_read += got
+        self._n.errors += bool(error)
+        r.done += got
+        if error:
+            r.finished = True
+            self.send(ActorName.TREE, PrefetchProgress(op_id=op, pages=r.done, finished=True, error=error))
+            return None
+        if r.done < r.target:
+            self.send(ActorName.TREE, PrefetchProgress(op_id=op, pages=r.done, finished=False, error=""))
+        self._schedule(op, r)
+        return None
+
+    def _store(self, op: int, keys: tuple[str, ...], host: torch.Tensor) -> PagesStored:
+        if len(host) != len(keys) * self._page:
+            raise InvariantError(f"backup {op}: {len(keys)} pages need {len(keys) * self._page} slots, got {len(host)}")
+        error = self._services.faults.storage_fault(op, "write") or ""
+        if error or self._backend is None:
+            self._n.errors += 1
+            return PagesStored(op_id=op, pages=0, written=0, error=error or "no storage backend configured")
+        io = self._backend.write(keys, self._host, host)
+        self._n.pages_written += io.written
+        self._n.bytes_written += io.bytes
+        self._n.errors += bool(io.error)
+        return PagesStored(op_id=op, pages=io.pages, written=io.written, error=io.error)
+
+    def awaiting(self) -> tuple[str, ...]:
+        steps = sum(r.step_pending for r in self._reads.values())
+        return (f"{steps} storage read steps",) if steps else ()
+
+    def check_invariants(self) -> None:
+        for op, r in self._reads.items():
+            if not 0 <= r.done <= r.target <= r.hit <= len(r.keys):
+                raise InvariantError(f"prefetch {op}: 0 <= done {r.done} <= target {r.target} <= hit {r.hit} "
+                                     f"<= {len(r.keys)} pages does not hold")
+
+    def statistics(self) -> PrefetcherStatistics:
+        n = self._n
+        return PrefetcherStatistics(
+            backend=getattr(self._backend, "name", "none"), prefetches=n.prefetches, in_flight=len(self._reads),
+            pages_read=n.pages_read, bytes_read=n.bytes_read, pages_written=n.pages_written,
+            bytes_written=n.bytes_written, errors=n.errors,
+        )
+
+    def on_stop(self) -> None:
+        if self._backend is not None:
+            self._backend.close()

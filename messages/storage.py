@@ -1,0 +1,163 @@
+"""Verbs of the storage prefetcher: L3 -> host prefetch and host -> L3 backup.
+
+The tree reserves host slots and names them; the prefetcher fills them from
+storage (prefetch) or copies them to storage (backup) and reports in messages.
+It never frees a slot: every prefetch ends with the tree's `StopPrefetch` and its
+`PrefetchStopped`, after which the tree alone frees what was not kept (seed 000).
+
+A prefetch, in messages::
+
+    tree -> Prefetch(keys, host)           prefetcher: how many leading pages exist
+         <- PrefetchHit(pages)             (the tree agrees on it across ranks, frees the surplus)
+    tree -> ReadPrefetch(pages)            prefetcher: read them in bounded steps
+         <- PrefetchProgress(pages, ...)   after each step: pages whose bytes are in host memory
+    tree -> StopPrefetch                   whenever the tree terminates it (any time after Prefetch)
+         <- PrefetchStopped(pages)         final: no byte of these slots is written after this
+"""
+
+from __future__ import annotations
+
+import enum
+
+from ._index import Indices
+from ._registry import Message, message, wire_enum
+
+
+@wire_enum(500)
+class PrefetchEnd(enum.Enum):
+    """Why a prefetch was terminated (statistics count each)."""
+
+    COMPLETE = "complete"
+    """Every page storage had arrived."""
+    MISS = "miss"
+    """Storage held none of the pages."""
+    FAILED = "failed"
+    """A read failed before every page arrived (`wait_complete` policy)."""
+    BEST_EFFORT = "best_effort"
+    """The request ran with what had arrived (`best_effort` policy)."""
+    TIMEOUT = "timeout"
+    """Its timeout expired before it completed (`timeout` policy)."""
+    ABORTED = "aborted"
+    """The request was aborted while its prefetch was in flight."""
+    RETRACTED = "retracted"
+    """The request was retracted while its prefetch was in flight."""
+
+
+@message(500)
+class Prefetch(Message):
+    """Find how many leading pages of `keys` storage holds; reply `PrefetchHit`, then wait."""
+
+    op_id: int
+    """The tree's id of this prefetch."""
+    keys: tuple[str, ...]
+    """Storage keys of the pages, in token order (namespace-seeded hash chain, rank suffix)."""
+    host: Indices
+    """The host slots the tree reserved: `page_size` per key, page aligned, in key order."""
+
+
+@message(501)
+class PrefetchHit(Message):
+    """Reply to `Prefetch`: storage holds the first `pages` keys (0: a miss)."""
+
+    op_id: int
+    """The prefetch."""
+    pages: int
+    """Leading pages found."""
+
+
+@message(502)
+class ReadPrefetch(Message):
+    """Read the first `pages` pages (the hit the ranks agreed on) into the reserved slots."""
+
+    op_id: int
+    """The prefetch."""
+    pages: int
+    """Pages to read (at most the reported hit); slots past them are not touched."""
+
+
+@message(503)
+class PrefetchProgress(Message):
+    """Pages of a prefetch whose bytes are in host memory (sent after each step)."""
+
+    op_id: int
+    """The prefetch."""
+    pages: int
+    """Leading pages complete so far."""
+    finished: bool
+    """No more pages will arrive: all were read, or a read failed."""
+    error: str
+    """What failed, if a read did (the pages after it are not read)."""
+
+
+@message(504)
+class StopPrefetch(Message):
+    """Terminate a prefetch; the prefetcher answers `PrefetchStopped` with the final count."""
+
+    op_id: int
+    """The prefetch."""
+
+
+@message(505)
+class PrefetchStopped(Message):
+    """Reply to `StopPrefetch`: nothing is written into the prefetch's slots any more."""
+
+    op_id: int
+    """The prefetch."""
+    pages: int
+    """Leading pages whose bytes are in host memory."""
+
+
+@message(506)
+class StorePages(Message):
+    """Back up host pages to storage (pages already stored are not rewritten)."""
+
+    op_id: int
+    """The tree's id of this backup."""
+    keys: tuple[str, ...]
+    """Storage keys, one per page."""
+    host: Indices
+    """The host slots holding the pages (the tree pins them until `PagesStored`)."""
+
+
+@message(507)
+class PagesStored(Message):
+    """Reply to `StorePages`."""
+
+    op_id: int
+    """The backup."""
+    pages: int
+    """Leading pages now in storage (written now or already there)."""
+    written: int
+    """Pages written by this backup."""
+    error: str
+    """What failed, if a page could not be stored."""
+
+
+@message(508)
+class PrefetcherStatistics(Message):
+    """The prefetcher's numbers."""
+
+    backend: str
+    """Which backend (`file`, `mooncake`, or `none`)."""
+    prefetches: int
+    """Prefetches received."""
+    in_flight: int
+    """Prefetches not yet stopped."""
+    pages_read: int
+    """Pages read from storage into host memory."""
+    bytes_read: int
+    """Bytes read from storage."""
+    pages_written: int
+    """Pages written to storage by backups."""
+    bytes_written: int
+    """Bytes written to storage."""
+    errors: int
+    """Storage calls that failed (misses of corrupt pages, timeouts, backend errors)."""
+
+
+@message(509)
+class ContinuePrefetch(Message):
+    """The prefetcher to itself: read the next step of a prefetch (a stop can come in between)."""
+
+    op_id: int
+    """The prefetch."""
