@@ -2,6 +2,11 @@
 
 Each `tick()`:
 
+0. agrees with the other tensor-parallel ranks on rank-local outcomes (`sync`),
+   starts storage prefetches for newly queued requests, and asks which queued
+   requests with a prefetch may run (`ready`: their pages are then host-only
+   nodes that admission loads back); a request whose prefetch is not ready
+   holds the queue;
 1. admits waiting requests in order while the running set and the tick's token
    budget allow (one `admit` call for the batch), and starts their load-backs;
 2. plans the tick: a prefill chunk for each request still in prefill, one token
@@ -60,6 +65,8 @@ class SchedulerConfig:
     device_budget_ratio: float = 0.9
     """Admit while the running requests' full lengths fit in this share of the device slots
     (cached prefixes counted as if private: conservative, so decode rarely runs out)."""
+    prefetch_window: int = 64
+    """Queued requests, from the head, that may have a storage prefetch started."""
 
     def __post_init__(self) -> None:
         for name in ("max_running", "prefill_tokens_per_tick", "chunk_tokens"):
@@ -89,6 +96,8 @@ class Outcome:
     input_tokens: int
     device_hit: int = 0
     host_hit: int = 0
+    storage_hit: int = 0
+    """Tokens its prefetch brought from storage (loaded back as part of `host_hit`)."""
     computed_prompt_tokens: int = 0
     retractions: int = 0
     aborted: bool = False
@@ -166,6 +175,7 @@ class ReferenceScheduler:
         self.outcomes: dict[str, Outcome] = {}
         self.ticks = 0
         self.load_failures = 0
+        self._prefetch_tried: set[str] = set()
 
     # -- driving ---------------------------------------------------------------------
 
@@ -189,6 +199,8 @@ class ReferenceScheduler:
 
     def tick(self) -> None:
         self.ticks += 1
+        self.hc.sync()
+        self._prefetch()
         waiter = self._admit()
         steps = self._plan()
         if steps:
@@ -202,6 +214,28 @@ class ReferenceScheduler:
                 st.run.computed += st.count
         self._advance(steps)
 
+    # -- storage prefetch --------------------------------------------------------------------
+
+    def _prefetch(self) -> None:
+        """Start prefetches for queued requests not tried yet; settle the ready ones."""
+        window = [w for w, _ in zip(self.waiting, range(self.config.prefetch_window))]
+        new = [w for w in window if isinstance(w, ServeRequest) and w.request_id not in self._prefetch_tried]
+        if new:
+            self._prefetch_tried.update(r.request_id for r in new)
+            self.hc.prefetch([Request(r.request_id, r.prompt[:-1], r.namespace) for r in new])
+        prefetching = set(self.hc.prefetching)
+        got = self.hc.ready([(w if isinstance(w, ServeRequest) else w.spec).request_id for w in window
+                             if (w if isinstance(w, ServeRequest) else w.spec).request_id in prefetching])
+        for rid, tokens in got.items():
+            self.outcomes[rid].storage_hit += tokens
+        if self.config.abort_rate:
+            doomed = [rid for rid in self.hc.prefetching if self._rng.random() < self.config.abort_rate]
+            if doomed:
+                self.hc.abort(doomed)
+                self.waiting = deque(w for w in self.waiting if not (isinstance(w, ServeRequest) and w.request_id in doomed))
+                for rid in doomed:
+                    self.outcomes[rid].aborted = True
+
     # -- admission -------------------------------------------------------------------------
 
     def _admit(self) -> LayerWaiter | None:
@@ -210,9 +244,12 @@ class ReferenceScheduler:
         memory = int(self.hc.config.device_slots * self.config.device_budget_ratio)
         memory -= sum(len(r.seq) + r.spec.output_tokens - r.outputs for r in self.running.values())
         batch: list[ServeRequest | _Running] = []
+        prefetching = set(self.hc.prefetching)
         while self.waiting and room > 0:
             nxt = self.waiting[0]
             spec = nxt if isinstance(nxt, ServeRequest) else nxt.spec
+            if spec.request_id in prefetching:
+                break  # its prefetch may not terminate yet: it holds the queue
             need = len(nxt.prompt) if isinstance(nxt, ServeRequest) else len(nxt.seq)
             whole = need + spec.output_tokens - (0 if isinstance(nxt, ServeRequest) else nxt.outputs)
             if (batch and need > budget) or (self.running or batch) and whole > memory:
