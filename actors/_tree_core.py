@@ -235,6 +235,8 @@ class TreeCore:
         self._terminations: dict[int, _Termination] = {}
         self._termination_of: dict[int, int] = {}
         self._stores: dict[int, Node] = {}
+        self._last_reservation = (0, 0)
+        """The last prefetch reservation: (reserved, what the shrink-to-fit rule prescribes)."""
 
     # == facade verbs ====================================================================
 
@@ -326,7 +328,10 @@ class TreeCore:
     def evict_device(self, op_id: int, tokens: int) -> None:
         """Reply once the slots are free: under write_back, after the write-backs it started land."""
         freed, writes = self._evict_device(tokens)
-        if not writes:
+        if not writes or not self._agree_locally:
+            # With several ranks a write-back's ack applies only at an agreement (HiCache.sync),
+            # which the caller cannot run while it waits for this reply: answer with what is free
+            # now; the write-backs free their slots when their agreed acks are applied.
             self._emit(FACADE, Evicted(op_id=op_id, device_tokens=freed, host_tokens=0))
             return
         self._wait_for_writes(writes, _Eviction(freed, set(), reply_op=op_id))
@@ -356,7 +361,7 @@ class TreeCore:
                 adm.retried = True
                 self._admissions[load_op] = adm
                 _, writes = self._evict_device(shortfall)
-                if writes:  # retry once the write-backs' slots are free
+                if writes and self._agree_locally:  # retry once the write-backs' slots are free
                     self._wait_for_writes(writes, _Eviction(0, set(), retry_load=load_op))
                 else:
                     self._retry_load_slots(load_op)
@@ -522,11 +527,7 @@ class TreeCore:
         threshold = cfg.prefetch_threshold_pages * p
         if n - matched < threshold:
             return 0
-        anchor, start, pos = self.tree.root(item.namespace), 0, 0
-        for nd in path:  # the deepest backed-up node: eviction can never delete it
-            pos += nd.tokens
-            if nd.state in BACKED:
-                anchor, start = nd, pos
+        anchor, start = self._anchor(item.namespace, path)
         want = n - start
         if self._prefetch_tokens + want > cfg.prefetch_rate_fraction * cfg.host_slots:
             self.n.prefetch_skipped += 1
@@ -534,12 +535,15 @@ class TreeCore:
         self.tree.pin_host(anchor, +1)  # before evicting host memory: the anchor must stay
         if self.host_free < want:
             self._evict_host(want - self.host_free)
-        if self.host_free < want:  # shrink to the page-aligned free space if that is still worth it (seed 002)
-            want = self.host_free - self.host_free % p
-            if start + want - matched < threshold:
-                self.tree.pin_host(anchor, -1)
-                self.n.prefetch_skipped += 1
-                return 0
+        free = self.host_free
+        got = self._reserve(want, free, new_from=matched - start)
+        fit = free - free % p  # the rule, restated for check_invariants: all, else shrink if worth it
+        self._last_reservation = (got, want if want <= free else fit if fit - (matched - start) >= threshold else 0)
+        want = got
+        if not want:
+            self.tree.pin_host(anchor, -1)
+            self.n.prefetch_skipped += 1
+            return 0
         op = self._next_id()
         toks = tokens[start : start + want].clone()
         pf = _Prefetch(op, item.request_id, anchor, toks, _keys(self.tree.chain(anchor, toks), cfg.tp_rank),
@@ -552,6 +556,25 @@ class TreeCore:
         self.facts.expect("hit", op)
         self._emit(HOST, AllocateHost(op_id=op, tokens=want))
         return want
+
+    def _anchor(self, namespace: str, path: list[Node]) -> tuple[Node, int]:
+        """The deepest backed-up node of the match (eviction can never delete it), or the root;
+        and the tokens up to its end, where the prefetched pages start."""
+        anchor, start, pos = self.tree.root(namespace), 0, 0
+        for nd in path:
+            pos += nd.tokens
+            if nd.state in BACKED:
+                anchor, start = nd, pos
+        return anchor, start
+
+    def _reserve(self, want: int, free: int, *, new_from: int) -> int:
+        """Host tokens to reserve for a prefetch of `want` (0: none): all of it if it fits, else
+        the page-aligned free space if its pages past `new_from` still meet the threshold (seed
+        002: shrink rather than give up)."""
+        if want <= free:
+            return want
+        fit = free - free % self.page_size
+        return fit if fit - new_from >= self.config.prefetch_threshold_pages * self.page_size else 0
 
     def _timeout(self, tokens: int) -> float:
         cfg = self.config
@@ -698,9 +721,9 @@ class TreeCore:
             end = PrefetchEnd.MISS
         elif pf.hit > 0 and pages == pf.hit:
             end = PrefetchEnd.COMPLETE
-        elif self.config.prefetch_policy is PrefetchPolicy.TIMEOUT:
+        elif self.config.prefetch_policy is PrefetchPolicy.TIMEOUT and not pf.local_finished:
             end = PrefetchEnd.TIMEOUT
-        elif self.config.prefetch_policy is PrefetchPolicy.WAIT_COMPLETE:
+        elif self.config.prefetch_policy is not PrefetchPolicy.BEST_EFFORT:  # finished short: a read failed
             end = PrefetchEnd.FAILED
         else:
             end = PrefetchEnd.BEST_EFFORT
@@ -965,7 +988,7 @@ class TreeCore:
             prefetches_started=self.n.prefetches_started, prefetches_in_flight=len(self._prefetches),
             prefetch_skipped=self.n.prefetch_skipped, prefetch_ends=tuple(self.n.prefetch_ends),
             storage_hit_tokens=self.n.storage_hit_tokens, stored_tokens=self.n.stored_tokens,
-            facts_pending=self.facts.pending(),
+            facts_pending=self.facts.pending(), facts_unknown=self.facts.pending() - sum(self.facts.known()),
         )
 
     def idle(self) -> bool:
@@ -1010,6 +1033,12 @@ class TreeCore:
                 raise InvariantError(f"tree: prefetch {op} is not the one of request {pf.request_id!r}")
             if pf.host is not None and len(pf.host) != pf.reserved:
                 raise InvariantError(f"tree: prefetch {op} holds {len(pf.host)} host slots but reserved {pf.reserved}")
+        got, rule = self._last_reservation
+        if got != rule:
+            raise InvariantError(
+                f"tree: a prefetch reserved {got} host tokens where the free space prescribes {rule} "
+                "(seed 002: shrink to the page-aligned free space when that still meets the threshold)"
+            )
         for op, node in self._stores.items():
             if not node.alive or node.host is None or node.host_ref <= 0:
                 raise InvariantError(f"tree: backup {op} to storage of {node} needs it alive, on host and pinned")
@@ -1024,6 +1053,11 @@ class TreeCore:
         for handle, h in self._handles.items():
             if h.node is not None and (not h.node.alive or h.node.lock_ref <= 0):
                 raise InvariantError(f"tree: handle {handle} of {h.request_id!r} holds {h.node}, not alive and locked")
+        if not self._prefetches and not self._stores:
+            pinned = [nd for nd in self.tree.walk() if nd.host_ref]
+            if pinned:
+                raise InvariantError(f"tree: no prefetch and no backup to storage in flight, yet {pinned[:3]} are "
+                                     "host-pinned (a leaked pin)")
         locks = sum(1 for h in self._handles.values() if h.node is not None) + len(self._writes)
         if locks == 0 and not self._admissions:
             held = [nd for nd in self.tree.walk() if nd.lock_ref]

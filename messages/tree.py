@@ -225,6 +225,8 @@ class TreeStatistics(Message):
     """Tokens written to storage by backups (pages already there not counted)."""
     facts_pending: int
     """Rank-local outcomes issued and not yet applied (waiting for agreement with several ranks)."""
+    facts_unknown: int
+    """Rank-local outcomes issued whose local result has not arrived yet."""
 
 
 @message(415)

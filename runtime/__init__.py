@@ -27,7 +27,9 @@ from ._facade import (
     RequestError,
 )
 from ._log import LOG_VERSION, DeliveryLog
+from ._mooncake_master import MasterStartError, MooncakeMaster
 from ._replay import Delivery, Divergence, ParsedLog, ReplayLogError, ReplayResult, read_log, replay_log
+from ._group import Group, RankDivergenceError, SingleGroup, TorchGroup
 from ._layers import LayerDoneRing, LayerWaiter, LoadFailedError, StaleWaiterError
 from ._strategies import PCTStrategy, RandomStrategy, ReplayStrategy, ScheduleDivergedError, Strategy
 from ._services import FailedTransfers, FaultPlan, IdSource, NoFaults, SeededFaults, Services
@@ -93,6 +95,7 @@ __all__ = [
     "EvictionPolicy",
     "FailedTransfers",
     "FaultPlan",
+    "Group",
     "HiActor",
     "HostLayout",
     "IdSource",
@@ -100,14 +103,19 @@ __all__ = [
     "LayerWaiter",
     "LoadFailedError",
     "Mail",
+    "MasterStartError",
+    "MooncakeMaster",
     "NoFaults",
     "PrefetchPolicy",
+    "RankDivergenceError",
     "StorageKind",
     "SeededFaults",
+    "SingleGroup",
     "Services",
     "StaleWaiterError",
     "System",
     "ThreadedRuntime",
+    "TorchGroup",
     "WritePolicy",
     "WrongSenderError",
 ]

@@ -134,7 +134,11 @@ class HiActor(pykka.ThreadingActor, abc.ABC):
 
     def send(self, to: ActorName, message: Message) -> None:
         """Tell another actor (or this one) a message; never waits."""
-        self._directory.ref(to).tell(Mail(self.name, message))
+        try:
+            self._directory.ref(to).tell(Mail(self.name, message))
+        except pykka.ActorDeadError:
+            if not self._services.stopping:  # at shutdown the receiver may have stopped first
+                raise
 
     def send_later(self, delay_s: float, to: ActorName, message: Message) -> None:
         """Tell `to` a message after `delay_s` seconds of runtime time (virtual when deterministic)."""

@@ -323,6 +323,18 @@ class DeterministicRuntime:
                 raise LivelockError(f"still busy after {n} deliveries (max_steps={self.max_steps})")
         return n
 
+    def advance(self, seconds: float) -> None:
+        """Let `seconds` of virtual time pass, as a caller's own work would (a scheduler's forward
+        pass): deliver everything, firing each timer that falls due on the way."""
+        if seconds < 0:
+            raise ValueError(f"cannot advance time by {seconds} s")
+        deadline = self.clock.t + seconds
+        while True:
+            self.run_until_idle()
+            if not self._advance_time(deadline):
+                break
+        self.clock.t = max(self.clock.t, deadline)
+
     # -- delivery ---------------------------------------------------------------------
 
     def _deliver(self, inbox: _Inbox) -> None:

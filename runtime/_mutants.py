@@ -20,17 +20,21 @@ from hicache.actors import (
     Node,
     NodeState,
     RadixTree,
+    StoragePrefetcherActor,
     TreeActor,
     TreeCore,
     WriteStreamActor,
 )
-from hicache.actors._tree_core import _Handle
+from hicache.actors._tree_core import _Handle, _Prefetch
 from hicache.messages import (
     ActorName,
     AdmitRequests,
+    FreeHostSlots,
     HostSlotState,
     Indices,
     Message,
+    Prefetch,
+    PrefetchEnd,
     ReleaseReason,
     SetHostState,
     WriteDone,
@@ -45,6 +49,8 @@ class Mutant:
     bug: str
     """The bug, and where it comes from."""
     actor_classes: Mapping[ActorName, type[HiActor]]
+    scenario: str = "standard"
+    """The exploration scenario that exercises the code it breaks."""
 
 
 # -- 1. seed 003: write acks handled only on admission ----------------------------------
@@ -166,6 +172,96 @@ class _UnclosedBackup(TreeActor):
         self.core.__class__ = _UnclosedBackupCore
 
 
+# -- 7. seed 000: the prefetcher frees host slots itself ---------------------------------------
+
+
+class _PrefetcherFrees(StoragePrefetcherActor):
+    """Frees the slots past the storage hit itself, as the prefetch thread of the original
+    did, racing the tree's own accounting of them."""
+
+    def handle(self, sender: ActorName, message: Message) -> Message | None:
+        reply = super().handle(sender, message)
+        if isinstance(message, Prefetch) and reply is not None:
+            surplus = message.host.as_tensor()[reply.pages * self._page :]  # type: ignore[attr-defined]
+            if len(surplus):
+                self.send(ActorName.HOST, FreeHostSlots(indices=Indices.from_tensor(surplus)))
+        return reply
+
+
+# -- 8. seed 002: a prefetch that gives up instead of shrinking ---------------------------------
+
+
+class _GiveUpCore(TreeCore):
+    def _reserve(self, want: int, free: int, *, new_from: int) -> int:
+        return want if want <= free else 0
+
+
+class _PrefetchGivesUp(TreeActor):
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.core.__class__ = _GiveUpCore
+
+
+# -- 9. a prefetch anchored on a node eviction can delete ----------------------------------------
+
+
+class _DeviceAnchorCore(TreeCore):
+    """Anchors on the deepest matched node whatever its state (a device-only node can be evicted)."""
+
+    def _anchor(self, namespace: str, path: list[Node]) -> tuple[Node, int]:
+        if not path:
+            return super()._anchor(namespace, path)
+        return path[-1], sum(nd.tokens for nd in path)
+
+
+class _EvictableAnchor(TreeActor):
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.core.__class__ = _DeviceAnchorCore
+
+
+# -- 10. a storage page reported complete before its bytes are written ----------------------------
+
+
+class _EarlyComplete(StoragePrefetcherActor):
+    """Reads all but the last page of each step and still counts the whole step complete."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self._backend = _ShortReads(self._backend)
+
+
+class _ShortReads:
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.name = getattr(inner, "name", "none")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def read(self, keys: Any, host: Any, slots: Any) -> Any:
+        page = len(slots) // max(1, len(keys))
+        io = self._inner.read(keys[:-1], host, slots[: len(slots) - page])
+        return type(io)(pages=io.pages + 1 if io.pages == len(keys) - 1 else io.pages, written=io.written,
+                        bytes=io.bytes, error=io.error)
+
+
+# -- 11. an aborted request whose prefetch is never released -------------------------------------
+
+
+class _LeakAbortedCore(TreeCore):
+    def _settle(self, pf: _Prefetch, pages: int) -> int:
+        if pf.reason is PrefetchEnd.ABORTED:
+            return 0  # forgets the prefetch: its slots and the anchor's pin are never given back
+        return super()._settle(pf, pages)
+
+
+class _LeakAbortedPrefetch(TreeActor):
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.core.__class__ = _LeakAbortedCore
+
+
 MUTANTS: tuple[Mutant, ...] = (
     Mutant("write-acks-on-admission", "seed 003: write acks handled only when a batch is admitted",
            {ActorName.TREE: _AcksOnAdmission}),
@@ -179,6 +275,16 @@ MUTANTS: tuple[Mutant, ...] = (
            {ActorName.WRITE: _ShortWrites}),
     Mutant("backup-under-unbacked-parent", "a node backed up under a parent that is not backed up",
            {ActorName.TREE: _UnclosedBackup}),
+    Mutant("prefetcher-frees-slots", "seed 000: the prefetcher frees the host slots past the storage hit itself",
+           {ActorName.PREFETCH: _PrefetcherFrees}, "storage"),
+    Mutant("prefetch-gives-up", "seed 002: a prefetch gives up instead of shrinking to the free host space",
+           {ActorName.TREE: _PrefetchGivesUp}, "storage"),
+    Mutant("anchor-evictable", "a prefetch anchored on a device-only node that eviction can delete",
+           {ActorName.TREE: _EvictableAnchor}, "storage"),
+    Mutant("page-complete-before-bytes", "a storage page reported complete before its bytes are in host memory",
+           {ActorName.PREFETCH: _EarlyComplete}, "storage"),
+    Mutant("aborted-prefetch-leaks", "an aborted request's prefetch is never released",
+           {ActorName.TREE: _LeakAbortedPrefetch}, "storage"),
 )
 """Every mutant, in a stable order."""
 

@@ -67,6 +67,9 @@ class SchedulerConfig:
     (cached prefixes counted as if private: conservative, so decode rarely runs out)."""
     prefetch_window: int = 64
     """Queued requests, from the head, that may have a storage prefetch started."""
+    tick_s: float = 0.0
+    """Virtual seconds one tick's forward pass takes on the deterministic runtime (its timers,
+    such as delayed storage reads and prefetch timeouts, move with it); real time flows on threads."""
 
     def __post_init__(self) -> None:
         for name in ("max_running", "prefill_tokens_per_tick", "chunk_tokens"):
@@ -76,6 +79,8 @@ class SchedulerConfig:
             raise ValueError(f"SchedulerConfig.lookahead_slots must be >= 0, got {self.lookahead_slots}")
         if not 0.0 < self.device_budget_ratio:
             raise ValueError(f"SchedulerConfig.device_budget_ratio must be > 0, got {self.device_budget_ratio}")
+        if self.tick_s < 0:
+            raise ValueError(f"SchedulerConfig.tick_s must be >= 0, got {self.tick_s}")
         if not 0.0 <= self.abort_rate <= 1.0:
             raise ValueError(f"SchedulerConfig.abort_rate must be in [0, 1], got {self.abort_rate}")
 
@@ -204,15 +209,23 @@ class ReferenceScheduler:
         waiter = self._admit()
         steps = self._plan()
         if steps:
+            loaded = True
             try:
                 self.model.forward(steps, waiter, self.config.verify)
             except LoadFailedError:
+                loaded = False
+            if waiter is not None:  # a load may fail on one rank only: then every rank retracts
+                loaded = bool(self.hc.group.all_min([int(loaded)])[0])
+            if not loaded:
                 self._retract_after_failed_load(steps)
                 return
             self.hc.commit({st.run.spec.request_id: st.run.seq[st.start : st.start + st.count] for st in steps})
             for st in steps:
                 st.run.computed += st.count
         self._advance(steps)
+        advance = getattr(self.hc.system.runtime, "advance", None)
+        if advance is not None and self.config.tick_s:
+            advance(self.config.tick_s)
 
     # -- storage prefetch --------------------------------------------------------------------
 
@@ -223,9 +236,10 @@ class ReferenceScheduler:
         if new:
             self._prefetch_tried.update(r.request_id for r in new)
             self.hc.prefetch([Request(r.request_id, r.prompt[:-1], r.namespace) for r in new])
+        # Only the requests admission would take next are asked: the rest keep prefetching.
         prefetching = set(self.hc.prefetching)
-        got = self.hc.ready([(w if isinstance(w, ServeRequest) else w.spec).request_id for w in window
-                             if (w if isinstance(w, ServeRequest) else w.spec).request_id in prefetching])
+        room = max(0, self.config.max_running - len(self.running))
+        got = self.hc.ready([rid for rid in (_spec(w).request_id for w in window[:room]) if rid in prefetching])
         for rid, tokens in got.items():
             self.outcomes[rid].storage_hit += tokens
         if self.config.abort_rate:
@@ -373,6 +387,10 @@ class ReferenceScheduler:
         self.load_failures += 1
         for run in sorted((st.run for st in steps), key=lambda r: r.admitted_at, reverse=True):
             self._retract(run)
+
+
+def _spec(item: ServeRequest | _Running) -> ServeRequest:
+    return item if isinstance(item, ServeRequest) else item.spec
 
 
 def _output_token(request_id: str, index: int) -> int:

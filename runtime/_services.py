@@ -193,6 +193,8 @@ class Services:
     """`(delay_s, receiver, ref, mail)`: deliver `mail` to `ref` after `delay_s` (virtual or real)."""
     log: Any = None
     """The `DeliveryLog` every delivery is written to, or None."""
+    stopping: bool = False
+    """The system is stopping: mail to an actor that already stopped is dropped, not an error."""
 
     def rng(self, name: str) -> random.Random:
         """A random source seeded by the runtime seed and `name` (stable across runs)."""

@@ -268,11 +268,13 @@ class System:
     def stop(self) -> None:
         if not self._started:
             return
+        self.services.stopping = True
         for name in self.directory.names():
             ref = self.directory.ref(name)
             if ref.is_alive():
                 ref.stop(block=True, timeout=DEFAULT_ASK_TIMEOUT_S)
         self.runtime.shutdown()
+        self.services.stopping = False
         if self.services.log is not None:
             self.services.log.close()
             self.services.log = None
@@ -330,15 +332,30 @@ class System:
                 raise RuntimeError(f"waiting for {wanted} of op {op_id}, the facade got {message!r} from {sender.value}")
             return message
 
+    def poll_reply(self, op_id: int, *types: type[Message], wait_s: float = 0.0005) -> Any:
+        """The reply with `op_id` if it has arrived, else None: on threads after waiting up to
+        `wait_s`; on the deterministic runtime after delivering everything runnable."""
+        inbox = self.probes[ActorName.FACADE]._inbox
+        run_until_idle = getattr(self.runtime, "run_until_idle", None)
+        if run_until_idle is not None:
+            run_until_idle()
+        elif not inbox.qsize():
+            time.sleep(wait_s)
+        self.raise_if_failed()
+        return self.await_reply(op_id, *types) if inbox.qsize() else None
+
     def quiesce(self, timeout_s: float = DEFAULT_ASK_TIMEOUT_S) -> None:
-        """Return once the tree has no write-through or load-back in flight (every ack handled)."""
+        """Return once the tree has no write-through, load-back or backup to storage in flight (every
+        ack handled; with several ranks: every ack arrived, to be applied by the next agreement)."""
         run_until_idle = getattr(self.runtime, "run_until_idle", None)
         deadline = time.monotonic() + timeout_s
         while True:
             if run_until_idle is not None:
                 run_until_idle()  # deterministic: deliver everything, then look
             stats = self.ask(ActorName.TREE, GetStatistics())
-            if not (stats.writes_in_flight or stats.loads_in_flight):
+            # With several ranks, local outcomes wait for agreement (HiCache.sync): only their arrival counts here.
+            busy = stats.facts_unknown if self.config.tp_size > 1 else stats.facts_pending
+            if not (busy or (self.config.tp_size == 1 and (stats.writes_in_flight or stats.loads_in_flight))):
                 return
             if run_until_idle is not None:
                 raise RuntimeError(

@@ -21,6 +21,14 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--log", type=Path, default=None, metavar="PATH",
                       help="write every delivery of the L1 + L2 run to PATH (hicache replay reads it)")
     demo.add_argument("--kv-bytes-per-token", type=int, default=None, help="TTFT model: KV bytes per token")
+    demo.add_argument("--l3-gbps", type=float, default=None, help="TTFT model: storage -> host GB/s")
+    demo.add_argument("--storage", choices=("file", "mooncake", "none"), default="file",
+                      help="L3 backend: file (a temporary directory, the default), mooncake (a master you "
+                           "started; see docs/operations.md) or none (L1 + L2 only)")
+    demo.add_argument("--mooncake-master", default=None, metavar="HOST:PORT",
+                      help="with --storage mooncake: the master's RPC address (default 127.0.0.1:50051)")
+    demo.add_argument("--mooncake-metadata", default=None, metavar="URL",
+                      help="with --storage mooncake: the HTTP metadata server (default http://127.0.0.1:8080/metadata)")
 
     ex = sub.add_parser("explore", help="explore schedules deterministically; find and replay failures")
     ex.add_argument("--scenario", default="standard", help="scenario to run (default: standard)")
@@ -63,6 +71,9 @@ def _parser() -> argparse.ArgumentParser:
     rb.add_argument("--json", action="store_true",
                     help="print one JSON object (deliveries, replay_s, deliveries_per_s, read_s, ...)")
     rb.add_argument("--quick", action="store_true", help="a small, fast run (for smoke tests)")
+    st = bsub.add_parser("storage", help="reading pages from each storage backend into host memory vs a raw read")
+    st.add_argument("--json", action="store_true", help="print one JSON object with `results`")
+    st.add_argument("--mib", type=int, default=256, help="MiB of pages written and read per backend (default 256)")
     return p
 
 
@@ -72,10 +83,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "demo":
         from ._demo import CostModel, run_demo
 
-        given = {"prefill_tokens_per_s": args.prefill_tps, "l2_gbps": args.l2_gbps,
+        given = {"prefill_tokens_per_s": args.prefill_tps, "l2_gbps": args.l2_gbps, "l3_gbps": args.l3_gbps,
                  "kv_bytes_per_token": args.kv_bytes_per_token}
         cost = CostModel(**{k: v for k, v in given.items() if v is not None})
-        return run_demo(requests=args.requests, as_json=args.json, cost=cost, log_path=args.log)
+        return run_demo(requests=args.requests, as_json=args.json, cost=cost, log_path=args.log,
+                        storage=args.storage, mooncake_master=args.mooncake_master,
+                        mooncake_metadata=args.mooncake_metadata)
     if args.command == "replay":
         from ._replay_cli import run_replay
 
@@ -110,6 +123,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ._bench_replay import run_bench_replay
 
         return run_bench_replay(as_json=args.json, quick=args.quick)
+    if args.command == "bench" and args.bench == "storage":
+        from ._bench_storage import run_bench_storage
+
+        return run_bench_storage(as_json=args.json, mib=args.mib)
     raise AssertionError(f"unhandled command {args}")  # argparse rejects unknown commands
 
 

@@ -1,7 +1,7 @@
 """docs/messages.md documents exactly the registered messages and wire enums.
 
 The page has one `## Area` section per messages module (common, device, host,
-transfer, tree) and one `### Name` entry per message (`### Name (enum)` per enum), with
+transfer, tree, storage) and one `### Name` entry per message (`### Name (enum)` per enum), with
 bullet lines `- **Code:** N`, `- **Fields:** ...` (or `- **Members:** ...` for an
 enum) and `- **Reply:** ...`. These tests parse that format.
 """
@@ -22,7 +22,7 @@ import hicache.runtime
 from hicache.messages import ENUM_TYPES, MESSAGE_TYPES, field_names
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "messages.md"
-AREAS = ("common", "device", "host", "transfer", "tree")
+AREAS = ("common", "device", "host", "transfer", "tree", "storage")
 KINDS = {"command", "reply", "event", "record", "self-note", "enum"}
 
 _HEADING = re.compile(r"^### (?P<name>\w+)(?P<enum> \(enum\))?\s*$")
