@@ -1,13 +1,15 @@
 # make demo: the main job on an embedded default.   make test: the whole suite.
 # Both create (or reuse) .venv, install torch==2.13.0 first (the local CPU wheel),
-# then the project with its test extras.
+# then the project with its test extras, and the Debian libraries that Mooncake's
+# `mooncake_master` (run by the storage tests) needs, when they are missing.
 
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+DEBS   := libibverbs1 ibverbs-providers libnl-3-200 libnl-route-3-200
 
-.PHONY: demo test install clean
+.PHONY: demo test install debs clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -16,12 +18,21 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
-install: $(STAMP)
+# Only the missing ones, so a machine that has them needs neither apt nor root.
+debs:
+	@command -v dpkg >/dev/null || { echo "no dpkg: install $(DEBS) or their equivalents by hand"; exit 0; }; \
+	missing=$$(for p in $(DEBS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+		echo "installing Debian packages for mooncake_master:" $$missing; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+	fi
 
-demo: $(STAMP)
+install: $(STAMP) debs
+
+demo: $(STAMP) debs
 	$(BIN)/hicache demo
 
-test: $(STAMP)
+test: $(STAMP) debs
 	$(BIN)/python -m pytest -q
 
 clean:

@@ -24,6 +24,10 @@ COMMAND_MODULES = ("_demo", "_bench_", "_explore_cli", "_replay_cli")
 INTERNAL = {
     "hicache.actors._transfer_core.batch_indices": "stream actors' helper over a TransferQueue batch",
     "hicache.actors._transfer_core.op_problem": "stream actors' check of a WriteKV/LoadKV before queueing",
+    "hicache.actors._storage.Staging": "the staging buffer both storage backends verify pages in",
+    "hicache.actors._storage.check_keys": "both storage backends' key check (page_keys makes valid keys)",
+    "hicache.actors._storage.page_starts": "both storage backends' check of the host slots of a read or write",
+    "hicache.runtime._mooncake_master.master_binary": "MooncakeMaster's lookup of the mooncake_master executable",
     "hicache.runtime._services.Clock": "protocol of Services.clock; users get a clock from a runtime",
     "hicache.runtime._services.MonotonicClock": "the threaded runtime's clock",
     "hicache.runtime._services.Failures": "the runtime's record of failed actors; System raises from it",
