@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from hicache.messages import decode
-from hicache.runtime import MUTANTS
+from hicache.runtime import MUTANTS, mutant
 from hicache.runtime.cli import main
 from hicache.runtime.explore import explore, hunt_mutants, replay, run_schedule, write_failure
 
@@ -38,12 +38,24 @@ def test_every_mutant_is_caught_within_fifty_pct_schedules() -> None:
     ("double-unlock-on-retract", "would become -1 .*a lock released twice"),
     ("short-write-marked-done", "FingerprintMismatchError"),
     ("backup-under-unbacked-parent", "written under a parent that is not backed up"),
+    ("prefetcher-frees-slots", "freeing host slots is accepted only from the tree actor, got it from prefetch"),
+    ("prefetch-gives-up", "seed 002: shrink to the page-aligned free space"),
+    ("anchor-evictable", "anchored on .* which must be alive, backed up and host-pinned"),
+    ("page-complete-before-bytes", "FingerprintMismatchError"),
+    ("aborted-prefetch-leaks", "host mirror says .* reserved by prefetches differs"),
 ])
 def test_each_mutant_fails_with_the_symptom_of_its_bug(name: str, symptom: str) -> None:
     import re
 
-    found = next(r for r in (run_schedule("standard", s, "pct", 3, name) for s in range(50)) if r.failed)
+    scenario = mutant(name).scenario
+    found = next(r for r in (run_schedule(scenario, s, "pct", 3, name) for s in range(50)) if r.failed)
     assert re.search(symptom, found.error or ""), found.error
+
+
+def test_the_unmutated_storage_scenario_passes_thirty_seeds_on_every_policy() -> None:
+    """Seeds rotate the prefetch policy (seed % 3) and the write policy (seed // 3 % 3)."""
+    report = explore("storage", strategy="pct", seeds=range(30))
+    assert report.failures == [], report.failures[0].error
 
 
 def test_a_failure_found_by_pct_replays_exactly_from_its_trace(tmp_path: Path) -> None:
