@@ -721,9 +721,9 @@ class TreeCore:
             end = PrefetchEnd.MISS
         elif pf.hit > 0 and pages == pf.hit:
             end = PrefetchEnd.COMPLETE
-        elif self.config.prefetch_policy is PrefetchPolicy.TIMEOUT and not pf.local_finished:
+        elif self.config.prefetch_policy is PrefetchPolicy.TIMEOUT:
             end = PrefetchEnd.TIMEOUT
-        elif self.config.prefetch_policy is not PrefetchPolicy.BEST_EFFORT:  # finished short: a read failed
+        elif self.config.prefetch_policy is PrefetchPolicy.WAIT_COMPLETE:
             end = PrefetchEnd.FAILED
         else:
             end = PrefetchEnd.BEST_EFFORT

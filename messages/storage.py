@@ -36,7 +36,8 @@ class PrefetchEnd(enum.Enum):
     BEST_EFFORT = "best_effort"
     """The request ran with what had arrived (`best_effort` policy)."""
     TIMEOUT = "timeout"
-    """Its timeout expired before it completed (`timeout` policy)."""
+    """It ended short under the `timeout` policy: its timeout expired, or a read failed first
+    (which rank's read failed is not agreed, so the two are not told apart)."""
     ABORTED = "aborted"
     """The request was aborted while its prefetch was in flight."""
     RETRACTED = "retracted"

@@ -10,17 +10,37 @@ from hicache.runtime.cli import main
 def test_demo_serves_a_trace_prefix_through_l1_and_l2_and_reports_every_figure(capsys) -> None:
     assert main(["demo", "--requests", "12", "--json"]) == 0
     f = json.loads(capsys.readouterr().out)
-    for key in ("requests", "input_tokens", "hit_tokens_l1", "hit_tokens_l2", "recomputed_tokens", "hit_rate",
+    for key in ("requests", "input_tokens", "hit_tokens_l1", "hit_tokens_l2", "hit_tokens_l3", "recomputed_tokens", "hit_rate",
+                "hit_rate_l1_l2", "storage_read_bytes", "storage_written_bytes",
                 "hit_rate_l1_only", "hit_rate_infinite", "ttft_p50_s", "ttft_p99_s"):
         assert key in f, key
     assert f["requests"] + f["skipped_longer_than_half_device"] == 12
     assert f["input_tokens"] > 0 and f["verified_tokens"] > 0
     # every request of the trace starts with the same 512-token block: later ones hit it
     assert f["hit_tokens_l1"] >= 512 * (f["requests"] - 8)
-    assert f["hit_rate"] == pytest.approx((f["hit_tokens_l1"] + f["hit_tokens_l2"]) / f["input_tokens"], abs=1e-4)
-    assert f["hit_rate_l1_only"] <= f["hit_rate_infinite"] and f["hit_rate"] <= f["hit_rate_infinite"]
+    hits = f["hit_tokens_l1"] + f["hit_tokens_l2"] + f["hit_tokens_l3"]
+    assert f["hit_rate"] == pytest.approx(hits / f["input_tokens"], abs=1e-4)
+    assert f["storage"] == "file" and f["storage_written_bytes"] > 0  # write-throughs backed up to L3
+    assert max(f["hit_rate_l1_only"], f["hit_rate_l1_l2"], f["hit_rate"]) <= f["hit_rate_infinite"]
     assert 0 < f["ttft_p50_s"] <= f["ttft_p99_s"]
     assert f["d2h_bytes"] > 0
+
+
+def test_demo_hits_storage_once_the_host_tier_has_evicted_what_later_requests_reuse(capsys) -> None:
+    """Past the first hundred requests the trace reuses prefixes that L2 (twice L1) no longer
+    holds: with the file L3 they come back from storage, and the hit rate beats L1 + L2."""
+    assert main(["demo", "--requests", "150", "--json"]) == 0
+    f = json.loads(capsys.readouterr().out)
+    assert f["hit_tokens_l3"] > 0 and f["storage_read_bytes"] > 0
+    assert f["hit_rate"] > f["hit_rate_l1_l2"]
+    assert f["verified_tokens"] > 0
+
+
+def test_demo_without_storage_serves_l1_and_l2_only(capsys) -> None:
+    assert main(["demo", "--requests", "6", "--json", "--storage", "none"]) == 0
+    f = json.loads(capsys.readouterr().out)
+    assert f["storage"] == "none" and f["hit_tokens_l3"] == 0 and f["storage_written_bytes"] == 0
+    assert f["hit_rate"] == f["hit_rate_l1_l2"]
 
 
 def test_demo_rejects_a_non_positive_request_count() -> None:
