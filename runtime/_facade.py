@@ -234,7 +234,7 @@ class HiCache:
             AdmitItem(request_id=r.request_id, namespace=r.namespace, tokens=Tokens.from_tensor(_tokens(r.tokens)))
             for r in reqs
         )
-        reply = self._call(ActorName.TREE, AdmitRequests, Admitted, agreed=True, items=items)
+        reply = self._call(ActorName.TREE, AdmitRequests, Admitted, items=items)
         out = []
         for r, adm in zip(reqs, reply.admissions, strict=True):
             handle = CacheHandle(r.request_id, adm.handle)
@@ -337,7 +337,7 @@ class HiCache:
                 raise RequestError(f"request {rid!r}: cannot allocate {n!r} slots")
         reply = self._allocate(demands)
         if isinstance(reply, SlotsInsufficient):
-            self._call(ActorName.TREE, EvictDevice, Evicted, agreed=True, tokens=reply.shortfall_slots)
+            self._call(ActorName.TREE, EvictDevice, Evicted, tokens=reply.shortfall_slots)
             reply = self._allocate(demands)
         if isinstance(reply, SlotsInsufficient):
             return Insufficient(reply.requested_slots, reply.free_slots, reply.shortfall_slots)
@@ -475,7 +475,7 @@ class HiCache:
 
     def evict_device(self, tokens: int) -> int:
         """Free at least `tokens` device slots held by the cache if it can; returns how many."""
-        return self._call(ActorName.TREE, EvictDevice, Evicted, agreed=True, tokens=tokens).device_tokens
+        return self._call(ActorName.TREE, EvictDevice, Evicted, tokens=tokens).device_tokens
 
     def evict_host(self, tokens: int) -> int:
         return self._call(ActorName.TREE, EvictHost, Evicted, tokens=tokens).host_tokens
@@ -499,22 +499,14 @@ class HiCache:
 
     # -- helpers -------------------------------------------------------------------------------
 
-    def _call(self, to: ActorName, verb: type[Message], reply: type[Message], *, agreed: bool = False,
-              **fields: Any) -> Any:
-        """Tell and wait for the reply. `agreed`: the reply may wait for outcomes only an agreement
-        applies (an eviction's write-backs under write_back): with several ranks, each round the
-        ranks agree whether every one has its reply, and sync while not, so all run the same rounds."""
+    def _call(self, to: ActorName, verb: type[Message], reply: type[Message], **fields: Any) -> Any:
+        """Tell and wait for the reply. No reply waits for an agreement: with several ranks the
+        tree answers an eviction (or an admission that evicted) without waiting for its
+        write-backs, whose slots go when their agreed acks apply. A `sync` run while a reply is
+        still on its way would read that reply as stray mail."""
         op = self._ops.next("facade-op")
         self.system.tell(to, verb(op_id=op, **fields))
-        if not agreed or self.group.size == 1:
-            return self.system.await_reply(op, reply)
-        got = None
-        while True:
-            if got is None:
-                got = self.system.poll_reply(op, reply)
-            if self.group.all_min([got is not None])[0]:
-                return got
-            self.sync()
+        return self.system.await_reply(op, reply)
 
     def _req(self, rid: str) -> _Live:
         live = self._live.get(rid)

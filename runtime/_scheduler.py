@@ -208,17 +208,20 @@ class ReferenceScheduler:
         self._prefetch()
         waiter = self._admit()
         steps = self._plan()
-        if steps:
-            loaded = True
-            try:
+        loaded = True
+        try:
+            if steps:
                 self.model.forward(steps, waiter, self.config.verify)
-            except LoadFailedError:
-                loaded = False
-            if waiter is not None:  # a load may fail on one rank only: then every rank retracts
-                loaded = bool(self.hc.group.all_min([int(loaded)])[0])
-            if not loaded:
-                self._retract_after_failed_load(steps)
-                return
+            elif waiter is not None:  # nothing computes this tick, but the loads' outcome must be known
+                waiter.wait_all()
+        except LoadFailedError:
+            loaded = False
+        if waiter is not None:  # a load may fail on one rank only: then every rank retracts
+            loaded = bool(self.hc.group.all_min([int(loaded)])[0])
+        if not loaded:
+            self._retract_after_failed_load(steps)
+            return
+        if steps:
             self.hc.commit({st.run.spec.request_id: st.run.seq[st.start : st.start + st.count] for st in steps})
             for st in steps:
                 st.run.computed += st.count
@@ -383,9 +386,14 @@ class ReferenceScheduler:
 
     def _retract_after_failed_load(self, steps: list[_Step]) -> None:
         """A load-back failed, so this tick's forward pass did not run: every request of
-        it is retracted (its allocations go back) and recomputes from what is cached."""
+        it is retracted (its allocations go back) and recomputes from what is cached. So is
+        every request admitted this tick without a step (the prefill budget ran out): its
+        cached prefix may be in the failed batch, and the tree drops it when the failure applies."""
         self.load_failures += 1
-        for run in sorted((st.run for st in steps), key=lambda r: r.admitted_at, reverse=True):
+        doomed = [st.run for st in steps]
+        stepped = {id(r) for r in doomed}
+        doomed += [r for r in self.running.values() if r.admitted_at == self.ticks and id(r) not in stepped]
+        for run in sorted(doomed, key=lambda r: r.admitted_at, reverse=True):
             self._retract(run)
 
 

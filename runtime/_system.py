@@ -332,18 +332,6 @@ class System:
                 raise RuntimeError(f"waiting for {wanted} of op {op_id}, the facade got {message!r} from {sender.value}")
             return message
 
-    def poll_reply(self, op_id: int, *types: type[Message], wait_s: float = 0.0005) -> Any:
-        """The reply with `op_id` if it has arrived, else None: on threads after waiting up to
-        `wait_s`; on the deterministic runtime after delivering everything runnable."""
-        inbox = self.probes[ActorName.FACADE]._inbox
-        run_until_idle = getattr(self.runtime, "run_until_idle", None)
-        if run_until_idle is not None:
-            run_until_idle()
-        elif not inbox.qsize():
-            time.sleep(wait_s)
-        self.raise_if_failed()
-        return self.await_reply(op_id, *types) if inbox.qsize() else None
-
     def quiesce(self, timeout_s: float = DEFAULT_ASK_TIMEOUT_S) -> None:
         """Return once the tree has no write-through, load-back or backup to storage in flight (every
         ack handled; with several ranks: every ack arrived, to be applied by the next agreement)."""

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from hicache.messages import HostSlotState
-from hicache.runtime import HiCache, WritePolicy
+from hicache.runtime import HiCache, SeededFaults, WritePolicy
 from hicache.runtime._scheduler import ReferenceScheduler, SchedulerConfig
 from hicache.runtime.explore import synthetic_workload
 
@@ -84,3 +84,21 @@ def test_the_same_seed_serves_the_same_way_on_the_deterministic_runtime() -> Non
     assert a["stats"] == b["stats"]
     assert [(o.device_hit, o.host_hit, o.retractions, o.aborted) for o in a["outcomes"]] == \
         [(o.device_hit, o.host_hit, o.retractions, o.aborted) for o in b["outcomes"]]
+
+
+@pytest.mark.parametrize("seed", [0, 3, 9])
+def test_a_failed_load_retracts_the_requests_admitted_with_it_that_had_no_step(seed: int) -> None:
+    """A request admitted with a load-back but left without a step (the tick's prefill budget
+    went to older requests) holds a prefix from the batch too: when the batch fails it is
+    retracted with the others, or it would later read slots the failed load never filled.
+    These seeds hit that case (a load fails while such a request waits for budget)."""
+    cfg = small_config(page_size=4, device_pages=24, host_pages=64, load_back_min_tokens=4)
+    runtime = make_runtime("deterministic", seed=seed,
+                           faults=SeededFaults(seed, transfer_fail_rate=0.3, host_exhausted_rate=0.0))
+    with HiCache(cfg, runtime=runtime) as hc:
+        sched = ReferenceScheduler(hc, SchedulerConfig(max_running=4, prefill_tokens_per_tick=16, chunk_tokens=8,
+                                                       seed=seed, device_budget_ratio=2.0))
+        sched.submit(synthetic_workload(seed, 24, cfg.page_size, blocks=6, blocks_per_prompt=4, tail_pages=2))
+        sched.run(on_tick=lambda s: hc.check_invariants())  # the oracle checks every cached prefix read
+        assert sched.load_failures > 0
+        assert all(o.finished for o in sched.outcomes.values())

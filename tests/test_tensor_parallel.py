@@ -1,0 +1,178 @@
+"""Tensor parallel: ranks with different physical luck keep identical trees.
+
+Two ranks run as two processes on one machine, joined by a gloo group over
+127.0.0.1. Each has its own hicache with its own injected storage latency, storage
+failures, transfer failures and host exhaustion, and both serve the same workload
+under the reference scheduler (tests/_tp_worker.py). Every rank-local outcome goes
+through the ranks' agreement, so after every tick the tree digests, host use, free
+device slots and queues are equal. Nothing may hang: every rank has a deadline, and
+the parent kills both and fails with their output if they exceed it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hicache.actors import InvariantError
+from hicache.actors._facts import KINDS, Facts
+from hicache.messages import PrefetchEnd
+from hicache.runtime import PrefetchPolicy, WritePolicy
+from hicache.runtime._group import SingleGroup
+
+WORKER = Path(__file__).with_name("_tp_worker.py")
+RANKS = 2
+PARENT_DEADLINE_S = 90.0
+"""Both ranks must have exited by then (each stops itself earlier; this is the backstop)."""
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _run_ranks(mode: str, tmp_path: Path) -> list[dict[str, Any]]:
+    """Start every rank, wait for all within the deadline (killing them past it), and
+    return their results; fail with every rank's output if one failed or hung."""
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    storage = tmp_path / "storage"
+    env = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    procs = []
+    for rank in range(RANKS):
+        log = (tmp_path / f"rank{rank}.log").open("w")
+        cmd = [sys.executable, str(WORKER), mode, str(rank), str(RANKS), init, str(storage),
+               str(tmp_path / f"rank{rank}.json")]
+        procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log))
+    deadline = time.monotonic() + PARENT_DEADLINE_S
+    hung = []
+    for rank, (p, _) in enumerate(procs):
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            hung.append(rank)
+    for p, log in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        log.close()
+    output = "\n".join(f"--- rank {r} (exit {p.returncode}) ---\n{(tmp_path / f'rank{r}.log').read_text()[-6000:]}"
+                       for r, (p, _) in enumerate(procs))
+    results = []
+    for rank in range(RANKS):
+        path = tmp_path / f"rank{rank}.json"
+        results.append(json.loads(path.read_text()) if path.exists() else {"rank": rank, "error": "no result"})
+    if hung:
+        pytest.fail(f"rank(s) {hung} still running after {PARENT_DEADLINE_S}s (killed)\n{results}\n{output}")
+    for r in results:
+        if "diverged" in r:
+            pytest.fail(f"rank {r['rank']}: ranks diverged at {r['diverged']}:\n" + "\n".join(r["views"]))
+        if "error" in r:
+            pytest.fail(f"rank {r['rank']} failed:\n{r['error']}\n{output}")
+    if any(p.returncode for p, _ in procs):
+        pytest.fail(f"a rank exited with an error\n{output}")
+    return results
+
+
+@pytest.mark.timeout(PARENT_DEADLINE_S + 30)
+@pytest.mark.parametrize(("write", "prefetch"), [(WritePolicy.WRITE_THROUGH, PrefetchPolicy.WAIT_COMPLETE),
+                                                 (WritePolicy.WRITE_BACK, PrefetchPolicy.TIMEOUT)])
+def test_ranks_with_different_faults_keep_identical_trees_after_every_tick(
+    tmp_path: Path, write: WritePolicy, prefetch: PrefetchPolicy
+) -> None:
+    r0, r1 = _run_ranks(f"serve:{write.name}:{prefetch.name}", tmp_path)
+    for r in (r0, r1):
+        assert r["ended"] and r["finished"] + r["aborted"] == r["requests"] == 48, r
+        assert r["finished"] > 0, r
+        assert r["digest_checks"] == sum(r["ticks"]) + 3, r
+        # the workload exercised what it is meant to
+        assert r["prefetches_started"] > 0, r
+        assert r["storage_hit_tokens"] > 0 and r["pages_read"] > 0, r
+        assert r["pages_written"] > 0, r
+        assert r["faults_injected"] > 0, r
+        # at the end: nothing held, nothing in flight, every outcome agreed and applied
+        assert r["live_handles"] == 0 and r["facts_pending"] == 0 and r["prefetches_in_flight"] == 0, r
+        assert r["writes_in_flight"] == 0 and r["loads_in_flight"] == 0, r
+    # what the ranks agreed on is the same; what they saw locally may differ
+    for key in ("ticks", "prefetches_started", "prefetch_ends", "storage_hit_tokens", "scheduler_storage_hit",
+                "backups_failed", "load_failures", "host_hit_tokens", "device_hit_tokens", "finished", "aborted"):
+        assert r0[key] == r1[key], (key, r0[key], r1[key])
+    complete = list(PrefetchEnd).index(PrefetchEnd.COMPLETE)
+    assert r0["prefetch_ends"][complete] > 0, r0
+
+
+@pytest.mark.timeout(PARENT_DEADLINE_S + 30)
+def test_a_rank_passing_a_different_number_of_values_raises_on_every_rank(tmp_path: Path) -> None:
+    results = _run_ranks("diverge", tmp_path)
+    for r in results:
+        assert r["raised"] is not None and "diverged" in r["raised"], r
+        assert r["after"] == [10], r  # no rank hung, and the group is still in step
+
+
+# -- Facts: the per-kind ledger of rank-local outcomes -----------------------------------
+
+
+def test_facts_are_known_in_issue_order_and_taken_with_agreed_values() -> None:
+    f = Facts()
+    for op in (1, 2, 3):
+        f.expect("write", op)
+    f.expect("hit", 9)
+    assert f.known() == (0,) * len(KINDS) and f.pending() == 4
+    f.record("write", 2, 1)  # out of order: not known until op 1 is
+    f.record("hit", 9, 5)
+    known = f.known()
+    assert known == tuple(1 if k == "hit" else 0 for k in KINDS)
+    f.record("write", 1, 0)
+    known = f.known()
+    assert known[KINDS.index("write")] == 2 and known[KINDS.index("hit")] == 1
+    assert f.values(known) == (0, 1, 5)  # kinds in KINDS order, ops in issue order
+    agreed = list(SingleGroup().all_min(f.values(known)))
+    agreed[-1] = 3  # another rank saw fewer hits: the agreed value is what is applied
+    taken = f.take(known, tuple(agreed))
+    assert taken == [("write", 1, 0), ("write", 2, 1), ("hit", 9, 3)]
+    assert f.pending() == 1 and f.known() == (0,) * len(KINDS)
+    f.record("write", 3, 1)
+    assert f.take(f.known(), (1,)) == [("write", 3, 1)] and f.pending() == 0
+
+
+def test_facts_take_fewer_than_known_when_another_rank_knows_less() -> None:
+    f = Facts()
+    f.expect("load", 4)
+    f.expect("load", 5)
+    f.record("load", 4, 1)
+    f.record("load", 5, 1)
+    counts = tuple(1 if k == "load" else 0 for k in KINDS)  # the agreed (MIN) count
+    assert f.take(counts, (0,)) == [("load", 4, 0)]
+    assert f.known() == counts and f.values(counts) == (1,)
+
+
+def test_facts_refuse_a_double_record_an_unissued_op_and_a_negative_value() -> None:
+    f = Facts()
+    f.expect("backup", 1)
+    f.record("backup", 1, 2)
+    with pytest.raises(InvariantError, match="twice"):
+        f.record("backup", 1, 2)
+    with pytest.raises(InvariantError, match="never issued"):
+        f.record("backup", 2, 1)
+    f.expect("backup", 3)
+    with pytest.raises(InvariantError, match=">= 0"):
+        f.record("backup", 3, -1)
+
+
+def test_facts_refuse_an_agreement_that_does_not_fit() -> None:
+    f = Facts()
+    f.expect("write", 1)
+    f.record("write", 1, 1)
+    with pytest.raises(InvariantError, match="do not fit"):
+        f.take(f.known(), ())  # fewer values than counts
+    too_many = tuple(2 if k == "write" else 0 for k in KINDS)
+    with pytest.raises(InvariantError, match="diverged"):
+        f.take(too_many, (1, 1))
