@@ -20,6 +20,15 @@ Flows (each a few messages; the facade gets one reply when all steps are done):
   unaligned tail, over-allocation) is freed by one `ReleaseRequests`.
 - eviction: device leaves in policy order (backed-up ones become HOST_ONLY,
   others are deleted, or written first under write_back); host-only leaves.
+- prefetch (storage -> host): reserve host slots (evict, else shrink to fit),
+  pin the anchor -> `AllocateHost` -> `Prefetch` -> agreed hit: free the
+  surplus, `ReadPrefetch` -> terminated by the facade (`StopPrefetch`) ->
+  agreed pages settled in one place: host-only nodes, everything else freed.
+- backup (host -> storage): after a write-through lands, `StorePages`, the node
+  host-pinned until `PagesStored` applies.
+
+Rank-local outcomes (write and load acks, storage hits, backups) are recorded in
+`Facts` and applied in issue order once agreed: at once with one rank.
 
 The file is long because these flows share the op tables and the host mirror;
 each method is one event.
