@@ -55,7 +55,7 @@ T = TypeVar("T")
 _CODES: Final = {
     -1: "internal error",
     -200: "no space left in the store's segments",
-    -600: "invalid parameters (an object larger than a page of this KV shape?)",
+    -600: "invalid parameters",
     -704: "object not found",
     -705: "object already exists",
     -706: "object has a lease",
@@ -169,32 +169,21 @@ class MooncakeBackend:
         self._store = store_class()
         self._calls = _BoundedCalls(config.storage_timeout_s, keep=(self._staging, self._store))
         self._closed = False
-        where = (
-            f"master {config.mooncake_master}, metadata server {config.mooncake_metadata}, "
-            f"local host {config.mooncake_local_host}, segment {config.mooncake_segment_mb} MiB"
-        )
         try:
             rc = self._calls.run(
                 "setup", self._store.setup, config.mooncake_local_host, config.mooncake_metadata,
                 config.mooncake_segment_mb << 20, 0, "tcp", "", config.mooncake_master,
             )
+            if rc == 0:
+                rc = self._calls.run("register_buffer", self._store.register_buffer,
+                                     self._staging.address, len(self._staging.buffer))
         except _CallFailed as e:
-            _ABANDONED.append(self._store)
+            _ABANDONED.append(self._store)  # still inside setup: never destroy it mid-run
             self._calls.stop()
-            raise StorageError(f"Mooncake client setup failed ({e}) with {where}: check that the master "
-                               "is a mooncake_master started with --enable_http_metadata_server=true") from None
+            raise StorageError(_setup_failed(config, str(e))) from None
         if rc != 0:
             self._calls.stop()
-            raise StorageError(
-                f"Mooncake client setup failed ({_describe(rc)}) with {where}: check that mooncake_local_host "
-                "is an address of this machine the other clients can reach, and that the segment fits in memory"
-            )
-        rc = self._calls.run("register_buffer", self._store.register_buffer,
-                             self._staging.address, len(self._staging.buffer))
-        if rc != 0:
-            self.close()
-            raise StorageError(f"Mooncake could not register the {len(self._staging.buffer)}-byte staging buffer "
-                               f"({_describe(rc)})")
+            raise StorageError(_setup_failed(config, _describe(rc)))
 
     @property
     def pending(self) -> str:
@@ -297,6 +286,11 @@ class MooncakeBackend:
             batch = list(keys[b : b + stage.pages])
             try:
                 found = self._calls.run("batch_is_exist", self._store.batch_is_exist, batch)
+                failed = next((f for f in found if f < 0), 0)
+                if failed:  # the master does not answer: a put now would only block the client
+                    log.error("storage call failed", backend=self.name, call="batch_is_exist", key=batch[0],
+                              error=_describe(failed))
+                    return result(b, f"page {batch[0]}: Mooncake exists check failed ({_describe(failed)})")
                 todo = [i for i, f in enumerate(found) if f != 1]
                 if not todo:
                     continue
@@ -350,6 +344,16 @@ def _client_env(config: Config) -> dict[str, str]:
         "MC_STORE_CLIENT_SETUP_RETRIES": str(SETUP_RETRIES),
         "MC_TCP_BIND_ADDRESS": config.mooncake_local_host,
     }
+
+
+def _setup_failed(config: Config, why: str) -> str:
+    return (
+        f"Mooncake client setup failed ({why}) with master {config.mooncake_master}, metadata server "
+        f"{config.mooncake_metadata}, local host {config.mooncake_local_host}, segment "
+        f"{config.mooncake_segment_mb} MiB: check that the master address is a mooncake_master's --rpc_port "
+        "(not its metadata or metrics port), that mooncake_local_host is an address of this machine the "
+        "other clients can reach, and that the segment fits in memory"
+    )
 
 
 def _store_class() -> Any:

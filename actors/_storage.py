@@ -9,10 +9,12 @@ corrupt or stored under another key is a miss: `read` stops there, logs it, drop
 bad page so the next backup can rewrite it, and never copies its bytes into the host
 buffer (a page is checked in a staging buffer first). Mooncake Store is in `_mooncake.py`.
 
-CRC-32 rather than a cryptographic digest: on this machine class `zlib.crc32` checks
-about 4.3 GB/s, `blake2b` 0.8 GB/s, `sha1`/`sha256` 1.8-1.9 GB/s, and the checksum only
-has to catch torn or flipped bytes, not an adversary (whoever can write the storage
-can write a valid checksum too).
+CRC-32 rather than a cryptographic digest: the checksum only has to catch torn or
+flipped bytes, not an adversary (whoever can write the storage can write a valid
+checksum too), and it is the fastest here. On this machine class (2 KVM cores, AVX-512)
+over 2-8 MiB buffers: `zlib.crc32` 4.3-5.3 GB/s, `blake2b` 0.8 GB/s, `sha1`/`sha256`
+1.8-1.9 GB/s, and zlib-ng's `crc32` (the `fast` extra; the same CRC-32, so the same
+stored bytes) 54 GB/s, which is used when installed.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ import itertools
 import os
 import re
 import struct
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,11 @@ from typing import Final, Protocol
 
 import structlog
 import torch
+
+try:
+    from zlib_ng.zlib_ng import crc32
+except ImportError:  # the `fast` extra is not installed: the same checksum, about 10x slower
+    from zlib import crc32
 
 from hicache.runtime.config import Config, StorageKind
 
@@ -146,7 +152,7 @@ class PageFormat:
         over the payload that follows it."""
         payload = page[self.header_bytes :]
         self.HEADER.pack_into(
-            page, 0, self.MAGIC, self.VERSION, len(key), len(payload), zlib.crc32(payload), key.encode()
+            page, 0, self.MAGIC, self.VERSION, len(key), len(payload), crc32(payload), key.encode()
         )
 
     def problem(self, key: str, page: memoryview) -> str:
@@ -165,7 +171,7 @@ class PageFormat:
             return f"payload of {payload_len} bytes; pages of this KV shape have {self.payload_bytes}"
         if len(page) != self.stored_bytes:
             return f"truncated: {len(page)} bytes, expected {self.stored_bytes}"
-        if zlib.crc32(page[self.header_bytes :]) != crc:
+        if crc32(page[self.header_bytes :]) != crc:
             return "checksum mismatch: the payload is corrupt"
         return ""
 
@@ -180,14 +186,14 @@ class Staging:
         self.buffer = bytearray(pages * fmt.stored_bytes)
         self.memory = memoryview(self.buffer)
         s = fmt.shape
-        rows = torch.frombuffer(self.buffer, dtype=torch.uint8).view(pages, fmt.stored_bytes)
-        flat = rows[:, fmt.header_bytes :].view(s.dtype)
+        self._rows = torch.frombuffer(self.buffer, dtype=torch.uint8).view(pages, fmt.stored_bytes)
+        flat = self._rows[:, fmt.header_bytes :].view(s.dtype)
         self._payloads = flat.view(pages, 2, s.layers, 1, s.page_size, s.heads, s.head_dim)
 
     @property
     def address(self) -> int:
         """Address of the first byte (for clients that copy by pointer)."""
-        return self._payloads.untyped_storage().data_ptr()
+        return self._rows.data_ptr()
 
     def page(self, i: int, nbytes: int | None = None) -> memoryview:
         """The bytes of stored page `i` (its first `nbytes` if given)."""
@@ -348,8 +354,12 @@ class FileBackend:
         path = self.path(key)
         tmp = path.with_name(f"{key}.{os.getpid()}.{next(_TEMP_IDS)}.tmp")
         try:
-            path.parent.mkdir(exist_ok=True)
-            with open(tmp, "wb", buffering=0) as f:
+            try:
+                f = open(tmp, "wb", buffering=0)
+            except FileNotFoundError:  # the first page of its subdirectory, or it was cleaned away
+                path.parent.mkdir(exist_ok=True)
+                f = open(tmp, "wb", buffering=0)
+            with f:
                 _write_all(f, page)
             os.replace(tmp, path)
         except OSError as e:

@@ -1,0 +1,431 @@
+"""The storage backends against real storage: a temporary directory, and a real
+`mooncake_master` on 127.0.0.1 (a missing binary fails these tests; it is never a skip).
+
+Each behaviour runs on both backends through `pair`: two backend instances sharing one
+storage (one directory; one master), opened once per module because a Mooncake client
+takes about a second to close. Tests use keys of their own, so they do not see each other's
+pages. KV shapes are tiny (2 layers, 1 head, head_dim 8, fp16, 4-token pages: 256 bytes a page).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import structlog
+import torch
+from mooncake.store import MooncakeDistributedStore
+
+from hicache.actors import (
+    FileBackend,
+    KVBuffer,
+    KVShape,
+    MooncakeBackend,
+    PageFormat,
+    StorageError,
+    StorageIO,
+    open_backend,
+    page_keys,
+)
+from hicache.runtime import Config, HostLayout, MooncakeMaster
+from hicache.actors import _storage
+from hicache.actors._mooncake import SETUP_RETRIES
+from hicache.runtime._mooncake_master import master_binary
+
+pytestmark = pytest.mark.timeout(30)
+
+PAGE = 4
+BATCH_PAGES = 3
+"""Staging holds 3 pages, so reads and writes of 7 pages cross batch boundaries."""
+HOST_PAGES = 16
+KINDS = ("file", "mooncake")
+LAYOUTS = (HostLayout.LAYER_FIRST, HostLayout.PAGE_FIRST)
+
+
+def _config(**changes: Any) -> Config:
+    values: dict[str, Any] = dict(
+        layers=2, kv_heads=1, head_dim=8, page_size=PAGE, device_slots=8 * PAGE, host_slots=HOST_PAGES * PAGE,
+        storage_batch_pages=BATCH_PAGES, mooncake_segment_mb=16, storage_timeout_s=5.0,
+    )
+    values.update(changes)
+    return Config(**values)
+
+
+SHAPE = KVShape.of(_config())
+FORMAT = PageFormat(SHAPE)
+
+
+def _slots(pages: list[int]) -> torch.Tensor:
+    return (torch.tensor(pages, dtype=torch.int64)[:, None] * PAGE + torch.arange(PAGE)).flatten()
+
+
+def _host(layout: HostLayout, seed: int | None = None) -> KVBuffer:
+    """A host buffer of HOST_PAGES pages: random KV with a seed, zeros without."""
+    host = KVBuffer.allocate(SHAPE, HOST_PAGES * PAGE, layout, "cpu")
+    if seed is not None:
+        host.tensor.copy_(torch.randn(host.tensor.shape, generator=torch.Generator().manual_seed(seed)))
+    return host
+
+
+def _same(a: KVBuffer, a_pages: list[int], b: KVBuffer, b_pages: list[int]) -> bool:
+    return torch.equal(a.read(_slots(a_pages)), b.read(_slots(b_pages)))
+
+
+# -- storage and backends --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def master() -> Iterator[MooncakeMaster]:
+    with MooncakeMaster() as m:
+        yield m
+
+
+@pytest.fixture(scope="module")
+def raw_client(master: MooncakeMaster) -> Iterator[Any]:
+    """A plain Mooncake client (with a local buffer, so `put(bytes)` works) for damaging pages."""
+    client = MooncakeDistributedStore()
+    assert client.setup("127.0.0.1", master.metadata_url, 16 << 20, 16 << 20, "tcp", "", master.address) == 0
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any]]:
+    """Two backend instances of one kind over the same storage."""
+    if request.param == "file":
+        config = _config(storage="file", storage_dir=str(tmp_path_factory.mktemp("pages")))
+    else:
+        config = _config(storage="mooncake", **request.getfixturevalue("master").config_fields())
+    a, b = open_backend(config), open_backend(config)
+    yield a, b
+    a.close()
+    b.close()
+
+
+@pytest.fixture
+def keys(request: pytest.FixtureRequest) -> Callable[[int], list[str]]:
+    """`keys(n)`: n page keys that no other test uses."""
+    stem = hashlib.blake2b(request.node.nodeid.encode(), digest_size=8).hexdigest()
+    return lambda n: [f"{stem}-{i}" for i in range(n)]
+
+
+# -- both backends ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: x.value)
+def test_written_pages_read_back_byte_for_byte_into_other_host_pages(pair, keys, layout) -> None:
+    a, b = pair
+    src, dst = _host(layout, seed=1), _host(layout)
+    ks = keys(7)
+    src_pages, dst_pages = [9, 2, 3, 15, 0, 7, 4], [1, 14, 6, 5, 11, 8, 12]
+
+    wrote = a.write(ks, src, _slots(src_pages))
+    assert wrote == StorageIO(pages=7, written=7, bytes=7 * FORMAT.payload_bytes)
+    assert a.exists(ks) == 7
+    got = a.read(ks, dst, _slots(dst_pages))
+
+    assert got == StorageIO(pages=7, bytes=7 * FORMAT.payload_bytes)
+    assert _same(src, src_pages, dst, dst_pages)
+    untouched = sorted(set(range(HOST_PAGES)) - set(dst_pages))
+    assert not dst.read(_slots(untouched)).any()
+
+
+def test_exists_counts_only_the_leading_keys_that_are_stored(pair, keys) -> None:
+    a, _ = pair
+    ks = keys(5)
+    host = _host(HostLayout.LAYER_FIRST, seed=2)
+    for k, page in ((ks[0], 0), (ks[1], 1), (ks[3], 3)):
+        assert a.write([k], host, _slots([page])).written == 1
+
+    assert a.exists(ks) == 2
+    assert a.exists(ks[3:]) == 1
+    assert a.exists([ks[2], ks[0]]) == 0
+    assert a.exists([]) == 0
+
+
+def test_a_second_write_of_a_key_writes_nothing_and_keeps_the_stored_bytes(pair, keys) -> None:
+    a, _ = pair
+    ks = keys(4)
+    first, second, out = (_host(HostLayout.PAGE_FIRST, seed=s) for s in (3, 4, None))
+    assert a.write(ks[:2], first, _slots([0, 1])).written == 2
+
+    again = a.write(ks, second, _slots([0, 1, 2, 3]))
+
+    assert again == StorageIO(pages=4, written=2, bytes=2 * FORMAT.payload_bytes)
+    assert a.write(ks, second, _slots([0, 1, 2, 3])) == StorageIO(pages=4, written=0, bytes=0)
+    assert a.read(ks, out, _slots([0, 1, 2, 3])).pages == 4
+    assert _same(out, [0, 1], first, [0, 1])
+    assert _same(out, [2, 3], second, [2, 3])
+
+
+def test_a_read_stops_at_the_first_missing_page_and_says_which(pair, keys) -> None:
+    a, _ = pair
+    ks = keys(5)
+    src, dst = _host(HostLayout.LAYER_FIRST, seed=5), _host(HostLayout.LAYER_FIRST)
+    a.write(ks[:2] + ks[3:], src, _slots([0, 1, 3, 4]))
+
+    got = a.read(ks, dst, _slots([0, 1, 2, 3, 4]))
+
+    assert got.pages == 2 and got.bytes == 2 * FORMAT.payload_bytes
+    assert ks[2] in got.error and "not in storage" in got.error
+    assert _same(dst, [0, 1], src, [0, 1])
+    assert not dst.read(_slots([2, 3, 4])).any()
+
+
+def test_two_instances_over_one_storage_see_each_others_pages(pair, keys) -> None:
+    a, b = pair
+    ks = keys(3)
+    src, dst = _host(HostLayout.PAGE_FIRST, seed=6), _host(HostLayout.LAYER_FIRST)
+    assert a.write(ks, src, _slots([3, 4, 5])).written == 3
+
+    assert b.exists(ks) == 3
+    assert b.write(ks, src, _slots([3, 4, 5])).written == 0
+    assert b.read(ks, dst, _slots([0, 1, 2])).pages == 3
+    assert _same(dst, [0, 1, 2], src, [3, 4, 5])
+
+
+BAD_KEYS = ("", "a/b", "../x", "k.tmp", "sp ace", "ü", "x" * 81)
+
+
+@pytest.mark.parametrize("bad", BAD_KEYS)
+def test_a_key_outside_the_allowed_characters_is_a_value_error(pair, bad) -> None:
+    a, _ = pair
+    host = _host(HostLayout.LAYER_FIRST)
+    with pytest.raises(ValueError, match=r"0-9, a-z, A-Z, '_' and '-'"):
+        a.exists(["ok", bad])
+    with pytest.raises(ValueError, match="not allowed"):
+        a.write([bad], host, _slots([0]))
+    with pytest.raises(ValueError, match="not allowed"):
+        a.read([bad], host, _slots([0]))
+
+
+def test_slots_that_are_not_whole_pages_in_key_order_are_a_value_error(pair, keys) -> None:
+    a, _ = pair
+    ks = keys(2)
+    host = _host(HostLayout.LAYER_FIRST)
+    with pytest.raises(ValueError, match="2 keys x page_size 4"):
+        a.write(ks, host, _slots([0]))
+    with pytest.raises(ValueError, match="whole pages"):
+        a.write(ks, host, _slots([0, 1]) + 1)
+    with pytest.raises(ValueError, match="whole pages"):
+        a.write(ks, host, _slots([0, 1]).flip(0))
+    with pytest.raises(ValueError, match="within the host buffer"):
+        a.read(ks, host, _slots([HOST_PAGES - 1, HOST_PAGES]))
+
+
+# -- damaged pages ---------------------------------------------------------------------
+
+
+def _damage(kind: str, backend: Any, raw_client: Any, key: str, stored: bytes) -> None:
+    """Put `stored` (the bytes of a damaged page) under `key`, bypassing the backend."""
+    if kind == "file":
+        path = backend.path(key)
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(stored)
+    else:
+        assert raw_client.put(key, stored) == 0
+
+
+def _stored(kind: str, backend: Any, raw_client: Any, key: str) -> bytes:
+    return backend.path(key).read_bytes() if kind == "file" else raw_client.get(key)
+
+
+DAMAGES: dict[str, Callable[[bytes], bytes]] = {
+    "flipped payload byte": lambda b: b[:-7] + bytes([b[-7] ^ 0x40]) + b[-6:],
+    "flipped header byte": lambda b: b[:12] + bytes([b[12] ^ 1]) + b[13:],
+    "truncated": lambda b: b[: len(b) - 100],
+    "header only": lambda b: b[: FORMAT.header_bytes],
+    "one byte": lambda b: b[:1],
+    "one byte more": lambda b: b + b"\0",
+    "bad magic": lambda b: b"XXXX" + b[4:],
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_a_damaged_page_is_a_logged_miss_that_never_reaches_the_host_and_is_rewritten(
+    pair, keys, raw_client, request, damage
+) -> None:
+    a, _ = pair
+    kind = request.node.callspec.params["pair"]
+    ks = keys(3)
+    src = _host(HostLayout.PAGE_FIRST, seed=7)
+    a.write([ks[0]], src, _slots([0]))
+    _damage(kind, a, raw_client, ks[1], DAMAGES[damage](_envelope(ks[1], src, 1)))
+    a.write([ks[2]], src, _slots([2]))
+    dst = _host(HostLayout.PAGE_FIRST)
+    dst.tensor.fill_(7.0)
+
+    with structlog.testing.capture_logs() as logs:
+        got = a.read(ks, dst, _slots([0, 1, 2]))
+
+    assert got.pages == 1 and ks[1] in got.error and "unusable" in got.error, got
+    assert _same(dst, [0], src, [0])
+    assert bool((dst.tensor[1:] == 7.0).all()), "bytes of a damaged page reached the host buffer"
+    assert any(e["key"] == ks[1] and e["log_level"] == "warning" for e in logs), logs
+    assert a.exists(ks) == 1, "the damaged page was not dropped"
+    assert a.write(ks, src, _slots([0, 1, 2])) == StorageIO(pages=3, written=1, bytes=FORMAT.payload_bytes)
+    assert a.read(ks, dst, _slots([0, 1, 2])).pages == 3
+    assert _same(dst, [0, 1, 2], src, [0, 1, 2])
+
+
+def _envelope(key: str, host: KVBuffer, page: int) -> bytes:
+    """The stored bytes of host page `page` under `key`, as a backend writes them."""
+    payload = host.tensor[page].contiguous().view(torch.uint8).flatten()
+    stored = bytearray(FORMAT.header_bytes) + bytearray(payload.tolist())
+    FORMAT.seal(key, memoryview(stored))
+    return bytes(stored)
+
+
+def test_a_page_stored_under_another_key_is_a_miss(pair, keys, raw_client, request) -> None:
+    a, _ = pair
+    kind = request.node.callspec.params["pair"]
+    ks = keys(2)
+    src, dst = _host(HostLayout.LAYER_FIRST, seed=8), _host(HostLayout.LAYER_FIRST)
+    a.write(ks[:1], src, _slots([0]))
+    _damage(kind, a, raw_client, ks[1], _stored(kind, a, raw_client, ks[0]))
+
+    got = a.read(ks[1:], dst, _slots([0]))
+
+    assert got.pages == 0 and f"holds the page of key {ks[0]!r}" in got.error
+    assert not dst.tensor.any()
+
+
+def test_a_page_written_by_a_backend_is_exactly_the_documented_envelope(pair, keys, raw_client, request) -> None:
+    a, _ = pair
+    kind = request.node.callspec.params["pair"]
+    key = keys(1)[0]
+    src = _host(HostLayout.PAGE_FIRST, seed=9)
+    a.write([key], src, _slots([5]))
+    assert _stored(kind, a, raw_client, key) == _envelope(key, src, 5)
+
+
+def test_the_page_checksum_is_zlibs_crc32_whichever_implementation_computes_it() -> None:
+    data = bytes(range(256)) * 4099
+    assert _storage.crc32(data) == zlib.crc32(data)
+
+
+# -- keys and opening -------------------------------------------------------------------
+
+
+def test_page_keys_are_hex_hashes_with_a_rank_suffix_unless_shared_by_all_ranks() -> None:
+    assert page_keys([1, 0xABCDEF], rank=3) == ["0000000000000001-r3", "0000000000abcdef-r3"]
+    assert page_keys([2**127], rank=0, per_rank=False) == [f"{2**127:032x}"]
+    with pytest.raises(ValueError, match="non-negative"):
+        page_keys([-1], rank=0)
+    with pytest.raises(ValueError, match="80 characters"):
+        page_keys([2**400], rank=0)
+
+
+def test_open_backend_gives_none_without_storage_and_the_named_backend_otherwise(tmp_path: Path) -> None:
+    assert open_backend(_config()) is None
+    backend = open_backend(_config(storage="file", storage_dir=str(tmp_path / "new" / "dir")))
+    assert isinstance(backend, FileBackend)
+    assert (tmp_path / "new" / "dir").is_dir()
+
+
+def test_an_unwritable_file_storage_directory_is_a_storage_error_naming_it(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_bytes(b"")
+    with pytest.raises(StorageError, match=r"a-file/pages.*storage_dir"):
+        open_backend(_config(storage="file", storage_dir=str(blocker / "pages")))
+
+
+def test_concurrent_writers_of_the_same_keys_leave_whole_pages_and_no_temporary_files(tmp_path: Path) -> None:
+    config = _config(storage="file", storage_dir=str(tmp_path))
+    backends = [FileBackend(config) for _ in range(4)]
+    src = _host(HostLayout.PAGE_FIRST, seed=10)
+    ks = [f"{i:016x}-r0" for i in range(8)]
+    start = threading.Barrier(len(backends))
+    results: list[StorageIO] = []
+
+    def write(backend: FileBackend) -> None:
+        start.wait()
+        results.append(backend.write(ks, src, _slots(list(range(8)))))
+
+    threads = [threading.Thread(target=write, args=(b,)) for b in backends]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+    assert all(r.pages == 8 and not r.error for r in results), results
+    assert sum(r.written for r in results) >= 8
+    dst = _host(HostLayout.LAYER_FIRST)
+    assert backends[0].read(ks, dst, _slots(list(range(8)))).pages == 8
+    assert _same(dst, list(range(8)), src, list(range(8)))
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
+# -- Mooncake only ----------------------------------------------------------------------
+
+
+def test_the_mooncake_master_binary_is_installed() -> None:
+    assert master_binary().is_file()
+
+
+def test_an_unreachable_mooncake_master_is_a_storage_error_at_open_naming_the_address() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]  # nothing listens there once the socket is closed
+    config = _config(storage="mooncake", storage_timeout_s=0.5, mooncake_master=f"127.0.0.1:{free}",
+                     mooncake_metadata=f"http://127.0.0.1:{free}/metadata")
+    started = time.monotonic()
+    with pytest.raises(StorageError, match=rf"127\.0\.0\.1:{free}.*--enable_http_metadata_server"):
+        open_backend(config)
+    assert time.monotonic() - started < 2.0
+
+
+def test_an_address_that_answers_but_is_no_mooncake_master_is_a_storage_error_within_the_retries(
+    master: MooncakeMaster,
+) -> None:
+    timeout_s = 0.5
+    wrong = f"127.0.0.1:{master.metadata_port}"  # the HTTP metadata server, not the master's RPC port
+    config = _config(storage="mooncake", storage_timeout_s=timeout_s, mooncake_master=wrong,
+                     mooncake_metadata=master.metadata_url)
+    started = time.monotonic()
+    with pytest.raises(StorageError, match=rf"setup failed.*master {wrong}"):
+        open_backend(config)
+    assert time.monotonic() - started < (SETUP_RETRIES + 2) * timeout_s + 1.0
+
+
+def test_a_mooncake_master_killed_mid_run_gives_misses_and_errors_within_the_timeout(keys) -> None:
+    timeout_s = 1.0
+    src, dst = _host(HostLayout.PAGE_FIRST, seed=11), _host(HostLayout.PAGE_FIRST)
+    ks = keys(4)
+    with MooncakeMaster() as m:
+        backend = open_backend(_config(storage="mooncake", storage_timeout_s=timeout_s, **m.config_fields()))
+        assert isinstance(backend, MooncakeBackend)
+        assert backend.write(ks[:2], src, _slots([0, 1])).written == 2
+        m.kill()
+
+        def timed(call: Callable[[], Any]) -> Any:
+            started = time.monotonic()
+            out = call()
+            assert time.monotonic() - started < timeout_s + 0.5
+            return out
+
+        with structlog.testing.capture_logs() as logs:
+            assert timed(lambda: backend.exists(ks)) == 0
+            read = timed(lambda: backend.read(ks[:2], dst, _slots([0, 1])))
+            wrote = timed(lambda: backend.write(ks[2:], src, _slots([2, 3])))
+        assert read.pages == 0 and read.error
+        assert wrote.pages == 0 and wrote.written == 0 and wrote.error
+        assert not dst.tensor.any()
+        assert any(e["log_level"] == "error" for e in logs), logs
+
+        # The master comes back (empty), so close can shut the client down instead of
+        # leaving it to a teardown at exit that would wait for a dead master.
+        m.start()
+        deadline = time.monotonic() + 15
+        while backend.pending and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with structlog.testing.capture_logs() as logs:
+            backend.close()
+        assert not logs, "close left the client open although the master answers"
