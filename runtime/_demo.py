@@ -58,7 +58,7 @@ def demo_config(host_tier: bool = True, **storage: object) -> Config:
     """A small KV shape (the bytes are fingerprints, not a model's) and tiers sized so
     the trace's working set fits in neither L1 nor L2."""
     return Config(layers=2, kv_heads=1, head_dim=16, dtype="float16", page_size=16,
-                  device_slots=16 * 4096, host_slots=16 * 8192, host_tier=host_tier, **storage)  # type: ignore[arg-type]
+                  device_slots=16 * 4096, host_slots=16 * 32768, host_tier=host_tier, **storage)  # type: ignore[arg-type]
 
 
 def run_demo(

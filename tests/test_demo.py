@@ -27,7 +27,7 @@ def test_demo_serves_a_trace_prefix_through_l1_and_l2_and_reports_every_figure(c
 
 
 def test_demo_hits_storage_once_the_host_tier_has_evicted_what_later_requests_reuse(capsys) -> None:
-    """Past the first hundred requests the trace reuses prefixes that L2 (twice L1) no longer
+    """Past the first hundred requests the trace reuses prefixes that L2 (eight times L1) no longer
     holds: with the file L3 they come back from storage, and the hit rate beats L1 + L2."""
     assert main(["demo", "--requests", "150", "--json"]) == 0
     f = json.loads(capsys.readouterr().out)
