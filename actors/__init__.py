@@ -12,7 +12,7 @@ from ._host_core import HostCore
 from ._kv import CopyPlan, KVBuffer, KVShape, copy_kv, runs
 from ._facts import Facts
 from ._mooncake import MooncakeBackend
-from ._pages import PagePool, pages_of
+from ._pages import PagePool, pages_of, slots_of_pages
 from ._prefetch import StoragePrefetcherActor
 from ._radix import (
     BACKED,
@@ -87,4 +87,5 @@ __all__ = [
     "page_keys",
     "pages_of",
     "runs",
+    "slots_of_pages",
 ]

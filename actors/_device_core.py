@@ -6,6 +6,11 @@ handed (`allocated`) and how many hold real KV (`committed`); `allocated >=
 committed` always, and `release` gives back every page of the request exactly
 once, in one place: pages the tree adopts change owner, all others are freed.
 Running out of pages is not an error but an `Insufficient` result.
+
+The owners are one `bytearray`, seen also as a uint8 tensor over the same memory.
+Calls on a few pages (most calls) check and set owners, and work out slots, with
+Python ints; larger ones, and inputs a check refuses, take the vectorised torch
+path (see `SMALL_SLOTS_MAX`).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from hicache.runtime.config import Config, DeviceKind, HostLayout
 
 from ._errors import InvariantError, LedgerError, SlotStateError
 from ._kv import KVBuffer, KVShape
-from ._pages import PagePool, pages_of
+from ._pages import SMALL_SLOTS_MAX, PagePool, pages_of, slots_of_pages
 
 RELEASED_REMEMBERED_MAX = 1 << 16
 """Finished or aborted requests whose final ledger is kept (to catch use after release)."""
@@ -72,7 +77,9 @@ class DeviceCore:
         device = "cuda" if config.device is DeviceKind.CUDA else "cpu"
         self.kv = KVBuffer.allocate(KVShape.of(config), config.device_slots, HostLayout.LAYER_FIRST, device)
         self._pool = PagePool(config.device_pages, config.page_size)
-        self._owner = torch.zeros(config.device_pages, dtype=torch.uint8)
+        self._owner_bytes = bytearray(config.device_pages)
+        self._owner = torch.frombuffer(self._owner_bytes, dtype=torch.uint8)
+        """The same memory as `_owner_bytes` (both are written, neither is copied)."""
         self._ledgers: dict[str, _Ledger] = {}
         self._released: OrderedDict[str, LedgerView] = OrderedDict()
 
@@ -103,7 +110,7 @@ class DeviceCore:
             if k:
                 new = self._pool.alloc(k)
                 assert new is not None
-                self._owner[new] = PageOwner.REQUEST
+                self._set_owner(new, PageOwner.REQUEST)
                 ledger.pages.extend(new.tolist())
             ledger.allocated += n
             out[ledger.request_id] = self._slots_of(ledger, start, ledger.allocated)
@@ -142,8 +149,8 @@ class DeviceCore:
         ]
         views = []
         for ledger, (adopt_pages, rest), (rid, _, reason) in zip(ledgers, plans, releases, strict=True):
-            self._owner[adopt_pages] = PageOwner.TREE
-            self._owner[rest] = PageOwner.FREE
+            self._set_owner(adopt_pages, PageOwner.TREE)
+            self._set_owner(rest, PageOwner.FREE)
             self._pool.free(rest)
             self._ledgers.pop(rid, None)
             view = self._view(ledger, freed=ledger.allocated)
@@ -161,24 +168,29 @@ class DeviceCore:
         p = self.page_size
         adopt_pages = pages_of(adopt, p, f"slots adopted from request {rid!r}")
         free_pages = pages_of(free, p, f"duplicate slots freed from request {rid!r}")
-        both = torch.cat([adopt_pages, free_pages])
-        mine = torch.tensor(ledger.pages, dtype=torch.int64)
-        full = mine[: ledger.committed // p - ledger.given // p] if ledger.committed >= ledger.given else mine[:0]
-        if len(torch.unique(both)) != len(both) or bool((~torch.isin(both, full)).any()):
+        both = adopt_pages.tolist() + free_pages.tolist()
+        full = ledger.pages[: ledger.committed // p - ledger.given // p] if ledger.committed >= ledger.given else []
+        handed = set(both)
+        if len(handed) != len(both) or not handed <= set(full):
             raise LedgerError(
-                f"request {rid!r}: pages {both.tolist()} are not distinct, whole, committed pages of the "
+                f"request {rid!r}: pages {both} are not distinct, whole, committed pages of the "
                 "request (only committed pages can be handed over mid-life)"
             )
-        self._owner[adopt_pages] = PageOwner.TREE
-        self._owner[free_pages] = PageOwner.FREE
+        self._set_owner(adopt_pages, PageOwner.TREE)
+        self._set_owner(free_pages, PageOwner.FREE)
         self._pool.free(free_pages)
-        ledger.pages = [pg for pg in ledger.pages if pg not in set(both.tolist())]
+        ledger.pages = [pg for pg in ledger.pages if pg not in handed]
         ledger.given += len(both) * p
         return self._view(ledger, freed=ledger.given)
 
     def _split_release(self, ledger: _Ledger, adopt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rid = ledger.request_id
         adopt_pages = pages_of(adopt, self.page_size, f"slots adopted from request {rid!r}")
+        if len(ledger.pages) <= SMALL_SLOTS_MAX:
+            adopted, owned = adopt_pages.tolist(), set(ledger.pages)
+            taken = set(adopted)
+            if len(taken) == len(adopted) and taken <= owned:
+                return adopt_pages, torch.tensor([pg for pg in ledger.pages if pg not in taken], dtype=torch.int64)
         mine = torch.tensor(ledger.pages, dtype=torch.int64)
         if len(adopt_pages):
             foreign = ~torch.isin(adopt_pages, mine)
@@ -210,19 +222,19 @@ class DeviceCore:
         new = self._pool.alloc(k)
         if new is None:
             return Insufficient(requested_slots=k * self.page_size, free_slots=self._pool.free_slots)
-        self._owner[new] = PageOwner.LOADING
-        return _slots_of_pages(new, self.page_size)
+        self._set_owner(new, PageOwner.LOADING)
+        return slots_of_pages(new, self.page_size)
 
     def adopt_loaded(self, indices: torch.Tensor) -> None:
         pages = pages_of(indices, self.page_size, "adopted loaded slots")
         self._expect(pages, (PageOwner.LOADING,), "adopt loaded slots")
-        self._owner[pages] = PageOwner.TREE
+        self._set_owner(pages, PageOwner.TREE)
 
     def free_tree(self, indices: torch.Tensor) -> None:
         """Free pages the tree owns, or a load's pages whose load failed or was dropped."""
         pages = pages_of(indices, self.page_size, "freed device slots")
         self._expect(pages, (PageOwner.TREE, PageOwner.LOADING), "free device slots")
-        self._owner[pages] = PageOwner.FREE
+        self._set_owner(pages, PageOwner.FREE)
         self._pool.free(pages)
 
     # -- checks and numbers ---------------------------------------------------
@@ -289,13 +301,30 @@ class DeviceCore:
         """Slots of token positions `start..end` (pages given away mid-life come first)."""
         p = self.page_size
         first = (start - ledger.given) // p
-        pages = torch.tensor(ledger.pages[first:], dtype=torch.int64)
         offset = start - ledger.given - first * p
-        return _slots_of_pages(pages, p)[offset : offset + end - start].clone()
+        if (len(ledger.pages) - first) * p <= SMALL_SLOTS_MAX:
+            slots = [page * p + i for page in ledger.pages[first:] for i in range(p)]
+            return torch.tensor(slots[offset : offset + end - start], dtype=torch.int64)
+        pages = torch.tensor(ledger.pages[first:], dtype=torch.int64)
+        return slots_of_pages(pages, p)[offset : offset + end - start].clone()
+
+    def _set_owner(self, pages: torch.Tensor, owner: PageOwner) -> None:
+        if len(pages) > SMALL_SLOTS_MAX:
+            self._owner[pages] = owner
+            return
+        owners = self._owner_bytes
+        for page in pages.tolist():
+            owners[page] = owner
 
     def _expect(self, pages: torch.Tensor, owners: tuple[PageOwner, ...], what: str) -> None:
-        if not len(pages):
+        n = len(pages)
+        if not n:
             return
+        if n <= SMALL_SLOTS_MAX:
+            have, listed = self._owner_bytes, pages.tolist()
+            if (len(set(listed)) == n and min(listed) >= 0 and max(listed) < len(have)
+                    and all(have[p] in owners for p in listed)):
+                return
         if bool(((pages < 0) | (pages >= len(self._owner))).any()):
             raise SlotStateError(f"cannot {what}: slot index out of range 0..{self.capacity_slots - 1}")
         if len(torch.unique(pages)) != len(pages):
@@ -319,6 +348,3 @@ class DeviceCore:
     def _view(ledger: _Ledger, freed: int) -> LedgerView:
         return LedgerView(ledger.request_id, ledger.allocated, ledger.committed, freed)
 
-
-def _slots_of_pages(pages: torch.Tensor, page_size: int) -> torch.Tensor:
-    return (pages.unsqueeze(1) * page_size + torch.arange(page_size)).reshape(-1)

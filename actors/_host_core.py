@@ -4,9 +4,18 @@ Every host slot has a `HostSlotState`. Moves are checked against
 `HOST_TRANSITIONS` on every call, vectorised over the slots of the call (a
 lookup in an 8x8 table), so an illegal move raises at once, naming the slots,
 their states and the state asked for. This check is always on.
+
+The states are one `bytearray`, seen also as a uint8 tensor over the same memory.
+A move of a few slots (a page or two: most moves) is checked and made on the
+bytearray with Python ints, which costs a fraction of the dozen small torch
+calls of the vectorised check; a larger move, or one that fails the check, takes
+the vectorised path (which names what is wrong).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
@@ -15,19 +24,34 @@ from hicache.runtime.config import Config, DeviceKind
 
 from ._errors import InvariantError, SlotStateError
 from ._kv import KVBuffer, KVShape
-from ._pages import PagePool, pages_of
+from ._pages import SMALL_SLOTS_MAX, PagePool, pages_of, slots_of_pages
 
 _N = len(HostSlotState)
-_LEGAL = torch.zeros((_N, _N), dtype=torch.bool)
-for _a, _b in HOST_TRANSITIONS:
-    _LEGAL[_a, _b] = True
+
+
+@dataclass(frozen=True, slots=True)
+class _Rules:
+    """The legal moves, twice: as a (from, to) table for the vectorised check, and per
+    target state as the set of states a slot may come from, for the check of few slots."""
+
+    table: torch.Tensor
+    sources: tuple[frozenset[int], ...]
+
+    @classmethod
+    def of(cls, moves: Iterable[tuple[HostSlotState, HostSlotState]]) -> _Rules:
+        table = torch.zeros((_N, _N), dtype=torch.bool)
+        for a, b in moves:
+            table[a, b] = True
+        return cls(table, tuple(frozenset(int(a) for a in table[:, b].nonzero().flatten()) for b in range(_N)))
+
+
+_LEGAL = _Rules.of(HOST_TRANSITIONS)
 
 _FREEABLE = (HostSlotState.RESERVED, HostSlotState.SYNCED, HostSlotState.HOST_ONLY)
 
 # transition() never moves a FREE slot: leaving FREE is allocation, which takes the page
 # off the free list (allocate()).
-_MOVABLE = _LEGAL.clone()
-_MOVABLE[HostSlotState.FREE, :] = False
+_MOVABLE = _Rules.of((a, b) for a, b in HOST_TRANSITIONS if a is not HostSlotState.FREE)
 
 
 class HostCore:
@@ -37,7 +61,9 @@ class HostCore:
         pin = config.device is DeviceKind.CUDA and torch.cuda.is_available()
         self.kv = KVBuffer.allocate(KVShape.of(config), config.host_slots, config.host_layout, "cpu", pin=pin)
         self._pool = PagePool(config.host_pages, config.page_size)
-        self._state = torch.zeros(config.host_slots, dtype=torch.uint8)
+        self._state_bytes = bytearray(config.host_slots)
+        self._state = torch.frombuffer(self._state_bytes, dtype=torch.uint8)
+        """The same memory as `_state_bytes` (both are written, neither is copied)."""
 
     @property
     def free_slots(self) -> int:
@@ -50,7 +76,7 @@ class HostCore:
         pages = self._pool.alloc(n // self.page_size)
         if pages is None:
             return None
-        slots = (pages.unsqueeze(1) * self.page_size + torch.arange(self.page_size)).reshape(-1)
+        slots = slots_of_pages(pages, self.page_size)
         self._move(slots, HostSlotState.RESERVED, "allocate")
         return slots
 
@@ -84,19 +110,20 @@ class HostCore:
                 f"{len(free_pages)} pages of {self.page_size}"
             )
         if len(free_pages):
-            slots = (free_pages.unsqueeze(1) * self.page_size + torch.arange(self.page_size)).reshape(-1)
+            slots = slots_of_pages(free_pages, self.page_size)
             if bool((self._state[slots] != HostSlotState.FREE).any()) or len(torch.unique(free_pages)) != len(free_pages):
                 raise InvariantError("host: the free list holds a page with a slot that is not FREE, or a page twice")
 
-    def _move(self, indices: torch.Tensor, to: HostSlotState, what: str, table: torch.Tensor = _LEGAL) -> None:
-        if not len(indices):
+    def _move(self, indices: torch.Tensor, to: HostSlotState, what: str, rules: _Rules = _LEGAL) -> None:
+        n = len(indices)
+        if not n or (n <= SMALL_SLOTS_MAX and self._move_small(indices.tolist(), int(to), rules.sources[to])):
             return
         if len(torch.unique(indices)) != len(indices):
             raise SlotStateError(f"host {what}: a slot appears twice in one call")
         if bool(((indices < 0) | (indices >= self.capacity_slots)).any()):
             raise SlotStateError(f"host {what}: slot index out of range 0..{self.capacity_slots - 1}")
         have = self._state[indices].to(torch.int64)
-        legal = table[have, int(to)]
+        legal = rules.table[have, int(to)]
         if not bool(legal.all()):
             bad = (~legal).nonzero().flatten()
             shown = ", ".join(
@@ -112,3 +139,15 @@ class HostCore:
                 hint = " (FREE slots are allocated with allocate(), not moved)"
             raise SlotStateError(f"illegal host slot transition to {to.name} on {what}: {shown}{more}{hint}")
         self._state[indices] = int(to)
+
+    def _move_small(self, slots: list[int], to: int, sources: frozenset[int]) -> bool:
+        """Make the move if every check passes (distinct slots in range, each in one of
+        `sources`); False, with nothing changed, to leave it to the vectorised path."""
+        state = self._state_bytes
+        if len(set(slots)) != len(slots) or min(slots) < 0 or max(slots) >= len(state):
+            return False
+        if not all(state[i] in sources for i in slots):
+            return False
+        for i in slots:
+            state[i] = to
+        return True

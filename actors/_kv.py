@@ -21,6 +21,8 @@ import torch
 
 from hicache.runtime.config import Config, HostLayout
 
+from ._pages import SMALL_SLOTS_MAX
+
 
 @dataclass(frozen=True, slots=True)
 class KVShape:
@@ -128,8 +130,15 @@ def runs(a: torch.Tensor, b: torch.Tensor) -> list[tuple[int, int, int]]:
         raise ValueError(f"source has {n} slots but destination has {len(b)}")
     if n == 0:
         return []
-    if n == 1:
-        return [(int(a[0]), int(b[0]), 1)]
+    if n <= SMALL_SLOTS_MAX:  # with Python ints: see SMALL_SLOTS_MAX
+        src, dst = a.tolist(), b.tolist()
+        out, start = [], 0
+        for i in range(1, n):
+            if src[i] != src[i - 1] + 1 or dst[i] != dst[i - 1] + 1:
+                out.append((src[start], dst[start], i - start))
+                start = i
+        out.append((src[start], dst[start], n - start))
+        return out
     brk = ((a[1:] - a[:-1]) != 1) | ((b[1:] - b[:-1]) != 1)
     starts = torch.cat([torch.zeros(1, dtype=torch.int64), brk.nonzero().flatten() + 1])
     ends = torch.cat([starts[1:], torch.tensor([n])])

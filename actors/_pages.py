@@ -9,6 +9,12 @@ from __future__ import annotations
 
 import torch
 
+SMALL_SLOTS_MAX = 64
+"""Calls on at most this many slots (or pages) check and compute with Python ints (`tolist`)
+instead of vectorised torch calls: on a few slots each torch call costs microseconds of
+overhead, and a check takes a dozen of them. Larger calls, and inputs a check refuses, take
+the torch path (which names what is wrong)."""
+
 
 class PagePool:
     def __init__(self, pages: int, page_size: int) -> None:
@@ -62,6 +68,12 @@ def pages_of(indices: torch.Tensor, page_size: int, what: str) -> torch.Tensor:
         raise ValueError(f"{what}: {n} slots are not whole pages of {page_size}")
     if n == 0:
         return torch.empty(0, dtype=torch.int64)
+    if n <= SMALL_SLOTS_MAX:
+        slots = indices.tolist()
+        firsts = slots[::page_size]
+        if all(f % page_size == 0 and slots[i : i + page_size] == list(range(f, f + page_size))
+               for i, f in zip(range(0, n, page_size), firsts)):
+            return torch.tensor([f // page_size for f in firsts], dtype=torch.int64)
     grid = indices.view(-1, page_size)
     first = grid[:, 0]
     aligned = (first % page_size == 0) & (grid == first.unsqueeze(1) + torch.arange(page_size)).all(1)
@@ -71,3 +83,11 @@ def pages_of(indices: torch.Tensor, page_size: int, what: str) -> torch.Tensor:
             f"{what}: slots {grid[bad].tolist()} are not one whole page (page_size={page_size})"
         )
     return first // page_size
+
+
+def slots_of_pages(pages: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Every slot of `pages`, in page order (the inverse of `pages_of`)."""
+    if len(pages) * page_size <= SMALL_SLOTS_MAX:
+        return torch.tensor([page * page_size + i for page in pages.tolist() for i in range(page_size)],
+                            dtype=torch.int64)
+    return (pages.unsqueeze(1) * page_size + torch.arange(page_size)).reshape(-1)

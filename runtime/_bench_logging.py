@@ -4,16 +4,18 @@ Two measurements, in one run:
 
 - **per delivery**: `DeliveryLog.delivery` called on the deliveries of real runs
   (their messages, replies and runtime times, read back from the runs' own logs),
-  writing to a fresh file in a temporary directory, `passes` times over the set
-  per repetition; the median of `reps` repetitions, divided by the deliveries
-  written. Two sets:
+  `passes` times over the set per repetition, each pass writing a fresh log in a
+  temporary directory (so that each pass writes the blobs of its large payloads,
+  as the run did); the median of `reps` repetitions of the time spent in
+  `delivery` (and the closing of the file), divided by the deliveries written.
+  Two sets:
   - *scheduler*: every delivery of the reference scheduler serving the synthetic
     workload of exploration (small prompts, the message mix of a serving loop:
     admissions, allocations, commits, copies, evictions, load-backs, asks for
     statistics); `us_per_delivery` is this figure;
   - *overhead tick*: every delivery of one measured tick of the overhead run
     below (64 trace prompts of up to 4096 tokens: a few messages carry hundreds
-    of thousands of token ids or slot indices, and their base64 is what costs).
+    of thousands of token ids or slot indices, and writing them is what costs).
 - **slowdown**: the actor side of `hicache bench overhead` (the same workload,
   config and tick: admit, allocate, commit, finish a batch of 64 requests, then
   wait for the write-throughs), on two systems started side by side: one without
@@ -52,7 +54,7 @@ from ._bench_replay import log_scheduler_run
 from ._bench_transfer import _machine
 from ._facade import HiCache
 from ._log import ORJSON, PYBASE64, DeliveryLog
-from ._replay import Delivery, ReplayLogError, _delivery, _json, read_log
+from ._replay import Blobs, Delivery, ReplayLogError, _delivery, _json, read_log
 from ._system import ThreadedRuntime
 from .config import DeviceKind
 
@@ -149,33 +151,44 @@ def _per_delivery(args: list[Args], passes: int, reps: int, tmp: Path, step: Cal
     us: list[float] = []
     size = 0
     for r in range(reps):
-        path = tmp / f"per-delivery-{r}.log"
-        log = DeliveryLog(path, {"bench": "logging"})
-        header = path.stat().st_size
-        delivery = log.delivery
-        gc.collect()
-        t0 = time.perf_counter()
-        for _ in range(passes):
+        elapsed_s = 0.0
+        size = 0
+        for p in range(passes):
+            # a fresh log per pass: a pass must not find the previous one's blobs already written
+            path = tmp / f"per-delivery-{r}-{p}.log"
+            log = DeliveryLog(path, {"bench": "logging"})
+            header = path.stat().st_size
+            delivery = log.delivery
+            gc.collect()
+            t0 = time.perf_counter()
             for a in args:
                 delivery(*a)
-        log.close()
-        us.append((time.perf_counter() - t0) / (passes * len(args)) * 1e6)
-        size = path.stat().st_size - header
-        path.unlink()
+            log.close()
+            elapsed_s += time.perf_counter() - t0
+            size += path.stat().st_size - header
+            path.unlink()
+        us.append(elapsed_s / (passes * len(args)) * 1e6)
         step()
     return PerDelivery(len(args), statistics.median(us), size / (passes * len(args)))
 
 
 def _tick_deliveries(path: Path, start: int, end: int) -> list[Delivery]:
-    """The deliveries logged between two offsets of a log (whole lines only)."""
+    """The deliveries logged between two offsets of a log (whole lines only), with the blobs
+    logged before `end` that they refer to."""
     with path.open("rb") as f:
-        f.seek(start)
-        raw = f.read(end - start)
+        raw = f.read(end)
+    blobs = Blobs()
     out = []
+    offset = 0
     for n, line in enumerate(raw.split(b"\n")[:-1], start=1):
+        at, offset = offset, offset + len(line) + 1
+        if n == 1 or (at < start and not line.endswith(b'"event":"blob"}')):
+            continue  # the header, and deliveries and faults before the tick
         rec = _json(path, n, line)
-        if rec.get("event") == "delivery":
-            out.append(_delivery(path, n, rec))
+        if rec.get("event") == "blob":
+            blobs.add(path, n, rec)
+        elif rec.get("event") == "delivery":
+            out.append(_delivery(path, n, rec, blobs))
     if not out:
         raise ReplayLogError(f"{path}: no delivery between offsets {start} and {end}")
     return out
@@ -212,6 +225,8 @@ def _on_off(w: overhead.Workload, tmp: Path, step: Callable[[], None]) -> tuple[
     on = HiCache(config.replace(log_path=str(path)), runtime=ThreadedRuntime(observe=on_acks))
     span = (0, 0)
     with off, on:
+        log = on.system.services.log
+        assert log is not None
         for i, batch in enumerate(batches):
             gc.collect()
             sides = ((off, off_acks), (on, on_acks)) if i % 2 == 0 else ((on, on_acks), (off, off_acks))
@@ -221,6 +236,8 @@ def _on_off(w: overhead.Workload, tmp: Path, step: Callable[[], None]) -> tuple[
                     before_n, before_b = on_acks.deliveries, path.stat().st_size
                 t0 = time.perf_counter()
                 overhead._tick_actors(cache, acks, batch)
+                if cache is on:  # within the tick: the tick's lines are written, none left buffered
+                    log.flush()
                 times[cache is on] = time.perf_counter() - t0
                 if cache is on:
                     after_b = path.stat().st_size

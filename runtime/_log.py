@@ -8,6 +8,13 @@ Line kinds (the `event` field):
   deterministic runtime), `receiver`, `sender`, `type`, `ask`, `body` (the
   message's msgpack bytes in base64, exactly re-decodable), `reply` (base64, for
   an ask), `error` (the exception a handler raised, if any).
+- `blob`: the bytes (`data`, base64) of an `Indices` or `Tokens` of at least
+  `BLOB_BYTES_MIN` bytes, numbered (`blob`) in order of appearance. A body or
+  reply that carries such a value refers to it by number (codec extensions 5 and
+  6) instead of carrying the bytes, and the blob line comes before the first line
+  that refers to it. The token ids and slot indices of a batch travel in several
+  messages (admission, allocation, finish, write-through, host states): written
+  once, they are less than half the bytes of a large run's log.
 - `fault`: a decision of the fault plan (`actor`, `hook`, `value`), in the order
   the actor asked, so that a replay injects the same faults.
 
@@ -24,8 +31,8 @@ import binascii
 import importlib.metadata
 import itertools
 import json
-import os
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -36,7 +43,18 @@ from hicache.messages import ActorName, Message, encode
 
 from ._services import FaultPlan
 
-LOG_VERSION = 1
+LOG_VERSION = 2
+"""2: large `Indices` are `blob` lines referred to by number (1 carried them in every body)."""
+
+BLOB_BYTES_MIN = 1024
+"""An `Indices` or `Tokens` payload this large (128 values) or larger is written as a blob, once."""
+BLOBS_HELD_BYTES_MAX = 64 << 20
+"""Bytes of blobs the writer remembers for reference; past this the oldest are forgotten
+(a repeat of one is written again, as a new blob). The reader keeps all."""
+LOG_BUFFER_BYTES = 1 << 20
+"""Lines wait in a buffer of this many bytes before they are written to the file. Closing the
+log (stopping the System) writes them all; a process killed hard (SIGKILL, a crash in native
+code) loses at most this much of the end of its log."""
 
 try:  # optional, faster
     import orjson
@@ -71,78 +89,117 @@ _NULL = b"null"
 _END = b',"event":"delivery"}\n'
 
 
-_WRITEV = hasattr(os, "writev")
-_JOIN_MAX = 1 << 16
-"""Lines longer than this are handed to the kernel in pieces (`writev`), not joined first."""
-
-
-def _write_all(fd: int, parts: Sequence[bytes], big: bool) -> None:
-    """Write `parts` to `fd`, one after the other: joined by one copy and written, or, when
-    `big`, handed to the kernel as they are (`writev`: the megabytes are not copied twice)."""
-    if big and _WRITEV:
-        done = os.writev(fd, parts)
-        if done == sum(map(len, parts)):
-            return
-        rest = memoryview(b"".join(parts))[done:]  # a short write (a signal, a full disk): the rest
-    else:
-        data = b"".join(parts)
-        done = os.write(fd, data)
-        if done == len(data):
-            return
-        rest = memoryview(data)[done:]
-    while rest:
-        rest = rest[os.write(fd, rest):]
-
-
 class _LineWriter:
-    """The log file, unbuffered: each line is written whole, by one call under one lock, so
-    that it is out of this process when the call returns (a crash loses no logged line).
+    """The log file, written through a buffer of `LOG_BUFFER_BYTES`: each line is put into
+    it whole, under one lock, and the buffer goes to the file when full, on `flush` and on
+    `close`. One `write` system call per line cost more than the rest of logging a small
+    delivery, and each released the GIL to the other actors' threads in mid-delivery.
 
     structlog writes the header and fault lines through it (it is the logger structlog
-    wraps); `DeliveryLog.delivery` writes its lines directly."""
+    wraps); `DeliveryLog` writes the delivery and blob lines directly."""
 
-    def __init__(self, file: BinaryIO) -> None:
-        self._file = file
-        self._fd = file.fileno()
-        self._lock = threading.Lock()
+    def __init__(self, path: Path) -> None:
+        self._file: BinaryIO = path.open("wb", buffering=LOG_BUFFER_BYTES)
+        self.lock = threading.Lock()
 
     def close(self) -> None:
-        """Close the file; a line written after this raises (it never lands in a reused descriptor)."""
-        with self._lock:
-            self._fd = -1
+        """Write what is buffered and close the file; a line written after this raises."""
+        with self.lock:
             self._file.close()
 
-    def write_line(self, parts: Sequence[bytes], big: bool = False) -> None:
-        """Write `parts` (the last ends with a newline) as one line; `big`: more than `_JOIN_MAX` bytes."""
-        with self._lock:
-            _write_all(self._fd, parts, big)
+    def flush(self) -> None:
+        """Hand every line written so far to the operating system."""
+        with self.lock:
+            self._file.flush()
+
+    def write_line(self, parts: Sequence[bytes]) -> None:
+        """Write `parts` (the last ends with a newline) as one line (joined: one buffer call)."""
+        with self.lock:
+            self._file.write(b"".join(parts))
+
+    def write_locked(self, parts: Sequence[bytes]) -> None:
+        """Write `parts` as one line, each into the buffer as it is (a blob line's tens of
+        kilobytes are not joined into one more copy); the caller holds `lock`."""
+        for part in parts:
+            self._file.write(part)
 
     def msg(self, message: bytes) -> None:
-        self.write_line((message, b"\n"), len(message) > _JOIN_MAX)
+        self.write_line((message, b"\n"))
 
     info = msg
+
+
+_BLOB_EDGE_BYTES = 32
+_BlobKey = tuple[int, bytes, bytes]
+"""A payload's length, first and last `_BLOB_EDGE_BYTES`: where `_Blobs` looks for it."""
+
+
+class _Blobs:
+    """The log's blob lines: `refer` gives the number of a large payload, writing its `blob`
+    line first if it is new. The lookup, the numbering and the write happen under the line
+    writer's lock, so the blob line is in the file before any line that refers to it.
+
+    Payloads are found by a key of their length and first and last `_BLOB_EDGE_BYTES`,
+    then compared whole: hashing every payload (most are fresh `bytes` objects, whose hash
+    is not cached yet) cost more than the rest of logging it."""
+
+    def __init__(self, out: _LineWriter) -> None:
+        self._out = out
+        self._held: dict[_BlobKey, list[tuple[bytes, int]]] = {}
+        self._order: deque[tuple[_BlobKey, bytes]] = deque()
+        """The held payloads, oldest first: the first forgotten past `BLOBS_HELD_BYTES_MAX`."""
+        self._held_bytes = 0
+        self._next = 0
+
+    def refer(self, data: bytes) -> int | None:
+        if len(data) < BLOB_BYTES_MIN:
+            return None
+        key = (len(data), data[:_BLOB_EDGE_BYTES], data[-_BLOB_EDGE_BYTES:])
+        with self._out.lock:
+            same = self._held.setdefault(key, [])
+            for held, n in same:
+                if held == data:
+                    return n
+            n = self._next
+            self._next += 1
+            self._out.write_locked((b'{"blob":%d,"data":"' % n, _b64(data), b'","event":"blob"}\n'))
+            same.append((data, n))
+            self._order.append((key, data))
+            self._held_bytes += len(data)
+            while self._held_bytes > BLOBS_HELD_BYTES_MAX:
+                self._forget_oldest()
+        return n
+
+    def _forget_oldest(self) -> None:
+        key, data = self._order.popleft()
+        same = self._held[key]
+        same[:] = [(held, n) for held, n in same if held is not data]
+        if not same:
+            del self._held[key]
+        self._held_bytes -= len(data)
 
 
 class DeliveryLog:
     """Writes the log of one system. Thread-safe: actors on threads log concurrently.
 
-    A delivery line is the JSON object structlog's `JSONRenderer` renders for the event
-    `delivery` with the fields in the order the module docstring lists them (`event`
-    last), byte for byte; it is put together here without structlog's event dict, and
-    the base64 of the body and reply goes into it as bytes, so that the megabytes of a
-    large message are neither decoded to a str nor scanned again by the JSON encoder.
-    The header and fault lines go through structlog."""
+    A delivery or blob line is the JSON object structlog's `JSONRenderer` renders for
+    the event `delivery` (`blob`) with the fields in the order the module docstring lists
+    them (`event` last), byte for byte; it is put together here without structlog's event
+    dict (integers are written as `%d`, which is what every JSON renderer writes for them),
+    and base64 goes into it as bytes, so that the megabytes of a large message are neither
+    decoded to a str nor scanned again by the JSON encoder. The header and fault lines go
+    through structlog."""
 
     def __init__(self, path: str | Path, header: dict[str, Any]) -> None:
         self.path = Path(path)
-        self._file: BinaryIO = self.path.open("wb", buffering=0)
-        self._out = _LineWriter(self._file)
+        self._out = _LineWriter(self.path)
         self._log = structlog.wrap_logger(
             self._out,
             processors=[structlog.processors.JSONRenderer(serializer=_dumps)],
             cache_logger_on_first_use=True,
         )
         self._seq = itertools.count(1)
+        self._blobs = _Blobs(self._out)
         self._middles: dict[tuple[ActorName, ActorName, type, bool], bytes] = {}
         self._log.msg("header", version=LOG_VERSION, **header)
 
@@ -160,20 +217,21 @@ class DeliveryLog:
             middle = self._middles[kind] = _dumps({
                 "receiver": receiver.value, "sender": sender.value, "type": type(message).__name__, "ask": ask,
             })[1:-1]
-        body = _b64(encode(message))
+        body = _b64(encode(message, self._blobs))
         err = _dumps(f"{type(error).__name__}: {error}") if error is not None else _NULL
-        head = (b'{"seq":', _dumps(seq), b',"t":', _dumps(t), b",", middle, b',"body":"', body)
+        head = (b'{"seq":', b"%d" % seq, b',"t":', _dumps(t), b",", middle, b',"body":"', body)
         if ask and reply is not None:
-            answer = _b64(encode(reply))
-            parts = (*head, b'","reply":"', answer, b'","error":', err, _END)
-            big = len(body) + len(answer) > _JOIN_MAX
+            parts = (*head, b'","reply":"', _b64(encode(reply, self._blobs)), b'","error":', err, _END)
         else:
             parts = (*head, b'","reply":null,"error":', err, _END)
-            big = len(body) > _JOIN_MAX
-        self._out.write_line(parts, big)
+        self._out.write_line(parts)
 
     def fault(self, actor: str, hook: str, value: Any) -> None:
         self._log.msg("fault", actor=actor, hook=hook, value=value)
+
+    def flush(self) -> None:
+        """Hand every line logged so far to the operating system (closing does it too)."""
+        self._out.flush()
 
     def close(self) -> None:
         self._out.close()

@@ -10,6 +10,9 @@ the log has from it to that receiver; an ask's reply must equal the logged reply
 The first delivery (lowest `seq`) where that fails is the divergence.
 
 This replays logs recorded on threads as well as in the deterministic runtime.
+`read_log` resolves the log's blob references (large `Indices` written once, as
+`blob` lines), so each delivery's `body` and `reply` are the whole msgpack, as
+`encode` writes them, and the comparisons are of bytes.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import base64
 import binascii
 import json
 from collections import defaultdict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,10 +50,11 @@ class Delivery:
     message: Message
     ask: bool
     reply: bytes | None
+    """The reply's msgpack bytes (`encode(reply)`), for an ask that returned one."""
     error: str | None
     line: int
     body: bytes = b""
-    """The message's msgpack bytes as logged (empty for a delivery not read from a log)."""
+    """The message's msgpack bytes (`encode(message)`; empty for a delivery not read from a log)."""
 
 
 @dataclass(slots=True)
@@ -106,11 +110,14 @@ def read_log(path: str | Path) -> ParsedLog:
         raise ReplayLogError(f"{p}: line 1: the logged config is not valid: {err}") from None
     deliveries: list[Delivery] = []
     faults: dict[str, list[tuple[str, Any]]] = defaultdict(list)
+    blobs = Blobs()
     for n, raw in enumerate(lines[1:-1], start=2):
         rec = _json(p, n, raw)
         event = rec.get("event")
         if event == "delivery":
-            deliveries.append(_delivery(p, n, rec))
+            deliveries.append(_delivery(p, n, rec, blobs))
+        elif event == "blob":
+            blobs.add(p, n, rec)
         elif event == "fault":
             faults[str(rec.get("actor"))].append((str(rec.get("hook")), rec.get("value")))
         else:
@@ -132,11 +139,51 @@ def _json(p: Path, n: int, raw: bytes) -> dict[str, Any]:
     return rec
 
 
-def _delivery(p: Path, n: int, rec: dict[str, Any]) -> Delivery:
+class Blobs(Mapping[int, bytes]):
+    """The `blob` lines of a log read so far, by number. It counts the lookups the codec makes,
+    so that a body that referred to a blob is known (and re-encoded whole for comparisons)."""
+
+    def __init__(self) -> None:
+        self._data: dict[int, bytes] = {}
+        self.lookups = 0
+
+    def add(self, p: Path, n: int, rec: dict[str, Any]) -> None:
+        """Hold the blob of log line `n`, `rec`."""
+        try:
+            number, data = rec["blob"], base64.b64decode(rec["data"], validate=True)
+        except KeyError as err:
+            raise ReplayLogError(f"{p}: line {n}: blob without field {err}") from None
+        except (binascii.Error, ValueError, TypeError) as err:
+            raise ReplayLogError(f"{p}: line {n}: corrupt blob: {err}") from None
+        if not isinstance(number, int) or number in self._data:
+            raise ReplayLogError(f"{p}: line {n}: blob number {number!r} is not a new integer")
+        self._data[number] = data
+
+    def __getitem__(self, number: int) -> bytes:
+        self.lookups += 1
+        return self._data[number]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+
+def _delivery(p: Path, n: int, rec: dict[str, Any], blobs: Blobs) -> Delivery:
     try:
+        before = blobs.lookups
         body = base64.b64decode(rec["body"], validate=True)
-        message = decode(body)
-        reply = base64.b64decode(rec["reply"], validate=True) if rec.get("reply") else None
+        message = decode(body, blobs)
+        if blobs.lookups != before:
+            body = encode(message)
+        reply = None
+        if rec.get("reply"):
+            before = blobs.lookups
+            reply = base64.b64decode(rec["reply"], validate=True)
+            answer = decode(reply, blobs)
+            if blobs.lookups != before:
+                reply = encode(answer)
         return Delivery(int(rec["seq"]), float(rec["t"]), ActorName(rec["receiver"]), ActorName(rec["sender"]),
                         message, bool(rec["ask"]), reply, rec.get("error"), n, body)
     except KeyError as err:
@@ -266,10 +313,7 @@ def replay_log(
                                      f"delivery {cause} made {sender.value} send {msg!r}")
                     first = _earlier(first, div)
                 break
-            got = encode(msg)
-            # the logged bytes first: equal to them, the send equals the logged message (the
-            # codec round-trips); otherwise compare with the logged message encoded again
-            if got != want.body and encode(want.message) != got:
+            if encode(msg) != (want.body or encode(want.message)):
                 div = Divergence(want.seq, sender.value, f"{want.message!r}",
                                  f"{msg!r} (sent while handling delivery {cause})")
                 first = _earlier(first, div)

@@ -1,8 +1,8 @@
 """`hicache bench logging --quick --json` and `hicache bench replay --quick --json` each print
 one JSON object with the agreed keys, positive figures and ratios that are the quotients of
-the figures they compare; and the delivery lines the bench times are the lines structlog's
-JSON renderer makes of the same event, byte for byte, with and without the optional
-accelerators (orjson, pybase64, writev)."""
+the figures they compare; and the delivery and blob lines the bench times are the lines
+structlog's JSON renderer makes of the same events, byte for byte, with and without the
+optional accelerators (orjson, pybase64)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,18 @@ from pathlib import Path
 import pytest
 import structlog
 
-from hicache.messages import ActorName, Indices, SetHostState, HostSlotState, WriteDone, encode
+from hicache.messages import (
+    ActorName,
+    FreeHostSlots,
+    HostAllocated,
+    HostSlotState,
+    Indices,
+    SetHostState,
+    WriteDone,
+    encode,
+)
 from hicache.runtime import _log
-from hicache.runtime._bench_logging import _args
+from hicache.runtime._bench_logging import _args, _tick_deliveries
 from hicache.runtime._bench_replay import log_scheduler_run
 from hicache.runtime._replay import read_log, replay_log
 from hicache.runtime.cli import main
@@ -79,20 +88,40 @@ def test_bench_replay_quick_json_reports_deliveries_per_second(capsys) -> None:
     assert elapsed_s < 15, f"the quick bench took {elapsed_s:.1f}s; it is a smoke test"
 
 
-# -- the delivery line is structlog's, byte for byte -------------------------------------------
+# -- the delivery and blob lines are structlog's, byte for byte ---------------------------------
 
 
-def _structlog_line(args: tuple, dumps) -> bytes:
-    """The line the log wrote before delivery lines were put together by hand: a structlog event."""
+class _Numbering:
+    """The log's blob numbering, redone: payloads of at least `BLOB_BYTES_MIN` bytes get the
+    next number when new; the new ones wait in `fresh` for their lines."""
+
+    def __init__(self) -> None:
+        self.numbers: dict[bytes, int] = {}
+        self.fresh: list[tuple[int, bytes]] = []
+
+    def refer(self, data: bytes) -> int | None:
+        if len(data) < _log.BLOB_BYTES_MIN:
+            return None
+        if data not in self.numbers:
+            self.numbers[data] = len(self.numbers)
+            self.fresh.append((self.numbers[data], data))
+        return self.numbers[data]
+
+
+def _structlog_lines(args: tuple, dumps, numbering: _Numbering) -> list[bytes]:
+    """The lines of one delivery as structlog events: its new blobs, then the delivery."""
     seq, t, receiver, sender, message, ask, reply, error = args
     event = {
         "seq": seq, "t": t, "receiver": receiver.value, "sender": sender.value, "type": type(message).__name__,
-        "ask": ask, "body": _b64_str(encode(message)),
-        "reply": _b64_str(encode(reply)) if ask and reply is not None else None,
+        "ask": ask, "body": _b64_str(encode(message, numbering)),
+        "reply": _b64_str(encode(reply, numbering)) if ask and reply is not None else None,
         "error": f"{type(error).__name__}: {error}" if error is not None else None,
         "event": "delivery",
     }
-    return structlog.processors.JSONRenderer(serializer=dumps)(None, "info", event) + b"\n"
+    blobs = [{"blob": n, "data": _b64_str(data), "event": "blob"} for n, data in numbering.fresh]
+    numbering.fresh.clear()
+    render = structlog.processors.JSONRenderer(serializer=dumps)
+    return [render(None, "info", e) for e in (*blobs, event)]
 
 
 def _b64_str(data: bytes) -> str:
@@ -106,7 +135,7 @@ def logged_deliveries(tmp_path_factory: pytest.TempPathFactory) -> list[tuple]:
     path = tmp_path_factory.mktemp("bench-logging") / "run.log"
     log_scheduler_run(path, 12)
     out = _args(read_log(path).deliveries)
-    big = Indices.from_range(0, 20_000)  # 160 KB of indices: past _JOIN_MAX, written with writev
+    big = Indices.from_range(0, 20_000)  # 160 KB of indices: a blob, referred to twice
     n = len(out)
     out += [
         (n + 1, 1e-7, ActorName.HOST, ActorName.TREE, SetHostState(indices=big, state=HostSlotState.SYNCED),
@@ -117,6 +146,8 @@ def logged_deliveries(tmp_path_factory: pytest.TempPathFactory) -> list[tuple]:
          ValueError('bad "quote" \\ é ✓ \n line')),
         (n + 4, 2.5, ActorName.TREE, ActorName.FACADE, WriteDone(op_id=3, slots=4), False, WriteDone(op_id=5, slots=6),
          KeyError("k")),
+        (n + 5, 3.0, ActorName.TREE, ActorName.HOST, HostAllocated(op_id=7, indices=Indices.from_range(5, 300)),
+         True, HostAllocated(op_id=8, indices=Indices.from_range(5, 300)), None),
     ]
     return out
 
@@ -126,24 +157,25 @@ def _stdlib_json(obj, **_):
 
 
 @pytest.mark.parametrize("accelerated", [True, False], ids=["as-installed", "stdlib-only"])
-def test_delivery_lines_are_the_structlog_rendering_byte_for_byte(
+def test_delivery_and_blob_lines_are_the_structlog_rendering_byte_for_byte(
     logged_deliveries: list[tuple], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, accelerated: bool,
 ) -> None:
-    if not accelerated:  # the paths taken where orjson, pybase64 and writev are missing
+    if not accelerated:  # the paths taken where orjson and pybase64 are missing
         monkeypatch.setattr(_log, "_dumps", _stdlib_json)
         monkeypatch.setattr(_log, "_b64", _log._b64_stdlib)
-        monkeypatch.setattr(_log, "_WRITEV", False)
     path = tmp_path / "lines.log"
     log = _log.DeliveryLog(path, {"bench": "logging"})
     for args in logged_deliveries:
         log.delivery(*args)
-        log.delivery(*args)  # the second time from the cache of rendered fragments
+        log.delivery(*args)  # the second time from the cache of rendered fragments, its blobs known
     log.fault("write", "transfer_fault", None)
     log.close()
     lines = path.read_bytes().split(b"\n")
     assert lines[-1] == b"" and json.loads(lines[0])["event"] == "header"
     got = lines[1:-2]
-    want = [_structlog_line(a, _log._dumps)[:-1] for a in logged_deliveries for _ in range(2)]
+    numbering = _Numbering()
+    want = [line for a in logged_deliveries for _ in range(2) for line in _structlog_lines(a, _log._dumps, numbering)]
+    assert sum(b'"event":"blob"' in w for w in want) == 2  # the 160 KB indices and the 300 slots, once each
     assert len(got) == len(want)
     for g, w in zip(got, want, strict=True):
         assert g == w
@@ -153,8 +185,38 @@ def test_delivery_lines_are_the_structlog_rendering_byte_for_byte(
 def test_a_log_written_without_the_accelerators_replays(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_log, "_dumps", _stdlib_json)
     monkeypatch.setattr(_log, "_b64", _log._b64_stdlib)
-    monkeypatch.setattr(_log, "_WRITEV", False)
     path = tmp_path / "stdlib.log"
     log_scheduler_run(path, 6)
     result = replay_log(read_log(path))
     assert result.divergence is None and result.deliveries > 50
+
+
+def test_past_its_bound_the_writer_forgets_the_oldest_blobs_and_writes_a_repeat_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_log, "BLOBS_HELD_BYTES_MAX", 3 * 2048)
+    path = tmp_path / "bounded.log"
+    log = _log.DeliveryLog(path, {"bench": "logging"})
+    payloads = [Indices.from_range(1000 * i, 256) for i in range(5)]  # 2 KiB each: three are held
+    for seq, idx in enumerate([*payloads, payloads[4], payloads[0]], start=1):
+        log.delivery(seq, 0.0, ActorName.HOST, ActorName.TREE, FreeHostSlots(indices=idx), False, None, None)
+    log.close()
+    blobs = [x for x in map(json.loads, path.read_text().splitlines()) if x["event"] == "blob"]
+    # the fifth is still held when it repeats; the first was forgotten, so it is written again
+    assert [x["blob"] for x in blobs] == [0, 1, 2, 3, 4, 5]
+    assert blobs[5]["data"] == blobs[0]["data"]
+    got = [d.message.indices for d in _tick_deliveries(path, 0, path.stat().st_size)]
+    assert got == [*payloads, payloads[4], payloads[0]]
+
+
+def test_the_tick_of_the_logging_bench_reads_blobs_logged_before_it(tmp_path: Path) -> None:
+    path = tmp_path / "span.log"
+    log = _log.DeliveryLog(path, {"bench": "logging"})
+    idx = Indices.from_range(0, 512)
+    log.delivery(1, 0.0, ActorName.HOST, ActorName.TREE, FreeHostSlots(indices=idx), False, None, None)
+    log.flush()
+    start = path.stat().st_size
+    log.delivery(2, 0.0, ActorName.HOST, ActorName.TREE, FreeHostSlots(indices=idx), False, None, None)
+    log.close()
+    (d,) = _tick_deliveries(path, start, path.stat().st_size)
+    assert d.seq == 2 and d.message == FreeHostSlots(indices=idx)

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from hicache.actors import PagePool, pages_of
+from hicache.actors import PagePool, pages_of, slots_of_pages
 
 # -- PagePool --------------------------------------------------------------------
 
@@ -106,6 +106,15 @@ def test_pages_of_with_page_size_one_is_the_identity() -> None:
 def test_pages_of_nothing_is_empty() -> None:
     got = pages_of(torch.empty(0, dtype=torch.int64), 4, "test")
     assert got.numel() == 0 and got.dtype == torch.int64
+
+
+def test_slots_of_pages_lists_every_slot_of_each_page_in_page_order_and_inverts_pages_of() -> None:
+    pages = torch.tensor([2, 0])
+    slots = slots_of_pages(pages, 4)
+    assert slots.tolist() == [8, 9, 10, 11, 0, 1, 2, 3] and slots.dtype == torch.int64
+    assert pages_of(slots, 4, "test").tolist() == [2, 0]
+    assert slots_of_pages(torch.arange(100), 16).tolist() == list(range(1600))  # the vectorised path
+    assert slots_of_pages(torch.empty(0, dtype=torch.int64), 4).numel() == 0
 
 
 def test_a_count_that_is_not_whole_pages_is_refused_naming_the_caller() -> None:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from hicache.messages import CommitSlots, SlotDemand, decode, encode
-from hicache.runtime import DeterministicRuntime, HiCache
+from hicache.runtime import LOG_VERSION, DeterministicRuntime, HiCache
 from hicache.runtime import read_log, replay_log
 from hicache.runtime.cli import main
 from hicache.runtime.config import Config
@@ -34,6 +35,11 @@ def _lines(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def _blobs(lines: list[dict[str, Any]]) -> dict[int, bytes]:
+    """The blobs the log's bodies may refer to, by number."""
+    return {x["blob"]: base64.b64decode(x["data"]) for x in lines if x.get("event") == "blob"}
+
+
 def _write(path: Path, lines: list[dict[str, Any]]) -> None:
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
 
@@ -48,17 +54,18 @@ def threaded_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_every_delivery_is_one_json_line_with_a_re_decodable_body(threaded_log: Path) -> None:
     lines = _lines(threaded_log)
     header, rest = lines[0], lines[1:]
-    assert header["event"] == "header" and header["version"] == 1
+    blobs = _blobs(lines)
+    assert header["event"] == "header" and header["version"] == LOG_VERSION == 2
     assert header["config"]["page_size"] == 4 and "torch" in header["versions"]
     deliveries = [x for x in rest if x["event"] == "delivery"]
     assert len(deliveries) > 100
     assert sorted(x["seq"] for x in deliveries) == list(range(1, len(deliveries) + 1))
     for x in deliveries:
-        msg = decode(base64.b64decode(x["body"]))
+        msg = decode(base64.b64decode(x["body"]), blobs)
         assert type(msg).__name__ == x["type"]
         assert {"t", "receiver", "sender", "ask"} <= set(x)
     asks = [x for x in deliveries if x["ask"] and x["reply"]]
-    assert asks and all(decode(base64.b64decode(x["reply"])) is not None for x in asks)
+    assert asks and all(decode(base64.b64decode(x["reply"]), blobs) is not None for x in asks)
     assert {x["receiver"] for x in deliveries} >= {"tree", "device", "host", "write", "load", "facade"}
 
 
@@ -124,7 +131,9 @@ def test_until_and_dump_show_the_tree_at_a_chosen_point(threaded_log: Path, caps
     (lambda text: "", r"line 1: the log is empty"),
     (lambda text: text[: len(text) // 2], r"line \d+: the log is truncated"),
     (lambda text: text.replace('"event":"delivery"', '"event":"delivery" garbage', 1), r"line \d+: not a JSON object"),
-    (lambda text: text.replace('"version":1', '"version":99', 1), r"line 1: log version 99 is not supported"),
+    (lambda text: text.replace(f'"version":{LOG_VERSION}', '"version":99', 1), r"line 1: log version 99 is not supported"),
+    (lambda text: text.replace(f'"version":{LOG_VERSION}', '"version":1', 1),
+     r"line 1: log version 1 is not supported \(this hicache reads version 2; replay it with the hicache that wrote it"),
 ])
 def test_a_bad_log_is_one_clear_line_with_exit_code_2(threaded_log: Path, tmp_path: Path, capsys, damage: Any,
                                                      message: str) -> None:
@@ -154,3 +163,91 @@ def test_a_missing_delivery_is_reported_even_when_nothing_diverges_after_it(thre
 def test_replay_refuses_an_actor_it_cannot_replay(threaded_log: Path, capsys) -> None:
     assert main(["replay", str(threaded_log), "--actor", "facade"]) == 2
     assert "cannot be replayed; use one of tree, device, host, write, load" in capsys.readouterr().err
+
+
+# -- large payloads: blob lines ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def blob_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run whose prompts are pages of 64 tokens: token ids and slot indices of 1 KiB and more."""
+    path = tmp_path_factory.mktemp("logs") / "blobs.log"
+    cfg = Config(layers=2, kv_heads=1, head_dim=8, page_size=64, device_slots=64 * 24, host_slots=64 * 48,
+                 log_path=str(path))
+    with HiCache(cfg, runtime=DeterministicRuntime(seed=3)) as hc:
+        sched = ReferenceScheduler(hc, SchedulerConfig(max_running=4, prefill_tokens_per_tick=512,
+                                                       chunk_tokens=256, seed=3))
+        sched.submit(synthetic_workload(3, 10, 64))
+        sched.run()
+        hc.quiesce()
+    return path
+
+
+def test_a_large_payload_is_one_blob_line_that_later_lines_refer_to(blob_log: Path) -> None:
+    from hicache.runtime._log import BLOB_BYTES_MIN
+
+    lines = _lines(blob_log)
+    blobs = _blobs(lines)
+    assert blobs and sorted(blobs) == list(range(len(blobs)))  # numbered in order of appearance
+    assert all(len(data) >= BLOB_BYTES_MIN for data in blobs.values())
+    assert len(set(blobs.values())) == len(blobs)  # no payload is written twice
+    seen: set[int] = set()
+    for x in lines:
+        if x.get("event") == "blob":
+            seen.add(x["blob"])
+        elif x.get("event") == "delivery":  # what a body refers to came before it
+            decode(base64.b64decode(x["body"]), {n: blobs[n] for n in seen})
+
+
+def test_a_log_with_blobs_replays_with_no_divergence(blob_log: Path) -> None:
+    log = read_log(blob_log)
+    result = replay_log(log)
+    assert result.divergence is None and result.deliveries > 50
+    assert all(d.body == encode(d.message) for d in log.deliveries)  # bodies are whole again
+
+
+def test_changing_a_blob_is_a_divergence_at_the_first_delivery_that_refers_to_it(blob_log: Path, tmp_path: Path,
+                                                                                capsys) -> None:
+    lines = _lines(blob_log)
+    blobs = _blobs(lines)
+    deliveries = sorted((x for x in lines if x.get("event") == "delivery"), key=lambda x: x["seq"])
+    # slots the device handed out, logged as a blob: the replayed device hands out the real ones
+    first = next(x for x in deliveries if x["type"] == "AllocateSlots" and _referred(x, blobs))
+    number = min(_referred(first, blobs))
+    assert all(number not in _referred(x, blobs) for x in deliveries if x["seq"] < first["seq"])
+    blob = next(x for x in lines if x.get("blob") == number)
+    data = bytearray(base64.b64decode(blob["data"]))
+    data[0] ^= 1  # another slot
+    blob["data"] = base64.b64encode(bytes(data)).decode()
+    bad = tmp_path / "blob-changed.log"
+    _write(bad, lines)
+    assert main(["replay", str(bad), "--json"]) == 1
+    div = json.loads(capsys.readouterr().out)["divergence"]
+    assert div["seq"] == first["seq"] and div["actor"] == "device"
+
+
+def _referred(line: dict[str, Any], blobs: dict[int, bytes]) -> set[int]:
+    """The blob numbers a delivery line refers to."""
+    counted: set[int] = set()
+
+    class Tracking(dict):  # type: ignore[type-arg]
+        def get(self, key: Any, default: Any = None) -> Any:
+            counted.add(key)
+            return super().get(key, default)
+
+    for field in ("body", "reply"):
+        if line.get(field):
+            decode(base64.b64decode(line[field]), Tracking(blobs))
+    return counted
+
+
+def test_a_body_that_refers_to_a_blob_the_log_lacks_is_a_corrupt_delivery(blob_log: Path, tmp_path: Path,
+                                                                         capsys) -> None:
+    lines = _lines(blob_log)
+    dropped = next(x for x in lines if x.get("event") == "blob")
+    bad = tmp_path / "blob-missing.log"
+    _write(bad, [x for x in lines if x is not dropped])
+    assert main(["replay", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert re.search(rf"line \d+: corrupt delivery: the payload refers to blob {dropped['blob']}, which is not among",
+                     err), err

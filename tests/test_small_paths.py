@@ -1,0 +1,143 @@
+"""The Python-int paths the cores take on a few slots do what the vectorised torch paths do.
+
+Each property runs the same calls twice, once as shipped and once with `SMALL_SLOTS_MAX`
+at 0 (every call vectorised), and compares results, final states and error messages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import hicache.actors._device_core as device_core_module
+import hicache.actors._host_core as host_core_module
+import hicache.actors._kv as kv_module
+import hicache.actors._pages as pages_module
+from hicache.actors import DeviceCore, HostCore
+from hicache.messages import HostSlotState, ReleaseReason
+from hicache.runtime import Config
+
+PURE_FIXTURE = [HealthCheck.function_scoped_fixture]
+"""`make_config` is a pure function: reusing it across examples is safe."""
+
+
+def _both(run: Callable[[], Any]) -> tuple[Any, Any]:
+    """`run()` with the small paths, then with every call vectorised: what each returned or raised."""
+
+    def outcome() -> Any:
+        try:
+            got = run()
+        except (ValueError, RuntimeError) as err:
+            return type(err).__name__, str(err)
+        return got
+
+    small = outcome()
+    with pytest.MonkeyPatch.context() as mp:
+        for module in (pages_module, host_core_module, device_core_module, kv_module):
+            mp.setattr(module, "SMALL_SLOTS_MAX", 0)
+        vectorised = outcome()
+    return small, vectorised
+
+
+@settings(max_examples=200, deadline=None)
+@given(slots=st.lists(st.integers(-2, 40), max_size=16), page_size=st.sampled_from([1, 2, 4]))
+def test_pages_of_agrees(slots: list[int], page_size: int) -> None:
+    small, vectorised = _both(lambda: pages_module.pages_of(torch.tensor(slots, dtype=torch.int64), page_size,
+                                                            "slots").tolist())
+    assert small == vectorised
+
+
+@settings(max_examples=200, deadline=None)
+@given(pages=st.lists(st.integers(0, 40), max_size=24), page_size=st.sampled_from([1, 2, 4, 16]))
+def test_slots_of_pages_agrees(pages: list[int], page_size: int) -> None:
+    small, vectorised = _both(lambda: pages_module.slots_of_pages(torch.tensor(pages, dtype=torch.int64),
+                                                                  page_size).tolist())
+    assert small == vectorised
+
+
+@settings(max_examples=200, deadline=None)
+@given(pairs=st.lists(st.tuples(st.integers(0, 12), st.integers(0, 12)), max_size=20))
+def test_runs_agree(pairs: list[tuple[int, int]]) -> None:
+    a = torch.tensor([p[0] for p in pairs], dtype=torch.int64)
+    b = torch.tensor([p[1] for p in pairs], dtype=torch.int64)
+    small, vectorised = _both(lambda: kv_module.runs(a, b))
+    assert small == vectorised
+
+
+_HOST_CALLS = st.lists(st.tuples(st.sampled_from(["allocate", "transition", "free"]), st.integers(0, 3),
+                                 st.sampled_from(list(HostSlotState)), st.integers(0, 8)), max_size=25)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=PURE_FIXTURE)
+@given(calls=_HOST_CALLS)
+def test_host_moves_agree(make_config: Callable[..., Config], calls: list[tuple[str, int, HostSlotState, int]]) -> None:
+    def run() -> Any:
+        core = HostCore(make_config(page_size=4, device_pages=4, host_pages=8))
+        held: list[torch.Tensor] = []
+        trail = []
+        for what, pick, state, n in calls:
+            try:
+                if what == "allocate":
+                    got = core.allocate(4 * (n % 3))
+                    if got is not None:
+                        held.append(got)
+                    trail.append(None if got is None else got.tolist())
+                elif held:
+                    slots = held[pick % len(held)][: 4 * (1 + n % 2)]
+                    if what == "transition":
+                        core.transition(slots, state)
+                    else:
+                        core.free(slots)
+                    trail.append(what)
+            except (ValueError, RuntimeError) as err:
+                trail.append(str(err))
+        return trail, core.counts(), core.states(torch.arange(32)).tolist()
+
+    small, vectorised = _both(run)
+    assert small == vectorised
+
+
+_DEVICE_CALLS = st.lists(st.tuples(st.sampled_from(["allocate", "commit", "swap", "release", "load", "adopt",
+                                                    "free"]), st.integers(0, 2), st.integers(0, 9)), max_size=25)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=PURE_FIXTURE)
+@given(calls=_DEVICE_CALLS)
+def test_device_calls_agree(make_config: Callable[..., Config], calls: list[tuple[str, int, int]]) -> None:
+    def run() -> Any:
+        core = DeviceCore(make_config(page_size=4, device_pages=16))
+        loads: list[torch.Tensor] = []
+        trail = []
+        for what, r, n in calls:
+            rid = f"r{r}"
+            try:
+                if what == "allocate":
+                    got = core.allocate([(rid, n)])
+                    trail.append(got if not isinstance(got, dict) else {k: v.tolist() for k, v in got.items()})
+                elif what == "commit":
+                    trail.append(core.commit(rid, n % 5))
+                elif what == "swap":
+                    slots = torch.arange(4 * (n % 3), 4 * (n % 3) + 4)
+                    trail.append(core.swap(rid, slots[: 4 * (n % 2)], slots[4 * (n % 2):]))
+                elif what == "release":
+                    trail.append(core.release(rid, torch.arange(4 * (n % 2)), ReleaseReason.FINISHED))
+                elif what == "load":
+                    got = core.allocate_load(n)
+                    if isinstance(got, torch.Tensor):
+                        loads.append(got)
+                    trail.append(got if not isinstance(got, torch.Tensor) else got.tolist())
+                elif loads:
+                    slots = loads[r % len(loads)]
+                    (core.adopt_loaded if what == "adopt" else core.free_tree)(slots)
+                    trail.append(what)
+            except (ValueError, RuntimeError) as err:
+                trail.append(f"{type(err).__name__}: {err}")
+        return trail, core.counts(), core._owner.tolist()
+
+    small, vectorised = _both(run)
+    assert small == vectorised
