@@ -264,6 +264,8 @@ record once `_put_other` has seen it; any other type goes to `_put_other`."""
 # `dataclasses.fields` and `cls(**dict(zip(...)))` are several times slower.
 _ENCODERS: dict[type, Callable[[Any, _Parts, BlobRefs | None], None]] = {}
 _DECODERS: dict[int, Callable[[tuple[Any, ...]], Message]] = {}
+_FIELDS: dict[int, tuple[str, ...]] = {}
+"""Per type code: its class's field names (`dataclasses.fields` is slow to ask per message)."""
 
 
 def _compile(code: int, cls: type[Message]) -> None:
@@ -279,6 +281,7 @@ def _compile(code: int, cls: type[Message]) -> None:
     exec(dec_src, scope)  # noqa: S102
     _ENCODERS[cls] = scope["enc"]
     _DECODERS[code] = scope["dec"]
+    _FIELDS[code] = names
 
 
 def _encoder_for(cls: type) -> Callable[[Any, _Parts, BlobRefs | None], None]:
@@ -359,16 +362,16 @@ def _build(values: Any) -> Message:
             f"unknown message type code {code}; {len(MESSAGE_TYPES)} codes are registered "
             "(is the sender a newer version, or was its module not imported?)"
         )
-    names = field_names(cls)
+    dec = _DECODERS.get(code)
+    if dec is None:
+        _compile(code, cls)
+        dec = _DECODERS[code]
+    names = _FIELDS[code]
     if len(values) - 1 != len(names):
         raise CodecError(
             f"malformed {cls.__name__} (type code {code}): {len(values) - 1} values for "
             f"{len(names)} fields {names}"
         )
-    dec = _DECODERS.get(code)
-    if dec is None:
-        _compile(code, cls)
-        dec = _DECODERS[code]
     try:
         return dec(values)
     except (TypeError, ValueError) as err:
