@@ -88,6 +88,7 @@ from hicache.runtime.config import Config, PrefetchPolicy, StorageKind, WritePol
 from ._errors import InvariantError
 from ._facts import KINDS, Facts
 from ._radix import BACKED, RESIDENT, Node, NodeState, RadixTree
+from ._storage import page_keys
 
 DEVICE, HOST, WRITE, LOAD, FACADE = ActorName.DEVICE, ActorName.HOST, ActorName.WRITE, ActorName.LOAD, ActorName.FACADE
 PREFETCH = ActorName.PREFETCH
@@ -555,7 +556,8 @@ class TreeCore:
             return 0
         op = self._next_id()
         toks = tokens[start : start + want].clone()
-        pf = _Prefetch(op, item.request_id, anchor, toks, _keys(self.tree.chain(anchor, toks), cfg.tp_rank),
+        keys = tuple(page_keys(self.tree.chain(anchor, toks), cfg.tp_rank))
+        pf = _Prefetch(op, item.request_id, anchor, toks, keys,
                        want, self._now(), self._timeout(want))
         self._prefetches[op] = pf
         self._prefetch_of[item.request_id] = op
@@ -748,7 +750,7 @@ class TreeCore:
         self.tree.pin_host(node, +1)
         self._stores[op] = node
         self.facts.expect("backup", op)
-        self._emit(PREFETCH, StorePages(op_id=op, keys=_keys(node.hashes, self.config.tp_rank),
+        self._emit(PREFETCH, StorePages(op_id=op, keys=tuple(page_keys(node.hashes, self.config.tp_rank)),
                                         host=Indices.from_tensor(node.host)))
 
     def _stored(self, op: int, pages: int) -> None:
@@ -1075,12 +1077,6 @@ class TreeCore:
                     f"tree: no request and no write holds a lock, yet {held[:3]} are locked and "
                     f"{self.tree.protected_tokens} tokens protected (a leaked lock ref)"
                 )
-
-
-def _keys(hashes: Sequence[int], rank: int) -> tuple[str, ...]:
-    """Storage keys: the namespace-seeded page-hash chain plus the rank (each rank holds its own
-    heads' KV of a page)."""
-    return tuple(f"{h & 0xFFFFFFFFFFFFFFFF:016x}-r{rank}" for h in hashes)
 
 
 def _cat(parts: Sequence[torch.Tensor | None]) -> Indices:

@@ -264,7 +264,7 @@ class ReferenceScheduler:
         prefetching = set(self.hc.prefetching)
         while self.waiting and room > 0:
             nxt = self.waiting[0]
-            spec = nxt if isinstance(nxt, ServeRequest) else nxt.spec
+            spec = _spec(nxt)
             if spec.request_id in prefetching:
                 break  # its prefetch may not terminate yet: it holds the queue
             need = len(nxt.prompt) if isinstance(nxt, ServeRequest) else len(nxt.seq)
@@ -279,12 +279,12 @@ class ReferenceScheduler:
             return None
         reqs = []
         for item in batch:
-            spec = item if isinstance(item, ServeRequest) else item.spec
+            spec = _spec(item)
             seq = spec.prompt.tolist() if isinstance(item, ServeRequest) else item.seq
             reqs.append(Request(spec.request_id, seq[:-1], spec.namespace))
         results = self.hc.admit(reqs)
         for item, res in zip(batch, results, strict=True):
-            spec = item if isinstance(item, ServeRequest) else item.spec
+            spec = _spec(item)
             seq = spec.prompt.tolist() if isinstance(item, ServeRequest) else item.seq
             outputs = 0 if isinstance(item, ServeRequest) else item.outputs
             cached = res.cached_tokens
