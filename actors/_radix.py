@@ -10,8 +10,11 @@ Plain and synchronous; `TreeCore` drives it. What it guarantees:
 - `lock` counts a lock up the whole path; `protected_tokens` (device tokens under
   a lock) and `evictable_tokens` (device tokens under none) are kept exact on every
   change, and `check_invariants` recomputes them.
-- Index arrays are copied (`clone`) at split and insert, so no node holds a view
-  that keeps a large parent tensor alive.
+- Keys and slots are immutable values: a node's tokens are the little-endian int64
+  bytes of its token ids (`Node.key`, the bytes inside a `Tokens`), its device and
+  host slots are `Indices`. Slicing one copies exactly its part, so no node keeps a
+  larger buffer alive, and the tree runs on bytes and Python ints (no tensor op per
+  message: a page key is a bytes slice, a match is a `startswith`).
 - Each page has a hash chained from its parent page's hash, seeded by the namespace.
 - Eviction order is kept incrementally: a heap of (policy key, version) entries
   with lazy deletion; a node is re-offered whenever it may have become evictable
@@ -32,8 +35,7 @@ import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-import torch
-
+from hicache.messages import Indices
 from hicache.runtime.config import EvictionPolicy
 
 from ._errors import InvariantError
@@ -50,6 +52,10 @@ class NodeState(enum.Enum):
     """In host memory only."""
     LOADING = "loading"
     """In host memory; device slots are being filled from it."""
+
+    # Members are singletons compared by identity: hash them the same way, in C (Enum's own
+    # hash is a Python call on the name, paid at every `state in RESIDENT`).
+    __hash__ = object.__hash__
 
 
 _N = NodeState
@@ -82,14 +88,17 @@ class Node:
     id: int
     namespace: str
     parent: Node | None
-    key: torch.Tensor
-    """Token ids, a whole number of pages (empty for a root)."""
+    key: bytes
+    """Token ids as little-endian int64 bytes, a whole number of pages (empty for a root)."""
+    tokens: int
+    """Tokens of the key (`len(key) // 8`)."""
     hashes: tuple[int, ...]
     """One chained hash per page."""
     state: NodeState
-    device: torch.Tensor | None = None
-    host: torch.Tensor | None = None
-    children: dict[tuple[int, ...], Node] = field(default_factory=dict)
+    device: Indices | None = None
+    host: Indices | None = None
+    children: dict[bytes, Node] = field(default_factory=dict)
+    """Child by the bytes of its first page."""
     lock_ref: int = 0
     host_ref: int = 0
     """Pins of the host copy (prefetch anchors, backups to storage)."""
@@ -105,9 +114,9 @@ class Node:
     version: int = 0
     alive: bool = True
 
-    @property
-    def tokens(self) -> int:
-        return self.key.shape[0]
+    def token_ids(self) -> list[int]:
+        """The key's token ids."""
+        return list(struct.unpack(f"<{self.tokens}q", self.key))
 
     @property
     def is_root(self) -> bool:
@@ -130,7 +139,7 @@ class HostInsert:
 
     new: list[Node]
     """Host-only nodes created for them (their slots are the tree's now)."""
-    unused: list[torch.Tensor]
+    unused: list[Indices]
     """Slots not taken: pages the tree already held, and pages past a node that is not backed up."""
 
 
@@ -140,9 +149,9 @@ class InsertOutcome:
     """Every node the inserted prefix now runs through, root excluded."""
     present: int
     """Tokens already cached (device, host or loading) before the insert."""
-    adopted: list[torch.Tensor]
+    adopted: list[Indices]
     """Slots of the caller that the tree now owns (new nodes, revived host-only nodes)."""
-    duplicates: list[torch.Tensor]
+    duplicates: list[Indices]
     """Slots of the caller whose KV the tree already holds in other slots."""
     revived: list[Node]
     """Host-only nodes that got the caller's device slots (now SYNCED)."""
@@ -166,6 +175,7 @@ class _Where:
 class RadixTree:
     def __init__(self, page_size: int, policy: EvictionPolicy) -> None:
         self.page_size = page_size
+        self._page_bytes = 8 * page_size
         self.policy = policy
         self._roots: dict[str, Node] = {}
         self._ids = itertools.count(1)
@@ -187,66 +197,72 @@ class RadixTree:
         root = self._roots.get(namespace)
         if root is None:
             seed = int.from_bytes(hashlib.blake2b(namespace.encode(), digest_size=8).digest(), "little")
-            root = Node(id=0, namespace=namespace, parent=None, key=torch.empty(0, dtype=torch.int64),
-                        hashes=(seed,), state=NodeState.DEVICE)
+            root = Node(id=0, namespace=namespace, parent=None, key=b"", tokens=0, hashes=(seed,),
+                        state=NodeState.DEVICE)
             self._roots[namespace] = root
         return root
 
     def roots(self) -> list[Node]:
         return [self._roots[ns] for ns in sorted(self._roots)]
 
-    def match(self, namespace: str, tokens: torch.Tensor) -> list[Node]:
+    def match(self, namespace: str, tokens: Indices) -> list[Node]:
         """The nodes of the longest cached page-aligned prefix, splitting the last if needed."""
         self._tick += 1
         path: list[Node] = []
         node = self.root(namespace)
-        pos, n = 0, len(tokens) - len(tokens) % self.page_size
-        while pos < n:
-            child = node.children.get(self._page_key(tokens, pos))
+        data = tokens.to_bytes()
+        step = self._page_bytes
+        at, end = 0, len(data) - len(data) % step
+        while at < end:
+            child = node.children.get(data[at : at + step])
             if child is None:
                 break
-            same = self._common(child.key, tokens[pos:n])
+            same = self._common(child.key, data, at, end)
             partial = same < child.tokens
             if partial:
                 child = self.split(child, same)
             child.last_access = self._tick
             self.offer(child)  # its eviction key changed (LRU, LFU and PRIORITY use the access time)
             path.append(child)
-            pos += child.tokens
+            at += 8 * child.tokens
             node = child
             if partial:
                 break
         return path
 
     def insert(
-        self, namespace: str, tokens: torch.Tensor, device: torch.Tensor, *, own_from: int = 0, priority: int = 0
+        self, namespace: str, tokens: Indices, device: Indices, *, own_from: int = 0, priority: int = 0
     ) -> InsertOutcome:
         """Insert `tokens` (whole pages) whose KV sits in `device` slots.
 
         Slots of positions below `own_from` came from the tree itself (the caller's
         cached prefix): they are never adopted or reported as duplicates."""
         p = self.page_size
-        if len(tokens) % p or len(device) != len(tokens):
-            raise ValueError(f"insert needs whole pages with one slot per token, got {len(tokens)} tokens, {len(device)} slots")
+        n = len(tokens)
+        if n % p or len(device) != n:
+            raise ValueError(f"insert needs whole pages with one slot per token, got {n} tokens, {len(device)} slots")
         self._tick += 1
         out = InsertOutcome(path=[], present=0, adopted=[], duplicates=[], revived=[])
         node = self.root(namespace)
-        pos, n = 0, len(tokens)
+        data = tokens.to_bytes()
+        step = self._page_bytes
+        pos = 0
         while pos < n:
-            child = node.children.get(self._page_key(tokens, pos))
+            at = 8 * pos
+            child = node.children.get(data[at : at + step])
             if child is None:
                 if pos < own_from:
                     raise InvariantError(
                         f"insert: the caller's cached prefix ({own_from} tokens) is no longer in the tree at "
                         f"{pos}; its nodes were locked and cannot have been evicted"
                     )
-                new = self._new_node(node, tokens[pos:n].clone(), NodeState.DEVICE, priority)
-                new.device = device[pos:n].clone()
+                new = self._new_node(node, data[at:], NodeState.DEVICE, priority)
+                new.device = device[pos:n]
                 self._attach(new)
                 out.adopted.append(new.device)
                 out.path.append(new)
                 break
-            same = self._common(child.key, tokens[pos:n])
+            same = self._common(child.key, data, at, len(data))
             if pos < own_from < pos + same:
                 same = own_from - pos  # keep the tree's part and the caller's part in separate nodes
             if same < child.tokens:
@@ -265,16 +281,16 @@ class RadixTree:
             self.offer(nd)
         return out
 
-    def _absorb(self, node: Node, mine: torch.Tensor, out: InsertOutcome) -> None:
+    def _absorb(self, node: Node, mine: Indices, out: InsertOutcome) -> None:
         """The caller's slots for an existing node: the node's own, duplicates, or a revival."""
         out.present += node.tokens
         if node.device is not None:
-            foreign = mine != node.device
-            if bool(foreign.any()):
-                out.duplicates.append(mine[foreign].clone())
+            if mine != node.device:  # the caller computed KV the tree holds: its differing slots are spare
+                a, b = mine.to_bytes(), node.device.to_bytes()
+                out.duplicates.append(Indices(b"".join(a[i : i + 8] for i in range(0, len(a), 8) if a[i : i + 8] != b[i : i + 8])))
         elif node.state is NodeState.HOST_ONLY:
             self._account(node, -1)
-            node.device = mine.clone()
+            node.device = mine
             self._move(node, NodeState.SYNCED)
             self._account(node, +1)
             out.adopted.append(node.device)
@@ -291,20 +307,22 @@ class RadixTree:
         pages = at // self.page_size
         self._account(node, -1)
         upper = Node(
-            id=next(self._ids), namespace=node.namespace, parent=parent, key=node.key[:at].clone(),
+            id=next(self._ids), namespace=node.namespace, parent=parent, key=node.key[: 8 * at], tokens=at,
             hashes=node.hashes[:pages], state=node.state,
-            device=None if node.device is None else node.device[:at].clone(),
-            host=None if node.host is None else node.host[:at].clone(),
+            device=None if node.device is None else node.device[:at],
+            host=None if node.host is None else node.host[:at],
             lock_ref=node.lock_ref, host_ref=node.host_ref, hit_count=node.hit_count,
             last_access=node.last_access, created=node.created, priority=node.priority, op=node.op,
             stored=node.stored,
         )
-        node.key = node.key[at:].clone()
+        node.key = node.key[8 * at :]
+        node.tokens -= at
         node.hashes = node.hashes[pages:]
-        node.device = None if node.device is None else node.device[at:].clone()
-        node.host = None if node.host is None else node.host[at:].clone()
-        parent.children[self._page_key(upper.key, 0)] = upper
-        upper.children[self._page_key(node.key, 0)] = node
+        node.device = None if node.device is None else node.device[at:]
+        node.host = None if node.host is None else node.host[at:]
+        step = self._page_bytes
+        parent.children[upper.key[:step]] = upper
+        upper.children[node.key[:step]] = node
         node.parent = upper
         self.nodes += 1
         self._account(upper, +1)
@@ -319,7 +337,7 @@ class RadixTree:
             raise InvariantError(f"only a leaf can be removed, not {node} with {len(node.children)} children")
         self._account(node, -1)
         parent = node.parent
-        del parent.children[self._page_key(node.key, 0)]
+        del parent.children[node.key[: self._page_bytes]]
         node.alive = False
         self.nodes -= 1
         self.offer(parent)
@@ -335,9 +353,9 @@ class RadixTree:
         if node.parent is not None:
             self.offer(node.parent)
 
-    def start_load(self, node: Node, device: torch.Tensor) -> None:
+    def start_load(self, node: Node, device: Indices) -> None:
         """HOST_ONLY -> LOADING with the device slots the load fills."""
-        self._change(node, NodeState.LOADING, device=device.clone())
+        self._change(node, NodeState.LOADING, device=device)
 
     def fail_load(self, node: Node) -> None:
         """LOADING -> HOST_ONLY: the load failed, its device slots are given back."""
@@ -347,13 +365,13 @@ class RadixTree:
         """SYNCED -> HOST_ONLY: the device copy is dropped; the host copy is synced."""
         self._change(node, NodeState.HOST_ONLY, device=None)
 
-    def set_host(self, node: Node, host: torch.Tensor | None) -> None:
+    def set_host(self, node: Node, host: Indices | None) -> None:
         """Give a WRITING node its host slots, or take them back (a failed write)."""
         self._account(node, -1)
-        node.host = None if host is None else host.clone()
+        node.host = host
         self._account(node, +1)
 
-    def _change(self, node: Node, to: NodeState, *, device: torch.Tensor | None) -> None:
+    def _change(self, node: Node, to: NodeState, *, device: Indices | None) -> None:
         self._require_move(node, to)
         self._account(node, -1)
         self._move(node, to)
@@ -464,13 +482,13 @@ class RadixTree:
 
     # -- helpers -------------------------------------------------------------------------
 
-    def _new_node(self, parent: Node, key: torch.Tensor, state: NodeState, priority: int) -> Node:
-        node = Node(id=next(self._ids), namespace=parent.namespace, parent=parent, key=key,
+    def _new_node(self, parent: Node, key: bytes, state: NodeState, priority: int) -> Node:
+        node = Node(id=next(self._ids), namespace=parent.namespace, parent=parent, key=key, tokens=len(key) // 8,
                     hashes=self._chain(parent.hashes[-1], key), state=state, hit_count=1,
                     last_access=self._tick, created=next(self._seq), priority=priority)
         return node
 
-    def insert_host(self, anchor: Node, tokens: torch.Tensor, host: torch.Tensor) -> HostInsert:
+    def insert_host(self, anchor: Node, tokens: Indices, host: Indices) -> HostInsert:
         """Attach pages that arrived from storage below `anchor` (whose end they follow) as
         host-only nodes. Pages already in the tree are not taken; the walk stops at a node
         that is not backed up, since a host-only child under it would break backup
@@ -482,19 +500,21 @@ class RadixTree:
             raise InvariantError(f"prefetch anchor {anchor} must be alive and backed up (or a root)")
         self._tick += 1
         out = HostInsert(new=[], unused=[])
+        data, step = tokens.to_bytes(), self._page_bytes
         node, pos, n = anchor, 0, len(tokens)
         while pos < n:
-            child = node.children.get(self._page_key(tokens, pos))
+            at = 8 * pos
+            child = node.children.get(data[at : at + step])
             if child is None:
-                new = self._new_node(node, tokens[pos:n].clone(), NodeState.HOST_ONLY, 0)
-                new.host = host[pos:n].clone()
+                new = self._new_node(node, data[at:], NodeState.HOST_ONLY, 0)
+                new.host = host[pos:n]
                 new.stored = True
                 self._attach(new)
                 out.new.append(new)
                 return out
             if child.state not in BACKED:
                 break
-            same = self._common(child.key, tokens[pos:n])
+            same = self._common(child.key, data, at, len(data))
             if same < child.tokens:
                 child = self.split(child, same)
             child.last_access = self._tick
@@ -506,13 +526,13 @@ class RadixTree:
             out.unused.append(host[pos:n])
         return out
 
-    def chain(self, node: Node, tokens: torch.Tensor) -> tuple[int, ...]:
+    def chain(self, node: Node, tokens: Indices) -> tuple[int, ...]:
         """Page hashes of `tokens` (whole pages) continuing the chain after `node`."""
-        return self._chain(node.hashes[-1], tokens)
+        return self._chain(node.hashes[-1], tokens.to_bytes())
 
     def _attach(self, node: Node) -> None:
         assert node.parent is not None
-        node.parent.children[self._page_key(node.key, 0)] = node
+        node.parent.children[node.key[: self._page_bytes]] = node
         self.nodes += 1
         self._account(node, +1)
         self.offer(node)
@@ -530,20 +550,26 @@ class RadixTree:
         if node.host is not None:
             self.host_tokens += sign * node.tokens
 
-    def _page_key(self, tokens: torch.Tensor, pos: int) -> tuple[int, ...]:
-        return tuple(tokens[pos : pos + self.page_size].tolist())
+    def _common(self, key: bytes, data: bytes, at: int, end: int) -> int:
+        """Tokens of `key` (whole pages) equal to `data[at:end]`'s start, floored to a page.
 
-    def _common(self, key: torch.Tensor, tokens: torch.Tensor) -> int:
-        """Tokens of `key` matching the start of `tokens`, floored to a page."""
-        m = min(len(key), len(tokens))
-        diff = (key[:m] != tokens[:m]).nonzero()
-        same = int(diff[0, 0]) if len(diff) else m
-        return same - same % self.page_size
+        Usually the whole key matches (one `startswith`, no copy); otherwise a binary
+        search over whole pages, each probe one comparison in C."""
+        if data.startswith(key, at, end):
+            return len(key) // 8
+        step = self._page_bytes
+        lo, hi = 0, min(len(key), end - at) // step  # the first `lo` pages match; none past `hi`
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if data.startswith(key[: mid * step], at):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo * self.page_size
 
-    def _chain(self, prev: int, key: torch.Tensor) -> tuple[int, ...]:
+    def _chain(self, prev: int, data: bytes) -> tuple[int, ...]:
         """hash(page) = blake2b(parent page hash || page token bytes), one per page."""
-        data = struct.pack(f"<{key.shape[0]}q", *key.tolist())
-        step = 8 * self.page_size
+        step = self._page_bytes
         out = []
         for at in range(0, len(data), step):
             digest = hashlib.blake2b(prev.to_bytes(8, "little") + data[at : at + step], digest_size=8)
@@ -556,8 +582,7 @@ class RadixTree:
         stack = [r for r in self.roots()]
         while stack:
             node = stack.pop()
-            for key in sorted(node.children, reverse=True):
-                child = node.children[key]
+            for _, child in sorted(((_page_ids(k), c) for k, c in node.children.items()), reverse=True):
                 yield child
                 stack.append(child)
 
@@ -571,8 +596,10 @@ class RadixTree:
             parent = node.parent
             assert parent is not None
             where = _Where(node)
-            if parent.children.get(self._page_key(node.key, 0)) is not node:
+            if parent.children.get(node.key[: self._page_bytes]) is not node:
                 raise InvariantError(f"{where} is not its parent's child under its first page")
+            if node.tokens != len(node.key) // 8 or len(node.key) % 8:
+                raise InvariantError(f"{where}: a key of {len(node.key)} bytes is not {node.tokens} int64 token ids")
             if node.tokens == 0 or node.tokens % p or len(node.hashes) != node.tokens // p:
                 raise InvariantError(f"{where}: {node.tokens} tokens / {len(node.hashes)} hashes are not whole pages")
             if node.hashes != self._chain(parent.hashes[-1], node.key):
@@ -596,9 +623,9 @@ class RadixTree:
                 raise InvariantError(f"{where}: lock ref below its children's (locks count up the path)")
             if node.resident_children != sum(c.state in RESIDENT for c in node.children.values()):
                 raise InvariantError(f"{where}: resident child count is stale")
-            for t in (node.device, node.host, node.key):
-                if t is not None and t.untyped_storage().nbytes() != t.numel() * t.element_size():
-                    raise InvariantError(f"{where}: holds a view of a larger tensor")
+            for what, slots in (("device", node.device), ("host", node.host)):
+                if slots is not None and type(slots) is not Indices:
+                    raise InvariantError(f"{where}: {what} slots are a {type(slots).__name__}, not Indices")
             if resident:
                 device += node.tokens
                 if node.lock_ref > 0:
@@ -613,3 +640,8 @@ class RadixTree:
             raise InvariantError(
                 f"tree counters (nodes, device, host, protected, evictable) are {want} but the tree holds {got}"
             )
+
+
+def _page_ids(page: bytes) -> tuple[int, ...]:
+    """A page key's token ids: children are walked in token order."""
+    return struct.unpack(f"<{len(page) // 8}q", page)

@@ -11,6 +11,9 @@ the prefetcher only reports.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from hicache.messages import (
     ActorName,
     AdmitRequests,
@@ -51,17 +54,52 @@ from hicache.runtime.config import Config
 from ._tree_core import TreeCore
 
 
-_SENDER: dict[type[Message], ActorName] = {
-    **dict.fromkeys((AdmitRequests, FinishRequests, CacheUnfinished, EvictDevice, EvictHost, PrefetchRequests,
-                     PrefetchStates, TerminatePrefetches, SettlePrefetches, ReportFacts, ApplyFacts, DigestTree),
-                    ActorName.FACADE),
-    **dict.fromkeys((PrefetchHit, PrefetchProgress, PrefetchStopped, PagesStored), ActorName.PREFETCH),
-    **dict.fromkeys((SlotsAllocated, SlotsInsufficient, RequestsReleased, RequestPagesSwapped), ActorName.DEVICE),
-    **dict.fromkeys((HostAllocated, HostInsufficient), ActorName.HOST),
-    **dict.fromkeys((WriteDone, WriteFailed), ActorName.WRITE),
-    **dict.fromkeys((LoadDone, LoadFailed), ActorName.LOAD),
+FACADE, PREFETCH, DEVICE, HOST = ActorName.FACADE, ActorName.PREFETCH, ActorName.DEVICE, ActorName.HOST
+WRITE, LOAD = ActorName.WRITE, ActorName.LOAD
+_Route = tuple[ActorName, Callable[[TreeCore, Any], None]]
+
+
+def _readiness(core: TreeCore, m: PrefetchStates) -> None:
+    core.outbox.append((FACADE, PrefetchReadiness(op_id=m.op_id, ready=core.prefetch_states(m.request_ids))))
+
+
+def _apply_facts(core: TreeCore, m: ApplyFacts) -> None:
+    core.apply_facts(m.counts, m.values)
+    core.outbox.append((FACADE, FactsApplied(op_id=m.op_id)))
+
+
+_ROUTES: dict[type[Message], _Route] = {
+    # the facade's verbs
+    AdmitRequests: (FACADE, lambda core, m: core.admit(m.op_id, m.items)),
+    FinishRequests: (FACADE, lambda core, m: core.finish(m.op_id, m.items)),
+    CacheUnfinished: (FACADE, lambda core, m: core.cache_unfinished(m.op_id, m.items)),
+    EvictDevice: (FACADE, lambda core, m: core.evict_device(m.op_id, m.tokens)),
+    EvictHost: (FACADE, lambda core, m: core.evict_host(m.op_id, m.tokens)),
+    PrefetchRequests: (FACADE, lambda core, m: core.prefetch(m.op_id, m.items)),
+    PrefetchStates: (FACADE, _readiness),
+    TerminatePrefetches: (FACADE, lambda core, m: core.terminate_prefetches(m.op_id, m.request_ids, m.reason)),
+    SettlePrefetches: (FACADE, lambda core, m: core.settle_prefetches(m.op_id, m.request_ids, m.pages)),
+    ReportFacts: (FACADE, lambda core, m: core.report_facts(m.op_id)),
+    ApplyFacts: (FACADE, _apply_facts),
+    DigestTree: (FACADE, lambda core, m: core.digest(m.op_id)),
+    # replies and acks
+    SlotsAllocated: (DEVICE, lambda core, m: core.on_load_slots(m.op_id, m.grants[0].indices, 0)),
+    SlotsInsufficient: (DEVICE, lambda core, m: core.on_load_slots(m.op_id, None, m.shortfall_slots)),
+    RequestsReleased: (DEVICE, lambda core, m: core.on_released(m.op_id, m.entries)),
+    RequestPagesSwapped: (DEVICE, lambda core, m: core.on_swapped(m.op_id)),
+    HostAllocated: (HOST, lambda core, m: core.on_host_allocated(m.op_id, m.indices)),
+    HostInsufficient: (HOST, lambda core, m: core.on_host_allocated(m.op_id, None)),
+    WriteDone: (WRITE, lambda core, m: core.on_write_done(m.op_id)),
+    WriteFailed: (WRITE, lambda core, m: core.on_write_failed(m.op_id)),
+    LoadDone: (LOAD, lambda core, m: core.on_load_done(m.op_id)),
+    LoadFailed: (LOAD, lambda core, m: core.on_load_failed(m.op_id)),
+    PrefetchHit: (PREFETCH, lambda core, m: core.on_prefetch_hit(m.op_id, m.pages)),
+    PrefetchProgress: (PREFETCH, lambda core, m: core.on_prefetch_progress(m.op_id, m.pages, m.finished)),
+    PrefetchStopped: (PREFETCH, lambda core, m: core.on_prefetch_stopped(m.op_id, m.pages)),
+    PagesStored: (PREFETCH, lambda core, m: core.on_pages_stored(m.op_id, m.pages, m.written)),
 }
-"""Who may send each message the tree handles: a reply from anyone else is a bug."""
+"""Each message the tree handles: the one actor that may send it (from anyone else it is a
+bug), and the call on the core it becomes."""
 
 
 class TreeActor(HiActor):
@@ -73,66 +111,14 @@ class TreeActor(HiActor):
         self.core = TreeCore(config, lambda: services.ids.next("tree-op"), services.clock.now_s)
 
     def handle(self, sender: ActorName, message: Message) -> Message | None:
-        expected = _SENDER.get(type(message))
-        if expected is not None:
-            self.require_sender(sender, expected, type(message).__name__)
-        core = self.core
-        match message:
-            case AdmitRequests(op_id=op, items=items):
-                core.admit(op, items)
-            case FinishRequests(op_id=op, items=items):
-                core.finish(op, items)
-            case CacheUnfinished(op_id=op, items=items):
-                core.cache_unfinished(op, items)
-            case EvictDevice(op_id=op, tokens=n):
-                core.evict_device(op, n)
-            case EvictHost(op_id=op, tokens=n):
-                core.evict_host(op, n)
-            case SlotsAllocated(op_id=op, grants=grants):
-                core.on_load_slots(op, grants[0].indices.as_tensor(), 0)
-            case SlotsInsufficient(op_id=op, shortfall_slots=short):
-                core.on_load_slots(op, None, short)
-            case HostAllocated(op_id=op, indices=idx):
-                core.on_host_allocated(op, idx.as_tensor())
-            case HostInsufficient(op_id=op):
-                core.on_host_allocated(op, None)
-            case WriteDone(op_id=op):
-                core.on_write_done(op)
-            case WriteFailed(op_id=op):
-                core.on_write_failed(op)
-            case LoadDone(op_id=op):
-                core.on_load_done(op)
-            case LoadFailed(op_id=op):
-                core.on_load_failed(op)
-            case RequestsReleased(op_id=op, entries=entries):
-                core.on_released(op, entries)
-            case RequestPagesSwapped(op_id=op):
-                core.on_swapped(op)
-            case PrefetchRequests(op_id=op, items=items):
-                core.prefetch(op, items)
-            case PrefetchStates(op_id=op, request_ids=ids):
-                core.outbox.append((ActorName.FACADE, PrefetchReadiness(op_id=op, ready=core.prefetch_states(ids))))
-            case TerminatePrefetches(op_id=op, request_ids=ids, reason=reason):
-                core.terminate_prefetches(op, ids, reason)
-            case SettlePrefetches(op_id=op, request_ids=ids, pages=pages):
-                core.settle_prefetches(op, ids, pages)
-            case PrefetchHit(op_id=op, pages=pages):
-                core.on_prefetch_hit(op, pages)
-            case PrefetchProgress(op_id=op, pages=pages, finished=finished):
-                core.on_prefetch_progress(op, pages, finished)
-            case PrefetchStopped(op_id=op, pages=pages):
-                core.on_prefetch_stopped(op, pages)
-            case PagesStored(op_id=op, pages=pages, written=written):
-                core.on_pages_stored(op, pages, written)
-            case ReportFacts(op_id=op):
-                core.report_facts(op)
-            case ApplyFacts(op_id=op, counts=counts, values=values):
-                core.apply_facts(counts, values)
-                core.outbox.append((ActorName.FACADE, FactsApplied(op_id=op)))
-            case DigestTree(op_id=op):
-                core.digest(op)
-            case _:
-                self.unknown(message)
+        route = _ROUTES.get(type(message))
+        if route is None:
+            self.unknown(message)
+            return None
+        allowed, call = route
+        if sender is not allowed:
+            self.require_sender(sender, allowed, type(message).__name__)
+        call(self.core, message)
         self._flush()
         return None
 

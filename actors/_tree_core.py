@@ -41,8 +41,6 @@ import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import torch
-
 from hicache.messages import (
     ActorName,
     AdmitItem,
@@ -80,6 +78,7 @@ from hicache.messages import (
     StorePages,
     SwapRequestPages,
     TreeDigest,
+    Tokens,
     TreeStatistics,
     WriteKV,
 )
@@ -167,14 +166,14 @@ class _Prefetch:
     request_id: str
     anchor: Node
     """A backed-up node (or a root), host-pinned until settled: the pages follow its end."""
-    tokens: torch.Tensor
+    tokens: Tokens
     """Tokens of the prefetched pages (whole pages)."""
     keys: tuple[str, ...]
     reserved: int
     """Host tokens reserved for it (counted in the host mirror)."""
     started: float
     timeout: float
-    host: torch.Tensor | None = None
+    host: Indices | None = None
     """The reserved slots once the host pool granted them."""
     host_reply: bool = False
     """The host pool answered the reservation (with slots or refused)."""
@@ -268,7 +267,7 @@ class TreeCore:
 
     def _plan_admission(self, items: Sequence[AdmitItem], plans: list[_Plan], quota: int) -> None:
         for item in items:
-            path = self.tree.match(item.namespace, item.tokens.as_tensor())
+            path = self.tree.match(item.namespace, item.tokens)
             planned = {nd.id for p in plans for nd in p.load_nodes}  # after this match's splits
             dev = [nd for nd in path if nd.state in RESIDENT or nd.id in planned]
             rest = path[len(dev):]
@@ -291,10 +290,10 @@ class TreeCore:
     def finish(self, op_id: int, items: Sequence[FinishItem]) -> None:
         releases = []
         for it, h in zip(items, self._take_handles(items), strict=True):
-            adopted: list[torch.Tensor] = []
+            adopted: list[Indices] = []
             path: list[Node] = []
             if not self._prefix_lost(h):  # else its KV was computed over a failed load: cache none of it
-                path = self._insert(h, it.tokens.as_tensor(), it.device.as_tensor(), adopted, [])
+                path = self._insert(h, it.tokens, it.device, adopted, [])
             self._unlock_finished(h, it.reason)
             for nd in path:
                 self._consider_backup(nd)
@@ -311,9 +310,9 @@ class TreeCore:
             return
         swaps = _Swaps(op_id, [])
         for it, h in zip(items, self._take_handles(items, caching=True), strict=True):
-            adopted: list[torch.Tensor] = []
-            duplicates: list[torch.Tensor] = []
-            path = self._insert(h, it.tokens.as_tensor(), it.device.as_tensor(), adopted, duplicates)
+            adopted: list[Indices] = []
+            duplicates: list[Indices] = []
+            path = self._insert(h, it.tokens, it.device, adopted, duplicates)
             top = path[-1] if path else h.node
             if top is not None:
                 self.tree.lock(top, +1)
@@ -364,7 +363,7 @@ class TreeCore:
 
     # == replies from the other actors ====================================================
 
-    def on_load_slots(self, load_op: int, slots: torch.Tensor | None, shortfall: int) -> None:
+    def on_load_slots(self, load_op: int, slots: Indices | None, shortfall: int) -> None:
         adm = self._admissions.pop(load_op)
         if slots is None:
             if not adm.retried:
@@ -457,7 +456,7 @@ class TreeCore:
                                       state=HostSlotState.HOST_ONLY))
         self._emit(DEVICE, FreeDeviceSlots(indices=device))
 
-    def on_host_allocated(self, op: int, slots: torch.Tensor | None) -> None:
+    def on_host_allocated(self, op: int, slots: Indices | None) -> None:
         if op in self._prefetches:
             self._prefetch_host(self._prefetches[op], slots)
             return
@@ -530,7 +529,7 @@ class TreeCore:
         if not self._storage:
             return 0
         p, cfg = self.page_size, self.config
-        tokens = item.tokens.as_tensor()
+        tokens = item.tokens
         n = len(tokens) - len(tokens) % p
         path = self.tree.match(item.namespace, tokens)
         matched = sum(nd.tokens for nd in path)
@@ -555,7 +554,7 @@ class TreeCore:
             self.n.prefetch_skipped += 1
             return 0
         op = self._next_id()
-        toks = tokens[start : start + want].clone()
+        toks = tokens[start : start + want]
         keys = tuple(page_keys(self.tree.chain(anchor, toks), cfg.tp_rank))
         pf = _Prefetch(op, item.request_id, anchor, toks, keys,
                        want, self._now(), self._timeout(want))
@@ -591,15 +590,15 @@ class TreeCore:
         cfg = self.config
         return min(cfg.prefetch_timeout_base_s + cfg.prefetch_timeout_per_1k_s * tokens / 1000, cfg.prefetch_timeout_max_s)
 
-    def _prefetch_host(self, pf: _Prefetch, slots: torch.Tensor | None) -> None:
+    def _prefetch_host(self, pf: _Prefetch, slots: Indices | None) -> None:
         pf.host_reply = True
         if slots is None:  # refused (an injected fault): it never reaches storage
             self._fact("hit", pf.op, 0)
             if pf.stopping:
                 self.on_prefetch_stopped(pf.op, 0)
             return
-        pf.host = slots.clone()
-        self._emit(PREFETCH, Prefetch(op_id=pf.op, keys=pf.keys, host=Indices.from_tensor(pf.host)))
+        pf.host = slots
+        self._emit(PREFETCH, Prefetch(op_id=pf.op, keys=pf.keys, host=slots))
         if pf.stopping:
             self._emit(PREFETCH, StopPrefetch(op_id=pf.op))
 
@@ -613,14 +612,14 @@ class TreeCore:
         surplus = pf.reserved - keep
         if surplus:
             if pf.host is not None:
-                self._emit(HOST, FreeHostSlots(indices=Indices.from_tensor(pf.host[keep:])))
-                pf.host = pf.host[:keep].clone()
+                self._emit(HOST, FreeHostSlots(indices=pf.host[keep:]))
+                pf.host = pf.host[:keep]
             pf.reserved = keep
             self.host_free += surplus
             self._prefetch_tokens -= surplus
         if pf.hit and not pf.stopping and pf.host is not None:
             pf.read = pf.hit
-            self._emit(HOST, SetHostState(indices=Indices.from_tensor(pf.host), state=HostSlotState.PREFETCHING))
+            self._emit(HOST, SetHostState(indices=pf.host, state=HostSlotState.PREFETCHING))
             self._emit(PREFETCH, ReadPrefetch(op_id=op, pages=pf.hit))
 
     def on_prefetch_progress(self, op: int, pages: int, finished: bool) -> None:
@@ -703,7 +702,7 @@ class TreeCore:
     def _settle(self, pf: _Prefetch, pages: int) -> int:
         p = self.page_size
         keep = pages * p
-        unused: list[torch.Tensor] = []
+        unused: list[Indices] = []
         kept = 0
         if pf.host is not None:
             if keep:
@@ -720,7 +719,7 @@ class TreeCore:
             prefetching = _cat(unused)
             if len(prefetching):
                 self._emit(HOST, SetHostState(indices=prefetching, state=HostSlotState.RESERVED))
-            free = _cat([prefetching.as_tensor(), pf.host[pf.read * p :]])
+            free = _cat([prefetching, pf.host[pf.read * p :]])
             if len(free):
                 self._emit(HOST, FreeHostSlots(indices=free))
         self.host_free += pf.reserved - kept
@@ -751,7 +750,7 @@ class TreeCore:
         self._stores[op] = node
         self.facts.expect("backup", op)
         self._emit(PREFETCH, StorePages(op_id=op, keys=tuple(page_keys(node.hashes, self.config.tp_rank)),
-                                        host=Indices.from_tensor(node.host)))
+                                        host=node.host))
 
     def _stored(self, op: int, pages: int) -> None:
         node = self._stores.pop(op)
@@ -801,7 +800,7 @@ class TreeCore:
     def _evict_device(self, tokens: int) -> tuple[int, list[int]]:
         """Free device slots now (returns how many) and start write-backs whose slots go when
         their writes land (returns their op ids)."""
-        frees: list[torch.Tensor] = []
+        frees: list[Indices] = []
         freed = pending = 0
         writes: list[int] = []
         while freed + pending < tokens:  # a write-back counts: its slots go when its write lands
@@ -834,12 +833,12 @@ class TreeCore:
             if ev.retry_load:
                 self._retry_load_slots(ev.retry_load)
 
-    def _drop_device(self, node: Node) -> torch.Tensor:
+    def _drop_device(self, node: Node) -> Indices:
         """Free a device-evictable node's device copy: to HOST_ONLY if backed up, else delete it."""
         device = node.device
         assert device is not None
         if node.state is NodeState.SYNCED:
-            self._emit(HOST, SetHostState(indices=Indices.from_tensor(node.host), state=HostSlotState.HOST_ONLY))  # type: ignore[arg-type]
+            self._emit(HOST, SetHostState(indices=node.host, state=HostSlotState.HOST_ONLY))  # type: ignore[arg-type]
             self.tree.evict_to_host(node)
         else:
             self.tree.remove(node)
@@ -847,7 +846,7 @@ class TreeCore:
         return device
 
     def _evict_host(self, tokens: int) -> int:
-        frees: list[torch.Tensor] = []
+        frees: list[Indices] = []
         freed = 0
         while freed < tokens:
             node = self.tree.pop_host_victim()
@@ -883,8 +882,8 @@ class TreeCore:
     # == helpers ==============================================================================
 
     def _insert(
-        self, h: _Handle, tokens: torch.Tensor, device: torch.Tensor,
-        adopted: list[torch.Tensor], duplicates: list[torch.Tensor],
+        self, h: _Handle, tokens: Tokens, device: Indices,
+        adopted: list[Indices], duplicates: list[Indices],
     ) -> list[Node]:
         if len(tokens) != len(device):
             raise ValueError(f"request {h.request_id!r}: {len(tokens)} tokens but {len(device)} slots")
@@ -962,7 +961,7 @@ class TreeCore:
     def _parent_backed(self, node: Node) -> bool:
         return node.parent is None or node.parent.is_root or node.parent.state in BACKED
 
-    def _emit_device_frees(self, frees: list[torch.Tensor]) -> None:
+    def _emit_device_frees(self, frees: list[Indices]) -> None:
         if frees:
             self._emit(DEVICE, FreeDeviceSlots(indices=_cat(frees)))
 
@@ -1079,8 +1078,6 @@ class TreeCore:
                 )
 
 
-def _cat(parts: Sequence[torch.Tensor | None]) -> Indices:
-    tensors = [p for p in parts if p is not None and len(p)]
-    if not tensors:
-        return Indices()
-    return Indices.from_tensor(torch.cat(tensors))
+def _cat(parts: Sequence[Indices | None]) -> Indices:
+    """The slots of all parts, one after another (a None part has none)."""
+    return Indices.concat(p for p in parts if p is not None)

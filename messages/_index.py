@@ -89,7 +89,15 @@ class Indices:
     @classmethod
     def concat(cls, parts: Iterable[Indices]) -> Indices:
         """The indices of all parts, one after another."""
-        return cls(b"".join(p._data for p in parts))
+        return cls._wrap(b"".join([p._data for p in parts]))
+
+    @classmethod
+    def _wrap(cls, data: bytes) -> Indices:
+        """An instance over `data` already known to be whole int64s (the bytes of other
+        instances, or a slice of them at item boundaries): no checks to repeat."""
+        out = object.__new__(cls)
+        object.__setattr__(out, "_data", data)
+        return out
 
     # -- reading ------------------------------------------------------------
 
@@ -109,8 +117,8 @@ class Indices:
     def __getitem__(self, key: slice) -> Indices:
         if not isinstance(key, slice) or key.step not in (None, 1):
             raise TypeError("Indices support contiguous slices only, e.g. idx[2:10]")
-        start, stop, _ = key.indices(len(self))
-        return type(self)(self._data[start * _ITEM_BYTES : max(start, stop) * _ITEM_BYTES])
+        start, stop, _ = key.indices(len(self._data) // _ITEM_BYTES)
+        return self._wrap(self._data[start * _ITEM_BYTES : max(start, stop) * _ITEM_BYTES])
 
     def __len__(self) -> int:
         return len(self._data) // _ITEM_BYTES

@@ -51,6 +51,10 @@ def wire_enum(code: int) -> Callable[[type[E]], type[E]]:
         _claim(code, cls.__name__, ENUM_TYPES)
         ENUM_TYPES[code] = cls
         cls.TYPE_CODE = code  # type: ignore[attr-defined]
+        if cls.__hash__ is enum.Enum.__hash__:
+            # Members are singletons compared by identity: hash them by identity too, in C
+            # (Enum's own hash is a Python call on the name, paid at every dict lookup by name).
+            cls.__hash__ = object.__hash__  # type: ignore[method-assign]
         return cls
 
     return wrap

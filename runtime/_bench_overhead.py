@@ -192,7 +192,8 @@ class DirectCores:
         tree, device, host = self.tree, self.device, self.host
         match message:
             case AllocateHost(op_id=op, tokens=n):
-                tree.on_host_allocated(op, host.allocate(n))
+                got = host.allocate(n)
+                tree.on_host_allocated(op, None if got is None else Indices.from_tensor(got))
             case SetHostState(indices=idx, state=state):
                 host.transition(idx.as_tensor(), state)
             case FreeHostSlots(indices=idx):
@@ -215,7 +216,7 @@ class DirectCores:
                 if isinstance(slots, Insufficient):
                     tree.on_load_slots(op, None, slots.shortfall_slots)
                 else:
-                    tree.on_load_slots(op, slots, 0)
+                    tree.on_load_slots(op, Indices.from_tensor(slots), 0)
             case AdoptLoadedSlots(indices=idx):
                 device.adopt_loaded(idx.as_tensor())
             case FreeDeviceSlots(indices=idx):

@@ -41,6 +41,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from hicache.actors import RadixTree
+from hicache.messages import Indices, Tokens
 
 from ._bench_transfer import _machine
 from .config import DeviceKind, EvictionPolicy
@@ -104,7 +105,7 @@ class Grower:
 
     def __init__(self) -> None:
         self.tree = RadixTree(PAGE_SIZE, EvictionPolicy.LRU)
-        self.recent: deque[torch.Tensor] = deque(maxlen=RECENT_MAX)
+        self.recent: deque[Tokens] = deque(maxlen=RECENT_MAX)
         self._rng = random.Random(SEED)
         self._gen = torch.Generator().manual_seed(SEED)
         self._next_slot = 0
@@ -113,22 +114,22 @@ class Grower:
     def pages(self) -> int:
         return self.tree.device_tokens // PAGE_SIZE
 
-    def next_sequence(self) -> torch.Tensor:
+    def next_sequence(self) -> Tokens:
         rng = self._rng
         if self.recent and rng.random() < REUSE_PROBABILITY:
             parent = self.recent[rng.randrange(len(self.recent))]
             prefix = parent[: rng.randrange(len(parent) // PAGE_SIZE + 1) * PAGE_SIZE]
         else:
-            prefix = torch.empty(0, dtype=torch.int64)
+            prefix = Tokens()
         suffix = torch.randint(0, VOCAB_SIZE, (rng.randint(1, SUFFIX_PAGES_MAX) * PAGE_SIZE,), generator=self._gen)
-        return torch.cat([prefix, suffix])[: SEQUENCE_PAGES_MAX * PAGE_SIZE]
+        return Tokens.concat([prefix, Tokens.from_tensor(suffix)])[: SEQUENCE_PAGES_MAX * PAGE_SIZE]
 
     def grow_to(self, pages: int) -> float:
         """Insert new sequences until the tree holds `pages`; the seconds it took."""
         t0 = time.perf_counter()
         while self.pages < pages:
             tokens = self.next_sequence()
-            device = torch.arange(self._next_slot, self._next_slot + len(tokens))
+            device = Indices.from_range(self._next_slot, len(tokens))
             self._next_slot += len(tokens)
             self.tree.insert(NAMESPACE, tokens, device)
             self.recent.append(tokens)

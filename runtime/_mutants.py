@@ -108,14 +108,13 @@ class _EagerRadix(RadixTree):
 
 
 class _EvictWhileWritingCore(TreeCore):
-    def _drop_device(self, node: Node) -> torch.Tensor:
+    def _drop_device(self, node: Node) -> Indices:
         if node.state is not NodeState.WRITING:
             return super()._drop_device(node)
         device = node.device
         assert device is not None
         if node.host is not None:
-            self._emit(ActorName.HOST, SetHostState(indices=Indices.from_tensor(node.host),
-                                                    state=HostSlotState.HOST_ONLY))
+            self._emit(ActorName.HOST, SetHostState(indices=node.host, state=HostSlotState.HOST_ONLY))
         t = self.tree
         t._account(node, -1)
         node.state, node.device = NodeState.HOST_ONLY, None  # the bug: no synced check

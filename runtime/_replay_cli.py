@@ -94,7 +94,7 @@ def tree_outline(core: Any) -> str:
         stack = [(c, 1) for c in sorted(root.children.values(), key=lambda n: n.id, reverse=True)]
         while stack:
             node, depth = stack.pop()
-            head = node.key[: min(4, node.tokens)].tolist()
+            head = node.token_ids()[:4]
             lines.append(f"{'  ' * depth}#{node.id} {node.tokens} tokens {head}... {node.state.value} "
                          f"lock={node.lock_ref} host_ref={node.host_ref} hits={node.hit_count}")
             stack.extend((c, depth + 1) for c in sorted(node.children.values(), key=lambda n: n.id, reverse=True))

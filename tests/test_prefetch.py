@@ -48,6 +48,7 @@ from hicache.messages import (
     ReadPrefetch,
     StopPrefetch,
     StorePages,
+    Indices,
     Tokens,
 )
 from hicache.runtime import (
@@ -342,7 +343,7 @@ def populate(start: Callable[..., Server], prompts: Sequence[list[int]], namespa
 def page_paths(storage_dir: Path, tokens: list[int], namespace: str = "") -> list[Path]:
     """Where the file backend keeps each page of `tokens` (namespace-seeded hash chain, rank 0)."""
     tree = RadixTree(P, EvictionPolicy.LRU)
-    hashes = tree.chain(tree.root(namespace), torch.tensor(tokens[: len(tokens) - len(tokens) % P]))
+    hashes = tree.chain(tree.root(namespace), Tokens.of(tokens[: len(tokens) - len(tokens) % P]))
     keys = [f"{h & 0xFFFFFFFFFFFFFFFF:016x}-r0" for h in hashes]
     return [storage_dir / k[:2] / k for k in keys]
 
@@ -853,7 +854,8 @@ class StoragePlayer(Player):
     def release_host(self) -> None:
         held, self.held = self.held, []
         for m in held:
-            self.tree.on_host_allocated(m.op_id, self.host.allocate(m.tokens))
+            got = self.host.allocate(m.tokens)
+            self.tree.on_host_allocated(m.op_id, None if got is None else Indices.from_tensor(got))
         self.pump()
 
     def read(self, op: int, pages: int, tokens: list[int], start: int) -> None:
@@ -899,7 +901,7 @@ class StoragePlayer(Player):
 
     def keys_of(self, tokens: list[int]) -> list[str]:
         t = self.tree.tree
-        return [f"{h & 0xFFFFFFFFFFFFFFFF:016x}-r0" for h in t.chain(t.root(""), torch.tensor(tokens))]
+        return [f"{h & 0xFFFFFFFFFFFFFFFF:016x}-r0" for h in t.chain(t.root(""), Tokens.of(tokens))]
 
 
 @pytest.fixture

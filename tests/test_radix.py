@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from hicache.actors import NODE_TRANSITIONS, InvariantError, Node, NodeState, NodeStateError, RadixTree
+from hicache.messages import Indices, Tokens
 from hicache.runtime import EvictionPolicy
 
 P = 4
@@ -24,17 +25,17 @@ P = 4
 S = NodeState
 
 
-def toks(n: int, start: int = 1) -> torch.Tensor:
+def toks(n: int, start: int = 1) -> Tokens:
     """`n` token ids `start, start + 1, ...`."""
-    return torch.arange(start, start + n, dtype=torch.int64)
+    return Tokens.from_tensor(torch.arange(start, start + n, dtype=torch.int64))
 
 
-def slots(n: int, start: int = 0) -> torch.Tensor:
-    return torch.arange(start, start + n, dtype=torch.int64)
+def slots(n: int, start: int = 0) -> Indices:
+    return Indices.from_range(start, n)
 
 
-def cat(*parts: torch.Tensor) -> torch.Tensor:
-    return torch.cat(parts)
+def cat(*parts: Indices) -> Indices:
+    return Indices.concat(parts)
 
 
 @pytest.fixture
@@ -48,14 +49,14 @@ def tree(make_tree: Callable[..., Any]) -> Any:
     return make_tree()
 
 
-def back_up(tree: Any, node: Node, host: torch.Tensor) -> None:
+def back_up(tree: Any, node: Node, host: Indices) -> None:
     """DEVICE -> WRITING (with host slots) -> SYNCED, as a write-through does."""
     tree.set_state(node, S.WRITING)
     tree.set_host(node, host)
     tree.set_state(node, S.SYNCED)
 
 
-def to_host_only(tree: Any, node: Node, host: torch.Tensor) -> None:
+def to_host_only(tree: Any, node: Node, host: Indices) -> None:
     back_up(tree, node, host)
     tree.evict_to_host(node)
 
@@ -65,7 +66,7 @@ def drain_device(tree: Any) -> list[list[int]]:
     of SYNCED ones; the first token of each victim, in eviction order."""
     order = []
     while (victim := tree.pop_device_victim()) is not None:
-        order.append(int(victim.key[0]))
+        order.append(victim.token_ids()[0])
         if victim.state is S.SYNCED:
             tree.evict_to_host(victim)
         else:
@@ -73,16 +74,12 @@ def drain_device(tree: Any) -> list[list[int]]:
     return order
 
 
-def storage_is_exact(t: torch.Tensor) -> bool:
-    return t.untyped_storage().nbytes() == t.numel() * t.element_size()
-
-
 # -- match -----------------------------------------------------------------------------
 
 
 def test_match_finds_the_longest_page_aligned_prefix_and_ignores_a_partial_last_page(tree: Any) -> None:
     tree.insert("", toks(12), slots(12))
-    path = tree.match("", cat(toks(10), torch.tensor([99, 98])))  # 10 cached, then a difference
+    path = tree.match("", cat(toks(10), Tokens.of([99, 98])))  # 10 cached, then a difference
     assert sum(nd.tokens for nd in path) == 8
     assert path[-1].device.tolist() == slots(8).tolist()
     assert sum(nd.tokens for nd in tree.match("", toks(11))) == 8  # 11 = 2 pages + a partial page
@@ -93,9 +90,9 @@ def test_match_finds_the_longest_page_aligned_prefix_and_ignores_a_partial_last_
 def test_match_of_a_prefix_ending_inside_a_node_splits_it_at_the_page_boundary(tree: Any) -> None:
     tree.insert("", toks(12), slots(12))
     [upper] = tree.match("", toks(4))
-    assert upper.key.tolist() == toks(4).tolist()
+    assert upper.token_ids() == toks(4).tolist()
     [lower] = upper.children.values()
-    assert lower.key.tolist() == toks(8, start=5).tolist()
+    assert lower.token_ids() == toks(8, start=5).tolist()
     assert tree.nodes == 2
 
 
@@ -207,7 +204,7 @@ def test_split_divides_keys_device_and_host_indices_hashes_and_keeps_lock_refs(t
     hashes = node.hashes
     upper = tree.split(node, 4)
     assert upper.parent is tree.root("") and node.parent is upper
-    assert upper.key.tolist() == toks(4).tolist() and node.key.tolist() == toks(8, start=5).tolist()
+    assert upper.token_ids() == toks(4).tolist() and node.token_ids() == toks(8, start=5).tolist()
     assert upper.device.tolist() == slots(4).tolist() and node.device.tolist() == slots(8, 4).tolist()
     assert upper.host.tolist() == slots(4, 100).tolist() and node.host.tolist() == slots(8, 104).tolist()
     assert upper.hashes + node.hashes == hashes
@@ -228,25 +225,25 @@ def test_split_refuses_a_cut_that_is_not_an_inner_page_boundary(tree: Any, at: i
     assert tree.nodes == 1
 
 
-def test_split_and_insert_copy_indices_so_no_node_keeps_a_large_tensor_alive(tree: Any) -> None:
-    big_tokens = torch.arange(1, 4097, dtype=torch.int64)
-    big_slots = torch.arange(0, 4096, dtype=torch.int64)
+def test_split_and_insert_keep_exactly_their_part_of_a_larger_buffer(tree: Any) -> None:
+    big_tokens, big_slots = toks(4096), slots(4096)
     [node] = tree.insert("", big_tokens[:12], big_slots[100:112]).path
     back_up(tree, node, big_slots[200:212])
-    assert all(storage_is_exact(t) for t in (node.key, node.device, node.host))
     upper = tree.split(node, 8)
     for nd in (upper, node):
-        for t in (nd.key, nd.device, nd.host):
-            assert storage_is_exact(t), f"{nd} holds a view of {t.untyped_storage().nbytes()} bytes"
+        assert len(nd.key) == 8 * nd.tokens, f"{nd} keeps {len(nd.key)} key bytes"
+        assert len(nd.device.to_bytes()) == len(nd.host.to_bytes()) == 8 * nd.tokens  # type: ignore[union-attr]
+    assert (upper.device.tolist(), node.host.tolist()) == (list(range(100, 108)), list(range(208, 212)))  # type: ignore[union-attr]
     out = tree.insert("", big_tokens[:16], big_slots[300:316])
-    assert all(storage_is_exact(t) for t in out.adopted + out.duplicates + [out.path[-1].key])
+    assert [len(i) for i in out.adopted] == [4] and out.adopted[0].tolist() == list(range(312, 316))
+    assert len(out.path[-1].key) == 8 * 4
 
 
-def test_a_node_holding_a_view_is_caught_by_the_invariant_check() -> None:
+def test_a_node_holding_slots_that_are_not_indices_is_caught_by_the_invariant_check() -> None:
     tree = RadixTree(P, EvictionPolicy.LRU)
     [node] = tree.insert("", toks(8), slots(8)).path
-    node.device = torch.arange(64, dtype=torch.int64)[:8]
-    with pytest.raises(InvariantError, match="holds a view of a larger tensor"):
+    node.device = torch.arange(8, dtype=torch.int64)  # type: ignore[assignment]
+    with pytest.raises(InvariantError, match="device slots are a Tensor, not Indices"):
         tree.check_invariants()
 
 
@@ -284,11 +281,10 @@ def test_the_same_prefix_gets_the_same_page_hashes_in_any_tree(make_tree: Callab
 
 def test_a_differing_earlier_page_changes_every_later_page_hash(tree: Any) -> None:
     [a] = tree.insert("", toks(12), slots(12)).path
-    other = toks(12)
-    other[1] = 999  # only the first page differs
+    other = Tokens.of([1, 999, *range(3, 13)])  # only the first page differs
     [b] = tree.insert("", other, slots(12, 12)).path
     assert all(ha != hb for ha, hb in zip(a.hashes, b.hashes, strict=True))
-    assert a.key[4:].tolist() == b.key[4:].tolist()  # same tokens in the later pages
+    assert a.token_ids()[4:] == b.token_ids()[4:]  # same tokens in the later pages
 
 
 # -- locks ------------------------------------------------------------------------------------------------
@@ -442,7 +438,7 @@ def test_evicting_a_leaf_makes_its_parent_a_victim(tree: Any) -> None:
     _, child = tree.insert("", toks(8), slots(8)).path
     assert tree.pop_device_victim() is child
     tree.remove(child)
-    assert int(tree.pop_device_victim().key[0]) == 1
+    assert tree.pop_device_victim().token_ids()[0] == 1
 
 
 def test_writing_and_loading_nodes_are_never_device_victims(tree: Any) -> None:
@@ -472,7 +468,7 @@ def test_host_eviction_takes_host_only_leaves_in_policy_order(tree: Any) -> None
     tree.match("", toks(4, 1))  # most recent now
     order = []
     while (victim := tree.pop_host_victim()) is not None:
-        order.append(int(victim.key[0]))
+        order.append(victim.token_ids()[0])
         tree.remove(victim)
     assert order == [101, 201, 1]
     assert tree.host_tokens == 0

@@ -139,7 +139,7 @@ class Player:
                 if isinstance(got, Insufficient):
                     tree.on_load_slots(op, None, got.shortfall_slots)
                 else:
-                    tree.on_load_slots(op, got, 0)
+                    tree.on_load_slots(op, Indices.from_tensor(got), 0)
             case ReleaseRequests(op_id=op, releases=rs):
                 views = device.release_many([(r.request_id, r.adopt.as_tensor(), r.reason) for r in rs])
                 tree.on_released(op, tuple(
@@ -155,7 +155,8 @@ class Player:
                 device.free_tree(idx.as_tensor())
             case AllocateHost(op_id=op, tokens=n):
                 assert to is ActorName.HOST
-                tree.on_host_allocated(op, None if self.refuse_host else host.allocate(n))
+                got = None if self.refuse_host else host.allocate(n)
+                tree.on_host_allocated(op, None if got is None else Indices.from_tensor(got))
             case SetHostState(indices=idx, state=state):
                 host.transition(idx.as_tensor(), state)
             case FreeHostSlots(indices=idx):
@@ -293,7 +294,7 @@ class Player:
         node = self.tree.tree.root(namespace)
         pos = 0
         while pos < len(tokens):
-            node = node.children[tuple(tokens[pos : pos + P])]
+            node = node.children[Tokens.of(tokens[pos : pos + P]).to_bytes()]
             pos += node.tokens
         assert pos == len(tokens), f"no node ends at {len(tokens)} tokens"
         return node
@@ -302,7 +303,7 @@ class Player:
         """The host copy of `tokens[start:]` (one node) holds their KV."""
         node = self.node(tokens)
         assert node.tokens == len(tokens) - start
-        self.oracle.verify(self.host.kv, tokens, node.host, start=start)
+        self.oracle.verify(self.host.kv, tokens, node.host.as_tensor(), start=start)
 
     def assert_idle(self) -> None:
         """Nothing live: no lock, nothing protected, every device slot free or the tree's."""
@@ -368,7 +369,7 @@ def test_write_back_backs_up_only_at_eviction_before_the_device_slots_go(play: C
     p.finish(p.run("b", seq(8, 1)))  # a second hit changes nothing under write_back
     assert p.sent_since(0, AllocateHost) == []
     node = p.node(seq(8, 1))
-    slots = node.device.clone()
+    slots = node.device
 
     mark = len(p.sent)
     op = p.start_evict_device(8)
@@ -484,7 +485,7 @@ def test_host_eviction_frees_host_only_leaves_through_the_host_pool(play: Callab
     p.complete_writes()
     assert p.evict_host(8) == 0  # still on the device: not a host victim
     p.evict_device(8)
-    host = p.node(seq(8, 1)).host.clone()
+    host = p.node(seq(8, 1)).host
     mark = len(p.sent)
     assert p.evict_host(8) == 8
     [freed] = p.sent_since(mark, FreeHostSlots)
