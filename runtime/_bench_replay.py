@@ -43,7 +43,7 @@ from ._actor import Mail
 from ._bench_transfer import _machine
 from ._deterministic import DeterministicRuntime
 from ._facade import HiCache
-from ._replay import ParsedLog, _build_actors, read_log, replay_log
+from ._replay import ParsedLog, _build_actors, _LoggedClock, read_log, replay_log
 from ._scheduler import ReferenceScheduler, SchedulerConfig
 from .config import Config, DeviceKind
 from .explore import synthetic_workload
@@ -84,14 +84,15 @@ def log_scheduler_run(path: Path, requests: int, seed: int = 0) -> int:
 
 def handle_only(log: ParsedLog) -> int:
     """Hand every logged delivery to a fresh actor of its receiver, comparing nothing; how many."""
-    actors = _build_actors(log, lambda sender, receiver, mail: None)
+    clock = _LoggedClock()
+    actors = _build_actors(log, None, clock)
     count = 0
     for d in log.deliveries:
         actor = actors.get(d.receiver)
         if actor is None:
             continue
         count += 1
-        actor._services.clock.t = d.t  # type: ignore[attr-defined]
+        clock.t = d.t
         try:
             actor.on_receive(Mail(d.sender, d.message, ask=d.ask))
         except Exception:  # noqa: BLE001, S110 - a logged handler error happens again; replay compares it

@@ -12,7 +12,10 @@ The first delivery (lowest `seq`) where that fails is the divergence.
 This replays logs recorded on threads as well as in the deterministic runtime.
 `read_log` resolves the log's blob references (large `Indices` written once, as
 `blob` lines), so each delivery's `body` and `reply` are the whole msgpack, as
-`encode` writes them, and the comparisons are of bytes.
+`encode` writes them. A replayed message matches a logged one when it equals it
+(messages are frozen dataclasses: the same type and equal fields, `Indices` by
+their bytes) or, failing that, when it encodes to the same bytes (a NaN field
+is not equal to itself); only a message that fails both is a divergence.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+from bisect import bisect_right
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -55,6 +59,8 @@ class Delivery:
     line: int
     body: bytes = b""
     """The message's msgpack bytes (`encode(message)`; empty for a delivery not read from a log)."""
+    answer: Message | None = None
+    """The reply, decoded (None where `reply` is)."""
 
 
 @dataclass(slots=True)
@@ -177,7 +183,7 @@ def _delivery(p: Path, n: int, rec: dict[str, Any], blobs: Blobs) -> Delivery:
         message = decode(body, blobs)
         if blobs.lookups != before:
             body = encode(message)
-        reply = None
+        reply = answer = None
         if rec.get("reply"):
             before = blobs.lookups
             reply = base64.b64decode(rec["reply"], validate=True)
@@ -185,7 +191,7 @@ def _delivery(p: Path, n: int, rec: dict[str, Any], blobs: Blobs) -> Delivery:
             if blobs.lookups != before:
                 reply = encode(answer)
         return Delivery(int(rec["seq"]), float(rec["t"]), ActorName(rec["receiver"]), ActorName(rec["sender"]),
-                        message, bool(rec["ask"]), reply, rec.get("error"), n, body)
+                        message, bool(rec["ask"]), reply, rec.get("error"), n, body, answer)
     except KeyError as err:
         raise ReplayLogError(f"{p}: line {n}: delivery without field {err}") from None
     except (CodecError, binascii.Error, ValueError, TypeError) as err:
@@ -195,15 +201,28 @@ def _delivery(p: Path, n: int, rec: dict[str, Any], blobs: Blobs) -> Delivery:
 # -- replaying -----------------------------------------------------------------------------------
 
 
-class _Capture:
-    """Where a replayed actor's sends go: recorded per receiver, in order."""
+class _Sends:
+    """What the replayed actors sent: per (sender, receiver), in order, each message with the
+    `seq` of the delivery being handled when it was sent (`cause`; replay is sequential)."""
 
-    def __init__(self, receiver: ActorName, sink: Callable[[ActorName, Mail], None]) -> None:
-        self._receiver = receiver
-        self._sink = sink
+    def __init__(self) -> None:
+        self.by_pair: dict[tuple[ActorName, ActorName], list[tuple[int, Message]]] = {}
+        self.cause = 0
+
+
+class _Capture:
+    """Stands in for a receiver's ref: a replayed actor's tells to it are recorded in `_Sends`
+    (or dropped, with none)."""
+
+    __slots__ = ("_out", "_sends")
+
+    def __init__(self, sends: _Sends | None, sender: ActorName, receiver: ActorName) -> None:
+        self._sends = sends
+        self._out = None if sends is None else sends.by_pair.setdefault((sender, receiver), [])
 
     def tell(self, mail: Mail) -> None:
-        self._sink(self._receiver, mail)
+        if self._out is not None:
+            self._out.append((self._sends.cause, mail.message))  # type: ignore[union-attr]
 
     def is_alive(self) -> bool:
         return True
@@ -237,8 +256,9 @@ class _ReplayFaults(NoFaults):
         return float(self._next(ActorName.PREFETCH.value, "storage_delay") or 0.0)
 
 
-def _build_actors(log: ParsedLog, sink: Callable[[ActorName, ActorName, Mail], None]) -> dict[ActorName, HiActor]:
-    """Fresh, unstarted actors of the logged system, their sends going to `sink(sender, receiver, mail)`."""
+def _build_actors(log: ParsedLog, sends: _Sends | None, clock: _LoggedClock) -> dict[ActorName, HiActor]:
+    """Fresh, unstarted actors of the logged system, their sends recorded in `sends` (None:
+    dropped), their time read from `clock`."""
     cfg = log.config
     stood_in = set(log.header.get("stand_ins", []))
     faults = _ReplayFaults(log.faults)
@@ -248,18 +268,18 @@ def _build_actors(log: ParsedLog, sink: Callable[[ActorName, ActorName, Mail], N
         name = cls.name
         if name.value in stood_in:
             continue
-        services = Services(clock=_LoggedClock(), ids=IdSource(), seed=int(log.header.get("seed", 0)), faults=faults,
+        services = Services(clock=clock, ids=IdSource(), seed=int(log.header.get("seed", 0)), faults=faults,
                             failures=Failures(), observe=lambda r, m: None, new_layer_ring=LayerDoneRing,
                             call_later=lambda delay, receiver, ref, mail: ref.tell(mail))
         directory = Directory()
         for other in ActorName:
-            directory.register(other, _Capture(other, lambda r, m, me=name: sink(me, r, m)))  # type: ignore[arg-type]
+            directory.register(other, _Capture(sends, name, other))  # type: ignore[arg-type]
         out[name] = cls(**kwargs, services=services, directory=directory)
     return out
 
 
 class _LoggedClock:
-    """The time of the delivery being replayed."""
+    """The time of the delivery being replayed (set before each one)."""
 
     t = 0.0
 
@@ -274,34 +294,28 @@ def replay_log(
     only: ActorName | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> ReplayResult:
-    sent: dict[tuple[ActorName, ActorName], list[tuple[int, Message]]] = defaultdict(list)
-    current: dict[ActorName, int] = {}
-
-    def sink(sender: ActorName, receiver: ActorName, mail: Mail) -> None:
-        sent[(sender, receiver)].append((current[sender], mail.message))
-
-    actors = _build_actors(log, sink)
+    sends, clock = _Sends(), _LoggedClock()
+    actors = _build_actors(log, sends, clock)
     if only is not None:
         actors = {only: actors[only]} if only in actors else {}
+    deliveries = log.deliveries if until is None else log.deliveries[: bisect_right(log.deliveries, until, key=_seq)]
     logged: dict[tuple[ActorName, ActorName], list[Delivery]] = defaultdict(list)
     first: Divergence | None = None
     count = 0
-    for d in log.deliveries:
-        if until is not None and d.seq > until:
-            break
+    receiver_of = actors.get
+    for d in deliveries:
         logged[(d.sender, d.receiver)].append(d)
-        actor = actors.get(d.receiver)
+        actor = receiver_of(d.receiver)
         if actor is None:
             continue
         count += 1
-        current[d.receiver] = d.seq
-        actor._services.clock.t = d.t  # type: ignore[attr-defined]
+        sends.cause, clock.t = d.seq, d.t
         problem = _deliver(actor, d)
         if problem is not None and first is None:
             first = problem
         if progress is not None and count % 1000 == 0:
             progress(count)
-    for (sender, receiver), emitted in sent.items():
+    for (sender, receiver), emitted in sends.by_pair.items():
         if sender not in actors:
             continue
         expected = logged.get((sender, receiver), [])
@@ -313,7 +327,7 @@ def replay_log(
                                      f"delivery {cause} made {sender.value} send {msg!r}")
                     first = _earlier(first, div)
                 break
-            if encode(msg) != (want.body or encode(want.message)):
+            if not _same(msg, want.message, want.body):
                 div = Divergence(want.seq, sender.value, f"{want.message!r}",
                                  f"{msg!r} (sent while handling delivery {cause})")
                 first = _earlier(first, div)
@@ -346,11 +360,19 @@ def _deliver(actor: HiActor, d: Delivery) -> Divergence | None:
     if d.error is not None:
         return Divergence(d.seq, actor.name.value, d.error, "no error")
     if d.ask:
-        got_bytes = encode(reply) if reply is not None else None
-        if got_bytes != d.reply:
-            want = decode(d.reply) if d.reply else None
+        want = d.answer if d.answer is not None or not d.reply else decode(d.reply)
+        if (reply is None) != (want is None) or (reply is not None and not _same(reply, want, d.reply)):
             return Divergence(d.seq, actor.name.value, f"reply {want!r}", f"reply {reply!r}")
     return None
+
+
+def _same(got: Message, want: Message, want_bytes: bytes | None) -> bool:
+    """`got` matches the logged `want`: equal, or (failing that) the same msgpack bytes."""
+    return got == want or encode(got) == (want_bytes or encode(want))
+
+
+def _seq(d: Delivery) -> int:
+    return d.seq
 
 
 def _first_gap(ds: list[Delivery], until: int | None) -> int | None:
