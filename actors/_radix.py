@@ -399,15 +399,17 @@ class RadixTree:
         if delta not in (1, -1):
             raise ValueError(f"lock delta must be +1 or -1, got {delta}")
         for nd in node.path():
-            if nd.lock_ref + delta < 0:
+            was, now = nd.lock_ref, nd.lock_ref + delta
+            if now < 0:
                 raise InvariantError(
-                    f"lock ref of {nd} would become {nd.lock_ref + delta} (invariant: lock ref >= 0; "
-                    "a lock released twice?)"
+                    f"lock ref of {nd} would become {now} (invariant: lock ref >= 0; a lock released twice?)"
                 )
-            self._account(nd, -1)
-            nd.lock_ref += delta
-            self._account(nd, +1)
-            if nd.lock_ref == 0:
+            if nd.state in RESIDENT and (was > 0) != (now > 0):  # its device tokens change sides
+                moved = nd.tokens if now > 0 else -nd.tokens
+                self.protected_tokens += moved
+                self.evictable_tokens -= moved
+            nd.lock_ref = now
+            if now == 0:
                 self.offer(nd)
 
     def pin_host(self, node: Node, delta: int) -> None:
@@ -437,13 +439,16 @@ class RadixTree:
 
     def offer(self, node: Node) -> None:
         """Index the node for eviction if it is evictable now (with its current key)."""
-        dev, host = self.device_evictable(node), self.host_evictable(node)
-        if not (dev or host):
+        if self.device_evictable(node):  # the two are exclusive: resident vs host-only
+            heap = self._device_heap
+        elif self.host_evictable(node):
+            heap = self._host_heap
+        else:
             return
         node.version += 1
-        entry = (self._key(node), next(self._seq), node.version, node)
-        heapq.heappush(self._device_heap if dev else self._host_heap, entry)
-        self._compact()
+        heapq.heappush(heap, (self._key(node), next(self._seq), node.version, node))
+        if len(heap) > 2 * self.nodes + 1024:
+            self._compact()
 
     def pop_device_victim(self) -> Node | None:
         return self._pop(self._device_heap, self.device_evictable)
@@ -472,13 +477,11 @@ class RadixTree:
         raise AssertionError(f"unknown eviction policy {self.policy}")
 
     def _compact(self) -> None:
-        bound = 2 * self.nodes + 1024
+        """Drop the stale entries of both heaps (when one outgrows twice the nodes)."""
         for name in ("_device_heap", "_host_heap"):
-            heap = getattr(self, name)
-            if len(heap) > bound:
-                live = [e for e in heap if e[2] == e[3].version and e[3].alive]
-                heapq.heapify(live)
-                setattr(self, name, live)
+            live = [e for e in getattr(self, name) if e[2] == e[3].version and e[3].alive]
+            heapq.heapify(live)
+            setattr(self, name, live)
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -540,15 +543,16 @@ class RadixTree:
     def _account(self, node: Node, sign: int) -> None:
         if node.parent is None:
             return
+        n = sign * node.tokens
         if node.state in RESIDENT:
-            self.device_tokens += sign * node.tokens
+            self.device_tokens += n
             if node.lock_ref > 0:
-                self.protected_tokens += sign * node.tokens
+                self.protected_tokens += n
             else:
-                self.evictable_tokens += sign * node.tokens
+                self.evictable_tokens += n
             node.parent.resident_children += sign
         if node.host is not None:
-            self.host_tokens += sign * node.tokens
+            self.host_tokens += n
 
     def _common(self, key: bytes, data: bytes, at: int, end: int) -> int:
         """Tokens of `key` (whole pages) equal to `data[at:end]`'s start, floored to a page.

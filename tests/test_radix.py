@@ -360,6 +360,15 @@ def test_lru_evicts_the_least_recently_used_leaf_first(make_tree: Callable[..., 
     assert drain_device(tree) == [101, 1, 201]
 
 
+def test_stale_eviction_entries_are_compacted_and_the_order_survives(tree: Any) -> None:
+    _three_leaves(tree)
+    for _ in range(700):  # every access re-offers the leaf: 2,100 stale entries, past the bound
+        for start in (201, 1, 101):
+            tree.match("", toks(4, start))
+    assert len(tree._device_heap) <= 2 * tree.nodes + 1024
+    assert drain_device(tree) == [201, 1, 101]
+
+
 def test_lfu_evicts_the_least_frequently_hit_leaf_first(make_tree: Callable[..., Any]) -> None:
     tree = make_tree(EvictionPolicy.LFU)
     _three_leaves(tree)
