@@ -10,8 +10,6 @@ from hicache.messages import (
     CommitSlots,
     DeviceStatistics,
     FreeDeviceSlots,
-    Indices,
-    LedgerEntry,
     Message,
     ReleaseRequests,
     RequestPagesSwapped,
@@ -26,7 +24,7 @@ from hicache.runtime._actor import Directory, HiActor
 from hicache.runtime._services import Services
 from hicache.runtime.config import Config
 
-from ._device_core import DeviceCore, Insufficient, LedgerView, PageOwner
+from ._device_core import DeviceCore, Insufficient, PageOwner
 
 
 class DeviceAllocatorActor(HiActor):
@@ -40,37 +38,34 @@ class DeviceAllocatorActor(HiActor):
         core = self.core
         match message:
             case AllocateSlots(op_id=op, demands=demands):
-                got = core.allocate([(d.request_id, d.tokens) for d in demands])
+                got = core.allocate_indices([(d.request_id, d.tokens) for d in demands])
                 if isinstance(got, Insufficient):
                     return _insufficient(op, got)
-                grants = tuple(
-                    SlotGrant(request_id=d.request_id, indices=Indices.from_tensor(got[d.request_id]))
-                    for d in demands
-                )
+                grants = tuple(SlotGrant(request_id=d.request_id, indices=got[d.request_id]) for d in demands)
                 return SlotsAllocated(op_id=op, grants=grants)
             case CommitSlots(op_id=op, demands=demands):
                 views = core.commit_many([(d.request_id, d.tokens) for d in demands])
-                return SlotsCommitted(op_id=op, entries=tuple(_entry(v) for v in views))
+                return SlotsCommitted(op_id=op, entries=tuple(views))
             case ReleaseRequests(op_id=op, releases=releases):
-                views = core.release_many([(r.request_id, r.adopt.as_tensor(), r.reason) for r in releases])
-                return RequestsReleased(op_id=op, entries=tuple(_entry(v) for v in views))
+                views = core.release_many([(r.request_id, r.adopt, r.reason) for r in releases])
+                return RequestsReleased(op_id=op, entries=tuple(views))
             case SwapRequestPages(op_id=op, request_id=rid, adopt=adopt, free=free):
                 self.require_sender(sender, ActorName.TREE, "handing request pages to the tree")
-                view = core.swap(rid, adopt.as_tensor(), free.as_tensor())
-                return RequestPagesSwapped(op_id=op, entry=_entry(view))
+                view = core.swap(rid, adopt, free)
+                return RequestPagesSwapped(op_id=op, entry=view)
             case AllocateLoadSlots(op_id=op, tokens=n):
-                slots = core.allocate_load(n)
+                slots = core.allocate_load_indices(n)
                 if isinstance(slots, Insufficient):
                     return _insufficient(op, slots)
-                grant = SlotGrant(request_id="", indices=Indices.from_tensor(slots))
+                grant = SlotGrant(request_id="", indices=slots)
                 return SlotsAllocated(op_id=op, grants=(grant,))
             case AdoptLoadedSlots(indices=idx):
                 self.require_sender(sender, ActorName.TREE, "adopting loaded device slots")
-                core.adopt_loaded(idx.as_tensor())
+                core.adopt_loaded(idx)
                 return None
             case FreeDeviceSlots(indices=idx):
                 self.require_sender(sender, ActorName.TREE, "freeing tree-owned device slots")
-                core.free_tree(idx.as_tensor())
+                core.free_tree(idx)
                 return None
             case _:
                 self.unknown(message)
@@ -89,10 +84,6 @@ class DeviceAllocatorActor(HiActor):
             loading_slots=c[PageOwner.LOADING],
             live_requests=self.core.live_requests(),
         )
-
-
-def _entry(v: LedgerView) -> LedgerEntry:
-    return LedgerEntry(request_id=v.request_id, allocated=v.allocated, committed=v.committed, freed=v.freed)
 
 
 def _insufficient(op: int, got: Insufficient) -> SlotsInsufficient:

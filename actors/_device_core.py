@@ -8,9 +8,11 @@ once, in one place: pages the tree adopts change owner, all others are freed.
 Running out of pages is not an error but an `Insufficient` result.
 
 The owners are one `bytearray`, seen also as a uint8 tensor over the same memory.
-Calls on a few pages (most calls) check and set owners, and work out slots, with
-Python ints; larger ones, and inputs a check refuses, take the vectorised torch
-path (see `SMALL_SLOTS_MAX`).
+Each call keeps its page and slot numbers in the form `_pages` chooses for their
+number (`Ints`): Python ints for a few slots (most calls: from the message's bytes to
+the reply's without a tensor), a tensor for many. Slots come in as tensors or
+`Indices`; the `*_indices` methods answer with the `Indices` a reply carries, the
+others with tensors (read-only views of those `Indices`).
 """
 
 from __future__ import annotations
@@ -22,12 +24,24 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hicache.messages import ReleaseReason
+from hicache.messages import Indices, LedgerEntry, ReleaseReason
 from hicache.runtime.config import Config, DeviceKind, HostLayout
 
 from ._errors import InvariantError, LedgerError, SlotStateError
 from ._kv import KVBuffer, KVShape
-from ._pages import SMALL_SLOTS_MAX, PagePool, pages_of, slots_of_pages
+from ._pages import (
+    SMALL_SLOTS_MAX,
+    Ints,
+    PagePool,
+    as_list,
+    as_tensor,
+    holds,
+    indices_of,
+    ints,
+    pages_of,
+    put,
+    slots_of_pages,
+)
 
 RELEASED_REMEMBERED_MAX = 1 << 16
 """Finished or aborted requests whose final ledger is kept (to catch use after release)."""
@@ -52,12 +66,9 @@ class Insufficient:
         return self.requested_slots - self.free_slots
 
 
-@dataclass(frozen=True, slots=True)
-class LedgerView:
-    request_id: str
-    allocated: int
-    committed: int
-    freed: int
+LedgerView = LedgerEntry
+"""A request's ledger as numbers (`request_id`, `allocated`, `committed`, `freed`): the
+record a reply carries, so that the actor passes the core's answer on as it is."""
 
 
 @dataclass(slots=True)
@@ -86,8 +97,13 @@ class DeviceCore:
     # -- requests -------------------------------------------------------------
 
     def allocate(self, demands: Sequence[tuple[str, int]]) -> dict[str, torch.Tensor] | Insufficient:
-        """Slots for several requests, all or nothing. Each request first gets the
-        rest of its last partial page, then whole pages."""
+        """`allocate_indices`, each request's slots as a tensor."""
+        got = self.allocate_indices(demands)
+        return got if isinstance(got, Insufficient) else {rid: idx.as_tensor() for rid, idx in got.items()}
+
+    def allocate_indices(self, demands: Sequence[tuple[str, int]]) -> dict[str, Indices] | Insufficient:
+        """Slots for several requests, all or nothing, in demand order. Each request first
+        gets the rest of its last partial page, then whole pages."""
         p = self.page_size
         plan: list[tuple[_Ledger, int, int]] = []  # ledger, tokens, new pages
         seen: set[str] = set()
@@ -103,7 +119,7 @@ class DeviceCore:
         need = sum(k for _, _, k in plan)
         if need > self._pool.free_pages:
             return Insufficient(requested_slots=need * p, free_slots=self._pool.free_slots)
-        out: dict[str, torch.Tensor] = {}
+        out: dict[str, Indices] = {}
         for ledger, n, k in plan:
             self._ledgers.setdefault(ledger.request_id, ledger)
             start = ledger.allocated
@@ -111,9 +127,9 @@ class DeviceCore:
                 new = self._pool.alloc(k)
                 assert new is not None
                 self._set_owner(new, PageOwner.REQUEST)
-                ledger.pages.extend(new.tolist())
+                ledger.pages.extend(as_list(new))
             ledger.allocated += n
-            out[ledger.request_id] = self._slots_of(ledger, start, ledger.allocated)
+            out[ledger.request_id] = indices_of(self._slots_of(ledger, start, ledger.allocated))
         return out
 
     def commit(self, rid: str, n: int) -> LedgerView:
@@ -135,10 +151,12 @@ class DeviceCore:
             ledger.committed += n
         return [self._view(ledger, freed=ledger.given) for ledger in ledgers]
 
-    def release(self, rid: str, adopt: torch.Tensor, reason: ReleaseReason) -> LedgerView:
+    def release(self, rid: str, adopt: torch.Tensor | Indices, reason: ReleaseReason) -> LedgerView:
         return self.release_many([(rid, adopt, reason)])[0]
 
-    def release_many(self, releases: Sequence[tuple[str, torch.Tensor, ReleaseReason]]) -> list[LedgerView]:
+    def release_many(
+        self, releases: Sequence[tuple[str, torch.Tensor | Indices, ReleaseReason]]
+    ) -> list[LedgerView]:
         """Give back every page of each request: its `adopt` pages to the tree, the
         rest to the free list. Exactly once per request; all or nothing."""
         # A request admitted and ended before it allocated has an empty ledger.
@@ -161,14 +179,14 @@ class DeviceCore:
             views.append(view)
         return views
 
-    def swap(self, rid: str, adopt: torch.Tensor, free: torch.Tensor) -> LedgerView:
+    def swap(self, rid: str, adopt: torch.Tensor | Indices, free: torch.Tensor | Indices) -> LedgerView:
         """Mid-life: whole committed pages of a live request go to the tree (`adopt`) or
         back to the free list (`free`, duplicates of the tree's); the request stays live."""
         ledger = self._live(rid, "swap pages of", new_ok=True)  # a full-prefix hit may not have allocated
         p = self.page_size
-        adopt_pages = pages_of(adopt, p, f"slots adopted from request {rid!r}")
-        free_pages = pages_of(free, p, f"duplicate slots freed from request {rid!r}")
-        both = adopt_pages.tolist() + free_pages.tolist()
+        adopt_pages = pages_of(ints(adopt), p, f"slots adopted from request {rid!r}")
+        free_pages = pages_of(ints(free), p, f"duplicate slots freed from request {rid!r}")
+        both = as_list(adopt_pages) + as_list(free_pages)
         full = ledger.pages[: ledger.committed // p - ledger.given // p] if ledger.committed >= ledger.given else []
         handed = set(both)
         if len(handed) != len(both) or not handed <= set(full):
@@ -183,15 +201,16 @@ class DeviceCore:
         ledger.given += len(both) * p
         return self._view(ledger, freed=ledger.given)
 
-    def _split_release(self, ledger: _Ledger, adopt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _split_release(self, ledger: _Ledger, adopt: torch.Tensor | Indices) -> tuple[Ints, Ints]:
+        """The request's pages to the tree (`adopt`'s) and to the free list (the rest, in ledger order)."""
         rid = ledger.request_id
-        adopt_pages = pages_of(adopt, self.page_size, f"slots adopted from request {rid!r}")
-        if len(ledger.pages) <= SMALL_SLOTS_MAX:
-            adopted, owned = adopt_pages.tolist(), set(ledger.pages)
-            taken = set(adopted)
-            if len(taken) == len(adopted) and taken <= owned:
-                return adopt_pages, torch.tensor([pg for pg in ledger.pages if pg not in taken], dtype=torch.int64)
+        adopt_pages = pages_of(ints(adopt), self.page_size, f"slots adopted from request {rid!r}")
+        if isinstance(adopt_pages, list) and len(ledger.pages) * self.page_size <= SMALL_SLOTS_MAX:
+            taken = set(adopt_pages)
+            if len(taken) == len(adopt_pages) and taken.issubset(ledger.pages):
+                return adopt_pages, [pg for pg in ledger.pages if pg not in taken]
         mine = torch.tensor(ledger.pages, dtype=torch.int64)
+        adopt_pages = as_tensor(adopt_pages)
         if len(adopt_pages):
             foreign = ~torch.isin(adopt_pages, mine)
             if bool(foreign.any()) or len(torch.unique(adopt_pages)) != len(adopt_pages):
@@ -217,22 +236,27 @@ class DeviceCore:
     # -- tree and loads -------------------------------------------------------
 
     def allocate_load(self, n: int) -> torch.Tensor | Insufficient:
+        """`allocate_load_indices`, the slots as a tensor."""
+        got = self.allocate_load_indices(n)
+        return got if isinstance(got, Insufficient) else got.as_tensor()
+
+    def allocate_load_indices(self, n: int) -> Indices | Insufficient:
         """Whole pages for a load from host; owner LOADING until adopted or freed."""
         k = -(-n // self.page_size)
         new = self._pool.alloc(k)
         if new is None:
             return Insufficient(requested_slots=k * self.page_size, free_slots=self._pool.free_slots)
         self._set_owner(new, PageOwner.LOADING)
-        return slots_of_pages(new, self.page_size)
+        return indices_of(slots_of_pages(new, self.page_size))
 
-    def adopt_loaded(self, indices: torch.Tensor) -> None:
-        pages = pages_of(indices, self.page_size, "adopted loaded slots")
+    def adopt_loaded(self, indices: torch.Tensor | Indices) -> None:
+        pages = pages_of(ints(indices), self.page_size, "adopted loaded slots")
         self._expect(pages, (PageOwner.LOADING,), "adopt loaded slots")
         self._set_owner(pages, PageOwner.TREE)
 
-    def free_tree(self, indices: torch.Tensor) -> None:
+    def free_tree(self, indices: torch.Tensor | Indices) -> None:
         """Free pages the tree owns, or a load's pages whose load failed or was dropped."""
-        pages = pages_of(indices, self.page_size, "freed device slots")
+        pages = pages_of(ints(indices), self.page_size, "freed device slots")
         self._expect(pages, (PageOwner.TREE, PageOwner.LOADING), "free device slots")
         self._set_owner(pages, PageOwner.FREE)
         self._pool.free(pages)
@@ -297,34 +321,26 @@ class DeviceCore:
             return _Ledger(rid)
         raise LedgerError(f"cannot {what} request {rid!r}: it has no slots (unknown request)")
 
-    def _slots_of(self, ledger: _Ledger, start: int, end: int) -> torch.Tensor:
+    def _slots_of(self, ledger: _Ledger, start: int, end: int) -> Ints:
         """Slots of token positions `start..end` (pages given away mid-life come first)."""
         p = self.page_size
         first = (start - ledger.given) // p
         offset = start - ledger.given - first * p
-        if (len(ledger.pages) - first) * p <= SMALL_SLOTS_MAX:
-            slots = [page * p + i for page in ledger.pages[first:] for i in range(p)]
-            return torch.tensor(slots[offset : offset + end - start], dtype=torch.int64)
-        pages = torch.tensor(ledger.pages[first:], dtype=torch.int64)
-        return slots_of_pages(pages, p)[offset : offset + end - start].clone()
+        pages = ledger.pages[first:]
+        if len(pages) * p > SMALL_SLOTS_MAX:
+            pages = as_tensor(pages)
+        return slots_of_pages(pages, p)[offset : offset + end - start]
 
-    def _set_owner(self, pages: torch.Tensor, owner: PageOwner) -> None:
-        if len(pages) > SMALL_SLOTS_MAX:
-            self._owner[pages] = owner
-            return
-        owners = self._owner_bytes
-        for page in pages.tolist():
-            owners[page] = owner
+    def _set_owner(self, pages: Ints, owner: PageOwner) -> None:
+        put(self._owner_bytes, self._owner, pages, owner)
 
-    def _expect(self, pages: torch.Tensor, owners: tuple[PageOwner, ...], what: str) -> None:
-        n = len(pages)
-        if not n:
-            return
-        if n <= SMALL_SLOTS_MAX:
-            have, listed = self._owner_bytes, pages.tolist()
-            if (len(set(listed)) == n and min(listed) >= 0 and max(listed) < len(have)
-                    and all(have[p] in owners for p in listed)):
+    def _expect(self, pages: Ints, owners: tuple[PageOwner, ...], what: str) -> None:
+        if isinstance(pages, list):
+            if holds(self._owner_bytes, pages, frozenset(owners)):
                 return
+            pages = as_tensor(pages)  # refused: the check below names why
+        if not len(pages):
+            return
         if bool(((pages < 0) | (pages >= len(self._owner))).any()):
             raise SlotStateError(f"cannot {what}: slot index out of range 0..{self.capacity_slots - 1}")
         if len(torch.unique(pages)) != len(pages):
@@ -346,5 +362,6 @@ class DeviceCore:
 
     @staticmethod
     def _view(ledger: _Ledger, freed: int) -> LedgerView:
-        return LedgerView(ledger.request_id, ledger.allocated, ledger.committed, freed)
+        return LedgerView(request_id=ledger.request_id, allocated=ledger.allocated, committed=ledger.committed,
+                          freed=freed)
 

@@ -9,7 +9,6 @@ from hicache.messages import (
     HostAllocated,
     HostInsufficient,
     HostStatistics,
-    Indices,
     Message,
     SetHostState,
 )
@@ -29,19 +28,19 @@ class HostPoolActor(HiActor):
 
     def handle(self, sender: ActorName, message: Message) -> Message | None:
         match message:
+            case SetHostState(indices=idx, state=state):  # the most frequent first
+                self.require_sender(sender, ActorName.TREE, "moving host slot states")
+                self.core.transition(idx, state)
+                return None
             case AllocateHost(op_id=op, tokens=n):
                 self.require_sender(sender, ActorName.TREE, "reserving host slots")
-                slots = None if self._services.faults.host_exhausted(n) else self.core.allocate(n)
+                slots = None if self._services.faults.host_exhausted(n) else self.core.allocate_indices(n)
                 if slots is None:
                     return HostInsufficient(op_id=op, requested_slots=n, free_slots=self.core.free_slots)
-                return HostAllocated(op_id=op, indices=Indices.from_tensor(slots))
-            case SetHostState(indices=idx, state=state):
-                self.require_sender(sender, ActorName.TREE, "moving host slot states")
-                self.core.transition(idx.as_tensor(), state)
-                return None
+                return HostAllocated(op_id=op, indices=slots)
             case FreeHostSlots(indices=idx):
                 self.require_sender(sender, ActorName.TREE, "freeing host slots")
-                self.core.free(idx.as_tensor())
+                self.core.free(idx)
                 return None
             case _:
                 self.unknown(message)

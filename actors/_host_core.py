@@ -6,10 +6,13 @@ lookup in an 8x8 table), so an illegal move raises at once, naming the slots,
 their states and the state asked for. This check is always on.
 
 The states are one `bytearray`, seen also as a uint8 tensor over the same memory.
-A move of a few slots (a page or two: most moves) is checked and made on the
-bytearray with Python ints, which costs a fraction of the dozen small torch
-calls of the vectorised check; a larger move, or one that fails the check, takes
-the vectorised path (which names what is wrong).
+Each call keeps its slot numbers in the form `_pages` chooses for their number
+(`Ints`): a move of a few slots (a page or two: most moves) is checked and made on
+the bytearray with Python ints, from the message's bytes on, which costs a fraction
+of the dozen small torch calls of the vectorised check; a larger move, or one that
+fails the check, takes the vectorised path (which names what is wrong). Slots come
+in as tensors or `Indices`; `allocate_indices` answers with the `Indices` a reply
+carries, `allocate` with a tensor (a read-only view of those `Indices`).
 """
 
 from __future__ import annotations
@@ -19,12 +22,12 @@ from dataclasses import dataclass
 
 import torch
 
-from hicache.messages import HOST_TRANSITIONS, HostSlotState
+from hicache.messages import HOST_TRANSITIONS, HostSlotState, Indices
 from hicache.runtime.config import Config, DeviceKind
 
 from ._errors import InvariantError, SlotStateError
 from ._kv import KVBuffer, KVShape
-from ._pages import SMALL_SLOTS_MAX, PagePool, pages_of, slots_of_pages
+from ._pages import Ints, PagePool, as_tensor, holds, indices_of, ints, pages_of, put, slots_of_pages
 
 _N = len(HostSlotState)
 
@@ -53,6 +56,9 @@ _FREEABLE = (HostSlotState.RESERVED, HostSlotState.SYNCED, HostSlotState.HOST_ON
 # off the free list (allocate()).
 _MOVABLE = _Rules.of((a, b) for a, b in HOST_TRANSITIONS if a is not HostSlotState.FREE)
 
+_MOVE_TO = tuple(f"move to {s.name}" for s in HostSlotState)
+"""What `transition` to each state is called in errors (made once, not per call)."""
+
 
 class HostCore:
     def __init__(self, config: Config) -> None:
@@ -70,6 +76,11 @@ class HostCore:
         return self._pool.free_slots
 
     def allocate(self, n: int) -> torch.Tensor | None:
+        """`allocate_indices`, the slots as a tensor."""
+        got = self.allocate_indices(n)
+        return None if got is None else got.as_tensor()
+
+    def allocate_indices(self, n: int) -> Indices | None:
         """`n` slots (whole pages) in state RESERVED, or None when too few are free."""
         if n < 0 or n % self.page_size:
             raise ValueError(f"host allocation of {n} slots is not whole pages of {self.page_size}")
@@ -78,18 +89,19 @@ class HostCore:
             return None
         slots = slots_of_pages(pages, self.page_size)
         self._move(slots, HostSlotState.RESERVED, "allocate")
-        return slots
+        return indices_of(slots)
 
-    def transition(self, indices: torch.Tensor, to: HostSlotState) -> None:
+    def transition(self, indices: torch.Tensor | Indices, to: HostSlotState) -> None:
         """Move every slot in `indices` to `to`; all moves must be legal."""
         if to is HostSlotState.FREE:
             raise SlotStateError("freeing goes through free(), which returns the pages to the free list")
-        self._move(indices, to, f"move to {to.name}", _MOVABLE)
+        self._move(ints(indices), to, _MOVE_TO[to], _MOVABLE)
 
-    def free(self, indices: torch.Tensor) -> None:
+    def free(self, indices: torch.Tensor | Indices) -> None:
         """Free whole pages that hold no in-flight copy."""
-        pages = pages_of(indices, self.page_size, "freed host slots")
-        self._move(indices, HostSlotState.FREE, "free")
+        slots = ints(indices)
+        pages = pages_of(slots, self.page_size, "freed host slots")
+        self._move(slots, HostSlotState.FREE, "free")
         self._pool.free(pages)
 
     def states(self, indices: torch.Tensor) -> torch.Tensor:
@@ -114,20 +126,22 @@ class HostCore:
             if bool((self._state[slots] != HostSlotState.FREE).any()) or len(torch.unique(free_pages)) != len(free_pages):
                 raise InvariantError("host: the free list holds a page with a slot that is not FREE, or a page twice")
 
-    def _move(self, indices: torch.Tensor, to: HostSlotState, what: str, rules: _Rules = _LEGAL) -> None:
-        n = len(indices)
-        if not n or (n <= SMALL_SLOTS_MAX and self._move_small(indices.tolist(), int(to), rules.sources[to])):
-            return
-        if len(torch.unique(indices)) != len(indices):
+    def _move(self, slots: Ints, to: HostSlotState, what: str, rules: _Rules = _LEGAL) -> None:
+        if isinstance(slots, list):
+            if holds(self._state_bytes, slots, rules.sources[to]):
+                put(self._state_bytes, self._state, slots, to)
+                return
+            slots = as_tensor(slots)  # refused: the check below names why
+        if len(torch.unique(slots)) != len(slots):
             raise SlotStateError(f"host {what}: a slot appears twice in one call")
-        if bool(((indices < 0) | (indices >= self.capacity_slots)).any()):
+        if bool(((slots < 0) | (slots >= self.capacity_slots)).any()):
             raise SlotStateError(f"host {what}: slot index out of range 0..{self.capacity_slots - 1}")
-        have = self._state[indices].to(torch.int64)
+        have = self._state[slots].to(torch.int64)
         legal = rules.table[have, int(to)]
         if not bool(legal.all()):
             bad = (~legal).nonzero().flatten()
             shown = ", ".join(
-                f"slot {int(indices[i])} is {HostSlotState(int(have[i])).name}" for i in bad[:8]
+                f"slot {int(slots[i])} is {HostSlotState(int(have[i])).name}" for i in bad[:8]
             )
             more = f" (and {len(bad) - 8} more)" if len(bad) > 8 else ""
             hint = ""
@@ -138,16 +152,4 @@ class HostCore:
             elif bool((have[bad] == HostSlotState.FREE).any()):
                 hint = " (FREE slots are allocated with allocate(), not moved)"
             raise SlotStateError(f"illegal host slot transition to {to.name} on {what}: {shown}{more}{hint}")
-        self._state[indices] = int(to)
-
-    def _move_small(self, slots: list[int], to: int, sources: frozenset[int]) -> bool:
-        """Make the move if every check passes (distinct slots in range, each in one of
-        `sources`); False, with nothing changed, to leave it to the vectorised path."""
-        state = self._state_bytes
-        if len(set(slots)) != len(slots) or min(slots) < 0 or max(slots) >= len(state):
-            return False
-        if not all(state[i] in sources for i in slots):
-            return False
-        for i in slots:
-            state[i] = to
-        return True
+        put(self._state_bytes, self._state, slots, to)

@@ -1,64 +1,91 @@
-"""`PagePool`: the free list of pages behind both slot allocators.
+"""Page and slot numbers for both slot allocators: the free-page stack and the conversions.
 
-A stack of free page numbers in one int64 tensor: allocating `k` pages takes the
-top `k`, freeing pushes them back. O(1) per page and vectorised; ownership and
-double-free checks belong to the pool's owner (which knows each page's state).
+A call on a pool works on its slot (or page) numbers in one of two forms (`Ints`),
+chosen from the call's size when its numbers come in (`ints`) or are made
+(`PagePool.alloc`), and kept to the end of the call:
+
+- a few slots (at most `SMALL_SLOTS_MAX`): a `list[int]`. Checked, computed and
+  written in plain Python, from a message's bytes to the reply's bytes without a
+  tensor: on a few numbers each torch call costs a microsecond or more of overhead,
+  more than the whole Python computation;
+- more: an int64 tensor, vectorised.
+
+Every helper here takes either form and answers in the form it was given (or, when
+it makes numbers, the form for their size), so the cores' logic is written once.
+A list that a check refuses is handed to the vectorised check as a tensor, which
+names what is wrong: the errors are phrased in one place.
+
+`PagePool` is the free list of pages behind both allocators: a stack of free page
+numbers; allocating `k` pages takes the top `k`, freeing pushes them back. O(1) per
+page; ownership and double-free checks belong to the pool's owner (which knows each
+page's state).
 """
 
 from __future__ import annotations
 
+from array import array
+from typing import TypeAlias
+
 import torch
 
+from hicache.messages import Indices
+
 SMALL_SLOTS_MAX = 64
-"""Calls on at most this many slots (or pages) check and compute with Python ints (`tolist`)
-instead of vectorised torch calls: on a few slots each torch call costs microseconds of
-overhead, and a check takes a dozen of them. Larger calls, and inputs a check refuses, take
-the torch path (which names what is wrong)."""
+"""Calls on at most this many slots take the `list[int]` form of `Ints`; larger ones the tensor form."""
+
+Ints: TypeAlias = list[int] | torch.Tensor
+"""Slot or page numbers of one call: Python ints for a few slots, else a 1-D int64 tensor."""
 
 
-class PagePool:
-    def __init__(self, pages: int, page_size: int) -> None:
-        if pages <= 0 or page_size <= 0:
-            raise ValueError(f"pages={pages} and page_size={page_size} must be > 0")
-        self.pages = pages
-        self.page_size = page_size
-        # Reversed so that a fresh pool hands out pages 0, 1, 2, ... in order.
-        self._stack = torch.arange(pages - 1, -1, -1, dtype=torch.int64)
-        self._top = pages
-
-    @property
-    def free_pages(self) -> int:
-        return self._top
-
-    @property
-    def free_slots(self) -> int:
-        return self._top * self.page_size
-
-    def alloc(self, k: int) -> torch.Tensor | None:
-        """`k` free page numbers (a new tensor), or None if fewer are free."""
-        if k < 0:
-            raise ValueError(f"cannot allocate {k} pages")
-        if k > self._top:
-            return None
-        self._top -= k
-        return self._stack[self._top : self._top + k].flip(0).clone()
-
-    def free(self, pages: torch.Tensor) -> None:
-        """Push pages back. The caller has checked they were allocated."""
-        k = len(pages)
-        if self._top + k > self.pages:
-            raise AssertionError(
-                f"freeing {k} pages would give {self._top + k} free of {self.pages}: double free"
-            )
-        self._stack[self._top : self._top + k] = pages.flip(0)
-        self._top += k
-
-    def free_page_set(self) -> torch.Tensor:
-        """The free page numbers (for invariant checks)."""
-        return self._stack[: self._top]
+# -- the two forms ---------------------------------------------------------------------
 
 
-def pages_of(indices: torch.Tensor, page_size: int, what: str) -> torch.Tensor:
+def ints(slots: torch.Tensor | Indices) -> Ints:
+    """`slots` in the form for their number: Python ints when few, else a tensor (zero-copy for `Indices`)."""
+    if isinstance(slots, Indices):
+        return slots.tolist() if len(slots) <= SMALL_SLOTS_MAX else slots.as_tensor()
+    return slots.tolist() if len(slots) <= SMALL_SLOTS_MAX else slots
+
+
+def as_list(numbers: Ints) -> list[int]:
+    return numbers if isinstance(numbers, list) else numbers.tolist()
+
+
+def as_tensor(numbers: Ints) -> torch.Tensor:
+    return numbers if isinstance(numbers, torch.Tensor) else torch.tensor(numbers, dtype=torch.int64)
+
+
+def indices_of(numbers: Ints) -> Indices:
+    """`numbers` as the `Indices` a message carries."""
+    return Indices.from_tensor(numbers) if isinstance(numbers, torch.Tensor) else Indices.of(numbers)
+
+
+# -- byte tables (page owners, slot states) ----------------------------------------------
+
+
+def holds(table: bytearray, at: list[int], allowed: frozenset[int]) -> bool:
+    """Whether `at` are distinct positions of `table` whose bytes are all in `allowed`
+    (the check of a few positions; a False sends the caller to its vectorised check)."""
+    if not at:
+        return True
+    if len(set(at)) != len(at) or min(at) < 0 or max(at) >= len(table):
+        return False
+    return allowed.issuperset(map(table.__getitem__, at))
+
+
+def put(table: bytearray, view: torch.Tensor, at: Ints, value: int) -> None:
+    """Write `value` at `at` into `table`, whose bytes `view` (a uint8 tensor) also shows."""
+    if isinstance(at, torch.Tensor):
+        view[at] = value
+        return
+    for i in at:
+        table[i] = value
+
+
+# -- pages and slots ---------------------------------------------------------------------
+
+
+def pages_of(indices: Ints, page_size: int, what: str) -> Ints:
     """The page numbers of `indices`, which must be whole pages in slot order.
 
     Raises ValueError naming `what` when the indices are not page aligned.
@@ -66,14 +93,14 @@ def pages_of(indices: torch.Tensor, page_size: int, what: str) -> torch.Tensor:
     n = len(indices)
     if n % page_size:
         raise ValueError(f"{what}: {n} slots are not whole pages of {page_size}")
-    if n == 0:
-        return torch.empty(0, dtype=torch.int64)
-    if n <= SMALL_SLOTS_MAX:
-        slots = indices.tolist()
-        firsts = slots[::page_size]
-        if all(f % page_size == 0 and slots[i : i + page_size] == list(range(f, f + page_size))
-               for i, f in zip(range(0, n, page_size), firsts)):
-            return torch.tensor([f // page_size for f in firsts], dtype=torch.int64)
+    if isinstance(indices, torch.Tensor) and n <= SMALL_SLOTS_MAX:  # a few, given as a tensor
+        return as_tensor(pages_of(indices.tolist(), page_size, what))
+    if isinstance(indices, list):
+        pages = [first // page_size for first in indices[::page_size]]
+        # Whole pages in order are exactly the slots of the pages their first slots lie in.
+        if slots_of_pages(pages, page_size) == indices:
+            return pages
+        indices = as_tensor(indices)  # the vectorised check below names the culprit
     grid = indices.view(-1, page_size)
     first = grid[:, 0]
     aligned = (first % page_size == 0) & (grid == first.unsqueeze(1) + torch.arange(page_size)).all(1)
@@ -85,9 +112,67 @@ def pages_of(indices: torch.Tensor, page_size: int, what: str) -> torch.Tensor:
     return first // page_size
 
 
-def slots_of_pages(pages: torch.Tensor, page_size: int) -> torch.Tensor:
+def slots_of_pages(pages: Ints, page_size: int) -> Ints:
     """Every slot of `pages`, in page order (the inverse of `pages_of`)."""
-    if len(pages) * page_size <= SMALL_SLOTS_MAX:
-        return torch.tensor([page * page_size + i for page in pages.tolist() for i in range(page_size)],
-                            dtype=torch.int64)
+    if isinstance(pages, list):
+        return [slot for page in pages for slot in range(page * page_size, page * page_size + page_size)]
+    if len(pages) * page_size <= SMALL_SLOTS_MAX:  # a few, given as a tensor
+        return as_tensor(slots_of_pages(pages.tolist(), page_size))
     return (pages.unsqueeze(1) * page_size + torch.arange(page_size)).reshape(-1)
+
+
+# -- the free list -----------------------------------------------------------------------
+
+
+class PagePool:
+    def __init__(self, pages: int, page_size: int) -> None:
+        if pages <= 0 or page_size <= 0:
+            raise ValueError(f"pages={pages} and page_size={page_size} must be > 0")
+        self.pages = pages
+        self.page_size = page_size
+        self._stack = array("q", bytes(8 * pages))
+        self._stack_view = torch.frombuffer(self._stack, dtype=torch.int64)
+        """The same memory as `_stack` (never resized, so the view stays valid)."""
+        # Reversed so that a fresh pool hands out pages 0, 1, 2, ... in order.
+        torch.arange(pages - 1, -1, -1, out=self._stack_view)
+        self._top = pages
+
+    @property
+    def free_pages(self) -> int:
+        return self._top
+
+    @property
+    def free_slots(self) -> int:
+        return self._top * self.page_size
+
+    def alloc(self, k: int) -> Ints | None:
+        """`k` free page numbers (new, in the form for `k` pages' slots), or None if fewer are free."""
+        if k < 0:
+            raise ValueError(f"cannot allocate {k} pages")
+        if k > self._top:
+            return None
+        self._top -= k
+        top = self._top
+        if k * self.page_size <= SMALL_SLOTS_MAX:
+            got = self._stack[top : top + k].tolist()
+            got.reverse()
+            return got
+        return self._stack_view[top : top + k].flip(0).clone()
+
+    def free(self, pages: Ints) -> None:
+        """Push pages back. The caller has checked they were allocated."""
+        k = len(pages)
+        top = self._top
+        if top + k > self.pages:
+            raise AssertionError(
+                f"freeing {k} pages would give {top + k} free of {self.pages}: double free"
+            )
+        if isinstance(pages, list):
+            self._stack[top : top + k] = array("q", reversed(pages))
+        else:
+            self._stack_view[top : top + k] = pages.flip(0)
+        self._top = top + k
+
+    def free_page_set(self) -> torch.Tensor:
+        """The free page numbers (for invariant checks)."""
+        return self._stack_view[: self._top]

@@ -8,6 +8,7 @@ them back into a tensor without a copy.
 from __future__ import annotations
 
 import operator
+from array import array
 import struct
 import sys
 import warnings
@@ -57,7 +58,10 @@ class Indices:
     @classmethod
     def of(cls, values: Iterable[int]) -> Indices:
         """Indices from Python integers (a float or other non-integer raises TypeError)."""
-        return cls.from_tensor(torch.tensor([operator.index(v) for v in values], dtype=torch.int64))
+        packed = array("q", [operator.index(v) for v in values])
+        if not _LITTLE:  # pragma: no cover - every supported host is little-endian
+            packed.byteswap()
+        return cls._wrap(packed.tobytes())
 
     @classmethod
     def from_tensor(cls, tensor: torch.Tensor) -> Indices:
@@ -109,7 +113,11 @@ class Indices:
         return torch.frombuffer(self._data, dtype=torch.int64)
 
     def tolist(self) -> list[int]:
-        return self.as_tensor().tolist()
+        """The indices as Python ints (read from the bytes, no tensor)."""
+        unpacked = array("q", self._data)
+        if not _LITTLE:  # pragma: no cover - every supported host is little-endian
+            unpacked.byteswap()
+        return unpacked.tolist()
 
     def to_bytes(self) -> bytes:
         return self._data

@@ -192,8 +192,7 @@ class DirectCores:
         tree, device, host = self.tree, self.device, self.host
         match message:
             case AllocateHost(op_id=op, tokens=n):
-                got = host.allocate(n)
-                tree.on_host_allocated(op, None if got is None else Indices.from_tensor(got))
+                tree.on_host_allocated(op, host.allocate_indices(n))
             case SetHostState(indices=idx, state=state):
                 host.transition(idx.as_tensor(), state)
             case FreeHostSlots(indices=idx):

@@ -25,6 +25,7 @@ from hicache.actors import (
     TreeCore,
     WriteStreamActor,
 )
+from hicache.actors._pages import Ints, as_list
 from hicache.actors._tree_core import _Handle, _Prefetch
 from hicache.messages import (
     ActorName,
@@ -82,12 +83,12 @@ class _InferredLengthCore(DeviceCore):
     """Frees the pages that cover the committed length, as `len(input) + len(output) - 1`
     did: over-allocated pages (speculative lookahead) leak."""
 
-    def _split_release(self, ledger: Any, adopt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _split_release(self, ledger: Any, adopt: torch.Tensor | Indices) -> tuple[Ints, Ints]:
         adopt_pages, rest = super()._split_release(ledger, adopt)
         p = self.page_size
         inferred = -(-max(ledger.committed - ledger.given, 0) // p)
-        mine = torch.tensor(ledger.pages, dtype=torch.int64)[:inferred]
-        return adopt_pages, rest[torch.isin(rest, mine)]
+        mine = set(ledger.pages[:inferred])
+        return adopt_pages, [pg for pg in as_list(rest) if pg in mine]
 
 
 class _InferredLengthDevice(DeviceAllocatorActor):

@@ -14,7 +14,7 @@ import torch
 
 import hicache.actors._device_core as device_core_module
 from hicache.actors import DeviceCore, Insufficient, LedgerError, PageOwner, SlotStateError
-from hicache.messages import ReleaseReason
+from hicache.messages import Indices, LedgerEntry, ReleaseReason
 from hicache.runtime import Config, HostLayout
 
 FREE, REQUEST, TREE, LOADING = PageOwner.FREE, PageOwner.REQUEST, PageOwner.TREE, PageOwner.LOADING
@@ -122,6 +122,26 @@ def test_a_request_may_appear_only_once_in_an_allocation(core: Any) -> None:
 def test_a_negative_demand_is_a_ledger_error(core: Any) -> None:
     with pytest.raises(LedgerError, match="'a': cannot allocate -1 slots"):
         core.allocate([("a", -1)])
+
+
+def test_allocate_indices_answers_the_indices_a_grant_carries(core: Any) -> None:
+    got = core.allocate_indices([("a", 6), ("b", 1)])
+    assert got == {"a": Indices.of(_slots([0, 1])[:6]), "b": Indices.of([8])}
+    assert list(got) == ["a", "b"]  # demand order
+    assert core.allocate([("a", 1)])["a"].tolist() == [6]  # the same slots, as a tensor
+
+
+def test_slots_may_come_in_as_indices(core: Any) -> None:
+    got = core.allocate_indices([("a", 8)])["a"]
+    core.commit("a", 8)
+    view = core.swap("a", got[:4], Indices())
+    assert view == LedgerEntry(request_id="a", allocated=8, committed=8, freed=4)  # the reply's record itself
+    core.release("a", got[4:], ReleaseReason.FINISHED)
+    core.free_tree(Indices.concat([got[4:], got[:4]]))
+    load = core.allocate_load_indices(4)
+    assert load == Indices.of(_slots([1]))
+    core.adopt_loaded(load)
+    assert _owners(core) == {FREE: 60, REQUEST: 0, TREE: 4, LOADING: 0}
 
 
 # -- commit -------------------------------------------------------------------------

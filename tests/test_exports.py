@@ -24,6 +24,12 @@ COMMAND_MODULES = ("_demo", "_bench_", "_explore_cli", "_replay_cli")
 INTERNAL = {
     "hicache.actors._transfer_core.batch_indices": "stream actors' helper over a TransferQueue batch",
     "hicache.actors._transfer_core.op_problem": "stream actors' check of a WriteKV/LoadKV before queueing",
+    "hicache.actors._pages.ints": "the pool cores' choice of slot-number form (Python ints or a tensor) for a call",
+    "hicache.actors._pages.as_list": "the pool cores' conversion of slot numbers of either form to Python ints",
+    "hicache.actors._pages.as_tensor": "the pool cores' conversion of slot numbers of either form to a tensor",
+    "hicache.actors._pages.indices_of": "the pool cores' conversion of slot numbers of either form to Indices",
+    "hicache.actors._pages.holds": "the pool cores' check of a few positions of a state table",
+    "hicache.actors._pages.put": "the pool cores' write of a state into positions of either form",
     "hicache.actors._storage.Staging": "the staging buffer both storage backends verify pages in",
     "hicache.actors._storage.check_keys": "both storage backends' key check (page_keys makes valid keys)",
     "hicache.actors._storage.page_starts": "both storage backends' check of the host slots of a read or write",

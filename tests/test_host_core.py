@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hicache.actors import HostCore, SlotStateError
-from hicache.messages import HOST_TRANSITIONS, HostSlotState
+from hicache.messages import HOST_TRANSITIONS, HostSlotState, Indices
 from hicache.runtime import Config, HostLayout
 
 S = HostSlotState
@@ -172,6 +172,17 @@ def test_allocation_larger_than_the_free_pages_gives_none_and_reserves_nothing(c
     assert core.allocate(2 * PAGE) is None
     assert core.counts()[S.RESERVED] == 28
     assert core.allocate(PAGE) is not None
+
+
+def test_allocate_indices_answers_the_indices_a_reply_carries_and_moves_take_indices(core: Any) -> None:
+    got = core.allocate_indices(2 * PAGE)
+    assert got == Indices.of(range(8))
+    core.transition(got[:4], S.WRITING)
+    assert core.states(torch.arange(8)).tolist() == [int(S.WRITING)] * 4 + [int(S.RESERVED)] * 4
+    with pytest.raises(SlotStateError, match="illegal host slot transition to FREE on free: slot 0 is WRITING"):
+        core.free(got)
+    core.free(got[4:])
+    assert core.free_slots == 28
 
 
 def test_allocating_zero_slots_reserves_nothing(core: Any) -> None:

@@ -1,4 +1,9 @@
-"""`PagePool` (the free-page stack behind both allocators) and `pages_of`."""
+"""`PagePool` (the free-page stack behind both allocators), `pages_of` and the two forms of `Ints`.
+
+The pool answers a few pages as Python ints and many as a tensor (`SMALL_SLOTS_MAX`
+counts slots); `as_list` reads either form. tests/test_pool_fast_paths.py checks
+that both forms give the same results.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ import pytest
 import torch
 
 from hicache.actors import PagePool, pages_of, slots_of_pages
+from hicache.actors._pages import SMALL_SLOTS_MAX, as_list
 
 # -- PagePool --------------------------------------------------------------------
 
@@ -15,8 +21,8 @@ from hicache.actors import PagePool, pages_of, slots_of_pages
 def test_a_fresh_pool_hands_out_pages_in_order() -> None:
     pool = PagePool(8, 4)
     assert pool.free_pages == 8 and pool.free_slots == 32
-    assert pool.alloc(3).tolist() == [0, 1, 2]
-    assert pool.alloc(2).tolist() == [3, 4]
+    assert pool.alloc(3) == [0, 1, 2]
+    assert pool.alloc(2) == [3, 4]
     assert pool.free_pages == 3 and pool.free_slots == 12
 
 
@@ -25,14 +31,27 @@ def test_allocating_more_than_is_free_gives_none_and_takes_nothing() -> None:
     pool.alloc(3)
     assert pool.alloc(2) is None
     assert pool.free_pages == 1
-    assert pool.alloc(1).tolist() == [3]
+    assert pool.alloc(1) == [3]
 
 
-def test_allocating_zero_pages_gives_an_empty_tensor() -> None:
+def test_allocating_zero_pages_gives_nothing() -> None:
     pool = PagePool(4, 2)
-    got = pool.alloc(0)
-    assert got is not None and got.numel() == 0
+    assert pool.alloc(0) == []
     assert pool.free_pages == 4
+
+
+def test_a_few_pages_come_as_python_ints_and_many_as_a_tensor() -> None:
+    pool = PagePool(3 * SMALL_SLOTS_MAX, 1)
+    few = pool.alloc(SMALL_SLOTS_MAX)
+    assert few == list(range(SMALL_SLOTS_MAX))
+    many = pool.alloc(SMALL_SLOTS_MAX + 1)
+    assert isinstance(many, torch.Tensor) and many.dtype == torch.int64
+    assert many.tolist() == list(range(SMALL_SLOTS_MAX, 2 * SMALL_SLOTS_MAX + 1))
+    assert isinstance(PagePool(SMALL_SLOTS_MAX, 2).alloc(SMALL_SLOTS_MAX // 2 + 1), torch.Tensor)  # slots count
+    pool.free(many)
+    pool.free(few)
+    assert pool.free_pages == 3 * SMALL_SLOTS_MAX
+    assert pool.alloc(3) == [0, 1, 2]  # each form pushed back in the order it was handed out
 
 
 def test_allocating_a_negative_number_of_pages_is_an_error() -> None:
@@ -45,16 +64,17 @@ def test_freed_pages_are_handed_out_again_first_in_the_same_order() -> None:
     pool.alloc(2)
     middle = pool.alloc(3)
     pool.free(middle)
-    assert pool.alloc(3).tolist() == middle.tolist()
+    assert pool.alloc(3) == middle
 
 
-def test_alloc_returns_a_tensor_the_pool_does_not_keep() -> None:
-    pool = PagePool(4, 1)
-    got = pool.alloc(2)
-    got[:] = 99
-    assert sorted(pool.free_page_set().tolist()) == [2, 3]
-    pool.free(torch.tensor([0, 1]))
-    assert sorted(pool.free_page_set().tolist()) == [0, 1, 2, 3]
+@pytest.mark.parametrize("pages", [2, SMALL_SLOTS_MAX + 1], ids=["ints", "tensor"])
+def test_alloc_returns_pages_the_pool_does_not_keep(pages: int) -> None:
+    pool = PagePool(pages + 2, 1)
+    got = pool.alloc(pages)
+    got[:] = [99] * pages if isinstance(got, list) else 99
+    assert sorted(pool.free_page_set().tolist()) == [pages, pages + 1]
+    pool.free(torch.arange(pages))
+    assert sorted(pool.free_page_set().tolist()) == list(range(pages + 2))
 
 
 def test_freeing_more_pages_than_were_allocated_is_caught_as_a_double_free() -> None:
@@ -74,12 +94,12 @@ def test_random_alloc_and_free_keep_every_page_exactly_once() -> None:
         if held and rng.random() < 0.5:
             rng.shuffle(held)
             k = rng.randint(1, len(held))
-            pool.free(torch.tensor(held[:k]))
+            pool.free(held[:k] if rng.random() < 0.5 else torch.tensor(held[:k]))
             held = held[k:]
         else:
-            got = pool.alloc(rng.randint(0, 6))
+            got = pool.alloc(rng.choice([rng.randint(0, 6), rng.randint(0, 20)]))
             if got is not None:
-                held.extend(got.tolist())
+                held.extend(as_list(got))
         free = pool.free_page_set().tolist()
         assert sorted(free + held) == list(range(32))
         assert pool.free_pages == len(free)
@@ -97,6 +117,7 @@ def test_a_pool_needs_pages_and_a_page_size(pages: int, page_size: int) -> None:
 def test_pages_of_whole_pages_gives_their_numbers_in_order() -> None:
     slots = torch.tensor([8, 9, 10, 11, 0, 1, 2, 3])
     assert pages_of(slots, 4, "test").tolist() == [2, 0]
+    assert pages_of(slots.tolist(), 4, "test") == [2, 0]  # Python ints in, Python ints out
 
 
 def test_pages_of_with_page_size_one_is_the_identity() -> None:
@@ -115,6 +136,8 @@ def test_slots_of_pages_lists_every_slot_of_each_page_in_page_order_and_inverts_
     assert pages_of(slots, 4, "test").tolist() == [2, 0]
     assert slots_of_pages(torch.arange(100), 16).tolist() == list(range(1600))  # the vectorised path
     assert slots_of_pages(torch.empty(0, dtype=torch.int64), 4).numel() == 0
+    assert slots_of_pages([2, 0], 4) == [8, 9, 10, 11, 0, 1, 2, 3]
+    assert slots_of_pages([], 4) == []
 
 
 def test_a_count_that_is_not_whole_pages_is_refused_naming_the_caller() -> None:

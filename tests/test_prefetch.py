@@ -48,7 +48,6 @@ from hicache.messages import (
     ReadPrefetch,
     StopPrefetch,
     StorePages,
-    Indices,
     Tokens,
 )
 from hicache.runtime import (
@@ -854,8 +853,7 @@ class StoragePlayer(Player):
     def release_host(self) -> None:
         held, self.held = self.held, []
         for m in held:
-            got = self.host.allocate(m.tokens)
-            self.tree.on_host_allocated(m.op_id, None if got is None else Indices.from_tensor(got))
+            self.tree.on_host_allocated(m.op_id, self.host.allocate_indices(m.tokens))
         self.pump()
 
     def read(self, op: int, pages: int, tokens: list[int], start: int) -> None:

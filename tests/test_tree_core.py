@@ -155,8 +155,7 @@ class Player:
                 device.free_tree(idx.as_tensor())
             case AllocateHost(op_id=op, tokens=n):
                 assert to is ActorName.HOST
-                got = None if self.refuse_host else host.allocate(n)
-                tree.on_host_allocated(op, None if got is None else Indices.from_tensor(got))
+                tree.on_host_allocated(op, None if self.refuse_host else host.allocate_indices(n))
             case SetHostState(indices=idx, state=state):
                 host.transition(idx.as_tensor(), state)
             case FreeHostSlots(indices=idx):

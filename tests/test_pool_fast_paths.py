@@ -1,0 +1,227 @@
+"""Both forms of `Ints` give the same results, on the calls the pool actors make.
+
+The pools keep a call's slot numbers as Python ints when they are few and as a tensor
+when there are many (`SMALL_SLOTS_MAX`, in `_pages`). Each property here runs one random
+sequence of calls three times: as shipped (sizes on both sides of the limit, so that one
+call may mix the forms), with every call in Python ints, and with every call vectorised.
+What each call returned or raised, and the final owner or state tables, must be equal.
+Slots go in as `Indices`, as the actors pass them, or as tensors, as the other callers do
+(tests/test_small_paths.py does the same on a few slots, with tensors only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import hicache.actors._device_core as device_core_module
+import hicache.actors._pages as pages_module
+from hicache.actors import DeviceCore, HostCore
+from hicache.actors._pages import SMALL_SLOTS_MAX, as_list, holds, indices_of, ints, put
+from hicache.messages import HostSlotState, Indices, ReleaseReason
+from hicache.runtime import Config
+
+PURE_FIXTURE = [HealthCheck.function_scoped_fixture]
+"""`make_config` is a pure function: reusing it across examples is safe."""
+
+FORMS = {"shipped": None, "ints": 1 << 30, "tensors": 0}
+"""`SMALL_SLOTS_MAX` for each run: as shipped, every call in Python ints, every call vectorised."""
+
+
+def _in_every_form(run: Callable[[], Any]) -> dict[str, Any]:
+    """What `run()` returned, run once per form."""
+    got = {}
+    for form, limit in FORMS.items():
+        with pytest.MonkeyPatch.context() as mp:
+            if limit is not None:
+                for module in (pages_module, device_core_module):
+                    mp.setattr(module, "SMALL_SLOTS_MAX", limit)
+            got[form] = run()
+    return got
+
+
+def _outcome(call: Callable[[], Any]) -> Any:
+    """What `call()` returned, or the type and text of what it raised."""
+    try:
+        return call()
+    except (ValueError, RuntimeError, AssertionError) as err:
+        return f"{type(err).__name__}: {err}"
+
+
+# -- the conversions ---------------------------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(values=st.lists(st.integers(-(2**40), 2**40), max_size=2 * SMALL_SLOTS_MAX))
+def test_indices_and_python_ints_convert_both_ways_as_tensors_do(values: list[int]) -> None:
+    tensor = torch.tensor(values, dtype=torch.int64)
+    idx = Indices.from_tensor(tensor)
+    assert indices_of(values) == idx == indices_of(tensor)
+    assert idx.tolist() == values == idx.as_tensor().tolist()
+    for given_as in (idx, tensor):
+        got = ints(given_as)
+        assert isinstance(got, list) == (len(values) <= SMALL_SLOTS_MAX)
+        assert as_list(got) == values
+
+
+@settings(max_examples=300, deadline=None)
+@given(table=st.lists(st.integers(0, 3), min_size=1, max_size=12), at=st.lists(st.integers(-3, 14), max_size=8),
+       allowed=st.frozensets(st.integers(0, 3)), value=st.integers(0, 3))
+def test_holds_checks_distinct_positions_in_range_with_allowed_bytes_and_put_writes_both_views(
+    table: list[int], at: list[int], allowed: frozenset[int], value: int
+) -> None:
+    data = bytearray(table)
+    view = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    expected = (len(set(at)) == len(at) and all(0 <= i < len(table) for i in at)
+                and all(table[i] in allowed for i in at))
+    assert holds(data, at, allowed) is expected
+    if expected and at:
+        put(data, view, at, value)
+        put(data, view, torch.tensor(at[:1]), value)
+        assert [data[i] for i in at] == [value] * len(at)
+        assert view.tolist() == list(data)
+
+
+# -- the device pool -----------------------------------------------------------------------
+
+_DEVICE_CALLS = st.lists(
+    st.tuples(st.sampled_from(["allocate", "allocate2", "commit", "swap", "release", "load", "adopt", "free",
+                               "free_request_slots"]),
+              st.integers(0, 2), st.integers(0, 90), st.integers(0, 3)),
+    max_size=30,
+)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=PURE_FIXTURE)
+@given(page_size=st.sampled_from([1, 2, 4]), calls=_DEVICE_CALLS)
+def test_device_calls_agree_in_every_form(
+    make_config: Callable[..., Config], page_size: int, calls: list[tuple[str, int, int, int]]
+) -> None:
+    pages = 160 // page_size
+
+    def run() -> Any:
+        core = DeviceCore(make_config(page_size=page_size, device_pages=pages, host_pages=2 * pages))
+        p = page_size
+        mine: dict[str, list[int]] = {}  # each live request's slots not yet handed over, in token order
+        loads: list[list[int]] = []
+        tree: list[list[int]] = []
+        trail: list[Any] = []
+
+        def slots(values: list[int], k: int) -> Indices | torch.Tensor:
+            """`values` as the actors pass slots (`Indices`, odd `k`) or as the other callers do."""
+            tensor = torch.tensor(values, dtype=torch.int64)
+            return Indices.from_tensor(tensor) if k % 2 else tensor
+
+        def step(what: str, r: int, n: int, k: int) -> Any:
+            rid = f"r{r}"
+            if what in ("allocate", "allocate2"):
+                demands = [(rid, n)] if what == "allocate" else [(rid, n % 7), (f"r{(r + 1) % 3}", n)]
+                got = core.allocate_indices(demands) if k % 2 else core.allocate(demands)
+                if isinstance(got, dict):
+                    got = {key: v.tolist() for key, v in got.items()}
+                    for key, v in got.items():
+                        mine.setdefault(key, []).extend(v)
+                return got
+            if what == "commit":
+                return core.commit_many([(rid, n % 20)])
+            if what == "swap":
+                held = mine.get(rid, [])
+                a, b = (k % 2) * p, (k // 2) * p
+                view = core.swap(rid, slots(held[:a], k), slots(held[a : a + b], k + 1))
+                tree.append(held[:a])
+                mine[rid] = held[a + b :]
+                return view
+            if what == "release":
+                held = mine.get(rid, [])
+                adopt = held[: (n % 4) * p]
+                view = core.release(rid, slots(adopt, k), ReleaseReason.FINISHED if k < 3 else ReleaseReason.RETRACTED)
+                tree.append(adopt)
+                mine.pop(rid, None)
+                return view
+            if what == "load":
+                got = core.allocate_load_indices(n) if k % 2 else core.allocate_load(n)
+                if not isinstance(got, device_core_module.Insufficient):
+                    got = got.tolist()
+                    loads.append(got)
+                return got
+            if what == "adopt" and loads:
+                got = loads.pop(n % len(loads))
+                core.adopt_loaded(slots(got, k))
+                tree.append(got)
+                return what
+            if what == "free" and (tree or loads):
+                owned = tree if tree and (k % 2 or not loads) else loads
+                core.free_tree(slots(owned.pop(n % len(owned)), k))
+                return what
+            if what == "free_request_slots" and mine.get(rid):  # misuse: the request owns them
+                core.free_tree(slots(mine[rid][: p * (1 + k)], k))
+            return None
+
+        for call in calls:
+            trail.append(_outcome(lambda call=call: step(*call)))
+            trail.append(_outcome(core.check_invariants))
+        return trail, core.counts(), core._owner.tolist(), core._pool.free_page_set().tolist()
+
+    got = _in_every_form(run)
+    assert got["ints"] == got["shipped"] == got["tensors"]
+
+
+# -- the host pool -------------------------------------------------------------------------
+
+_HOST_CALLS = st.lists(
+    st.tuples(st.sampled_from(["allocate", "transition", "transition", "free", "free_twice"]),
+              st.integers(0, 5), st.sampled_from(list(HostSlotState)), st.integers(0, 40)),
+    max_size=30,
+)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=PURE_FIXTURE)
+@given(page_size=st.sampled_from([1, 4]), calls=_HOST_CALLS)
+def test_host_calls_agree_in_every_form(
+    make_config: Callable[..., Config], page_size: int, calls: list[tuple[str, int, HostSlotState, int]]
+) -> None:
+    pages = 200 // page_size
+
+    def run() -> Any:
+        core = HostCore(make_config(page_size=page_size, device_pages=pages // 2, host_pages=pages))
+        held: list[list[int]] = []
+        freed: list[list[int]] = []
+        trail: list[Any] = []
+
+        def step(what: str, pick: int, state: HostSlotState, n: int) -> Any:
+            as_indices = n % 2 == 1
+            if what == "allocate":
+                got = core.allocate_indices(n * page_size) if as_indices else core.allocate(n * page_size)
+                if got is not None:
+                    held.append(got.tolist())
+                    return held[-1]
+                return got
+            if what == "free_twice" and freed:  # misuse: a double free
+                what, slots = "free", freed[pick % len(freed)]
+            elif held:
+                slots = held[pick % len(held)]
+                slots = slots[: len(slots) - page_size * (n % 2)] if what == "transition" else slots
+            else:
+                return None
+            given_as = indices_of(slots) if as_indices else torch.tensor(slots, dtype=torch.int64)
+            if what == "transition":
+                core.transition(given_as, state)
+            else:
+                core.free(given_as)
+                freed.append(slots)
+                if slots in held:
+                    held.remove(slots)
+            return what
+
+        for call in calls:
+            trail.append(_outcome(lambda call=call: step(*call)))
+            trail.append(_outcome(core.check_invariants))
+        return trail, core.counts(), core._state.tolist(), core._pool.free_page_set().tolist()
+
+    got = _in_every_form(run)
+    assert got["ints"] == got["shipped"] == got["tensors"]
