@@ -87,6 +87,19 @@ class Facts:
                 at += 1
         return out
 
+    def take_local(self, kind: str) -> list[tuple[str, int, int]]:
+        """With one rank, where the local outcomes are the agreed ones: remove the leading
+        operations of `kind` that have an outcome; `(kind, op, value)` in issue order.
+
+        This is `take(known(), values(known()))` when only `kind` changed since the last
+        take, which holds with one rank: every outcome is taken as soon as it is recorded."""
+        order, local = self._order[kind], self._local
+        out = []
+        while order and (kind, order[0]) in local:
+            op = order.popleft()
+            out.append((kind, op, local.pop((kind, op))))
+        return out
+
     def pending(self) -> int:
         """Issued operations whose agreed outcome has not been applied."""
         return sum(len(q) for q in self._order.values())

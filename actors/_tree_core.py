@@ -424,8 +424,8 @@ class TreeCore:
     def _fact(self, kind: str, op: int, value: int) -> None:
         self.facts.record(kind, op, value)
         if self._agree_locally:  # one rank: its outcomes are the agreed ones, applied at once
-            known = self.facts.known()
-            self.apply_facts(known, self.facts.values(known))
+            for kind_, op_, value_ in self.facts.take_local(kind):
+                self._apply(kind_, op_, value_)
 
     def _apply(self, kind: str, op: int, value: int) -> None:
         if kind == "write":

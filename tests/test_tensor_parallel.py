@@ -12,6 +12,7 @@ the parent kills both and fails with their output if they exceed it.
 from __future__ import annotations
 
 import json
+import random
 import os
 import socket
 import subprocess
@@ -21,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hicache.actors import InvariantError
 from hicache.actors._facts import KINDS, Facts
@@ -152,6 +155,27 @@ def test_facts_take_fewer_than_known_when_another_rank_knows_less() -> None:
     counts = tuple(1 if k == "load" else 0 for k in KINDS)  # the agreed (MIN) count
     assert f.take(counts, (0,)) == [("load", 4, 0)]
     assert f.known() == counts and f.values(counts) == (1,)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(KINDS), st.integers(0, 3)), min_size=1, max_size=30), st.randoms())
+def test_facts_taken_locally_per_kind_equal_a_full_take_after_every_record(
+    issued: list[tuple[str, int]], rnd: random.Random
+) -> None:
+    """With one rank the tree takes the recorded kind only; a full take after every record
+    (what several ranks in agreement do) must give the same outcomes in the same order."""
+    local, full = Facts(), Facts()
+    for op, (kind, _) in enumerate(issued, start=1):
+        local.expect(kind, op)
+        full.expect(kind, op)
+    order = list(enumerate(issued, start=1))
+    rnd.shuffle(order)  # outcomes arrive in any order
+    for op, (kind, value) in order:
+        local.record(kind, op, value)
+        full.record(kind, op, value)
+        known = full.known()
+        assert local.take_local(kind) == full.take(known, full.values(known))
+    assert local.pending() == full.pending() == 0
 
 
 def test_facts_refuse_a_double_record_an_unissued_op_and_a_negative_value() -> None:
