@@ -258,10 +258,12 @@ class RadixTree:
                     )
                 new = self._new_node(node, data[at:], NodeState.DEVICE, priority)
                 new.device = device[pos:n]
-                self._attach(new)
+                self._attach(new)  # offers it for eviction
                 out.adopted.append(new.device)
+                for nd in out.path:  # the nodes above it, with their new access time
+                    self.offer(nd)
                 out.path.append(new)
-                break
+                return out
             same = self._common(child.key, data, at, len(data))
             if pos < own_from < pos + same:
                 same = own_from - pos  # keep the tree's part and the caller's part in separate nodes
