@@ -2,8 +2,9 @@
 
 They take over seed 004's cache controller without its threads and polling:
 operations arrive as messages, queue in a `TransferQueue` (merge small, split
-large), are copied page-granular by `copy_kv`, and each completion is a message
-to the requester. A failed copy is reported as failed, never as done.
+large), are copied page-granular by a `CopyPlan` on the stream's route (the
+device and host buffers, worked out once), and each completion is a message to
+the requester. A failed copy is reported as failed, never as done.
 
 On CUDA each stream has its own CUDA stream; it first orders itself after the
 compute stream (the KV to write, or the slots to fill, are the compute stream's),
@@ -41,8 +42,9 @@ from hicache.runtime._services import Services
 from hicache.runtime.config import Config
 
 from ._errors import InvariantError
-from ._kv import CopyPlan, KVBuffer, copy_kv
-from ._transfer_core import Piece, TransferOp, TransferQueue, batch_indices, op_problem
+from ._kv import CopyPlan, KVBuffer, _ints, _Route
+from ._pages import Ints
+from ._transfer_core import Piece, TransferOp, TransferQueue, _concat_slots, batch_indices, op_problem
 
 _COPY_ERRORS = (RuntimeError, ValueError, IndexError)
 """What a torch copy raises on bad input or a device fault; reported as a failed transfer."""
@@ -54,29 +56,18 @@ class _CudaStream:
     def __init__(self, device: torch.device) -> None:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
-    def begin(self) -> Any:
+    def run(self, plan: CopyPlan, layer: int | None = None) -> tuple[int, Any]:
+        """Run `plan` (all layers or one); its bytes and the event of its completion. On
+        CUDA the copy goes on the side stream, after what the compute stream has queued,
+        without blocking; on CPU it is done on return, and there is no event."""
         if self.stream is None:
-            return _NULL
+            return plan.run(layer=layer), None
         self.stream.wait_stream(torch.cuda.default_stream(self.stream.device))
-        return torch.cuda.stream(self.stream)
-
-    def record(self) -> Any:
-        if self.stream is None:
-            return None
-        event = torch.cuda.Event()
-        event.record(self.stream)
-        return event
-
-
-class _Null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-_NULL = _Null()
+        with torch.cuda.stream(self.stream):
+            nbytes = plan.run(layer=layer, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return nbytes, event
 
 
 @dataclass(slots=True)
@@ -109,8 +100,10 @@ def _enqueue(
     dst: tuple[Indices, KVBuffer],
     what: str,
 ) -> str | None:
-    """Queue an operation; the reason it was refused (counted as failed), or None."""
-    s, d = src[0].as_tensor(), dst[0].as_tensor()
+    """Queue an operation; the reason it was refused (counted as failed), or None.
+    The operation keeps its indices in the form their size calls for (Python ints for a
+    few, see `SMALL_SLOTS_MAX`), read from the message once."""
+    s, d = _ints(src[0]), _ints(dst[0])
     problem = op_problem(s, src[1].slots, d, dst[1].slots)
     if problem is None and not queue.push(TransferOp(op_id, requester, s, d)):
         problem = f"{what} queue full ({queue.ops_max} ops, transfer_queue_ops_max)"
@@ -132,6 +125,7 @@ class WriteStreamActor(HiActor):
         super().__init__(services=services, directory=directory)
         self._device = device_kv
         self._host = host_kv
+        self._route = _Route(device_kv, host_kv)
         self._queue = TransferQueue(config.transfer_pages_max * config.page_size, config.transfer_queue_ops_max)
         self._cuda = _CudaStream(device_kv.device)
         self._drain_pending = False
@@ -155,7 +149,7 @@ class WriteStreamActor(HiActor):
                 self.unknown(message)
         return None
 
-    def _batch_indices(self, batch: list[Piece]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _batch_indices(self, batch: list[Piece]) -> tuple[Ints, Ints]:
         return batch_indices(batch)
 
     def _schedule_drain(self) -> None:
@@ -172,9 +166,7 @@ class WriteStreamActor(HiActor):
         if reason is None:
             src, dst = self._batch_indices(batch)
             try:
-                with self._cuda.begin():
-                    nbytes = copy_kv(self._device, src, self._host, dst, non_blocking=self._cuda.stream is not None)
-                    event = self._cuda.record()
+                nbytes, event = self._cuda.run(self._route.plan(src, dst))
                 if event is not None:
                     event.synchronize()
             except _COPY_ERRORS as err:
@@ -207,8 +199,8 @@ class WriteStreamActor(HiActor):
 class _LoadBatch:
     batch: int
     ops: list[TransferOp]
-    src: torch.Tensor
-    dst: torch.Tensor
+    src: Ints
+    dst: Ints
     plan: CopyPlan | None = None
     """The batch's pieces, planned at its first layer and run for every layer."""
 
@@ -233,6 +225,7 @@ class LoadStreamActor(HiActor):
         super().__init__(services=services, directory=directory)
         self._device = device_kv
         self._host = host_kv
+        self._route = _Route(host_kv, device_kv)
         self._ring = ring
         self._layers = config.layers
         # Loads are merged per batch, never split: each step copies one layer.
@@ -267,8 +260,8 @@ class LoadStreamActor(HiActor):
             self._queue.merged_ops += len(ops)
         b = self._next_batch
         self._next_batch += 1
-        src = torch.cat([op.src for op in ops])
-        dst = torch.cat([op.dst for op in ops])
+        src = _concat_slots([op.src for op in ops])
+        dst = _concat_slots([op.dst for op in ops])
         self._started.append(_LoadBatch(b, ops, src, dst))
         self._run_next()
         return LoadsStarted(batch=b, ops=tuple(op.op_id for op in ops))
@@ -289,11 +282,9 @@ class LoadStreamActor(HiActor):
             reason = self._services.faults.transfer_fault(self.name, tuple(op.op_id for op in run.ops))
         if reason is None:
             try:
-                with self._cuda.begin():
-                    if run.plan is None:
-                        run.plan = CopyPlan(self._host, run.src, self._device, run.dst)
-                    nbytes = run.plan.run(layer=layer, non_blocking=self._cuda.stream is not None)
-                    event = self._cuda.record()
+                if run.plan is None:
+                    run.plan = self._route.plan(run.src, run.dst)
+                nbytes, event = self._cuda.run(run.plan, layer)
                 self._n.bytes_copied += nbytes
                 self._ring.layer_done(b, layer, event)
             except _COPY_ERRORS as err:

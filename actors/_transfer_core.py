@@ -9,13 +9,15 @@ completes when its last piece is copied.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from hicache.messages import ActorName
 
 from ._errors import InvariantError
+from ._kv import Slots, _in_range, _ints, _tensor
+from ._pages import Ints
 
 
 @dataclass(slots=True, eq=False)
@@ -24,18 +26,21 @@ class TransferOp:
 
     op_id: int
     requester: ActorName
-    src: torch.Tensor
-    dst: torch.Tensor
+    src: Slots
+    dst: Slots
+    """Source and destination slots (a stream actor keeps them in the form their size
+    calls for, see `_ints`)."""
     taken: int = 0
     """Slots handed out in pieces so far."""
     pieces: int = 0
     failed: bool = False
     merged: bool = False
     """True once the operation shared a batch with another (counted once in `merged_ops`)."""
+    slots: int = field(init=False)
+    """`len(src)`: taken once, the batching reads it for every piece."""
 
-    @property
-    def slots(self) -> int:
-        return len(self.src)
+    def __post_init__(self) -> None:
+        self.slots = len(self.src)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,18 +115,34 @@ class TransferQueue:
                 raise InvariantError(f"queued op {op.op_id} is done or failed but still queued")
 
 
-def batch_indices(batch: list[Piece]) -> tuple[torch.Tensor, torch.Tensor]:
+def batch_indices(batch: list[Piece]) -> tuple[Ints, Ints]:
     """Concatenated source and destination slots of a batch, in piece order."""
-    src = torch.cat([p.op.src[p.start : p.end] for p in batch])
-    dst = torch.cat([p.op.dst[p.start : p.end] for p in batch])
+    src = _concat_slots([_part(p.op.src, p) for p in batch])
+    dst = _concat_slots([_part(p.op.dst, p) for p in batch])
     return src, dst
 
 
-def op_problem(src: torch.Tensor, src_slots: int, dst: torch.Tensor, dst_slots: int) -> str | None:
+def _part(slots: Slots, piece: Piece) -> Slots:
+    """The piece's part of one of its operation's index arrays (the array itself when whole)."""
+    return slots if piece.start == 0 and piece.end == piece.op.slots else slots[piece.start : piece.end]
+
+
+def _concat_slots(parts: list[Slots]) -> Ints:
+    """Slot indices one after another, in the form their number calls for (see `_ints`)."""
+    if len(parts) == 1:
+        return _ints(parts[0])
+    if all(isinstance(p, list) for p in parts):
+        return _ints([i for p in parts for i in p])
+    return _ints(torch.cat([_tensor(p) for p in parts]))
+
+
+def op_problem(src: Slots, src_slots: int, dst: Slots, dst_slots: int) -> str | None:
     """Why an operation's indices are unusable, or None when they are fine."""
-    if len(src) != len(dst):
-        return f"source has {len(src)} slots but destination has {len(dst)}"
+    n = len(src)
+    if n != len(dst):
+        return f"source has {n} slots but destination has {len(dst)}"
     for name, idx, cap in (("source", src, src_slots), ("destination", dst, dst_slots)):
-        if len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= cap):
+        if n and not _in_range(_ints(idx), cap):
             return f"{name} slot out of range 0..{cap - 1}"
     return None
+

@@ -1,0 +1,209 @@
+"""The stream copies' fast paths do what their general paths do.
+
+A `CopyPlan` copies by memmove (CPU, small blocks by memoryview slice assignment, large
+ones by ctypes, which releases the GIL) or by torch views; it plans with Python ints on a
+few slots and vectorised on many; the transfer queue keeps indices as Python ints, a tensor
+or `Indices`. Each property runs the same copy every way and compares the bytes (with a
+slot-by-slot reference), the bytes counted and the errors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import hicache.actors._kv as kv_module
+import hicache.actors._pages as pages_module
+from hicache.actors import KVBuffer, KVShape, TransferOp, TransferQueue, copy_kv
+from hicache.actors._transfer_core import batch_indices, op_problem
+from hicache.messages import ActorName, Indices
+from hicache.runtime import HostLayout
+
+LF, PF = HostLayout.LAYER_FIRST, HostLayout.PAGE_FIRST
+PAGES = 6
+
+_ALL = 1 << 30
+_WAYS: dict[str, list[tuple[Any, str, Any]]] = {
+    # How copies run, by the module constants that decide it (besides the way as shipped).
+    "memmove-held": [(kv_module, "_MEMMOVES_PER_PIECE_MAX", _ALL), (kv_module, "_TORCH_GRAIN_ELEMENTS", _ALL),
+                     (kv_module, "_GIL_HELD_BYTES_MAX", _ALL)],
+    "memmove-ctypes": [(kv_module, "_MEMMOVES_PER_PIECE_MAX", _ALL), (kv_module, "_TORCH_GRAIN_ELEMENTS", _ALL),
+                       (kv_module, "_GIL_HELD_BYTES_MAX", 0)],
+    "torch": [(kv_module._Rows, "of", classmethod(lambda cls, buf: None))],  # no buffer offers its rows
+    "vectorised-plan": [(kv_module, "SMALL_SLOTS_MAX", 0), (pages_module, "SMALL_SLOTS_MAX", 0)],
+}
+
+
+@contextmanager
+def _way(name: str | None) -> Iterator[None]:
+    """Copies inside take the named way (None: as shipped)."""
+    with pytest.MonkeyPatch.context() as mp:
+        for target, attr, value in _WAYS[name] if name else []:
+            mp.setattr(target, attr, value)
+        yield
+
+
+def _filled(shape: KVShape, layout: HostLayout, seed: int) -> KVBuffer:
+    buf = KVBuffer.allocate(shape, PAGES * shape.page_size, layout, "cpu")
+    g = torch.Generator().manual_seed(seed)
+    buf.tensor.copy_(torch.randperm(buf.tensor.numel(), generator=g).view(buf.tensor.shape).float())
+    return buf
+
+
+def _slot(buf: KVBuffer, slot: int) -> torch.Tensor:
+    if buf.page_first:
+        p = buf.shape.page_size
+        return buf.tensor[slot // p, :, :, slot % p]
+    return buf.tensor[:, :, slot]
+
+
+def _reference(src: KVBuffer, s_idx: list[int], dst: KVBuffer, d_idx: list[int], layer: int | None) -> torch.Tensor:
+    want = dst.tensor.clone()
+    view = KVBuffer(dst.shape, want, dst.layout)
+    for s, d in zip(s_idx, d_idx, strict=True):
+        if layer is None:
+            _slot(view, d).copy_(_slot(src, s))
+        else:
+            _slot(view, d)[:, layer].copy_(_slot(src, s)[:, layer])
+    return want
+
+
+_FORMS: dict[str, Callable[[list[int]], Any]] = {
+    "list": list,
+    "tensor": lambda v: torch.tensor(v, dtype=torch.int64),
+    "indices": Indices.of,
+}
+
+
+def _outcome(run: Callable[[], Any]) -> Any:
+    try:
+        return run()
+    except (ValueError, IndexError, RuntimeError) as err:
+        return type(err).__name__, str(err)
+
+
+_COPIES = st.tuples(
+    st.sampled_from([(LF, LF), (LF, PF), (PF, LF)]),
+    st.sampled_from([1, 2, 4]),  # page size
+    st.integers(1, 3),  # layers
+    st.one_of(st.none(), st.integers(-3, 2)),  # layer (None: all; negative counts from the end)
+    st.lists(st.tuples(st.integers(0, PAGES * 4 - 1), st.integers(0, PAGES * 4 - 1)), max_size=20),
+    st.sampled_from(sorted(_FORMS)),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(copy=_COPIES)
+def test_every_way_of_copying_moves_the_same_bytes_as_a_slot_by_slot_copy(copy: Any) -> None:
+    (src_layout, dst_layout), page_size, layers, layer, pairs, form = copy
+    shape = KVShape(layers=layers, heads=2, head_dim=3, dtype=torch.float32, page_size=page_size)
+    if layer is not None and not -layers <= layer < layers:
+        layer = None
+    slots = PAGES * page_size
+    s_idx = [s % slots for s, _ in pairs]
+    d_idx = list(dict.fromkeys(d % slots for _, d in pairs))
+    s_idx = s_idx[: len(d_idx)]
+    want = _reference(_filled(shape, src_layout, 1), s_idx, _filled(shape, dst_layout, 2), d_idx, layer)
+    for way in [None, *_WAYS]:
+        src, dst = _filled(shape, src_layout, 1), _filled(shape, dst_layout, 2)
+        with _way(way):
+            nbytes = copy_kv(src, _FORMS[form](s_idx), dst, _FORMS[form](d_idx), layer=layer)
+        assert torch.equal(dst.tensor, want), way
+        assert nbytes == len(s_idx) * shape.bytes_per_slot // (1 if layer is None else layers), way
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    s_idx=st.lists(st.integers(-3, 30), max_size=12),
+    d_idx=st.lists(st.integers(-3, 30), max_size=12),
+    layouts=st.sampled_from([(LF, LF), (LF, PF), (PF, LF), (PF, PF)]),
+    form=st.sampled_from(sorted(_FORMS)),
+)
+def test_every_way_refuses_bad_indices_alike(
+    s_idx: list[int], d_idx: list[int], layouts: tuple[HostLayout, HostLayout], form: str
+) -> None:
+    shape = KVShape(layers=2, heads=1, head_dim=4, dtype=torch.float32, page_size=4)
+    outcomes = {}
+    for way in [None, *_WAYS]:
+        src, dst = _filled(shape, layouts[0], 1), _filled(shape, layouts[1], 2)
+        before = dst.tensor.clone()
+        with _way(way):
+            got = _outcome(lambda: copy_kv(src, _FORMS[form](s_idx), dst, _FORMS[form](d_idx)))
+        if isinstance(got, tuple):  # a refused copy touches nothing
+            assert torch.equal(dst.tensor, before), way
+        outcomes[way] = got
+    assert len(set(map(repr, outcomes.values()))) == 1, outcomes
+
+
+def test_a_slot_out_of_range_is_named_before_anything_is_copied() -> None:
+    shape = KVShape(layers=2, heads=1, head_dim=4, dtype=torch.float32, page_size=4)
+    for layouts in [(LF, LF), (LF, PF), (PF, LF)]:
+        src, dst = _filled(shape, layouts[0], 1), _filled(shape, layouts[1], 2)
+        with pytest.raises(IndexError, match=r"copy: destination slot out of range 0\.\.23"):
+            copy_kv(src, torch.arange(4), dst, torch.tensor([20, 21, 22, 24]))
+        with pytest.raises(IndexError, match=r"copy: source slot out of range 0\.\.23"):
+            copy_kv(src, torch.tensor([-1, 0]), dst, torch.tensor([0, 1]), layer=1)
+
+
+def test_tiny_copies_of_all_layers_take_memmove_and_large_ones_torch() -> None:
+    def way(layers: int, heads: int, head_dim: int, slots: int) -> str:
+        shape = KVShape(layers=layers, heads=heads, head_dim=head_dim, dtype=torch.float16, page_size=4)
+        src = KVBuffer.allocate(shape, 64, LF, "cpu")
+        dst = KVBuffer.allocate(shape, 64, PF, "cpu")
+        plan = kv_module.CopyPlan(src, list(range(slots)), dst, list(range(slots)))
+        route = plan._route
+        return "memmove" if kv_module._memmove_pays(plan._pieces, route) and route.rows else "torch"
+
+    assert way(layers=2, heads=1, head_dim=8, slots=8) == "memmove"  # the replay bench's shape
+    assert way(layers=32, heads=1, head_dim=8, slots=8) == "torch"  # 64 blocks a page
+    assert way(layers=2, heads=8, head_dim=128, slots=64) == "torch"  # pages beyond torch's grain
+
+
+def test_buffers_that_are_not_contiguous_are_copied_by_torch() -> None:
+    shape = KVShape(layers=2, heads=1, head_dim=4, dtype=torch.float32, page_size=4)
+    wide = torch.arange(2 * 2 * 16 * 1 * 8, dtype=torch.float32).view(2, 2, 16, 1, 8)
+    src = KVBuffer(shape, wide[..., :4], LF)  # rows of 4 of every 8 values
+    dst = KVBuffer.allocate(shape, 16, LF, "cpu")
+    assert src._rows is None and dst._rows is not None
+    copy_kv(src, [3, 4, 9], dst, [0, 1, 2])
+    assert torch.equal(dst.tensor[:, :, :3], wide[:, :, [3, 4, 9], :, :4])
+
+
+# -- the transfer queue's index forms --------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(sizes=st.lists(st.integers(1, 40), min_size=1, max_size=6), slots_max=st.integers(1, 70),
+       form=st.sampled_from(sorted(_FORMS)))
+def test_batches_hold_the_same_slots_whatever_form_the_ops_keep(sizes: list[int], slots_max: int, form: str) -> None:
+    def batches(make: Callable[[list[int]], Any]) -> list[tuple[list[int], list[int]]]:
+        q = TransferQueue(slots_max, len(sizes))
+        base = 0
+        for i, n in enumerate(sizes):
+            q.push(TransferOp(i, ActorName.TREE, make(list(range(base, base + n))),
+                              make(list(range(1000 + base, 1000 + base + n)))))
+            base += n + 3
+        out = []
+        while batch := q.next_batch():
+            src, dst = batch_indices(batch)
+            assert len(src) == len(dst) == sum(p.end - p.start for p in batch)
+            out.append((kv_module._tensor(src).tolist(), kv_module._tensor(dst).tolist()))
+        return out
+
+    assert batches(_FORMS[form]) == batches(_FORMS["tensor"])
+
+
+@settings(max_examples=200, deadline=None)
+@given(src=st.lists(st.integers(-2, 9), max_size=70), dst=st.lists(st.integers(-2, 9), max_size=70),
+       form=st.sampled_from(sorted(_FORMS)))
+def test_op_problem_says_the_same_of_every_form(src: list[int], dst: list[int], form: str) -> None:
+    want = op_problem(torch.tensor(src, dtype=torch.int64), 8, torch.tensor(dst, dtype=torch.int64), 8)
+    assert op_problem(_FORMS[form](src), 8, _FORMS[form](dst), 8) == want
+    with _way("vectorised-plan"):
+        assert op_problem(_FORMS[form](src), 8, _FORMS[form](dst), 8) == want
