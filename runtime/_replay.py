@@ -339,9 +339,10 @@ def replay_log(
                                  f"(the replayed {sender.value} never sent it)")
                 first = _earlier(first, div)
     gap = _first_gap(log.deliveries, until)
-    if gap is not None and only is None and (first is None or gap <= first.seq):
-        # A delivery is missing from the log: that, not its consequence, is the divergence.
-        first = Divergence(gap, first.actor if first else "unknown",
+    if gap is not None and (gap <= first.seq if first is not None else only is None):
+        # A delivery is missing from the log: that, not its consequence, is the divergence (with
+        # one actor replayed, only when that actor diverges after it: the rest were not checked).
+        first = Divergence(gap, first.actor if first else "log",
                            f"(delivery {gap} is missing from the log)",
                            first.actual if first else "(no actor diverged because of it)")
     if first is not None:

@@ -114,6 +114,20 @@ def test_dropping_one_delivery_is_a_divergence_at_that_sequence_number(threaded_
     assert f"delivery {drop['seq']} is missing" in div["expected"]
 
 
+def test_a_missing_delivery_is_the_divergence_of_the_one_actor_replayed_when_it_diverges_after_it(
+    threaded_log: Path, tmp_path: Path, capsys
+) -> None:
+    lines = _lines(threaded_log)
+    drop = next(x for x in lines if x.get("type") == "WriteDone")
+    bad = tmp_path / "dropped.log"
+    _write(bad, [x for x in lines if x is not drop])
+    assert main(["replay", str(bad), "--actor", "write", "--json"]) == 1
+    div = json.loads(capsys.readouterr().out)["divergence"]
+    assert (div["seq"], div["actor"]) == (drop["seq"], "write")
+    assert f"delivery {drop['seq']} is missing" in div["expected"] and "WriteDone" in div["actual"]
+    assert main(["replay", str(bad), "--actor", "device", "--json"]) == 0  # it never mails the device
+
+
 def test_until_and_dump_show_the_tree_at_a_chosen_point(threaded_log: Path, capsys) -> None:
     lines = [x for x in _lines(threaded_log) if x.get("event") == "delivery"]
     first_finish = min(x["seq"] for x in lines if x["type"] == "FinishRequests" and x["receiver"] == "tree")
