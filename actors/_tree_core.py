@@ -68,7 +68,6 @@ from hicache.messages import (
     PrefetchesSettled,
     PrefetchesStarted,
     PrefetchesStopped,
-    PrefetchReadiness,
     ReadPrefetch,
     ReleaseReason,
     ReleaseRequests,
@@ -85,7 +84,7 @@ from hicache.messages import (
 from hicache.runtime.config import Config, PrefetchPolicy, StorageKind, WritePolicy
 
 from ._errors import InvariantError
-from ._facts import KINDS, Facts
+from ._facts import Facts
 from ._radix import BACKED, RESIDENT, Node, NodeState, RadixTree
 from ._storage import page_keys
 

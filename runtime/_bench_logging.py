@@ -33,9 +33,7 @@ outside.
 from __future__ import annotations
 
 import gc
-import json
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -43,13 +41,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from hicache.messages import ActorName, decode
 
 from . import _bench_overhead as overhead
+from ._bench_cli import progress_bar, report
 from ._bench_replay import log_scheduler_run
 from ._bench_transfer import _machine
 from ._facade import HiCache
@@ -309,29 +306,19 @@ def _table(r: Result, w: Workload, machine: dict[str, object]) -> Table:
 
 def run_bench_logging(*, as_json: bool, quick: bool) -> int:
     w = QUICK if quick else FULL
-    err = Console(stderr=True)
-    progress = Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=err, transient=as_json,
-    )
+    progress = progress_bar(as_json)
     with progress:
         task = progress.add_task("logging", total=w.ticks.warmup + w.ticks.reps + 2 * w.reps)
         result = _measure(w, lambda: progress.advance(task))
     machine = _machine(DeviceKind.CPU)
     table = _table(result, w, machine)
-    if as_json:
-        body = {
-            **result.to_json(),
-            "machine": machine,
-            "workload": {
-                "batch": w.ticks.batch, "prompt_tokens_max": w.ticks.prompt_tokens_max, "warmup": w.ticks.warmup,
-                "reps": w.ticks.reps, "scheduler_requests": w.requests, "passes": w.passes,
-                "tick_passes": w.tick_passes, "per_delivery_reps": w.reps, "quick": quick,
-            },
-        }
-        sys.stdout.write(json.dumps(body) + "\n")
-        sys.stdout.flush()
-        err.print(table)
-    else:
-        Console().print(table)
-    return 0
+    body = {
+        **result.to_json(),
+        "machine": machine,
+        "workload": {
+            "batch": w.ticks.batch, "prompt_tokens_max": w.ticks.prompt_tokens_max, "warmup": w.ticks.warmup,
+            "reps": w.ticks.reps, "scheduler_requests": w.requests, "passes": w.passes,
+            "tick_passes": w.tick_passes, "per_delivery_reps": w.reps, "quick": quick,
+        },
+    }
+    return report(table, body, as_json=as_json)

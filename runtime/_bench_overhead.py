@@ -35,9 +35,7 @@ from __future__ import annotations
 
 import gc
 import itertools
-import json
 import statistics
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -45,8 +43,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from hicache.actors import DeviceCore, HostCore, Insufficient, TransferOp, TransferQueue, TreeCore, copy_kv
@@ -81,6 +77,7 @@ from hicache.messages import (
     WriteKV,
 )
 
+from ._bench_cli import progress_bar, report
 from ._bench_transfer import _machine
 from ._facade import HiCache, Request
 from ._system import ThreadedRuntime
@@ -434,28 +431,18 @@ def _table(r: Result, w: Workload, machine: dict[str, object]) -> Table:
 
 def run_bench_overhead(*, as_json: bool, quick: bool) -> int:
     w = QUICK if quick else FULL
-    err = Console(stderr=True)
-    progress = Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=err, transient=as_json,
-    )
+    progress = progress_bar(as_json)
     with progress:
         task = progress.add_task("overhead", total=w.warmup + w.reps)
         result = _measure(w, lambda: progress.advance(task))
     machine = _machine(DeviceKind.CPU)
     table = _table(result, w, machine)
-    if as_json:
-        body = {
-            **result.to_json(),
-            "machine": machine,
-            "workload": {
-                "batch": w.batch, "prompt_tokens_max": w.prompt_tokens_max, "warmup": w.warmup,
-                "reps": w.reps, "round_trips": w.round_trips, "quick": quick,
-            },
-        }
-        sys.stdout.write(json.dumps(body) + "\n")
-        sys.stdout.flush()
-        err.print(table)
-    else:
-        Console().print(table)
-    return 0
+    body = {
+        **result.to_json(),
+        "machine": machine,
+        "workload": {
+            "batch": w.batch, "prompt_tokens_max": w.prompt_tokens_max, "warmup": w.warmup,
+            "reps": w.reps, "round_trips": w.round_trips, "quick": quick,
+        },
+    }
+    return report(table, body, as_json=as_json)

@@ -26,19 +26,16 @@ compared as sends, not replayed). This is not actor code: it reads
 from __future__ import annotations
 
 import gc
-import json
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from ._bench_cli import progress_bar, report
 from ._actor import Mail
 from ._bench_transfer import _machine
 from ._deterministic import DeterministicRuntime
@@ -213,25 +210,15 @@ def _table(r: Result, w: Workload, machine: dict[str, object]) -> Table:
 
 def run_bench_replay(*, as_json: bool, quick: bool) -> int:
     w = QUICK if quick else FULL
-    err = Console(stderr=True)
-    progress = Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=err, transient=as_json,
-    )
+    progress = progress_bar(as_json)
     with progress:
         task = progress.add_task("replay", total=1 + w.reps)
         result = _measure(w, lambda: progress.advance(task))
     machine = _machine(DeviceKind.CPU)
     table = _table(result, w, machine)
-    if as_json:
-        body = {
-            **result.to_json(),
-            "machine": machine,
-            "workload": {"requests": w.requests, "reps": w.reps, "runtime": "deterministic", "quick": quick},
-        }
-        sys.stdout.write(json.dumps(body) + "\n")
-        sys.stdout.flush()
-        err.print(table)
-    else:
-        Console().print(table)
-    return 0
+    body = {
+        **result.to_json(),
+        "machine": machine,
+        "workload": {"requests": w.requests, "reps": w.reps, "runtime": "deterministic", "quick": quick},
+    }
+    return report(table, body, as_json=as_json)

@@ -19,11 +19,9 @@ This is not actor code: it reads `time.perf_counter` and runs the backends direc
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -32,8 +30,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from hicache.actors import (
@@ -48,6 +44,7 @@ from hicache.actors import (
     page_keys,
 )
 
+from ._bench_cli import progress_bar, report
 from ._bench_transfer import _machine
 from ._mooncake_master import MasterStartError, MooncakeMaster
 from .config import Config, DeviceKind, HostLayout
@@ -238,9 +235,7 @@ def run_bench_storage(*, as_json: bool, mib: int) -> int:
         raise SystemExit("hicache bench storage: --mib must be at least 2 (one 2 MiB page)")
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # Mooncake's client logs every step at INFO
     pages = mib // 2
-    err = Console(stderr=True)
-    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                        console=err, transient=as_json)
+    progress = progress_bar(as_json)
     results: list[Result] = []
     with progress:
         task = progress.add_task("storage", total=len(BACKENDS) * len(LAYOUTS) * (WARMUP + REPS))
@@ -249,17 +244,11 @@ def run_bench_storage(*, as_json: bool, mib: int) -> int:
             results += _run_backend(kind, pages, lambda: progress.advance(task))
     machine = _machine(DeviceKind.CPU)
     table = _table(results, pages, machine)
-    if as_json:
-        body = {
-            "machine": machine,
-            "workload": {**SHAPE, "page_bytes": _config(1, LAYOUTS[0]).bytes_per_slot * SHAPE["page_size"],
-                         "pages": pages, "mib": mib,
-                         "batch_pages": BATCH_PAGES, "warmup": WARMUP, "reps": REPS},
-            "results": [r.to_json() for r in results],
-        }
-        sys.stdout.write(json.dumps(body) + "\n")
-        sys.stdout.flush()
-        err.print(table)
-    else:
-        Console().print(table)
-    return 0
+    body = {
+        "machine": machine,
+        "workload": {**SHAPE, "page_bytes": _config(1, LAYOUTS[0]).bytes_per_slot * SHAPE["page_size"],
+                     "pages": pages, "mib": mib,
+                     "batch_pages": BATCH_PAGES, "warmup": WARMUP, "reps": REPS},
+        "results": [r.to_json() for r in results],
+    }
+    return report(table, body, as_json=as_json)

@@ -15,17 +15,13 @@ outside, as a scheduler would.
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from hicache.messages import (
@@ -40,6 +36,7 @@ from hicache.messages import (
     WriteKV,
 )
 
+from ._bench_cli import progress_bar, report
 from ._system import System
 from .config import Config, DeviceKind, HostLayout
 
@@ -278,12 +275,8 @@ def run_bench_transfer(*, as_json: bool, quick: bool) -> int:
     dtype = Config(dtype=w.dtype).torch_dtype
     nbytes = w.transfer_slots * w.config(LAYOUTS[0], PAGE_SIZES[0], device).bytes_per_slot
     raw = RawCopy(nbytes, dtype, device)
-    err = Console(stderr=True)
     results: list[Result] = []
-    progress = Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=err, transient=as_json,
-    )
+    progress = progress_bar(as_json)
     with progress:
         task = progress.add_task("transfer", total=len(LAYOUTS) * len(PAGE_SIZES) * len(DIRECTIONS))
         for layout in LAYOUTS:
@@ -292,18 +285,12 @@ def run_bench_transfer(*, as_json: bool, quick: bool) -> int:
                 results += _measure(w, layout, page_size, device, raw, lambda: progress.advance(task))
     machine = _machine(device)
     table = _table(results, w, nbytes, machine)
-    if as_json:
-        body = {
-            "machine": machine,
-            "workload": {
-                "layers": w.layers, "kv_heads": w.kv_heads, "head_dim": w.head_dim, "dtype": w.dtype,
-                "bytes_per_measurement": nbytes, "warmup": w.warmup, "reps": w.reps, "quick": quick,
-            },
-            "results": [r.to_json() for r in results],
-        }
-        sys.stdout.write(json.dumps(body) + "\n")
-        sys.stdout.flush()
-        err.print(table)
-    else:
-        Console().print(table)
-    return 0
+    body = {
+        "machine": machine,
+        "workload": {
+            "layers": w.layers, "kv_heads": w.kv_heads, "head_dim": w.head_dim, "dtype": w.dtype,
+            "bytes_per_measurement": nbytes, "warmup": w.warmup, "reps": w.reps, "quick": quick,
+        },
+        "results": [r.to_json() for r in results],
+    }
+    return report(table, body, as_json=as_json)

@@ -26,23 +26,20 @@ This is not actor code: it reads `time.perf_counter` and a seeded `random`.
 from __future__ import annotations
 
 import gc
-import json
 import random
 import statistics
-import sys
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from hicache.actors import RadixTree
 from hicache.messages import Indices, Tokens
 
+from ._bench_cli import progress_bar, report
 from ._bench_transfer import _machine
 from .config import DeviceKind, EvictionPolicy
 from .trace import VOCAB_SIZE
@@ -216,11 +213,7 @@ def _table(sizes: list[Size], w: Workload, ratio: float, machine: dict[str, obje
 
 def run_bench_tree(*, as_json: bool, quick: bool) -> int:
     w = QUICK if quick else FULL
-    err = Console(stderr=True)
-    progress = Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=err, transient=as_json,
-    )
+    progress = progress_bar(as_json)
     with progress:
         task = progress.add_task("tree", total=2 * len(w.sizes))
 
@@ -236,22 +229,16 @@ def run_bench_tree(*, as_json: bool, quick: bool) -> int:
     ratio = large.evict_us_per_page / small.evict_us_per_page
     machine = _machine(DeviceKind.CPU)
     table = _table(sizes, w, ratio, machine)
-    if as_json:
-        body = {
-            "evict_us_small": round(small.evict_us_per_page, 3),
-            "evict_us_large": round(large.evict_us_per_page, 3),
-            "evict_ratio": round(ratio, 3),
-            "page_size": PAGE_SIZE,
-            "sizes": [s.to_json() for s in sizes],
-            "machine": machine,
-            "workload": {
-                "sizes": list(w.sizes), "reps": w.reps, "matches": w.matches, "evict_pages": w.evict_pages,
-                "quick": quick,
-            },
-        }
-        sys.stdout.write(json.dumps(body) + "\n")
-        sys.stdout.flush()
-        err.print(table)
-    else:
-        Console().print(table)
-    return 0
+    body = {
+        "evict_us_small": round(small.evict_us_per_page, 3),
+        "evict_us_large": round(large.evict_us_per_page, 3),
+        "evict_ratio": round(ratio, 3),
+        "page_size": PAGE_SIZE,
+        "sizes": [s.to_json() for s in sizes],
+        "machine": machine,
+        "workload": {
+            "sizes": list(w.sizes), "reps": w.reps, "matches": w.matches, "evict_pages": w.evict_pages,
+            "quick": quick,
+        },
+    }
+    return report(table, body, as_json=as_json)

@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 import pykka
 from pykka._envelope import Envelope
 
-from hicache.messages import ActorName, Message
+from hicache.messages import ActorName
 
 from ._actor import HiActor, Mail
 from ._layers import LayerDoneRing

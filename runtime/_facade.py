@@ -68,7 +68,6 @@ from hicache.messages import (
     Message,
     ReleaseReason,
     SlotDemand,
-    SlotsAllocated,
     SlotsInsufficient,
     StartLoads,
     StreamStatistics,

@@ -695,7 +695,7 @@ def test_the_reference_scheduler_serves_a_second_instance_from_the_first_ones_st
         return sched
 
     a = servers(seed=11, **fields)
-    sa = serve(a)
+    serve(a)
     stored = statistics_when(a.raw, quiet, "instance A's backups").tree.stored_tokens
     assert stored > 0
     a.raw.close()

@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
 
 from hicache.messages import HostSlotState
 from hicache.runtime import HiCache, SeededFaults, WritePolicy

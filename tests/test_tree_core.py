@@ -28,7 +28,6 @@ from hicache.actors import (
     HandleError,
     HostCore,
     Insufficient,
-    InvariantError,
     KVShape,
     NodeState,
     PageOwner,
