@@ -27,6 +27,7 @@ installed (the `fast` extra); the text is the same without them.
 
 from __future__ import annotations
 
+import base64
 import binascii
 import importlib.metadata
 import itertools
@@ -63,11 +64,16 @@ try:  # optional, faster
 
     def _dumps(obj: Any, **_: Any) -> bytes:
         return orjson.dumps(obj)
+
+    loads_line: Callable[[bytes], Any] = orjson.loads
 except ImportError:  # pragma: no cover - orjson is optional
     ORJSON = False
 
     def _dumps(obj: Any, **_: Any) -> bytes:
         return json.dumps(obj, separators=(",", ":")).encode()
+
+    loads_line = json.loads
+"""Parse one log line (bytes); a ValueError (`json.JSONDecodeError`) when it is not JSON."""
 
 
 def _b64_stdlib(data: bytes) -> bytes:
@@ -80,9 +86,16 @@ try:  # optional, faster: SIMD base64, the same text as the standard library's
 
     PYBASE64 = True
     _b64: Callable[[bytes], bytes] = pybase64.b64encode
+    _unb64: Callable[..., bytes] = pybase64.b64decode
 except ImportError:  # pragma: no cover - pybase64 is optional
     PYBASE64 = False
     _b64 = _b64_stdlib
+    _unb64 = base64.b64decode
+
+
+def unbase64(text: str | bytes) -> bytes:
+    """The bytes of standard base64 `text`; `binascii.Error` (a ValueError) for anything else."""
+    return _unb64(text, validate=True)
 
 
 _NULL = b"null"

@@ -20,9 +20,7 @@ is not equal to itself); only a message that fails both is a divergence.
 
 from __future__ import annotations
 
-import base64
 import binascii
-import json
 from bisect import bisect_right
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterator, Mapping
@@ -34,7 +32,7 @@ from hicache.messages import ActorName, CodecError, Message, decode, encode
 
 from ._actor import Directory, HiActor, Mail
 from ._layers import LayerDoneRing
-from ._log import LOG_VERSION
+from ._log import LOG_VERSION, loads_line, unbase64
 from ._services import Failures, IdSource, NoFaults, Services
 from ._system import actor_specs
 from .config import Config, ConfigError
@@ -137,7 +135,7 @@ def read_log(path: str | Path) -> ParsedLog:
 
 def _json(p: Path, n: int, raw: bytes) -> dict[str, Any]:
     try:
-        rec = json.loads(raw)
+        rec = loads_line(raw)
     except (ValueError, UnicodeDecodeError) as err:
         raise ReplayLogError(f"{p}: line {n}: not a JSON object ({err})") from None
     if not isinstance(rec, dict):
@@ -156,7 +154,7 @@ class Blobs(Mapping[int, bytes]):
     def add(self, p: Path, n: int, rec: dict[str, Any]) -> None:
         """Hold the blob of log line `n`, `rec`."""
         try:
-            number, data = rec["blob"], base64.b64decode(rec["data"], validate=True)
+            number, data = rec["blob"], unbase64(rec["data"])
         except KeyError as err:
             raise ReplayLogError(f"{p}: line {n}: blob without field {err}") from None
         except (binascii.Error, ValueError, TypeError) as err:
@@ -179,23 +177,33 @@ class Blobs(Mapping[int, bytes]):
 def _delivery(p: Path, n: int, rec: dict[str, Any], blobs: Blobs) -> Delivery:
     try:
         before = blobs.lookups
-        body = base64.b64decode(rec["body"], validate=True)
+        body = unbase64(rec["body"])
         message = decode(body, blobs)
         if blobs.lookups != before:
             body = encode(message)
         reply = answer = None
         if rec.get("reply"):
             before = blobs.lookups
-            reply = base64.b64decode(rec["reply"], validate=True)
+            reply = unbase64(rec["reply"])
             answer = decode(reply, blobs)
             if blobs.lookups != before:
                 reply = encode(answer)
-        return Delivery(int(rec["seq"]), float(rec["t"]), ActorName(rec["receiver"]), ActorName(rec["sender"]),
+        return Delivery(int(rec["seq"]), float(rec["t"]), _actor(rec["receiver"]), _actor(rec["sender"]),
                         message, bool(rec["ask"]), reply, rec.get("error"), n, body, answer)
     except KeyError as err:
         raise ReplayLogError(f"{p}: line {n}: delivery without field {err}") from None
     except (CodecError, binascii.Error, ValueError, TypeError) as err:
         raise ReplayLogError(f"{p}: line {n}: corrupt delivery: {err}") from None
+
+
+_ACTORS = {a.value: a for a in ActorName}
+
+
+def _actor(name: Any) -> ActorName:
+    try:
+        return _ACTORS[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"{name!r} is not an actor name") from None
 
 
 # -- replaying -----------------------------------------------------------------------------------

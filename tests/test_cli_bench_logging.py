@@ -6,10 +6,12 @@ optional accelerators (orjson, pybase64)."""
 
 from __future__ import annotations
 
+import base64
 import importlib.util
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import structlog
@@ -24,7 +26,7 @@ from hicache.messages import (
     WriteDone,
     encode,
 )
-from hicache.runtime import _log
+from hicache.runtime import _log, _replay
 from hicache.runtime._bench_logging import _args, _tick_deliveries
 from hicache.runtime._bench_replay import log_scheduler_run
 from hicache.runtime._replay import read_log, replay_log
@@ -189,6 +191,20 @@ def test_a_log_written_without_the_accelerators_replays(tmp_path: Path, monkeypa
     log_scheduler_run(path, 6)
     result = replay_log(read_log(path))
     assert result.divergence is None and result.deliveries > 50
+
+
+def test_a_log_reads_the_same_without_the_accelerators(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "run.log"
+    log_scheduler_run(path, 6)
+    fast = read_log(path)
+    monkeypatch.setattr(_replay, "loads_line", json.loads)
+    monkeypatch.setattr(_log, "_unb64", base64.b64decode)
+    slow = read_log(path)
+
+    def fields(log: Any) -> list[tuple[Any, ...]]:
+        return [(d.seq, d.t, d.receiver, d.sender, d.message, d.body, d.reply, d.error) for d in log.deliveries]
+
+    assert fields(slow) == fields(fast) and len(fast.deliveries) > 50 and slow.faults == fast.faults
 
 
 def test_past_its_bound_the_writer_forgets_the_oldest_blobs_and_writes_a_repeat_again(

@@ -35,6 +35,7 @@ INTERNAL = {
     "hicache.actors._storage.page_starts": "both storage backends' check of the host slots of a read or write",
     "hicache.runtime._mooncake_master.master_binary": "MooncakeMaster's lookup of the mooncake_master executable",
     "hicache.messages._codec.BlobRefs": "protocol of encode's blob store; only the delivery log implements it",
+    "hicache.runtime._log.unbase64": "read_log's base64 decoding (pybase64 when installed), next to the encoding",
     "hicache.runtime._replay.Blobs": "the blob lines of a log being read, for read_log and the logging bench",
     "hicache.runtime._services.Clock": "protocol of Services.clock; users get a clock from a runtime",
     "hicache.runtime._services.MonotonicClock": "the threaded runtime's clock",
