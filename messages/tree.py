@@ -220,7 +220,9 @@ class TreeStatistics(Message):
     prefetch_ends: tuple[int, ...]
     """Settled prefetches per `PrefetchEnd`, in its member order."""
     storage_hit_tokens: int
-    """Tokens prefetched from storage into host memory and kept by the tree."""
+    """Tokens of the pages settled prefetches agreed on: storage held them and they were read
+    into host memory (pages the tree already held by then count too; their copies are freed).
+    The sum of the per-request `PrefetchesSettled` tokens."""
     stored_tokens: int
     """Tokens written to storage by backups (pages already there not counted)."""
     facts_pending: int
