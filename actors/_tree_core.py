@@ -536,8 +536,9 @@ class TreeCore:
         if n - matched < threshold:
             return 0
         anchor, start = self._anchor(item.namespace, path)
-        want = n - start
-        if self._prefetch_tokens + want > cfg.prefetch_rate_fraction * cfg.host_slots:
+        # The rate limit, like the host space below: shrink to what it leaves while that is worth it.
+        want = self._reserve(n - start, self._rate_room(), new_from=matched - start)
+        if not want:
             self.n.prefetch_skipped += 1
             return 0
         self.tree.pin_host(anchor, +1)  # before evicting host memory: the anchor must stay
@@ -576,13 +577,18 @@ class TreeCore:
                 anchor, start = nd, pos
         return anchor, start
 
-    def _reserve(self, want: int, free: int, *, new_from: int) -> int:
-        """Host tokens to reserve for a prefetch of `want` (0: none): all of it if it fits, else
-        the page-aligned free space if its pages past `new_from` still meet the threshold (seed
-        002: shrink rather than give up)."""
-        if want <= free:
+    def _rate_room(self) -> int:
+        """Tokens more that may be prefetching under `prefetch_rate_fraction` of the host slots."""
+        cfg = self.config
+        return int(cfg.prefetch_rate_fraction * cfg.host_slots) - self._prefetch_tokens
+
+    def _reserve(self, want: int, room: int, *, new_from: int) -> int:
+        """Tokens to reserve for a prefetch of `want` within `room` (free host space, or what the
+        rate limit leaves; 0: none): all of it if it fits, else the page-aligned room if its pages
+        past `new_from` still meet the threshold (seed 002: shrink rather than give up)."""
+        if want <= room:
             return want
-        fit = free - free % self.page_size
+        fit = room - room % self.page_size
         return fit if fit - new_from >= self.config.prefetch_threshold_pages * self.page_size else 0
 
     def _timeout(self, tokens: int) -> float:
@@ -1031,6 +1037,11 @@ class TreeCore:
             )
         if prefetching != self._prefetch_tokens:
             raise InvariantError(f"tree: prefetches reserve {prefetching} tokens but the rate limit counts {self._prefetch_tokens}")
+        if self._rate_room() < 0:
+            raise InvariantError(
+                f"tree: {self._prefetch_tokens} tokens are prefetching, past the rate limit of "
+                f"{self.config.prefetch_rate_fraction} x {self.config.host_slots} host slots"
+            )
         for op, pf in self._prefetches.items():
             a = pf.anchor
             if not a.alive or not (a.is_root or (a.state in BACKED and a.host_ref > 0)):

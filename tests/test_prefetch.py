@@ -473,18 +473,21 @@ def test_a_failed_read_keeps_the_pages_before_it(servers: Callable[..., Server],
     assert_drained(b.raw)
 
 
-def test_the_rate_limit_skips_a_prefetch_until_the_ones_in_flight_settle(servers: Callable[..., Server]) -> None:
-    other = seq(40, 700)
-    populate(servers, [PROMPT, other])
+def test_the_rate_limit_shrinks_a_prefetch_to_what_it_leaves_or_skips_one_it_leaves_too_little(
+    servers: Callable[..., Server],
+) -> None:
+    other, third = seq(40, 700), seq(40, 1400)
+    populate(servers, [PROMPT, other, third])
     b = servers(StoragePlan(then=BIG_S), prefetch_policy="best_effort")  # 64 of 128 host slots may be prefetching
-    assert b.hc.prefetch([Request("q", PROMPT), Request("r", other)]) == {"q": 40, "r": 0}
+    started = b.hc.prefetch([Request("q", PROMPT), Request("r", other), Request("s", third)])
+    assert started == {"q": 40, "r": 24, "s": 0}  # seed 002 for the rate limit too: r shrinks, s cannot
     assert b.stats().tree.prefetch_skipped == 1
-    assert b.hc.ready(["q", "r"]) == {"q": 0, "r": 0}
-    assert b.hc.prefetch([Request("r2", other)]) == {"r2": 40}
-    b.hc.abort(["r2"])
+    assert b.hc.ready(["q", "r", "s"]) == {"q": 0, "r": 0, "s": 0}
+    assert b.hc.prefetch([Request("s2", third)]) == {"s2": 40}
+    b.hc.abort(["s2"])
     s = b.stats()
-    assert ends(s) == {"best_effort": 1, "aborted": 1}
-    assert (s.tree.prefetches_started, s.tree.prefetch_skipped) == (2, 1)
+    assert ends(s) == {"best_effort": 2, "aborted": 1}
+    assert (s.tree.prefetches_started, s.tree.prefetch_skipped) == (3, 1)
     assert_drained(b.raw)
 
 
