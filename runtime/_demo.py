@@ -5,7 +5,9 @@ HiCache facade (device L1 + host L2 + storage L3: write-through, backup to
 storage, prefetch, load-back), the fake model checking every cached prefix it
 reads with the fingerprint oracle. Storage is the file backend in a temporary
 directory by default (`--storage mooncake` uses a Mooncake master the user
-started). In the same run it serves them again with L1 + L2 (no storage) and
+started); a queued request waits for its prefetch up to the `timeout` policy's
+bound, so the L3 hits do not depend on how the threads happen to race. In the
+same run it serves them again with L1 + L2 (no storage) and
 with L1 alone (same device capacity), and computes what an infinite cache would
 hit (every page ever committed stays cached), the upper bound.
 
@@ -29,11 +31,15 @@ from rich.table import Table
 
 from ._facade import HiCache
 from ._scheduler import ReferenceScheduler, SchedulerConfig, ServeRequest
-from .config import Config
+from .config import Config, PrefetchPolicy
 from .trace import TraceRequest, load_trace
 
 DEMO_REQUESTS = 600
 DEMO_OUTPUT_TOKENS_MAX = 16
+DEMO_PREFETCH_POLICY = PrefetchPolicy.TIMEOUT
+"""A queued request waits for its prefetch, up to the timeout (base + per 1k tokens): with
+`best_effort` the L3 hits would depend on how fast the prefetcher's thread reads against the
+scheduler's, and move from run to run (13-18% here)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +83,7 @@ def run_demo(
     trace = [r for r in load_trace(n)]
     err = Console(stderr=True)
     with tempfile.TemporaryDirectory(prefix="hicache-demo-l3-") as tmp:
-        fields: dict[str, object] = {"storage": storage}
+        fields: dict[str, object] = {"storage": storage, "prefetch_policy": DEMO_PREFETCH_POLICY}
         if storage == "file":
             fields["storage_dir"] = tmp
         if mooncake_master:
