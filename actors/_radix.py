@@ -288,8 +288,7 @@ class RadixTree:
         out.present += node.tokens
         if node.device is not None:
             if mine != node.device:  # the caller computed KV the tree holds: its differing slots are spare
-                a, b = mine.to_bytes(), node.device.to_bytes()
-                out.duplicates.append(Indices(b"".join(a[i : i + 8] for i in range(0, len(a), 8) if a[i : i + 8] != b[i : i + 8])))
+                out.duplicates.append(_differing(mine, node.device))
         elif node.state is NodeState.HOST_ONLY:
             self._account(node, -1)
             node.device = mine
@@ -651,3 +650,16 @@ class RadixTree:
 def _page_ids(page: bytes) -> tuple[int, ...]:
     """A page key's token ids: children are walked in token order."""
     return struct.unpack(f"<{len(page) // 8}q", page)
+
+
+def _differing(mine: Indices, theirs: Indices) -> Indices:
+    """The slots of `mine` that differ from `theirs` at the same position (equal lengths):
+    compared as Python ints for a few, vectorised for more."""
+    if len(mine) <= _SMALL:
+        return Indices.of(s for s, t in zip(mine.tolist(), theirs.tolist(), strict=True) if s != t)
+    a, b = mine.as_tensor(), theirs.as_tensor()
+    return Indices.from_tensor(a[a != b])
+
+
+_SMALL = 64
+"""Up to this many slots, Python ints beat a tensor op's fixed cost."""

@@ -127,6 +127,14 @@ def test_insert_reports_only_the_slots_that_differ_as_duplicates(tree: Any) -> N
     assert [d.tolist() for d in out.duplicates] == [slots(4, 40).tolist()]
 
 
+@pytest.mark.parametrize("n", [8, 64, 68, 4096])
+def test_the_differing_slots_are_the_same_whether_compared_as_ints_or_vectorised(tree: Any, n: int) -> None:
+    tree.insert("", toks(n), slots(n))
+    mine = Indices.of(i if (i // P) % 3 else 10_000 + i for i in range(n))  # every third page a copy
+    out = tree.insert("", toks(n), mine)
+    assert [d.tolist() for d in out.duplicates] == [[10_000 + i for i in range(n) if (i // P) % 3 == 0]]
+
+
 def test_insert_refuses_partial_pages_and_a_slot_count_that_differs(tree: Any) -> None:
     with pytest.raises(ValueError, match="whole pages with one slot per token, got 6 tokens, 6 slots"):
         tree.insert("", toks(6), slots(6))
