@@ -13,8 +13,9 @@ Plain and synchronous; `TreeCore` drives it. What it guarantees:
 - Keys and slots are immutable values: a node's tokens are the little-endian int64
   bytes of its token ids (`Node.key`, the bytes inside a `Tokens`), its device and
   host slots are `Indices`. Slicing one copies exactly its part, so no node keeps a
-  larger buffer alive, and the tree runs on bytes and Python ints (no tensor op per
-  message: a page key is a bytes slice, a match is a `startswith`).
+  larger buffer alive, and the tree runs on bytes and Python ints (a page key is a
+  bytes slice, a match is a `startswith`); only the duplicate slots of a long insert
+  are found by a tensor comparison.
 - Each page has a hash chained from its parent page's hash, seeded by the namespace.
 - Eviction order is kept incrementally: a heap of (policy key, version) entries
   with lazy deletion; a node is re-offered whenever it may have become evictable
