@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+import torch
 
-from hicache.actors import KVShape
+from hicache.actors import KVBuffer, KVShape
 from hicache.messages import (
     ActorName,
     AdoptLoadedSlots,
@@ -54,6 +55,7 @@ from hicache.runtime import (
     Config,
     DeterministicRuntime,
     FaultPlan,
+    HostLayout,
     LoadFailedError,
     System,
     ThreadedRuntime,
@@ -65,6 +67,37 @@ GATE_TIMEOUT_S = 10.0
 
 
 # -- configs -------------------------------------------------------------------
+
+
+# -- KV buffers for copy tests -------------------------------------------------------------
+
+
+def filled_kv(shape: KVShape, layout: HostLayout, pages: int, seed: int) -> KVBuffer:
+    """A CPU buffer of `pages` pages whose every element is distinct (exact in float32)."""
+    buf = KVBuffer.allocate(shape, pages * shape.page_size, layout, "cpu")
+    g = torch.Generator().manual_seed(seed)
+    buf.tensor.copy_(torch.randperm(buf.tensor.numel(), generator=g).view(buf.tensor.shape).float())
+    return buf
+
+
+def kv_of_slot(buf: KVBuffer, slot: int) -> torch.Tensor:
+    """The `[2, L, H, D]` KV of one slot, as a view."""
+    if buf.page_first:
+        p = buf.shape.page_size
+        return buf.tensor[slot // p, :, :, slot % p]
+    return buf.tensor[:, :, slot]
+
+
+def reference_copy(src: KVBuffer, src_idx: list[int], dst: KVBuffer, dst_idx: list[int], layer: int | None) -> torch.Tensor:
+    """What `dst.tensor` should hold after copying `src_idx[i]` to `dst_idx[i]` (all layers, or
+    `layer`): a slot-by-slot copy into a clone."""
+    want = KVBuffer(dst.shape, dst.tensor.clone(), dst.layout)
+    for s, d in zip(src_idx, dst_idx, strict=True):
+        if layer is None:
+            kv_of_slot(want, d).copy_(kv_of_slot(src, s))
+        else:
+            kv_of_slot(want, d)[:, layer].copy_(kv_of_slot(src, s)[:, layer])
+    return want.tensor
 
 
 def small_config(*, page_size: int = 4, device_pages: int = 16, host_pages: int = 32, **changes: Any) -> Config:

@@ -12,6 +12,8 @@ import torch
 from hicache.actors import KVBuffer, KVShape, copy_kv, runs
 from hicache.runtime import Config, HostLayout
 
+from conftest import filled_kv, kv_of_slot, reference_copy
+
 LF, PF = HostLayout.LAYER_FIRST, HostLayout.PAGE_FIRST
 PAGES = 8
 
@@ -21,30 +23,7 @@ def _shape(page_size: int, layers: int = 2) -> KVShape:
 
 
 def _filled(shape: KVShape, layout: HostLayout, seed: int) -> KVBuffer:
-    """A buffer whose every element is distinct (exact in float32)."""
-    buf = KVBuffer.allocate(shape, PAGES * shape.page_size, layout, "cpu")
-    g = torch.Generator().manual_seed(seed)
-    buf.tensor.copy_(torch.randperm(buf.tensor.numel(), generator=g).view(buf.tensor.shape).float())
-    return buf
-
-
-def _slot(buf: KVBuffer, slot: int) -> torch.Tensor:
-    """The `[2, L, H, D]` KV of one slot, as a view."""
-    if buf.page_first:
-        p = buf.shape.page_size
-        return buf.tensor[slot // p, :, :, slot % p]
-    return buf.tensor[:, :, slot]
-
-
-def _reference_copy(src: KVBuffer, src_idx: list[int], dst: KVBuffer, dst_idx: list[int], layer: int | None) -> torch.Tensor:
-    """What `dst.tensor` should hold afterwards: a slot-by-slot copy into a clone."""
-    want = KVBuffer(dst.shape, dst.tensor.clone(), dst.layout)
-    for s, d in zip(src_idx, dst_idx, strict=True):
-        if layer is None:
-            _slot(want, d).copy_(_slot(src, s))
-        else:
-            _slot(want, d)[:, layer].copy_(_slot(src, s)[:, layer])
-    return want.tensor
+    return filled_kv(shape, layout, PAGES, seed)
 
 
 def _scattered(rng: random.Random, page_size: int, drop: float) -> list[int]:
@@ -120,8 +99,8 @@ def test_write_then_read_gives_back_the_same_kv_in_index_order(layout: HostLayou
     data = torch.arange(2 * 2 * 6 * 8, dtype=torch.float32).view(2, 2, 6, 1, 8)
     buf.write(idx, data)
     assert torch.equal(buf.read(idx), data)
-    assert torch.equal(_slot(buf, 13), data[:, :, 0])
-    assert torch.equal(_slot(buf, 0), data[:, :, 5])
+    assert torch.equal(kv_of_slot(buf, 13), data[:, :, 0])
+    assert torch.equal(kv_of_slot(buf, 0), data[:, :, 5])
     assert float(buf.tensor.abs().sum()) == float(data.abs().sum())  # nothing else was touched
 
 
@@ -147,7 +126,7 @@ def test_copy_kv_of_scattered_and_partial_pages_matches_a_slot_by_slot_copy(
         d_idx = _scattered(rng, page_size, drop=(0.0, 0.3, 0.05)[seed])
         n = min(len(s_idx), len(d_idx))
         s_idx, d_idx = s_idx[:n], d_idx[:n]
-        want = _reference_copy(src, s_idx, dst, d_idx, layer)
+        want = reference_copy(src, s_idx, dst, d_idx, layer)
         nbytes = copy_kv(src, torch.tensor(s_idx), dst, torch.tensor(d_idx), layer=layer)
         assert torch.equal(dst.tensor, want)
         per_slot = shape.bytes_per_slot if layer is None else shape.bytes_per_slot // shape.layers
@@ -165,7 +144,7 @@ def test_copy_kv_of_a_long_unaligned_run_across_pages_matches_a_slot_by_slot_cop
     n = 5 * page_size - 1
     s_idx = list(range(page_size // 2, page_size // 2 + n))  # starts mid-page (p > 1)
     d_idx = list(range(page_size, page_size + n))  # page aligned
-    want = _reference_copy(src, s_idx, dst, d_idx, None)
+    want = reference_copy(src, s_idx, dst, d_idx, None)
     copy_kv(src, torch.tensor(s_idx), dst, torch.tensor(d_idx))
     assert torch.equal(dst.tensor, want)
 

@@ -25,6 +25,8 @@ from hicache.actors._transfer_core import batch_indices, op_problem
 from hicache.messages import ActorName, Indices
 from hicache.runtime import HostLayout
 
+from conftest import filled_kv, reference_copy
+
 LF, PF = HostLayout.LAYER_FIRST, HostLayout.PAGE_FIRST
 PAGES = 6
 
@@ -50,28 +52,7 @@ def _way(name: str | None) -> Iterator[None]:
 
 
 def _filled(shape: KVShape, layout: HostLayout, seed: int) -> KVBuffer:
-    buf = KVBuffer.allocate(shape, PAGES * shape.page_size, layout, "cpu")
-    g = torch.Generator().manual_seed(seed)
-    buf.tensor.copy_(torch.randperm(buf.tensor.numel(), generator=g).view(buf.tensor.shape).float())
-    return buf
-
-
-def _slot(buf: KVBuffer, slot: int) -> torch.Tensor:
-    if buf.page_first:
-        p = buf.shape.page_size
-        return buf.tensor[slot // p, :, :, slot % p]
-    return buf.tensor[:, :, slot]
-
-
-def _reference(src: KVBuffer, s_idx: list[int], dst: KVBuffer, d_idx: list[int], layer: int | None) -> torch.Tensor:
-    want = dst.tensor.clone()
-    view = KVBuffer(dst.shape, want, dst.layout)
-    for s, d in zip(s_idx, d_idx, strict=True):
-        if layer is None:
-            _slot(view, d).copy_(_slot(src, s))
-        else:
-            _slot(view, d)[:, layer].copy_(_slot(src, s)[:, layer])
-    return want
+    return filled_kv(shape, layout, PAGES, seed)
 
 
 _FORMS: dict[str, Callable[[list[int]], Any]] = {
@@ -109,7 +90,7 @@ def test_every_way_of_copying_moves_the_same_bytes_as_a_slot_by_slot_copy(copy: 
     s_idx = [s % slots for s, _ in pairs]
     d_idx = list(dict.fromkeys(d % slots for _, d in pairs))
     s_idx = s_idx[: len(d_idx)]
-    want = _reference(_filled(shape, src_layout, 1), s_idx, _filled(shape, dst_layout, 2), d_idx, layer)
+    want = reference_copy(_filled(shape, src_layout, 1), s_idx, _filled(shape, dst_layout, 2), d_idx, layer)
     for way in [None, *_WAYS]:
         src, dst = _filled(shape, src_layout, 1), _filled(shape, dst_layout, 2)
         with _way(way):
