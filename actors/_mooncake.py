@@ -214,17 +214,7 @@ class MooncakeBackend:
         return len(keys)
 
     def read(self, keys: Sequence[str], host: KVBuffer, slots: torch.Tensor) -> StorageIO:
-        check_keys(keys)
-        starts = page_starts(keys, host, slots)
-        stage = self._staging
-        done = 0
-        while done < len(keys):
-            good, error = self._read_batch(keys[done : done + stage.pages])
-            stage.scatter(host, starts[done : done + good])
-            done += good
-            if error:
-                return StorageIO(pages=done, bytes=done * self.fmt.payload_bytes, error=error)
-        return StorageIO(pages=done, bytes=done * self.fmt.payload_bytes)
+        return self._staging.read(keys, host, slots, self._read_batch)
 
     def _read_batch(self, keys: Sequence[str]) -> tuple[int, str]:
         """Get and verify `keys` into the staging pages; (leading good pages, error)."""

@@ -24,7 +24,7 @@ import itertools
 import os
 import re
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, Protocol
@@ -213,6 +213,24 @@ class Staging:
         for i, start in enumerate(starts):
             host.view(start, 1, p, None).copy_(self._payloads[i])
 
+    def read(
+        self, keys: Sequence[str], host: KVBuffer, slots: torch.Tensor,
+        read_batch: Callable[[Sequence[str]], tuple[int, str]],
+    ) -> StorageIO:
+        """A backend's read: up to `pages` keys at a time, `read_batch` fetches and verifies them
+        into the staging pages and says how many leading ones are good (and, if it stopped, why);
+        those are copied into the host pages. It stops at the first page that is not good."""
+        check_keys(keys)
+        starts = page_starts(keys, host, slots)
+        done = 0
+        while done < len(keys):
+            good, error = read_batch(keys[done : done + self.pages])
+            self.scatter(host, starts[done : done + good])
+            done += good
+            if error:
+                return StorageIO(pages=done, bytes=done * self.fmt.payload_bytes, error=error)
+        return StorageIO(pages=done, bytes=done * self.fmt.payload_bytes)
+
 
 def page_starts(keys: Sequence[str], host: KVBuffer, slots: torch.Tensor) -> list[int]:
     """The first host slot of each key's page; ValueError unless `slots` are whole, aligned
@@ -293,18 +311,7 @@ class FileBackend:
             return False
 
     def read(self, keys: Sequence[str], host: KVBuffer, slots: torch.Tensor) -> StorageIO:
-        check_keys(keys)
-        starts = page_starts(keys, host, slots)
-        stage = self._staging
-        done = 0
-        while done < len(keys):
-            batch = keys[done : done + stage.pages]
-            good, error = self._read_batch(batch)
-            stage.scatter(host, starts[done : done + good])
-            done += good
-            if error:
-                return StorageIO(pages=done, bytes=done * self.fmt.payload_bytes, error=error)
-        return StorageIO(pages=done, bytes=done * self.fmt.payload_bytes)
+        return self._staging.read(keys, host, slots, self._read_batch)
 
     def _read_batch(self, keys: Sequence[str]) -> tuple[int, str]:
         """Read and verify `keys` into the staging pages; (leading good pages, error)."""
