@@ -53,6 +53,15 @@ def _outcome(call: Callable[[], Any]) -> Any:
         return f"{type(err).__name__}: {err}"
 
 
+def _played(calls: list[Any], step: Callable[..., Any], check: Callable[[], Any]) -> list[Any]:
+    """Each call's outcome (`step(*call)`), each followed by the invariant check's."""
+    trail = []
+    for call in calls:
+        trail.append(_outcome(lambda call=call: step(*call)))
+        trail.append(_outcome(check))
+    return trail
+
+
 # -- the conversions ---------------------------------------------------------------------
 
 
@@ -110,7 +119,6 @@ def test_device_calls_agree_in_every_form(
         mine: dict[str, list[int]] = {}  # each live request's slots not yet handed over, in token order
         loads: list[list[int]] = []
         tree: list[list[int]] = []
-        trail: list[Any] = []
 
         def slots(values: list[int], k: int) -> Indices | torch.Tensor:
             """`values` as the actors pass slots (`Indices`, odd `k`) or as the other callers do."""
@@ -162,9 +170,7 @@ def test_device_calls_agree_in_every_form(
                 core.free_tree(slots(mine[rid][: p * (1 + k)], k))
             return None
 
-        for call in calls:
-            trail.append(_outcome(lambda call=call: step(*call)))
-            trail.append(_outcome(core.check_invariants))
+        trail = _played(calls, step, core.check_invariants)
         return trail, core.counts(), core._owner.tolist(), core._pool.free_page_set().tolist()
 
     got = _in_every_form(run)
@@ -191,7 +197,6 @@ def test_host_calls_agree_in_every_form(
         core = HostCore(make_config(page_size=page_size, device_pages=pages // 2, host_pages=pages))
         held: list[list[int]] = []
         freed: list[list[int]] = []
-        trail: list[Any] = []
 
         def step(what: str, pick: int, state: HostSlotState, n: int) -> Any:
             as_indices = n % 2 == 1
@@ -218,9 +223,7 @@ def test_host_calls_agree_in_every_form(
                     held.remove(slots)
             return what
 
-        for call in calls:
-            trail.append(_outcome(lambda call=call: step(*call)))
-            trail.append(_outcome(core.check_invariants))
+        trail = _played(calls, step, core.check_invariants)
         return trail, core.counts(), core._state.tolist(), core._pool.free_page_set().tolist()
 
     got = _in_every_form(run)
