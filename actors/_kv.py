@@ -24,14 +24,12 @@ import ctypes
 import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TypeAlias
 
 import torch
 
-from hicache.messages import Indices
 from hicache.runtime.config import Config, HostLayout
 
-from ._pages import SMALL_SLOTS_MAX, Ints, as_tensor, ints
+from ._pages import Ints, Slots, as_tensor, ints
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,23 +141,6 @@ class KVBuffer:
         copy_kv(src, torch.arange(n), self, indices)
 
 
-Slots: TypeAlias = "torch.Tensor | Indices | list[int]"
-"""Slot indices: a 1-D int64 tensor, `Indices` as a message carried them, or Python ints."""
-
-
-def _ints(idx: Slots) -> Ints:
-    """`idx` in the form for its number (`_pages.ints`): Python ints for at most
-    `SMALL_SLOTS_MAX`, else a 1-D int64 tensor. A list of Python ints is taken too."""
-    if isinstance(idx, list):
-        return idx if len(idx) <= SMALL_SLOTS_MAX else as_tensor(idx)
-    return ints(idx)
-
-
-def _tensor(idx: Slots) -> torch.Tensor:
-    """`idx` as a 1-D int64 tensor (zero-copy for `Indices` and tensors)."""
-    return idx.as_tensor() if isinstance(idx, Indices) else as_tensor(idx)
-
-
 def _in_range(idx: Ints, cap: int) -> bool:
     """Whether every index is in `0 .. cap - 1` (`idx` not empty)."""
     if isinstance(idx, list):
@@ -174,8 +155,8 @@ def runs(a: Slots, b: Slots) -> list[tuple[int, int, int]]:
         raise ValueError(f"source has {n} slots but destination has {len(b)}")
     if n == 0:
         return []
-    src, dst = _ints(a), _ints(b)
-    if isinstance(src, list) and isinstance(dst, list):  # with Python ints: see SMALL_SLOTS_MAX
+    src, dst = ints(a), ints(b)
+    if isinstance(src, list) and isinstance(dst, list):  # with Python ints: see `_pages.SMALL_SLOTS_MAX`
         out, start = [], 0
         for i in range(1, n):
             if src[i] != src[i - 1] + 1 or dst[i] != dst[i - 1] + 1:
@@ -183,7 +164,7 @@ def runs(a: Slots, b: Slots) -> list[tuple[int, int, int]]:
                 start = i
         out.append((src[start], dst[start], n - start))
         return out
-    ta, tb = _tensor(src), _tensor(dst)
+    ta, tb = as_tensor(src), as_tensor(dst)
     brk = ((ta[1:] - ta[:-1]) != 1) | ((tb[1:] - tb[:-1]) != 1)
     starts = torch.cat([torch.zeros(1, dtype=torch.int64), brk.nonzero().flatten() + 1])
     ends = torch.cat([starts[1:], torch.tensor([n])])
@@ -243,7 +224,7 @@ class CopyPlan:
     """The page-granular pieces of one copy between two buffers, worked out once.
 
     The indices are read as Python ints when few (as tensors when many, see
-    `SMALL_SLOTS_MAX`), checked against both buffers, and cut into runs and pieces;
+    `_pages.SMALL_SLOTS_MAX`), checked against both buffers, and cut into runs and pieces;
     `run` copies all layers or one, and the load stream plans a batch once and runs
     it layer by layer. Hold a plan only while its copy is in flight: it keeps both
     buffers alive.
@@ -277,7 +258,7 @@ class CopyPlan:
     def _plan(self, route: _Route, src_idx: Slots, dst_idx: Slots) -> None:
         if route.src.page_first and route.dst.page_first:
             raise ValueError("copies between two page_first buffers are not supported")
-        a, b = _ints(src_idx), _ints(dst_idx)
+        a, b = ints(src_idx), ints(dst_idx)
         rs = runs(a, b)
         if rs:
             for what, idx, buf in (("source", a, route.src), ("destination", b, route.dst)):

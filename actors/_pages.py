@@ -40,19 +40,31 @@ Ints: TypeAlias = list[int] | torch.Tensor
 # -- the two forms ---------------------------------------------------------------------
 
 
-def ints(slots: torch.Tensor | Indices) -> Ints:
+Slots: TypeAlias = "torch.Tensor | Indices | list[int]"
+"""Slot numbers as they come in: a 1-D int64 tensor, `Indices` as a message carried them, or Python ints."""
+
+
+def ints(slots: Slots) -> Ints:
     """`slots` in the form for their number: Python ints when few, else a tensor (zero-copy for `Indices`)."""
+    few = len(slots) <= SMALL_SLOTS_MAX
+    if isinstance(slots, list):
+        return slots if few else as_tensor(slots)
     if isinstance(slots, Indices):
-        return slots.tolist() if len(slots) <= SMALL_SLOTS_MAX else slots.as_tensor()
-    return slots.tolist() if len(slots) <= SMALL_SLOTS_MAX else slots
+        return slots.tolist() if few else slots.as_tensor()
+    return slots.tolist() if few else slots
 
 
 def as_list(numbers: Ints) -> list[int]:
     return numbers if isinstance(numbers, list) else numbers.tolist()
 
 
-def as_tensor(numbers: Ints) -> torch.Tensor:
-    return numbers if isinstance(numbers, torch.Tensor) else torch.tensor(numbers, dtype=torch.int64)
+def as_tensor(numbers: Slots) -> torch.Tensor:
+    """`numbers` as a 1-D int64 tensor (zero-copy for a tensor and for `Indices`)."""
+    if isinstance(numbers, torch.Tensor):
+        return numbers
+    if isinstance(numbers, Indices):
+        return numbers.as_tensor()
+    return torch.tensor(numbers, dtype=torch.int64)
 
 
 def indices_of(numbers: Ints) -> Indices:

@@ -42,8 +42,8 @@ from hicache.runtime._services import Services
 from hicache.runtime.config import Config
 
 from ._errors import InvariantError
-from ._kv import CopyPlan, KVBuffer, _ints, _Route
-from ._pages import Ints
+from ._kv import CopyPlan, KVBuffer, _Route
+from ._pages import Ints, ints
 from ._transfer_core import Piece, TransferOp, TransferQueue, _concat_slots, batch_indices, op_problem
 
 _COPY_ERRORS = (RuntimeError, ValueError, IndexError)
@@ -103,7 +103,7 @@ def _enqueue(
     """Queue an operation; the reason it was refused (counted as failed), or None.
     The operation keeps its indices in the form their size calls for (Python ints for a
     few, see `SMALL_SLOTS_MAX`), read from the message once."""
-    s, d = _ints(src[0]), _ints(dst[0])
+    s, d = ints(src[0]), ints(dst[0])
     problem = op_problem(s, src[1].slots, d, dst[1].slots)
     if problem is None and not queue.push(TransferOp(op_id, requester, s, d)):
         problem = f"{what} queue full ({queue.ops_max} ops, transfer_queue_ops_max)"

@@ -16,7 +16,8 @@ import torch
 from hicache.messages import ActorName
 
 from ._errors import InvariantError
-from ._kv import Slots, _in_range, _ints, _tensor
+from ._kv import _in_range
+from ._pages import Slots, as_tensor, ints
 from ._pages import Ints
 
 
@@ -29,7 +30,7 @@ class TransferOp:
     src: Slots
     dst: Slots
     """Source and destination slots (a stream actor keeps them in the form their size
-    calls for, see `_ints`)."""
+    calls for, see `_pages.ints`)."""
     taken: int = 0
     """Slots handed out in pieces so far."""
     pieces: int = 0
@@ -128,12 +129,12 @@ def _part(slots: Slots, piece: Piece) -> Slots:
 
 
 def _concat_slots(parts: list[Slots]) -> Ints:
-    """Slot indices one after another, in the form their number calls for (see `_ints`)."""
+    """Slot indices one after another, in the form their number calls for (see `_pages.ints`)."""
     if len(parts) == 1:
-        return _ints(parts[0])
+        return ints(parts[0])
     if all(isinstance(p, list) for p in parts):
-        return _ints([i for p in parts for i in p])
-    return _ints(torch.cat([_tensor(p) for p in parts]))
+        return ints([i for p in parts for i in p])
+    return ints(torch.cat([as_tensor(p) for p in parts]))
 
 
 def op_problem(src: Slots, src_slots: int, dst: Slots, dst_slots: int) -> str | None:
@@ -142,7 +143,7 @@ def op_problem(src: Slots, src_slots: int, dst: Slots, dst_slots: int) -> str | 
     if n != len(dst):
         return f"source has {n} slots but destination has {len(dst)}"
     for name, idx, cap in (("source", src, src_slots), ("destination", dst, dst_slots)):
-        if n and not _in_range(_ints(idx), cap):
+        if n and not _in_range(ints(idx), cap):
             return f"{name} slot out of range 0..{cap - 1}"
     return None
 

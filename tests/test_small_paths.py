@@ -37,7 +37,7 @@ def _both(run: Callable[[], Any]) -> tuple[Any, Any]:
 
     small = outcome()
     with pytest.MonkeyPatch.context() as mp:
-        for module in (pages_module, device_core_module, kv_module):  # each module that reads it
+        for module in (pages_module, device_core_module):  # each module that reads it
             mp.setattr(module, "SMALL_SLOTS_MAX", 0)
         vectorised = outcome()
     return small, vectorised

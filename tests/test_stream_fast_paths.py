@@ -38,7 +38,7 @@ _WAYS: dict[str, list[tuple[Any, str, Any]]] = {
     "memmove-ctypes": [(kv_module, "_MEMMOVES_PER_PIECE_MAX", _ALL), (kv_module, "_TORCH_GRAIN_ELEMENTS", _ALL),
                        (kv_module, "_GIL_HELD_BYTES_MAX", 0)],
     "torch": [(kv_module._Rows, "of", classmethod(lambda cls, buf: None))],  # no buffer offers its rows
-    "vectorised-plan": [(kv_module, "SMALL_SLOTS_MAX", 0), (pages_module, "SMALL_SLOTS_MAX", 0)],
+    "vectorised-plan": [(pages_module, "SMALL_SLOTS_MAX", 0)],
 }
 
 
@@ -174,7 +174,7 @@ def test_batches_hold_the_same_slots_whatever_form_the_ops_keep(sizes: list[int]
         while batch := q.next_batch():
             src, dst = batch_indices(batch)
             assert len(src) == len(dst) == sum(p.end - p.start for p in batch)
-            out.append((kv_module._tensor(src).tolist(), kv_module._tensor(dst).tolist()))
+            out.append((pages_module.as_tensor(src).tolist(), pages_module.as_tensor(dst).tolist()))
         return out
 
     assert batches(_FORMS[form]) == batches(_FORMS["tensor"])
