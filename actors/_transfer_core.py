@@ -17,8 +17,7 @@ from hicache.messages import ActorName
 
 from ._errors import InvariantError
 from ._kv import _in_range
-from ._pages import Slots, as_tensor, ints
-from ._pages import Ints
+from ._pages import Ints, Slots, as_tensor, ints
 
 
 @dataclass(slots=True, eq=False)
