@@ -15,7 +15,10 @@ that devices and hosts evict and load back, on the deterministic runtime (seed
   (their cores do real work: torch ops, the radix tree), which replay cannot
   avoid. Replay and this pass run back to back, alternating which goes first;
   the median of their differences is what the replay machinery adds
-  (`machinery_share` of the replay time).
+  (`machinery_share` of the replay time);
+- **per actor**: each replayed actor handed its own logged inbox alone (each depends
+  only on its inbox), one after another; the median microseconds a delivery of each
+  (`handlers_us_per_delivery`): where the handling goes.
 
 The median of each counts. `deliveries` is the number of deliveries replayed (to
 the tree, the pools and the streams; the log's deliveries to the facade are
@@ -35,12 +38,14 @@ from pathlib import Path
 
 from rich.table import Table
 
+from hicache.messages import ActorName
+
+from ._actor import HiActor, Mail
 from ._bench_cli import progress_bar, report
-from ._actor import Mail
 from ._bench_transfer import _machine
 from ._deterministic import DeterministicRuntime
 from ._facade import HiCache
-from ._replay import ParsedLog, _build_actors, _LoggedClock, read_log, replay_log
+from ._replay import Delivery, ParsedLog, _build_actors, _LoggedClock, read_log, replay_log
 from ._scheduler import ReferenceScheduler, SchedulerConfig
 from .config import Config, DeviceKind
 from .explore import synthetic_workload
@@ -82,9 +87,26 @@ def log_scheduler_run(path: Path, requests: int, seed: int = 0) -> int:
 def handle_only(log: ParsedLog) -> int:
     """Hand every logged delivery to a fresh actor of its receiver, comparing nothing; how many."""
     clock = _LoggedClock()
-    actors = _build_actors(log, None, clock)
+    return _hand(_build_actors(log, None, clock), clock, log.deliveries)
+
+
+def handle_per_actor(log: ParsedLog) -> dict[str, tuple[int, float]]:
+    """Each replayed actor handed its own logged inbox alone (each depends only on its inbox),
+    one after another: its deliveries and the seconds it took."""
+    clock = _LoggedClock()
+    out = {}
+    for name, actor in _build_actors(log, None, clock).items():
+        mine = [d for d in log.deliveries if d.receiver is name]
+        gc.collect()
+        t0 = time.perf_counter()
+        n = _hand({name: actor}, clock, mine)
+        out[name.value] = (n, time.perf_counter() - t0)
+    return out
+
+
+def _hand(actors: dict[ActorName, HiActor], clock: _LoggedClock, deliveries: list[Delivery]) -> int:
     count = 0
-    for d in log.deliveries:
+    for d in deliveries:
         actor = actors.get(d.receiver)
         if actor is None:
             continue
@@ -110,6 +132,8 @@ class Result:
     handlers_s: float
     machinery_s: float
     """Median over the repetitions of replay time less handler-pass time (the pair run back to back)."""
+    actor_us: dict[str, float]
+    """Per replayed actor, microseconds a delivery when it is handed its inbox alone (median)."""
 
     @property
     def deliveries_per_s(self) -> float:
@@ -130,6 +154,7 @@ class Result:
             "handlers_s": round(self.handlers_s, 4),
             "machinery_s": round(self.machinery_s, 4),
             "machinery_share": round(self.machinery_share, 3),
+            "handlers_us_per_delivery": {a: round(us, 2) for a, us in self.actor_us.items()},
             "deliveries_logged": self.deliveries_logged,
             "log_bytes": self.log_bytes,
             "ticks": self.ticks,
@@ -172,11 +197,19 @@ def _measure(w: Workload, step: Callable[[], None]) -> Result:
                                      f"the handler pass {handled}")
             deliveries, replayed = len(log.deliveries), result.deliveries
             step()
+        per_actor: dict[str, list[float]] = {}
+        counts: dict[str, int] = {}
+        for _ in range(w.reps):
+            for actor, (n, seconds) in handle_per_actor(log).items():
+                per_actor.setdefault(actor, []).append(seconds)
+                counts[actor] = n
+            step()
     return Result(
         deliveries=replayed, deliveries_logged=deliveries, log_bytes=log_bytes, ticks=ticks,
         read_s=statistics.median(read_s), replay_s=statistics.median(replay_s),
         handlers_s=statistics.median(handlers_s),
         machinery_s=statistics.median(r - h for r, h in zip(replay_s, handlers_s, strict=True)),
+        actor_us={a: statistics.median(ss) / max(1, counts[a]) * 1e6 for a, ss in per_actor.items()},
     )
 
 
@@ -201,6 +234,7 @@ def _table(r: Result, w: Workload, machine: dict[str, object]) -> Table:
         ("the actors' own handling (s)", f"{r.handlers_s:.3f}"),
         ("replay less handling, paired (s)", f"{r.machinery_s:.3f}"),
         ("replay machinery share", f"{r.machinery_share:.0%}"),
+        *((f"  {a}: us a delivery, its inbox alone", f"{us:.1f}") for a, us in r.actor_us.items()),
         ("log size (MB)", f"{r.log_bytes / 1e6:.1f}"),
     )
     for row in rows:
@@ -212,7 +246,7 @@ def run_bench_replay(*, as_json: bool, quick: bool) -> int:
     w = QUICK if quick else FULL
     progress = progress_bar(as_json)
     with progress:
-        task = progress.add_task("replay", total=1 + w.reps)
+        task = progress.add_task("replay", total=1 + 2 * w.reps)
         result = _measure(w, lambda: progress.advance(task))
     machine = _machine(DeviceKind.CPU)
     table = _table(result, w, machine)

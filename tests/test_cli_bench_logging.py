@@ -87,6 +87,9 @@ def test_bench_replay_quick_json_reports_deliveries_per_second(capsys) -> None:
     rel = 0.00005 / body["replay_s"]
     assert body["deliveries_per_s"] == pytest.approx(body["deliveries"] / body["replay_s"], rel=rel, abs=0.05)
     assert 0 <= body["machinery_share"] <= 1
+    per_actor = body["handlers_us_per_delivery"]  # each replayed actor, its inbox alone
+    assert set(per_actor) == {"tree", "device", "host", "write", "load"}
+    assert all(us > 0 for us in per_actor.values()), per_actor
     assert elapsed_s < 15, f"the quick bench took {elapsed_s:.1f}s; it is a smoke test"
 
 
