@@ -5,7 +5,7 @@ import warnings as _warnings
 _warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 from ._device import DeviceAllocatorActor
-from ._device_core import RELEASED_REMEMBERED_MAX, DeviceCore, Insufficient, LedgerView, PageOwner
+from ._device_core import RELEASED_REMEMBERED_MAX, DeviceCore, Insufficient, PageOwner
 from ._errors import InvariantError, LedgerError, SlotStateError
 from ._host import HostPoolActor
 from ._host_core import HostCore
@@ -24,6 +24,7 @@ from ._radix import (
     NodeState,
     NodeStateError,
     RadixTree,
+    chain_hashes,
 )
 from ._storage import (
     KEY_CHARS_MAX,
@@ -61,7 +62,6 @@ __all__ = [
     "KVBuffer",
     "KVShape",
     "LedgerError",
-    "LedgerView",
     "LoadStreamActor",
     "MooncakeBackend",
     "Node",
@@ -82,6 +82,7 @@ __all__ = [
     "TreeActor",
     "TreeCore",
     "WriteStreamActor",
+    "chain_hashes",
     "copy_kv",
     "open_backend",
     "page_keys",

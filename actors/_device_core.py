@@ -1,13 +1,17 @@
 """`DeviceCore`: the device KV buffer, its page allocator and the request ledger.
 
 Every device page has exactly one owner: free, a live request, the tree, or an
-in-flight load. A request's ledger (seed 001) records how many slots it was
+in-flight load. A request's ledger (SGLang #12224) records how many slots it was
 handed (`allocated`) and how many hold real KV (`committed`); `allocated >=
 committed` always, and `release` gives back every page of the request exactly
 once, in one place: pages the tree adopts change owner, all others are freed.
 Running out of pages is not an error but an `Insufficient` result.
 
-The owners are one `bytearray`, seen also as a uint8 tensor over the same memory.
+The owners are one table of int64 per page (an `array`, seen also as a tensor over
+the same memory): a `PageOwner`, or for a request's page the number of its ledger.
+So checking that pages belong to a request is one lookup per page, and a release is
+a few passes over the request's own pages, never over the pool.
+
 Each call keeps its page and slot numbers in the form `_pages` chooses for their
 number (`Ints`): Python ints for a few slots (most calls: from the message's bytes to
 the reply's without a tensor), a tensor for many. Slots come in as tensors or
@@ -18,6 +22,7 @@ others with tensors (read-only views of those `Indices`).
 from __future__ import annotations
 
 import enum
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -33,6 +38,7 @@ from ._pages import (
     SMALL_SLOTS_MAX,
     Ints,
     PagePool,
+    Slots,
     as_list,
     as_tensor,
     holds,
@@ -54,6 +60,11 @@ class PageOwner(enum.IntEnum):
     LOADING = 3
 
 
+_FIRST_LEDGER = 4
+"""Owner codes from here on are ledgers: a request's pages carry its ledger's number, so
+"is this page the request's?" is one lookup (vectorised: one gather), never a set operation."""
+
+
 @dataclass(frozen=True, slots=True)
 class Insufficient:
     """Not enough free pages; nothing was allocated."""
@@ -66,15 +77,13 @@ class Insufficient:
         return self.requested_slots - self.free_slots
 
 
-LedgerView = LedgerEntry
-"""A request's ledger as numbers (`request_id`, `allocated`, `committed`, `freed`): the
-record a reply carries, so that the actor passes the core's answer on as it is."""
-
-
 @dataclass(slots=True)
 class _Ledger:
     request_id: str
-    pages: list[int] = field(default_factory=list)
+    number: int
+    """Its owner code in the page table (>= `_FIRST_LEDGER`, never reused; 0 until it holds slots)."""
+    pages: array = field(default_factory=lambda: array("q"))
+    """Pages it still holds, in token order (whole pages handed over mid-life are gone)."""
     allocated: int = 0
     committed: int = 0
     given: int = 0
@@ -88,11 +97,13 @@ class DeviceCore:
         device = "cuda" if config.device is DeviceKind.CUDA else "cpu"
         self.kv = KVBuffer.allocate(KVShape.of(config), config.device_slots, HostLayout.LAYER_FIRST, device)
         self._pool = PagePool(config.device_pages, config.page_size)
-        self._owner_bytes = bytearray(config.device_pages)
-        self._owner = torch.frombuffer(self._owner_bytes, dtype=torch.uint8)
-        """The same memory as `_owner_bytes` (both are written, neither is copied)."""
+        self._owner_table = array("q", bytes(8 * config.device_pages))
+        self._owner = torch.frombuffer(self._owner_table, dtype=torch.int64)
+        """The same memory as `_owner_table` (both are written, neither is copied): per page its
+        `PageOwner`, or the number of the ledger that holds it."""
         self._ledgers: dict[str, _Ledger] = {}
-        self._released: OrderedDict[str, LedgerView] = OrderedDict()
+        self._next_ledger = _FIRST_LEDGER
+        self._released: OrderedDict[str, LedgerEntry] = OrderedDict()
 
     # -- requests -------------------------------------------------------------
 
@@ -105,8 +116,9 @@ class DeviceCore:
         """Slots for several requests, all or nothing, in demand order. Each request first
         gets the rest of its last partial page, then whole pages."""
         p = self.page_size
-        plan: list[tuple[_Ledger, int, int]] = []  # ledger, tokens, new pages
+        plan: list[tuple[_Ledger, int, int, int]] = []  # ledger, tokens, slots left in its last page, new pages
         seen: set[str] = set()
+        need = 0
         for rid, n in demands:
             if n < 0:
                 raise LedgerError(f"request {rid!r}: cannot allocate {n} slots")
@@ -115,27 +127,39 @@ class DeviceCore:
             seen.add(rid)
             ledger = self._live_or_new(rid)
             spare = (-ledger.allocated) % p
-            plan.append((ledger, n, -(-max(0, n - spare) // p)))
-        need = sum(k for _, _, k in plan)
+            k = -(-max(0, n - spare) // p)
+            plan.append((ledger, n, spare, k))
+            need += k
         if need > self._pool.free_pages:
             return Insufficient(requested_slots=need * p, free_slots=self._pool.free_slots)
-        out: dict[str, Indices] = {}
-        for ledger, n, k in plan:
-            self._ledgers.setdefault(ledger.request_id, ledger)
-            start = ledger.allocated
-            if k:
-                new = self._pool.alloc(k)
-                assert new is not None
-                self._set_owner(new, PageOwner.REQUEST)
-                ledger.pages.extend(as_list(new))
-            ledger.allocated += n
-            out[ledger.request_id] = indices_of(self._slots_of(ledger, start, ledger.allocated))
-        return out
+        return {ledger.request_id: self._grant(ledger, n, spare, k) for ledger, n, spare, k in plan}
 
-    def commit(self, rid: str, n: int) -> LedgerView:
+    def _grant(self, ledger: _Ledger, n: int, spare: int, k: int) -> Indices:
+        """`n` slots for the ledger: the `spare` ones left in its last page first, then `k` new pages."""
+        p = self.page_size
+        if ledger.request_id not in self._ledgers:
+            ledger.number = self._next_ledger
+            self._next_ledger += 1
+            self._ledgers[ledger.request_id] = ledger
+        head: list[int] = []
+        if spare and n:
+            last = ledger.pages[-1] * p + p - spare
+            head = list(range(last, last + min(n, spare)))
+        ledger.allocated += n
+        if not k:
+            return Indices.of(head)
+        new = self._pool.alloc(k)
+        assert new is not None
+        put(self._owner_table, self._owner, new, ledger.number)
+        _extend(ledger.pages, new)
+        slots = slots_of_pages(new, p)[: n - len(head)]
+        return indices_of(head + slots) if isinstance(slots, list) else Indices.concat(
+            (Indices.of(head), indices_of(slots)))
+
+    def commit(self, rid: str, n: int) -> LedgerEntry:
         return self.commit_many([(rid, n)])[0]
 
-    def commit_many(self, demands: Sequence[tuple[str, int]]) -> list[LedgerView]:
+    def commit_many(self, demands: Sequence[tuple[str, int]]) -> list[LedgerEntry]:
         """Commit for several requests, all or nothing: every demand is checked first."""
         ledgers = self._distinct_live([rid for rid, _ in demands], "commit")
         for (rid, n), ledger in zip(demands, ledgers, strict=True):
@@ -151,24 +175,27 @@ class DeviceCore:
             ledger.committed += n
         return [self._view(ledger, freed=ledger.given) for ledger in ledgers]
 
-    def release(self, rid: str, adopt: torch.Tensor | Indices, reason: ReleaseReason) -> LedgerView:
+    def release(self, rid: str, adopt: Slots, reason: ReleaseReason) -> LedgerEntry:
         return self.release_many([(rid, adopt, reason)])[0]
 
-    def release_many(
-        self, releases: Sequence[tuple[str, torch.Tensor | Indices, ReleaseReason]]
-    ) -> list[LedgerView]:
+    def release_many(self, releases: Sequence[tuple[str, Slots, ReleaseReason]]) -> list[LedgerEntry]:
         """Give back every page of each request: its `adopt` pages to the tree, the
         rest to the free list. Exactly once per request; all or nothing."""
         # A request admitted and ended before it allocated has an empty ledger.
         ledgers = self._distinct_live([rid for rid, _, _ in releases], "release", new_ok=True)
-        plans = [
-            self._split_release(ledger, adopt)
-            for ledger, (_, adopt, _) in zip(ledgers, releases, strict=True)
-        ]
+        adopted: list[Ints] = []
+        try:
+            for ledger, (rid, adopt, _) in zip(ledgers, releases, strict=True):
+                adopted.append(self._hand_over(ledger, pages_of(ints(adopt), self.page_size,
+                                                                f"slots adopted from request {rid!r}")))
+        except LedgerError:
+            for ledger, pages in zip(ledgers, adopted):
+                put(self._owner_table, self._owner, pages, ledger.number)  # all or nothing
+            raise
         views = []
-        for ledger, (adopt_pages, rest), (rid, _, reason) in zip(ledgers, plans, releases, strict=True):
-            self._set_owner(adopt_pages, PageOwner.TREE)
-            self._set_owner(rest, PageOwner.FREE)
+        for ledger, (rid, _, reason) in zip(ledgers, releases, strict=True):
+            rest = self._rest(ledger)
+            put(self._owner_table, self._owner, rest, PageOwner.FREE)
             self._pool.free(rest)
             self._ledgers.pop(rid, None)
             view = self._view(ledger, freed=ledger.allocated)
@@ -179,17 +206,17 @@ class DeviceCore:
             views.append(view)
         return views
 
-    def swap(self, rid: str, adopt: torch.Tensor | Indices, free: torch.Tensor | Indices) -> LedgerView:
+    def swap(self, rid: str, adopt: Slots, free: Slots) -> LedgerEntry:
         """Mid-life: whole committed pages of a live request go to the tree (`adopt`) or
         back to the free list (`free`, duplicates of the tree's); the request stays live."""
         ledger = self._live(rid, "swap pages of", new_ok=True)  # a full-prefix hit may not have allocated
         p = self.page_size
-        adopt_pages = pages_of(ints(adopt), p, f"slots adopted from request {rid!r}")
-        free_pages = pages_of(ints(free), p, f"duplicate slots freed from request {rid!r}")
-        both = as_list(adopt_pages) + as_list(free_pages)
-        full = ledger.pages[: ledger.committed // p - ledger.given // p] if ledger.committed >= ledger.given else []
+        adopt_pages = as_list(pages_of(ints(adopt), p, f"slots adopted from request {rid!r}"))
+        free_pages = as_list(pages_of(ints(free), p, f"duplicate slots freed from request {rid!r}"))
+        both = adopt_pages + free_pages
+        whole = ledger.committed // p - ledger.given // p if ledger.committed >= ledger.given else 0
         handed = set(both)
-        if len(handed) != len(both) or not handed <= set(full):
+        if len(handed) != len(both) or not handed <= set(ledger.pages[:whole]):
             raise LedgerError(
                 f"request {rid!r}: pages {both} are not distinct, whole, committed pages of the "
                 "request (only committed pages can be handed over mid-life)"
@@ -197,28 +224,46 @@ class DeviceCore:
         self._set_owner(adopt_pages, PageOwner.TREE)
         self._set_owner(free_pages, PageOwner.FREE)
         self._pool.free(free_pages)
-        ledger.pages = [pg for pg in ledger.pages if pg not in handed]
+        ledger.pages = array("q", [pg for pg in ledger.pages if pg not in handed])
         ledger.given += len(both) * p
         return self._view(ledger, freed=ledger.given)
 
-    def _split_release(self, ledger: _Ledger, adopt: torch.Tensor | Indices) -> tuple[Ints, Ints]:
-        """The request's pages to the tree (`adopt`'s) and to the free list (the rest, in ledger order)."""
-        rid = ledger.request_id
-        adopt_pages = pages_of(ints(adopt), self.page_size, f"slots adopted from request {rid!r}")
-        if isinstance(adopt_pages, list) and len(ledger.pages) * self.page_size <= SMALL_SLOTS_MAX:
-            taken = set(adopt_pages)
-            if len(taken) == len(adopt_pages) and taken.issubset(ledger.pages):
-                return adopt_pages, [pg for pg in ledger.pages if pg not in taken]
-        mine = torch.tensor(ledger.pages, dtype=torch.int64)
-        adopt_pages = as_tensor(adopt_pages)
-        if len(adopt_pages):
-            foreign = ~torch.isin(adopt_pages, mine)
-            if bool(foreign.any()) or len(torch.unique(adopt_pages)) != len(adopt_pages):
-                raise LedgerError(
-                    f"request {rid!r}: adopted pages {adopt_pages[foreign].tolist() or adopt_pages.tolist()}"
-                    " are not distinct pages of this request"
-                )
-        return adopt_pages, mine[~torch.isin(mine, adopt_pages)]
+    def _hand_over(self, ledger: _Ledger, pages: Ints) -> Ints:
+        """Give `pages` of the ledger to the tree; refused (changing nothing) unless they are
+        distinct pages the ledger holds. One lookup per page: each must carry the ledger's
+        number, and after the move the ledger must hold exactly that many pages fewer
+        (a page named twice moves once)."""
+        number = ledger.number
+        if isinstance(pages, list):
+            ok = holds(self._owner_table, pages, frozenset((number,)))
+        elif len(pages):
+            ok = bool(((pages >= 0) & (pages < len(self._owner))).all()) and bool((self._owner[pages] == number).all())
+        else:
+            ok = True
+        if ok:
+            put(self._owner_table, self._owner, pages, PageOwner.TREE)
+            if len(self._held(ledger)) == len(ledger.pages) - len(pages):
+                return pages
+            put(self._owner_table, self._owner, pages, number)
+        listed = as_list(pages)
+        foreign = [pg for pg in listed if not 0 <= pg < len(self._owner_table) or self._owner_table[pg] != number]
+        raise LedgerError(
+            f"request {ledger.request_id!r}: adopted pages {(foreign or listed)[:16]} are not distinct pages of "
+            "this request"
+        )
+
+    def _rest(self, ledger: _Ledger) -> Ints:
+        """What a release frees: every page the ledger still holds once the tree took its share."""
+        return self._held(ledger)
+
+    def _held(self, ledger: _Ledger) -> Ints:
+        """The ledger's pages it still owns in the table, in token order."""
+        pages = ledger.pages
+        if len(pages) * self.page_size <= SMALL_SLOTS_MAX:
+            table, number = self._owner_table, ledger.number
+            return [pg for pg in pages if table[pg] == number]
+        mine = torch.frombuffer(pages, dtype=torch.int64)
+        return mine[self._owner[mine] == ledger.number]
 
     def _distinct_live(self, rids: list[str], what: str, *, new_ok: bool = False) -> list[_Ledger]:
         if len(set(rids)) != len(rids):
@@ -226,7 +271,7 @@ class DeviceCore:
             raise LedgerError(f"cannot {what} request(s) {twice} twice in one call")
         return [self._live(rid, what, new_ok=new_ok) for rid in rids]
 
-    def ledger(self, rid: str) -> LedgerView:
+    def ledger(self, rid: str) -> LedgerEntry:
         if rid in self._ledgers:
             return self._view(self._ledgers[rid], freed=self._ledgers[rid].given)
         if rid in self._released:
@@ -264,15 +309,20 @@ class DeviceCore:
     # -- checks and numbers ---------------------------------------------------
 
     def counts(self) -> dict[PageOwner, int]:
-        c = torch.bincount(self._owner.to(torch.int64), minlength=len(PageOwner))
-        return {o: int(c[o]) * self.page_size for o in PageOwner}
+        o, p = self._owner, self.page_size
+        return {
+            PageOwner.FREE: int((o == PageOwner.FREE).sum()) * p,
+            PageOwner.REQUEST: int((o >= _FIRST_LEDGER).sum()) * p,
+            PageOwner.TREE: int((o == PageOwner.TREE).sum()) * p,
+            PageOwner.LOADING: int((o == PageOwner.LOADING).sum()) * p,
+        }
 
     def live_requests(self) -> int:
         return len(self._ledgers)
 
     def check_invariants(self) -> None:
         counts = self.counts()
-        if sum(counts.values()) != self.capacity_slots:
+        if sum(counts.values()) != self.capacity_slots or bool((self._owner == PageOwner.REQUEST).any()):
             raise InvariantError(f"device: owners cover {sum(counts.values())} of {self.capacity_slots} slots")
         free = self._pool.free_page_set()
         if counts[PageOwner.FREE] != len(free) * self.page_size:
@@ -281,15 +331,12 @@ class DeviceCore:
             )
         if len(free) and (bool((self._owner[free] != PageOwner.FREE).any()) or len(torch.unique(free)) != len(free)):
             raise InvariantError("device: the free list holds a page that is not free, or a page twice")
-        owned = [pg for led in self._ledgers.values() for pg in led.pages]
-        if len(owned) != len(set(owned)):
-            raise InvariantError("device: a page is in two request ledgers")
-        if len(owned) * self.page_size != counts[PageOwner.REQUEST]:
-            raise InvariantError(
-                f"device: ledgers hold {len(owned)} pages but {counts[PageOwner.REQUEST] // self.page_size} "
-                "pages are marked request-owned"
-            )
+        held = 0
         for led in self._ledgers.values():
+            mine = torch.frombuffer(led.pages, dtype=torch.int64) if led.pages else torch.empty(0, dtype=torch.int64)
+            if bool((self._owner[mine] != led.number).any()):
+                raise InvariantError(f"device: ledger of {led.request_id!r} lists a page the table gives another owner")
+            held += len(mine)
             pages_left = -(-led.allocated // self.page_size) - led.given // self.page_size
             if not (led.committed <= led.allocated and led.given % self.page_size == 0 and pages_left == len(led.pages)):
                 raise InvariantError(
@@ -297,6 +344,11 @@ class DeviceCore:
                     f"allocated={led.allocated}, {len(led.pages)} pages (invariant: "
                     f"committed <= allocated, pages = ceil(allocated / page_size) - given pages; given={led.given})"
                 )
+        if held * self.page_size != counts[PageOwner.REQUEST]:
+            raise InvariantError(
+                f"device: ledgers hold {held} pages but {counts[PageOwner.REQUEST] // self.page_size} "
+                "pages are marked request-owned (a page in two ledgers, or one no ledger lists)"
+            )
         for view in self._released.values():
             if view.freed != view.allocated:
                 raise InvariantError(f"device: request {view.request_id!r} freed {view.freed} of {view.allocated}")
@@ -307,9 +359,9 @@ class DeviceCore:
         if rid in self._released:
             raise LedgerError(
                 f"request {rid!r} was already released ({self._released[rid]}); allocating for a "
-                "finished or aborted request is a bug (seed 001: never allocate after finish)"
+                "finished or aborted request is a bug (SGLang #12224: never allocate after finish)"
             )
-        return self._ledgers.get(rid) or _Ledger(rid)
+        return self._ledgers.get(rid) or _Ledger(rid, 0)
 
     def _live(self, rid: str, what: str, *, new_ok: bool = False) -> _Ledger:
         ledger = self._ledgers.get(rid)
@@ -318,25 +370,15 @@ class DeviceCore:
         if rid in self._released:
             raise LedgerError(f"cannot {what} request {rid!r}: it was already released (released twice?)")
         if new_ok:
-            return _Ledger(rid)
+            return _Ledger(rid, 0)
         raise LedgerError(f"cannot {what} request {rid!r}: it has no slots (unknown request)")
 
-    def _slots_of(self, ledger: _Ledger, start: int, end: int) -> Ints:
-        """Slots of token positions `start..end` (pages given away mid-life come first)."""
-        p = self.page_size
-        first = (start - ledger.given) // p
-        offset = start - ledger.given - first * p
-        pages = ledger.pages[first:]
-        if len(pages) * p > SMALL_SLOTS_MAX:
-            pages = as_tensor(pages)
-        return slots_of_pages(pages, p)[offset : offset + end - start]
-
     def _set_owner(self, pages: Ints, owner: PageOwner) -> None:
-        put(self._owner_bytes, self._owner, pages, owner)
+        put(self._owner_table, self._owner, pages, owner)
 
     def _expect(self, pages: Ints, owners: tuple[PageOwner, ...], what: str) -> None:
         if isinstance(pages, list):
-            if holds(self._owner_bytes, pages, frozenset(owners)):
+            if holds(self._owner_table, pages, frozenset(owners)):
                 return
             pages = as_tensor(pages)  # refused: the check below names why
         if not len(pages):
@@ -353,7 +395,7 @@ class DeviceCore:
             bad = (~ok).nonzero().flatten()[:8]
             detail = ", ".join(
                 f"slots {int(pages[i]) * self.page_size}..{int(pages[i]) * self.page_size + self.page_size - 1} "
-                f"owned by {PageOwner(int(have[i])).name.lower()}"
+                f"owned by {_owner_name(int(have[i]))}"
                 for i in bad
             )
             allowed = " or ".join(o.name.lower() for o in owners)
@@ -361,7 +403,18 @@ class DeviceCore:
             raise SlotStateError(f"cannot {what}: {detail}; expected {allowed}{hint}")
 
     @staticmethod
-    def _view(ledger: _Ledger, freed: int) -> LedgerView:
-        return LedgerView(request_id=ledger.request_id, allocated=ledger.allocated, committed=ledger.committed,
-                          freed=freed)
+    def _view(ledger: _Ledger, freed: int) -> LedgerEntry:
+        return LedgerEntry(request_id=ledger.request_id, allocated=ledger.allocated, committed=ledger.committed,
+                           freed=freed)
 
+
+def _owner_name(code: int) -> str:
+    return PageOwner(min(code, PageOwner.REQUEST) if code >= _FIRST_LEDGER else code).name.lower()
+
+
+def _extend(pages: array, new: Ints) -> None:
+    """Append page numbers (either form) to a ledger's array."""
+    if isinstance(new, list):
+        pages.extend(new)
+    else:
+        pages.frombytes(indices_of(new).to_bytes())

@@ -16,7 +16,8 @@ Plain and synchronous; `TreeCore` drives it. What it guarantees:
   larger buffer alive, and the tree runs on bytes and Python ints (a page key is a
   bytes slice, a match is a `startswith`); only the duplicate slots of a long insert
   are found by a tensor comparison.
-- Each page has a hash chained from its parent page's hash, seeded by the namespace.
+- Each page has a hash chained from its parent page's hash, seeded by the namespace,
+  computed only when something asks for it (storage keys, rank digests).
 - Eviction order is kept incrementally: a heap of (policy key, version) entries
   with lazy deletion; a node is re-offered whenever it may have become evictable
   or its key changed, and stale entries are skipped (amortised O(log n) per
@@ -93,8 +94,8 @@ class Node:
     """Token ids as little-endian int64 bytes, a whole number of pages (empty for a root)."""
     tokens: int
     """Tokens of the key (`len(key) // 8`)."""
-    hashes: tuple[int, ...]
-    """One chained hash per page."""
+    page_bytes: int
+    """Bytes of one page of the key (8 x page size)."""
     state: NodeState
     device: Indices | None = None
     host: Indices | None = None
@@ -114,6 +115,18 @@ class Node:
     resident_children: int = 0
     version: int = 0
     alive: bool = True
+    chained: tuple[int, ...] | None = None
+    """The page hashes once computed (`hashes`); None until something needs them."""
+
+    @property
+    def hashes(self) -> tuple[int, ...]:
+        """One chained hash per page, computed on first use and kept: only storage (page
+        keys) and rank agreement (digests) need them, so a tree without storage never hashes."""
+        chained = self.chained
+        if chained is None:
+            assert self.parent is not None, "a root's hash is set when it is made"
+            chained = self.chained = chain_hashes(self.parent.hashes[-1], self.key, self.page_bytes)
+        return chained
 
     def token_ids(self) -> list[int]:
         """The key's token ids."""
@@ -198,8 +211,8 @@ class RadixTree:
         root = self._roots.get(namespace)
         if root is None:
             seed = int.from_bytes(hashlib.blake2b(namespace.encode(), digest_size=8).digest(), "little")
-            root = Node(id=0, namespace=namespace, parent=None, key=b"", tokens=0, hashes=(seed,),
-                        state=NodeState.DEVICE)
+            root = Node(id=0, namespace=namespace, parent=None, key=b"", tokens=0, page_bytes=self._page_bytes,
+                        state=NodeState.DEVICE, chained=(seed,))
             self._roots[namespace] = root
         return root
 
@@ -310,7 +323,7 @@ class RadixTree:
         self._account(node, -1)
         upper = Node(
             id=next(self._ids), namespace=node.namespace, parent=parent, key=node.key[: 8 * at], tokens=at,
-            hashes=node.hashes[:pages], state=node.state,
+            page_bytes=node.page_bytes, state=node.state, chained=None if node.chained is None else node.chained[:pages],
             device=None if node.device is None else node.device[:at],
             host=None if node.host is None else node.host[:at],
             lock_ref=node.lock_ref, host_ref=node.host_ref, hit_count=node.hit_count,
@@ -319,7 +332,8 @@ class RadixTree:
         )
         node.key = node.key[8 * at :]
         node.tokens -= at
-        node.hashes = node.hashes[pages:]
+        if node.chained is not None:
+            node.chained = node.chained[pages:]
         node.device = None if node.device is None else node.device[at:]
         node.host = None if node.host is None else node.host[at:]
         step = self._page_bytes
@@ -489,15 +503,18 @@ class RadixTree:
 
     def _new_node(self, parent: Node, key: bytes, state: NodeState, priority: int) -> Node:
         node = Node(id=next(self._ids), namespace=parent.namespace, parent=parent, key=key, tokens=len(key) // 8,
-                    hashes=self._chain(parent.hashes[-1], key), state=state, hit_count=1,
+                    page_bytes=self._page_bytes, state=state, hit_count=1,
                     last_access=self._tick, created=next(self._seq), priority=priority)
         return node
 
-    def insert_host(self, anchor: Node, tokens: Indices, host: Indices) -> HostInsert:
+    def insert_host(
+        self, anchor: Node, tokens: Indices, host: Indices, hashes: tuple[int, ...] | None = None
+    ) -> HostInsert:
         """Attach pages that arrived from storage below `anchor` (whose end they follow) as
         host-only nodes. Pages already in the tree are not taken; the walk stops at a node
         that is not backed up, since a host-only child under it would break backup
-        prefix-closure, and the pages past it are not taken either."""
+        prefix-closure, and the pages past it are not taken either. `hashes`, when the caller
+        has them (the prefetch's page keys), are those of `tokens`' pages: kept, not recomputed."""
         p = self.page_size
         if len(tokens) % p or len(host) != len(tokens):
             raise ValueError(f"insert_host needs whole pages with one slot per token, got {len(tokens)} tokens, {len(host)} slots")
@@ -514,6 +531,8 @@ class RadixTree:
                 new = self._new_node(node, data[at:], NodeState.HOST_ONLY, 0)
                 new.host = host[pos:n]
                 new.stored = True
+                if hashes is not None:
+                    new.chained = hashes[pos // p :]
                 self._attach(new)
                 out.new.append(new)
                 return out
@@ -533,7 +552,7 @@ class RadixTree:
 
     def chain(self, node: Node, tokens: Indices) -> tuple[int, ...]:
         """Page hashes of `tokens` (whole pages) continuing the chain after `node`."""
-        return self._chain(node.hashes[-1], tokens.to_bytes())
+        return chain_hashes(node.hashes[-1], tokens.to_bytes(), self._page_bytes)
 
     def _attach(self, node: Node) -> None:
         assert node.parent is not None
@@ -573,16 +592,6 @@ class RadixTree:
                 hi = mid - 1
         return lo * self.page_size
 
-    def _chain(self, prev: int, data: bytes) -> tuple[int, ...]:
-        """hash(page) = blake2b(parent page hash || page token bytes), one per page."""
-        step = self._page_bytes
-        out = []
-        for at in range(0, len(data), step):
-            digest = hashlib.blake2b(prev.to_bytes(8, "little") + data[at : at + step], digest_size=8)
-            prev = int.from_bytes(digest.digest(), "little")
-            out.append(prev)
-        return tuple(out)
-
     def walk(self) -> Iterator[Node]:
         """Every node, roots excluded, parents before children."""
         stack = [r for r in self.roots()]
@@ -606,10 +615,12 @@ class RadixTree:
                 raise InvariantError(f"{where} is not its parent's child under its first page")
             if node.tokens != len(node.key) // 8 or len(node.key) % 8:
                 raise InvariantError(f"{where}: a key of {len(node.key)} bytes is not {node.tokens} int64 token ids")
-            if node.tokens == 0 or node.tokens % p or len(node.hashes) != node.tokens // p:
-                raise InvariantError(f"{where}: {node.tokens} tokens / {len(node.hashes)} hashes are not whole pages")
-            if node.hashes != self._chain(parent.hashes[-1], node.key):
-                raise InvariantError(f"{where}: page hashes do not chain from the parent")
+            if node.tokens == 0 or node.tokens % p or node.page_bytes != self._page_bytes:
+                raise InvariantError(f"{where}: {node.tokens} tokens are not whole pages of {p}")
+            if node.chained is not None and (
+                parent.chained is None or node.chained != chain_hashes(parent.chained[-1], node.key, self._page_bytes)
+            ):
+                raise InvariantError(f"{where}: page hashes do not chain from the parent's")
             resident = node.state in RESIDENT
             if resident != (node.device is not None) or (resident and len(node.device) != node.tokens):  # type: ignore[arg-type]
                 raise InvariantError(f"{where}: device slots do not match state")
@@ -646,6 +657,16 @@ class RadixTree:
             raise InvariantError(
                 f"tree counters (nodes, device, host, protected, evictable) are {want} but the tree holds {got}"
             )
+
+
+def chain_hashes(prev: int, data: bytes, page_bytes: int) -> tuple[int, ...]:
+    """hash(page) = blake2b(previous page hash || page token bytes), one per page of `data`."""
+    out = []
+    for at in range(0, len(data), page_bytes):
+        digest = hashlib.blake2b(prev.to_bytes(8, "little") + data[at : at + page_bytes], digest_size=8)
+        prev = int.from_bytes(digest.digest(), "little")
+        out.append(prev)
+    return tuple(out)
 
 
 def _page_ids(page: bytes) -> tuple[int, ...]:

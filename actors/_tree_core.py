@@ -167,6 +167,8 @@ class _Prefetch:
     """A backed-up node (or a root), host-pinned until settled: the pages follow its end."""
     tokens: Tokens
     """Tokens of the prefetched pages (whole pages)."""
+    hashes: tuple[int, ...]
+    """Their page hashes (the nodes they become keep them)."""
     keys: tuple[str, ...]
     reserved: int
     """Host tokens reserved for it (counted in the host mirror)."""
@@ -555,8 +557,9 @@ class TreeCore:
             return 0
         op = self._next_id()
         toks = tokens[start : start + want]
-        keys = tuple(page_keys(self.tree.chain(anchor, toks), cfg.tp_rank))
-        pf = _Prefetch(op, item.request_id, anchor, toks, keys,
+        hashes = self.tree.chain(anchor, toks)
+        keys = tuple(page_keys(hashes, cfg.tp_rank))
+        pf = _Prefetch(op, item.request_id, anchor, toks, hashes, keys,
                        want, self._now(), self._timeout(want))
         self._prefetches[op] = pf
         self._prefetch_of[item.request_id] = op
@@ -711,7 +714,7 @@ class TreeCore:
         kept = 0
         if pf.host is not None:
             if keep:
-                res = self.tree.insert_host(pf.anchor, pf.tokens[:keep], pf.host[:keep])
+                res = self.tree.insert_host(pf.anchor, pf.tokens[:keep], pf.host[:keep], pf.hashes[:pages])
                 for nd in res.new:
                     kept += nd.tokens
                 new = _cat([nd.host for nd in res.new])

@@ -16,6 +16,7 @@ from ._deterministic import (
     VirtualClock,
     replay_choices,
 )
+from ._executor import SerialExecutor
 from ._facade import (
     AdmitResult,
     CacheHandle,
@@ -111,6 +112,7 @@ __all__ = [
     "StorageKind",
     "SeededFaults",
     "SingleGroup",
+    "SerialExecutor",
     "Services",
     "StaleWaiterError",
     "System",

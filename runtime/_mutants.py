@@ -83,12 +83,12 @@ class _InferredLengthCore(DeviceCore):
     """Frees the pages that cover the committed length, as `len(input) + len(output) - 1`
     did: over-allocated pages (speculative lookahead) leak."""
 
-    def _split_release(self, ledger: Any, adopt: torch.Tensor | Indices) -> tuple[Ints, Ints]:
-        adopt_pages, rest = super()._split_release(ledger, adopt)
+    def _rest(self, ledger: Any) -> Ints:
+        rest = super()._rest(ledger)
         p = self.page_size
         inferred = -(-max(ledger.committed - ledger.given, 0) // p)
         mine = set(ledger.pages[:inferred])
-        return adopt_pages, [pg for pg in as_list(rest) if pg in mine]
+        return [pg for pg in as_list(rest) if pg in mine]
 
 
 class _InferredLengthDevice(DeviceAllocatorActor):

@@ -19,6 +19,7 @@ import pykka
 from hicache.messages import ActorName, CheckInvariants, GetStatistics, Message
 
 from ._actor import Directory, HiActor, Mail
+from ._executor import SerialExecutor
 from ._layers import LayerDoneRing
 from ._services import (
     ActorFailedError,
@@ -36,12 +37,20 @@ DEFAULT_ASK_TIMEOUT_S = 60.0
 """How long the caller waits for an actor's reply before raising TimeoutError."""
 
 
+EXECUTOR_ACTORS = frozenset({ActorName.TREE, ActorName.DEVICE, ActorName.HOST})
+"""The bookkeeping actors: they share a `SerialExecutor` and run on the threads that deliver
+their mail (the scheduler's, or a stream's for an ack). The streams and the prefetcher copy
+and do I/O: each has a thread of its own."""
+
+
 class ThreadedRuntime:
-    """Production runtime: real threads, a monotonic clock, sequential ids."""
+    """Production runtime: the bookkeeping actors on a serial executor, the copying ones on
+    their own threads; a monotonic clock, sequential ids."""
 
     def __init__(
         self, *, seed: int = 0, faults: FaultPlan | None = None, observe: DeliveryObserver | None = None
     ) -> None:
+        self.executor = SerialExecutor()
         self._timers: list[threading.Timer] = []
         self._timers_lock = threading.Lock()
         self.services = Services(
@@ -56,6 +65,8 @@ class ThreadedRuntime:
         )
 
     def start(self, cls: type[HiActor], **kwargs: Any) -> pykka.ActorRef[Any]:
+        if cls.name in EXECUTOR_ACTORS:
+            return self.executor.actor_class(cls).start(**kwargs)
         return cls.start(**kwargs)
 
     poll_s: float | None = 0.05

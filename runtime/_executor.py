@@ -1,0 +1,139 @@
+"""`SerialExecutor`: the bookkeeping actors run one message at a time on the thread that
+delivers their mail, with no thread of their own.
+
+The tree, the device allocator and the host pool do pure bookkeeping: each handler is
+a few microseconds of Python. Giving each its own thread would make every message a
+thread hand-off (tens of microseconds with the GIL), several per scheduler call. Here
+they share one executor instead: a tell appends the envelope to one FIFO and, unless
+some thread is already draining it, the sender drains it at once. So a facade call
+runs its whole cascade (tree -> device -> tree -> facade) on the scheduler's thread,
+and an ack from a stream thread (`WriteDone`) is handled by that thread as soon as it
+arrives when the scheduler is not calling: acks never wait for the next facade call.
+
+Actor semantics stay those of pykka: each actor handles one envelope at a time, in the
+order its envelopes were put (the executor runs one handler at a time, full stop); a
+handler never blocks; an actor that fails stops, and what was queued for it is
+answered with `ActorDeadError`. The actor classes are the production ones with
+pykka's hooks bound to the executor (as the deterministic runtime binds them to its
+scheduler).
+
+A drainer holds the executor's lock while it runs handlers and re-checks the queue
+after releasing it, so an envelope put by another thread while the lock was held is
+never left behind: either the holder sees it, or the putter gets the lock.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections import deque
+from typing import Any
+
+import pykka
+from pykka._envelope import Envelope
+
+
+class _ExecutorInbox:
+    """The inbox pykka gives an actor: puts go to the executor's one queue."""
+
+    __slots__ = ("_executor", "actor")
+
+    def __init__(self, executor: SerialExecutor) -> None:
+        self._executor = executor
+        self.actor: pykka.Actor | None = None
+
+    def put(self, envelope: Envelope[Any], /) -> None:
+        actor = self.actor
+        assert actor is not None, "mail for an actor the executor has not started"
+        self._executor.submit(actor, envelope)
+
+    def empty(self) -> bool:
+        return True
+
+    def get(self) -> Envelope[Any]:  # pragma: no cover - the executor delivers, pykka's loop never runs
+        raise RuntimeError("an executor actor's inbox is read by the executor only")
+
+
+class SerialExecutor:
+    """One FIFO of (actor, envelope); handlers run one at a time on a delivering thread."""
+
+    def __init__(self) -> None:
+        self._queue: deque[tuple[pykka.Actor, Envelope[Any]]] = deque()
+        self._lock = threading.Lock()
+        self._drainer = 0
+        """The ident of the thread running handlers now (0: none)."""
+        self._classes: dict[type, type] = {}
+
+    # -- pykka's hooks ---------------------------------------------------------
+
+    def actor_class(self, cls: type[pykka.Actor]) -> type[pykka.Actor]:
+        """`cls` with pykka's inbox and loop hooks bound to this executor (made once per class)."""
+        made = self._classes.get(cls)
+        if made is None:
+            executor = self
+
+            class OnExecutor(cls):  # type: ignore[valid-type, misc]
+                @staticmethod
+                def _create_actor_inbox() -> _ExecutorInbox:
+                    return _ExecutorInbox(executor)
+
+                def _start_actor_loop(self) -> None:
+                    self.actor_inbox.actor = self
+                    self._actor_loop_setup()  # on_start, in the starting thread
+
+            OnExecutor.__name__ = OnExecutor.__qualname__ = cls.__name__
+            made = self._classes[cls] = OnExecutor
+        return made
+
+    # -- delivery --------------------------------------------------------------
+
+    def submit(self, actor: pykka.Actor, envelope: Envelope[Any]) -> None:
+        """Queue a delivery; run the queue now unless a thread is already running it."""
+        self._queue.append((actor, envelope))
+        if self._drainer != threading.get_ident():  # a handler's own tells wait for its return
+            self.run()
+
+    def run(self) -> None:
+        """Deliver until the queue is empty, unless another thread holds the executor (it will)."""
+        queue, lock = self._queue, self._lock
+        while queue:
+            if not lock.acquire(blocking=False):
+                return
+            self._drainer = threading.get_ident()
+            try:
+                while queue:
+                    actor, envelope = queue.popleft()
+                    _deliver(actor, envelope)
+            finally:
+                self._drainer = 0
+                lock.release()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._queue) or self._lock.locked()
+
+
+def _deliver(actor: pykka.Actor, envelope: Envelope[Any]) -> None:
+    """The body of pykka's actor loop for one envelope."""
+    reply_to = envelope.reply_to
+    if actor.actor_stopped.is_set():
+        if reply_to is not None:
+            if isinstance(envelope.message, pykka.messages._ActorStop):
+                reply_to.set(None)
+            else:
+                dead = pykka.ActorDeadError(f"{actor} stopped before handling the message")
+                reply_to.set_exception(exc_info=(pykka.ActorDeadError, dead, None))
+        return
+    try:
+        response = actor._handle_receive(envelope.message)
+        if reply_to is not None:
+            reply_to.set(response)
+    except Exception:
+        if reply_to is not None:
+            reply_to.set_exception()
+        else:
+            actor._handle_failure(*sys.exc_info())
+            try:
+                actor.on_failure(*sys.exc_info())
+            except Exception:
+                actor._handle_failure(*sys.exc_info())
