@@ -37,7 +37,9 @@ class DeviceAllocatorActor(HiActor):
     def handle(self, sender: ActorName, message: Message) -> Message | None:
         core = self.core
         match message:
-            case AllocateSlots(op_id=op, demands=demands):
+            case AllocateSlots(op_id=op, demands=demands, commits=commits):
+                if commits:
+                    core.commit_many([(d.request_id, d.tokens) for d in commits])
                 got = core.allocate_indices([(d.request_id, d.tokens) for d in demands])
                 if isinstance(got, Insufficient):
                     return _insufficient(op, got)

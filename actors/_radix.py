@@ -632,8 +632,6 @@ class RadixTree:
                 raise InvariantError(f"{where}: device residency is not prefix-closed (parent {parent})")
             if node.state in BACKED and not parent.is_root and parent.state not in BACKED:
                 raise InvariantError(f"{where}: backup is not prefix-closed (parent {parent})")
-            if node.state is NodeState.WRITING and not parent.is_root and parent.state not in BACKED | {NodeState.WRITING}:
-                raise InvariantError(f"{where}: written under a parent that is not backed up ({parent})")
             if node.lock_ref < 0 or node.host_ref < 0:
                 raise InvariantError(f"{where}: negative lock or host ref")
             if node.lock_ref < sum(c.lock_ref for c in node.children.values()):

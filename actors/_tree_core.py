@@ -114,6 +114,10 @@ class _Write:
     evict_after: bool
     tokens: int
     host_assigned: bool = False
+    doomed: bool = False
+    """An ancestor's write failed while this one was in flight: it fails when it lands, so
+    that no backed-up node hangs under one that is not (the stream keeps write order, so the
+    ancestor's outcome always comes first)."""
 
 
 @dataclass(slots=True)
@@ -146,11 +150,14 @@ class _Swaps:
 
 @dataclass(slots=True)
 class _Eviction:
-    """An eviction waiting for its write-backs (write_back policy) before it is answered."""
+    """A device eviction that goes on until `want` tokens are free or nothing evictable is
+    left, waiting for writes in flight when they hold the rest: its own write-backs
+    (write_back), and write-throughs whose nodes only the write keeps locked."""
 
-    freed: int
-    waiting: set[int]
-    """Write-backs whose slots are still to be freed."""
+    want: int
+    freed: int = 0
+    waiting: set[int] = field(default_factory=set)
+    """Writes whose landing lets it go on."""
     reply_op: int = 0
     """The facade's EvictDevice to answer with Evicted, if any."""
     retry_load: int = 0
@@ -231,7 +238,7 @@ class TreeCore:
         self._swaps: dict[int, _Swaps] = {}
         self._swap_of: dict[int, int] = {}
         self._evictions: dict[int, _Eviction] = {}
-        self._eviction_of: dict[int, int] = {}
+        self._eviction_of: dict[int, list[int]] = {}
         self._building: list[_Plan] = []
         """Plans of the admission being built: a later item's match may split their nodes."""
         self.n = _Counters()
@@ -336,22 +343,43 @@ class TreeCore:
             self._emit(FACADE, Cached(op_id=op_id, prefixes=tuple(swaps.prefixes), refused=()))
 
     def evict_device(self, op_id: int, tokens: int) -> None:
-        """Reply once the slots are free: under write_back, after the write-backs it started land."""
-        freed, writes = self._evict_device(tokens)
-        if not writes or not self._agree_locally:
-            # With several ranks a write-back's ack applies only at an agreement (HiCache.sync),
-            # which the caller cannot run while it waits for this reply: answer with what is free
-            # now; the write-backs free their slots when their agreed acks are applied.
-            self._emit(FACADE, Evicted(op_id=op_id, device_tokens=freed, host_tokens=0))
-            return
-        self._wait_for_writes(writes, _Eviction(freed, set(), reply_op=op_id))
+        """Reply once `tokens` are free or nothing more can be: see `_Eviction`."""
+        self._evict_until(_Eviction(tokens, reply_op=op_id))
 
-    def _wait_for_writes(self, writes: list[int], ev: _Eviction) -> None:
+    def _evict_until(self, ev: _Eviction) -> None:
+        """Evict for `ev` now; wait for writes in flight if they hold what is still missing,
+        else end it (answer the facade, or retry the admission's load slots)."""
+        freed, writes = self._evict_device(ev.want - ev.freed - self._pending_frees(ev))
+        ev.freed += freed
+        ev.waiting.update(writes)
+        if self._agree_locally and ev.freed + self._pending_frees(ev) < ev.want:
+            ev.waiting.update(self._writes_holding_evictable())
+        if not self._agree_locally or not ev.waiting:
+            # With several ranks an ack applies only at an agreement (HiCache.sync), which the
+            # caller cannot run while it waits for this reply: answer with what is free now; the
+            # write-backs free their slots when their agreed acks are applied.
+            self._end_eviction(ev)
+            return
         key = self._next_id()
-        ev.waiting = set(writes)
         self._evictions[key] = ev
-        for w in writes:
-            self._eviction_of[w] = key
+        for w in ev.waiting:
+            self._eviction_of.setdefault(w, []).append(key)
+
+    def _pending_frees(self, ev: _Eviction) -> int:
+        """Tokens the write-backs `ev` waits for free when they land."""
+        return sum(self._writes[w].tokens for w in ev.waiting if w in self._writes and self._writes[w].evict_after)
+
+    def _writes_holding_evictable(self) -> list[int]:
+        """Write-throughs in flight whose nodes nothing but the write keeps locked: once they
+        land, those nodes are evictable (synced, so they move to host memory)."""
+        return [op for op, w in self._writes.items()
+                if not w.evict_after and not w.doomed and all(nd.lock_ref == 1 for nd in w.nodes)]
+
+    def _end_eviction(self, ev: _Eviction) -> None:
+        if ev.reply_op:
+            self._emit(FACADE, Evicted(op_id=ev.reply_op, device_tokens=ev.freed, host_tokens=0))
+        if ev.retry_load:
+            self._retry_load_slots(ev.retry_load)
 
     def _retry_load_slots(self, load_op: int) -> None:
         adm = self._admissions[load_op]
@@ -370,11 +398,7 @@ class TreeCore:
             if not adm.retried:
                 adm.retried = True
                 self._admissions[load_op] = adm
-                _, writes = self._evict_device(shortfall)
-                if writes and self._agree_locally:  # retry once the write-backs' slots are free
-                    self._wait_for_writes(writes, _Eviction(0, set(), retry_load=load_op))
-                else:
-                    self._retry_load_slots(load_op)
+                self._evict_until(_Eviction(shortfall, retry_load=load_op))
                 return
             self._give_up_loads(adm)
             self._reply_admitted(adm.facade_op, adm.plans)
@@ -476,6 +500,9 @@ class TreeCore:
         self._emit(WRITE, WriteKV(op_id=op, device=device, host=host))
 
     def _write_done(self, op: int) -> None:
+        if self._writes[op].doomed:
+            self._write_failed(op)
+            return
         w = self._writes.pop(op)
         self._emit(HOST, SetHostState(indices=_cat([nd.host for nd in w.nodes if nd.host is not None]),
                                       state=HostSlotState.SYNCED))
@@ -484,10 +511,9 @@ class TreeCore:
             self.tree.set_state(nd, NodeState.SYNCED)
         self.tree.lock(w.nodes[-1], -1)  # one lock per write, on its deepest node (splits add uppers)
         self.n.backups_done += 1
-        if w.evict_after:
-            freed = [nd for nd in w.nodes if self.tree.device_evictable(nd)]
-            self._emit_device_frees([self._drop_device(nd) for nd in freed])
-            self._evicted_after_write(op, freed)
+        freed = [nd for nd in w.nodes if self.tree.device_evictable(nd)] if w.evict_after else []
+        self._emit_device_frees([self._drop_device(nd) for nd in freed])
+        self._write_landed(op, freed)
         for nd in w.nodes:
             self._consider_store(nd)
         for nd in w.nodes:
@@ -496,6 +522,7 @@ class TreeCore:
 
     def _write_failed(self, op: int) -> None:
         w = self._writes[op]
+        self._doom_descendants(w)
         if w.host_assigned:  # its bytes are not valid (on this rank or another)
             host = _cat([nd.host for nd in w.nodes if nd.host is not None])
             self._emit(HOST, SetHostState(indices=host, state=HostSlotState.RESERVED))
@@ -800,10 +827,16 @@ class TreeCore:
             nd.op = 0
             self.tree.set_state(nd, NodeState.DEVICE)
         self.tree.lock(w.nodes[-1], -1)
-        if w.evict_after:
-            dropped = [nd for nd in w.nodes if self.tree.device_evictable(nd)]
-            self._emit_device_frees([self._drop_device(nd) for nd in dropped])
-            self._evicted_after_write(op, dropped)
+        dropped = [nd for nd in w.nodes if self.tree.device_evictable(nd)] if w.evict_after else []
+        self._emit_device_frees([self._drop_device(nd) for nd in dropped])
+        self._write_landed(op, dropped)
+
+    def _doom_descendants(self, failed: _Write) -> None:
+        """Writes in flight below a failed one fail too when they land (see `_Write.doomed`)."""
+        mine = {id(nd) for nd in failed.nodes}
+        for w in self._writes.values():
+            if w is not failed and not w.doomed and any(id(a) in mine for a in w.nodes[0].path()):
+                w.doomed = True
 
     def _evict_device(self, tokens: int) -> tuple[int, list[int]]:
         """Free device slots now (returns how many) and start write-backs whose slots go when
@@ -816,7 +849,7 @@ class TreeCore:
             if node is None:
                 break
             if (node.state is NodeState.DEVICE and self.config.write_policy is WritePolicy.WRITE_BACK
-                    and self.config.host_tier and self._parent_backed(node)
+                    and self.config.host_tier and self._back_up_ancestors(node)
                     and self._start_backup(node, evict_after=True)):
                 pending += node.tokens
                 writes.append(node.op)
@@ -826,20 +859,16 @@ class TreeCore:
         self._emit_device_frees(frees)
         return freed, writes
 
-    def _evicted_after_write(self, op: int, dropped: list[Node]) -> None:
-        """A write-back of an eviction landed (or failed): its slots are freed; reply when all are."""
-        evict_op = self._eviction_of.pop(op, None)
-        if evict_op is None:
-            return
-        ev = self._evictions[evict_op]
-        ev.freed += sum(nd.tokens for nd in dropped)
-        ev.waiting.discard(op)
-        if not ev.waiting:
-            del self._evictions[evict_op]
-            if ev.reply_op:
-                self._emit(FACADE, Evicted(op_id=ev.reply_op, device_tokens=ev.freed, host_tokens=0))
-            if ev.retry_load:
-                self._retry_load_slots(ev.retry_load)
+    def _write_landed(self, op: int, dropped: list[Node]) -> None:
+        """A write an eviction waits for landed or failed (a write-back's `dropped` slots are
+        free now): once it waits for nothing more, the eviction goes on."""
+        for key in self._eviction_of.pop(op, ()):
+            ev = self._evictions[key]
+            ev.freed += sum(nd.tokens for nd in dropped)
+            ev.waiting.discard(op)
+            if not ev.waiting:
+                del self._evictions[key]
+                self._evict_until(ev)
 
     def _drop_device(self, node: Node) -> Indices:
         """Free a device-evictable node's device copy: to HOST_ONLY if backed up, else delete it."""
@@ -967,7 +996,25 @@ class TreeCore:
         return h.node is not None and any(nd.state not in RESIDENT for nd in h.node.path())
 
     def _parent_backed(self, node: Node) -> bool:
-        return node.parent is None or node.parent.is_root or node.parent.state in BACKED
+        """The parent is backed up, or its write is in flight: the write stream keeps order,
+        so a child's write lands after its parent's (and fails if the parent's failed)."""
+        parent = node.parent
+        return parent is None or parent.is_root or parent.state in BACKED or parent.state is NodeState.WRITING
+
+    def _back_up_ancestors(self, node: Node) -> bool:
+        """Under write_back, before a victim is written back: start the writes of its ancestors
+        that are on device only (they stay on device, synced once written), top down, so that
+        backup stays prefix-closed and a tail under a hot prefix that is never evicted is not
+        lost. False if host memory cannot take one of them (the victim is then deleted)."""
+        chain = []
+        for up in node.parent.path() if node.parent is not None else ():
+            if up.state in BACKED or up.state is NodeState.WRITING:
+                break
+            chain.append(up)
+        for up in reversed(chain):
+            if up.op or not self._start_backup(up, evict_after=False):
+                return False
+        return True
 
     def _emit_device_frees(self, frees: list[Indices]) -> None:
         if frees:
@@ -1006,6 +1053,7 @@ class TreeCore:
             prefetches_started=self.n.prefetches_started, prefetches_in_flight=len(self._prefetches),
             prefetch_skipped=self.n.prefetch_skipped, prefetch_ends=tuple(self.n.prefetch_ends),
             storage_hit_tokens=self.n.storage_hit_tokens, stored_tokens=self.n.stored_tokens,
+            backups_in_flight=len(self._stores),
             facts_pending=self.facts.pending(), facts_unknown=self.facts.pending() - sum(self.facts.known()),
         )
 
@@ -1068,6 +1116,12 @@ class TreeCore:
         for node in self.tree.walk():
             if node.state is NodeState.WRITING and node.op not in self._writes:
                 raise InvariantError(f"tree: {node} is WRITING without a write in flight")
+            parent = node.parent
+            if (node.state is NodeState.WRITING and parent is not None and not parent.is_root
+                    and parent.state not in BACKED and parent.state is not NodeState.WRITING
+                    and not self._writes[node.op].doomed):
+                raise InvariantError(f"tree: {node} is written under {parent}, which is not backed up and "
+                                     "whose write did not fail (backup must stay prefix-closed)")
             if node.state is NodeState.LOADING and node.op not in self._loads:
                 raise InvariantError(f"tree: {node} is LOADING without a load in flight")
         for key, ev in self._evictions.items():

@@ -36,12 +36,16 @@ class SlotDemand(Message):
 
 @message(101)
 class AllocateSlots(Message):
-    """Allocate slots for several requests at once; all or nothing."""
+    """Commit what requests wrote, then allocate slots for several requests at once; the
+    allocation is all or nothing (the commits hold either way)."""
 
     op_id: int
     """Correlation id echoed in the reply."""
     demands: tuple[SlotDemand, ...]
     """One demand per request; a request appears at most once."""
+    commits: tuple[SlotDemand, ...]
+    """Per request, how many more of its slots hold real KV (as `CommitSlots`), applied first:
+    a decode tick commits the tokens it wrote and allocates the next ones in one message."""
 
 
 @message(102)

@@ -225,6 +225,8 @@ class TreeStatistics(Message):
     The sum of the per-request `PrefetchesSettled` tokens."""
     stored_tokens: int
     """Tokens written to storage by backups (pages already there not counted)."""
+    backups_in_flight: int
+    """Backups to storage issued and not yet landed (their nodes are host-pinned)."""
     facts_pending: int
     """Rank-local outcomes issued and not yet applied (waiting for agreement with several ranks)."""
     facts_unknown: int

@@ -20,6 +20,8 @@ from ._executor import SerialExecutor
 from ._facade import (
     AdmitResult,
     CacheHandle,
+    CacheStateError,
+    Closed,
     ExpiredHandleError,
     HiCache,
     HiCacheStatistics,
@@ -67,6 +69,8 @@ __all__ = [
     "mutant",
     "AdmitResult",
     "CacheHandle",
+    "CacheStateError",
+    "Closed",
     "ExpiredHandleError",
     "HiCache",
     "HiCacheStatistics",

@@ -77,6 +77,8 @@ class HiActor(pykka.ThreadingActor, abc.ABC):
     """Base of the six actors: a thin shell that decodes mail and calls a plain core."""
 
     name: ClassVar[ActorName]
+    use_daemon_thread = True
+    """An actor with a thread of its own never keeps the process alive (a cache left unclosed)."""
 
     def __init__(self, *, services: Services, directory: Directory) -> None:
         super().__init__()

@@ -1,31 +1,40 @@
 """`HiCache`: the synchronous, batch-first facade a scheduler embeds (one per rank).
 
-Every call takes a batch and costs one round trip to the actors in the common
-case, so a scheduler calls it once or twice per tick. The facade keeps the
-scheduler-side view of each live request (its committed tokens and the device
-slot of every position) and checks every call before it reaches an actor: an
-unknown request, finishing twice, committing more than was allocated or a stale
-handle is a clear error here, and the actors keep running.
+Every call takes a batch and costs one round trip to the actors in the common case,
+so a scheduler calls it once or twice per tick; a decode tick is one call,
+`allocate(next_slots, commit=tokens_written)`. The facade keeps the scheduler-side
+view of each live request (its committed tokens and the device slot of every
+position) and checks every argument and every lifecycle step before anything reaches
+an actor: a malformed argument, an unknown request, finishing twice, committing more
+than was allocated or a stale handle is a one-line `RequestError`, and the actors
+never see it.
 
 Lifecycle of a request::
 
-    [prefetch -> ready ...] -> admit -> [start_loads, wait per layer] -> allocate/commit ...
+    [prefetch -> ready ...] -> admit -> [start_loads, wait per layer] -> allocate(commit=...) ...
           -> (cache_unfinished ...) -> finish | abort | retract   (a retracted request may be admitted again)
 
 With storage (L3), a queued request may first get a prefetch (`prefetch`); it is
-admitted once `ready` reports it (its prefetch terminated by the policy, its
-pages kept as host-only nodes that admission loads back). With several
-tensor-parallel ranks, call `sync` once per tick on every rank: it agrees on the
-rank-local outcomes (acks, storage hits) and applies them.
+admitted once `ready` reports it (its prefetch terminated by the policy, its pages
+kept as host-only nodes that admission loads back). With several tensor-parallel
+ranks, call `sync` once per tick on every rank: it agrees on the rank-local outcomes
+(acks, storage hits) and applies them.
+
+One thread calls the facade: the one that started it (a call from another thread is a
+`CacheStateError` at once), except `statistics`, which any thread may call. A call cut
+short (its reply timeout, Ctrl-C) raises, and its late reply is undone or adopted by
+the next call (see `_calls`).
 """
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import structlog
 import torch
 
 from hicache.messages import (
@@ -33,135 +42,102 @@ from hicache.messages import (
     AdmitItem,
     AdmitRequests,
     Admitted,
+    AllocateSlots,
     ApplyFacts,
+    CacheItem,
+    Cached,
+    CacheUnfinished,
     DigestTree,
+    EvictDevice,
+    Evicted,
+    EvictHost,
     FactsApplied,
+    FinishItem,
+    Finished,
+    FinishRequests,
+    GetStatistics,
+    Indices,
+    LedgerEntry,
     LocalFacts,
+    Message,
     PrefetchEnd,
-    PrefetcherStatistics,
     PrefetchesSettled,
     PrefetchesStarted,
     PrefetchesStopped,
     PrefetchReadiness,
     PrefetchRequests,
     PrefetchStates,
+    ReleaseReason,
     ReportFacts,
     SettlePrefetches,
-    TerminatePrefetches,
-    TreeDigest,
-    AllocateSlots,
-    CacheItem,
-    Cached,
-    CacheUnfinished,
-    CommitSlots,
-    DeviceStatistics,
-    EvictDevice,
-    Evicted,
-    EvictHost,
-    FinishItem,
-    Finished,
-    FinishRequests,
-    GetStatistics,
-    HostStatistics,
-    Indices,
-    LedgerEntry,
-    Message,
-    ReleaseReason,
     SlotDemand,
+    SlotsAllocated,
     SlotsInsufficient,
     StartLoads,
-    StreamStatistics,
+    TerminatePrefetches,
     Tokens,
-    TreeStatistics,
+    TreeDigest,
 )
 
+from . import _facade_types as check
 from ._actor import HiActor
+from ._calls import Interrupts, Pending
+from ._facade_types import (
+    AdmitResult,
+    CacheHandle,
+    CacheStateError,
+    Closed,
+    ExpiredHandleError,
+    HiCacheStatistics,
+    Insufficient,
+    Request,
+    RequestError,
+)
 from ._group import Group, SingleGroup
 from ._layers import LayerWaiter
-from ._system import Runtime, System
+from ._system import DEFAULT_ASK_TIMEOUT_S, Runtime, System
 from .config import Config
 
 FINISHED_REMEMBERED_MAX = 1 << 16
 """Ended request ids remembered to tell "finished twice" from "never admitted"."""
 
+CLOSE_DRAIN_TIMEOUT_S = 30.0
+"""How long `close()` waits for writes and backups in flight by default."""
 
-class RequestError(ValueError):
-    """A facade call named a request in a way its lifecycle does not allow."""
+log = structlog.get_logger("hicache.facade")
 
-
-class ExpiredHandleError(RequestError):
-    """A handle was used after `cache_unfinished` replaced it or its request ended."""
-
-
-@dataclass(frozen=True, slots=True)
-class CacheHandle:
-    """Opaque: what a request holds while it lives. Pass it to finish, abort, retract, cache."""
-
-    request_id: str
-    _token: int
-
-
-@dataclass(frozen=True, slots=True)
-class Request:
-    """A request to admit: its id, prompt tokens and namespace (model / LoRA / cache salt)."""
-
-    request_id: str
-    tokens: Sequence[int] | torch.Tensor
-    namespace: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class AdmitResult:
-    request_id: str
-    handle: CacheHandle
-    device_indices: torch.Tensor
-    """Slots of the cached prefix (`cached_tokens` of them); loads into some may still run."""
-    device_hit: int
-    """Prefix tokens already in device memory."""
-    host_hit: int
-    """Prefix tokens loaded back from host now (wait per layer before reading them)."""
-    host_miss: int
-    """Tokens in host memory that were not loaded back (quota, minimum length)."""
-
-    @property
-    def cached_tokens(self) -> int:
-        return self.device_hit + self.host_hit
-
-
-@dataclass(frozen=True, slots=True)
-class Insufficient:
-    """An allocation that does not fit even after eviction; nothing was allocated."""
-
-    requested_slots: int
-    free_slots: int
-    shortfall_slots: int
-
-
-@dataclass(frozen=True, slots=True)
-class HiCacheStatistics:
-    tree: TreeStatistics
-    device: DeviceStatistics
-    host: HostStatistics
-    write: StreamStatistics
-    load: StreamStatistics
-    prefetch: PrefetcherStatistics
+__all__ = [
+    "AdmitResult", "CacheHandle", "CacheStateError", "Closed", "ExpiredHandleError", "HiCache",
+    "HiCacheStatistics", "Insufficient", "Request", "RequestError",
+]
 
 
 @dataclass(slots=True)
 class _Live:
     handle: CacheHandle
     namespace: str
-    chunks: list[torch.Tensor]
-    """Committed tokens in order (the cached prefix first), one tensor per commit; `tokens()` joins them."""
-    slots: torch.Tensor
-    """Device slot of every committed or allocated position."""
+    tokens: list[bytes]
+    """Committed token ids (int64 bytes) in order, the cached prefix first; joined on demand."""
     committed: int
+    slots: list[Indices]
+    """The device slot of every allocated position, in order; joined on demand."""
+    allocated: int
+    caching: bool = False
+    """A `cache_unfinished` of it is in flight: its handle is being replaced."""
 
-    def tokens(self) -> torch.Tensor:
-        """Every committed token (int64), joined once and kept joined."""
-        if len(self.chunks) != 1:
-            self.chunks = [torch.cat(self.chunks) if self.chunks else torch.empty(0, dtype=torch.int64)]
-        return self.chunks[0]
+    def token_data(self) -> bytes:
+        if len(self.tokens) != 1:
+            self.tokens = [b"".join(self.tokens)]
+        return self.tokens[0]
+
+    def slot_indices(self) -> Indices:
+        if len(self.slots) != 1:
+            self.slots = [Indices.concat(self.slots)]
+        return self.slots[0]
+
+
+def _ignore(reply: Any) -> None:
+    return None
 
 
 class HiCache:
@@ -174,6 +150,7 @@ class HiCache:
         runtime: Runtime | None = None,
         actor_classes: Mapping[ActorName, type[HiActor]] | None = None,
         group: Group | None = None,
+        reply_timeout_s: float = DEFAULT_ASK_TIMEOUT_S,
     ) -> None:
         self.config = config or Config()
         self.group: Group = group or SingleGroup()
@@ -182,67 +159,128 @@ class HiCache:
                 f"the group is rank {self.group.rank} of {self.group.size} but the config says tp_rank="
                 f"{self.config.tp_rank}, tp_size={self.config.tp_size}; make them equal"
             )
+        if not reply_timeout_s > 0:
+            raise ValueError(f"reply_timeout_s must be > 0, got {reply_timeout_s}")
+        self.reply_timeout_s = reply_timeout_s
         self.system = System(self.config, runtime=runtime, actor_classes=actor_classes)
+        self._ops = self.system.services.ids
+        self._interrupts = Interrupts(on_enter=self._collect)
+        self._caller = 0
+        self._reset()
+
+    def _reset(self) -> None:
         self._live: dict[str, _Live] = {}
         self._prefetching: dict[str, int] = {}
         """Queued requests with a storage prefetch in flight, and the host tokens reserved for it."""
+        self._stored: dict[str, int] = {}
+        """Tokens a settled prefetch brought from storage, until the request is admitted."""
         self._ended: OrderedDict[str, str] = OrderedDict()
-        self._ops = self.system.services.ids
+        self._pending: dict[int, Pending] = {}
+        """Calls whose reply has not been applied (abandoned ones until their late reply comes)."""
 
     # -- lifecycle ---------------------------------------------------------------
 
     def start(self) -> HiCache:
+        """Start the actors (again after `close`: a fresh, empty L1 and L2; L3 persists)."""
+        if self.system.started:
+            raise CacheStateError("the cache is already started")
+        self._reset()
         self.system.start()
+        self._caller = threading.get_ident()
         return self
 
-    def close(self) -> None:
+    def close(self, *, drain: bool = True, timeout_s: float = CLOSE_DRAIN_TIMEOUT_S) -> Closed:
+        """Stop the actors. First, unless `drain=False`, wait up to `timeout_s` for writes to
+        host memory and backups to storage in flight; what did not land is reported (and logged)."""
+        if not self.system.started:
+            return Closed(drained=True, writes_dropped=0, backups_dropped=0)
+        self._check_caller()
+        drained = True
+        if drain:
+            try:
+                with self._interrupts:
+                    self.system.quiesce(timeout_s)
+            except (TimeoutError, RuntimeError):
+                drained = False
+        try:
+            stats = self.system.ask(ActorName.TREE, GetStatistics(), timeout_s=5.0)
+            writes, backups = stats.writes_in_flight, stats.backups_in_flight
+        except Exception:  # noqa: BLE001 - a failed actor: report what cannot be known as dropped
+            writes = backups = -1
+            drained = False
         self.system.stop()
+        if writes or backups:
+            drained = False
+            log.warning("closed with work in flight", writes_dropped=writes, backups_dropped=backups)
+        return Closed(drained=drained and not (writes or backups), writes_dropped=writes, backups_dropped=backups)
 
     def __enter__(self) -> HiCache:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        self.close(drain=exc[0] is None)
 
     @property
     def device_kv(self) -> Any:
         """The device KV buffer (`KVBuffer`; `.tensor` is `[2, layers, slots, heads, head_dim]`)."""
-        return self.system.device_kv
+        return self._started().device_kv
 
     @property
     def host_kv(self) -> Any:
-        return self.system.host_kv
+        return self._started().host_kv
 
     # -- admission and loads -------------------------------------------------------
 
     def admit(self, requests: Iterable[Request]) -> list[AdmitResult]:
         """Match each request's prompt, lock its cached prefix, start load-back of host hits."""
-        reqs = list(requests)
-        seen: set[str] = set()
-        for r in reqs:
-            if r.request_id in self._live or r.request_id in seen:
-                raise RequestError(f"request {r.request_id!r} is already admitted; finish, abort or retract it first")
-            if r.request_id in self._prefetching:
-                raise RequestError(f"request {r.request_id!r} has a storage prefetch in flight; admit it once "
-                                   "ready() reports it, or abort it by id")
-            if r.request_id in self._ended:  # its ledger is closed for good (seed 001); only retract keeps an id
-                raise RequestError(f"request {r.request_id!r} already {self._ended[r.request_id]}; "
-                                   "a finished or aborted request id is never admitted again")
-            seen.add(r.request_id)
-        items = tuple(
-            AdmitItem(request_id=r.request_id, namespace=r.namespace, tokens=Tokens.from_tensor(_tokens(r.tokens)))
-            for r in reqs
+        with self._call() as call:
+            items = self._admit_items(requests)
+            message = AdmitRequests(op_id=self._op(), items=tuple(items))
+            reply = self._ask(ActorName.TREE, message, Admitted, late=lambda r: self._undo_admit(items, r))
+            out = [self._admitted(item, adm) for item, adm in zip(items, reply.admissions, strict=True)]
+            call.on_interrupt(lambda: self._undo_admit(items, reply))
+            return out
+
+    def _admitted(self, item: AdmitItem, adm: Any) -> AdmitResult:
+        rid = item.request_id
+        cached = adm.device_hit + adm.host_hit
+        storage = min(self._stored.pop(rid, 0), adm.host_hit)
+        handle = CacheHandle(rid, adm.handle)
+        self._live[rid] = _Live(handle, item.namespace, [item.tokens.to_bytes()[: 8 * cached]], cached,
+                                [adm.device], cached)
+        return AdmitResult(rid, handle, adm.device.as_tensor().clone(), adm.device_hit, adm.host_hit,
+                           adm.host_miss, storage)
+
+    def _undo_admit(self, items: Sequence[AdmitItem], reply: Admitted) -> None:
+        """An admission whose caller never saw it: release its locks (retracted: the ids stay usable)."""
+        for adm in reply.admissions:
+            self._live.pop(adm.request_id, None)
+        ends = tuple(
+            FinishItem(request_id=it.request_id, handle=adm.handle, reason=ReleaseReason.RETRACTED,
+                       tokens=it.tokens[: adm.device_hit + adm.host_hit], device=adm.device)
+            for it, adm in zip(items, reply.admissions, strict=True)
         )
-        reply = self._call(ActorName.TREE, AdmitRequests, Admitted, items=items)
-        out = []
-        for r, adm in zip(reqs, reply.admissions, strict=True):
-            handle = CacheHandle(r.request_id, adm.handle)
-            slots = adm.device.as_tensor().clone()
-            cached = adm.device_hit + adm.host_hit
-            prompt = _tokens(r.tokens)
-            self._live[r.request_id] = _Live(handle, r.namespace, [prompt[:cached].clone()], slots, cached)
-            out.append(AdmitResult(r.request_id, handle, slots, adm.device_hit, adm.host_hit, adm.host_miss))
-        return out
+        self._ask(ActorName.TREE, FinishRequests(op_id=self._op(), items=ends), Finished)
+
+    def _admit_items(self, requests: Iterable[Request]) -> list[AdmitItem]:
+        items = []
+        seen: set[str] = set()
+        for r in self._sequence(requests, "requests"):
+            if not isinstance(r, Request):
+                raise RequestError(f"expected a Request, got {r!r}")
+            rid = check.request_id(r.request_id)
+            if rid in self._live or rid in seen:
+                raise RequestError(f"request {rid!r} is already admitted; finish, abort or retract it first")
+            if rid in self._prefetching:
+                raise RequestError(f"request {rid!r} has a storage prefetch in flight; admit it once "
+                                   "ready() reports it, or abort it by id")
+            if rid in self._ended:  # its ledger is closed for good; only retract keeps an id
+                raise RequestError(f"request {rid!r} already {self._ended[rid]}; "
+                                   "a finished or aborted request id is never admitted again")
+            seen.add(rid)
+            data = check.token_bytes(r.tokens, f"tokens of request {rid!r}")
+            items.append(AdmitItem(request_id=rid, namespace=check.namespace(r.namespace), tokens=Tokens(data)))
+        return items
 
     # -- storage prefetch (L3 -> host) ----------------------------------------------------
 
@@ -250,37 +288,40 @@ class HiCache:
         """Start storage prefetches for queued requests whose part missing from L1/L2 reaches
         `prefetch_threshold_pages` (and the rate limit allows). Returns the host tokens reserved
         per request (0: no prefetch). Admit a prefetching request only after `ready` reports it."""
-        reqs = list(requests)
-        seen: set[str] = set()
-        for r in reqs:
-            if r.request_id in self._live or r.request_id in self._prefetching or r.request_id in seen:
-                raise RequestError(f"request {r.request_id!r} is already admitted or prefetching")
-            if r.request_id in self._ended:
-                raise RequestError(f"request {r.request_id!r} already {self._ended[r.request_id]}")
-            seen.add(r.request_id)
-        items = tuple(
-            AdmitItem(request_id=r.request_id, namespace=r.namespace, tokens=Tokens.from_tensor(_tokens(r.tokens)))
-            for r in reqs
-        )
-        reply = self._call(ActorName.TREE, PrefetchRequests, PrefetchesStarted, items=items)
-        out = {}
-        for r, n in zip(reqs, reply.tokens, strict=True):
-            out[r.request_id] = n
+        with self._call() as call:
+            items = self._admit_items(requests)
+            message = PrefetchRequests(op_id=self._op(), items=tuple(items))
+            reply = self._ask(ActorName.TREE, message, PrefetchesStarted, late=lambda r: self._undo_prefetch(items, r))
+            started = self._prefetched(items, reply)
+            call.on_interrupt(lambda: self._terminate(started, PrefetchEnd.RETRACTED) if started else None)
+            return {it.request_id: n for it, n in zip(items, reply.tokens, strict=True)}
+
+    def _prefetched(self, items: Sequence[AdmitItem], reply: PrefetchesStarted) -> list[str]:
+        started = [it.request_id for it, n in zip(items, reply.tokens, strict=True) if n]
+        for it, n in zip(items, reply.tokens, strict=True):
             if n:
-                self._prefetching[r.request_id] = n
-        return out
+                self._prefetching[it.request_id] = n
+        return started
+
+    def _undo_prefetch(self, items: Sequence[AdmitItem], reply: PrefetchesStarted) -> None:
+        """Prefetches whose caller never saw them: ended as retracted (the ids stay usable)."""
+        started = self._prefetched(items, reply)
+        if started:
+            self._terminate(started, PrefetchEnd.RETRACTED)
 
     def ready(self, request_ids: Iterable[str]) -> dict[str, int]:
         """Which of these queued requests may be admitted now: those without a prefetch, and
         those whose prefetch may terminate under `prefetch_policy` on every rank. Those
         prefetches are stopped and settled first: the agreed pages become host-only nodes.
         Returns, per ready request, the tokens it got from storage."""
-        ids = list(dict.fromkeys(request_ids))
-        local = self._call(ActorName.TREE, PrefetchStates, PrefetchReadiness, request_ids=tuple(ids)).ready
-        agreed = self.group.all_min([int(x) for x in local])
-        go = [rid for rid, ok in zip(ids, agreed, strict=True) if ok]
-        got = self._terminate([rid for rid in go if rid in self._prefetching], PrefetchEnd.BEST_EFFORT)
-        return {rid: got.get(rid, 0) for rid in go}
+        with self._call():
+            ids = list(dict.fromkeys(check.request_id(r) for r in self._sequence(request_ids, "request_ids")))
+            local = self._ask(ActorName.TREE, PrefetchStates(op_id=self._op(), request_ids=tuple(ids)),
+                              PrefetchReadiness).ready
+            agreed = self.group.all_min([int(x) for x in local])
+            go = [rid for rid, ok in zip(ids, agreed, strict=True) if ok]
+            got = self._terminate([rid for rid in go if rid in self._prefetching], PrefetchEnd.BEST_EFFORT)
+            return {rid: got.get(rid, 0) for rid in go}
 
     @property
     def prefetching(self) -> tuple[str, ...]:
@@ -289,21 +330,38 @@ class HiCache:
 
     def _terminate(self, ids: list[str], reason: PrefetchEnd) -> dict[str, int]:
         """Stop, agree on the complete pages, settle: the one path that ends a prefetch."""
-        stopped = self._call(ActorName.TREE, TerminatePrefetches, PrefetchesStopped,
-                             request_ids=tuple(ids), reason=reason).pages
-        pages = self.group.all_min(list(stopped))
-        settled = self._call(ActorName.TREE, SettlePrefetches, PrefetchesSettled,
-                             request_ids=tuple(ids), pages=tuple(pages)).tokens
-        for rid in ids:
+        stop = TerminatePrefetches(op_id=self._op(), request_ids=tuple(ids), reason=reason)
+        stopped = self._ask(ActorName.TREE, stop, PrefetchesStopped,
+                            late=lambda r: self._settle(ids, list(r.pages), reason)).pages
+        return self._settle(ids, self.group.all_min(list(stopped)), reason)
+
+    def _settle(self, ids: list[str], pages: list[int], reason: PrefetchEnd) -> dict[str, int]:
+        message = SettlePrefetches(op_id=self._op(), request_ids=tuple(ids), pages=tuple(pages))
+        settled = self._ask(ActorName.TREE, message, PrefetchesSettled,
+                            late=lambda r: self._settled(ids, r.tokens, reason)).tokens
+        return self._settled(ids, settled, reason)
+
+    def _settled(self, ids: list[str], tokens: Sequence[int], reason: PrefetchEnd) -> dict[str, int]:
+        for rid, n in zip(ids, tokens, strict=True):
             del self._prefetching[rid]
-        return dict(zip(ids, settled, strict=True))
+            if reason is PrefetchEnd.ABORTED:
+                self._end(rid, ReleaseReason.ABORTED)
+            elif reason is PrefetchEnd.BEST_EFFORT and n:
+                self._stored[rid] = n
+        return dict(zip(ids, tokens, strict=True))
+
+    # -- several ranks --------------------------------------------------------------------
 
     def sync(self) -> None:
         """Agree with the other ranks on rank-local outcomes and apply them (once per tick on
         every rank). With one rank the tree applies them as they arrive and this does nothing."""
         if self.group.size == 1:
             return
-        facts = self._call(ActorName.TREE, ReportFacts, LocalFacts)
+        with self._call():
+            self._sync()
+
+    def _sync(self) -> None:
+        facts = self._ask(ActorName.TREE, ReportFacts(op_id=self._op()), LocalFacts)
         counts = self.group.all_min(list(facts.known))
         mine: list[int] = []
         at = 0
@@ -311,148 +369,199 @@ class HiCache:
             mine.extend(facts.values[at : at + n])
             at += known
         values = self.group.all_min(mine)
-        self._call(ActorName.TREE, ApplyFacts, FactsApplied, counts=tuple(counts), values=tuple(values))
+        self._ask(ActorName.TREE, ApplyFacts(op_id=self._op(), counts=tuple(counts), values=tuple(values)),
+                  FactsApplied)
 
     def tree_digest(self) -> tuple[str, int]:
         """A digest of the tree's logical state and the host tokens it holds or reserved:
         equal on every rank of a group after each `sync`."""
-        reply = self._call(ActorName.TREE, DigestTree, TreeDigest)
-        return reply.digest, reply.host_used
+        with self._call():
+            reply = self._ask(ActorName.TREE, DigestTree(op_id=self._op()), TreeDigest)
+            return reply.digest, reply.host_used
 
     def start_loads(self) -> LayerWaiter:
         """Start every queued load-back as one batch; the forward pass waits per layer on the result."""
-        started = self.system.ask(ActorName.LOAD, StartLoads())
-        assert self.system.ring is not None
-        return self.system.ring.waiter(started.batch)
+        with self._call():
+            started = self.system.ask(ActorName.LOAD, StartLoads(), timeout_s=self.reply_timeout_s)
+            assert self.system.ring is not None
+            return self.system.ring.waiter(started.batch)
 
     # -- slots ------------------------------------------------------------------------
 
-    def allocate(self, demands: Mapping[str, int]) -> dict[str, torch.Tensor] | Insufficient:
+    def allocate(
+        self, demands: Mapping[str, int], *, commit: Mapping[str, Sequence[int] | torch.Tensor] | None = None
+    ) -> dict[str, torch.Tensor] | Insufficient:
         """Device slots for the next tokens of many requests, all or nothing. If the pool is
-        short, the tree evicts and the allocation is tried once more."""
-        for rid, n in demands.items():
-            self._req(rid)
-            if not isinstance(n, int) or n < 0:
-                raise RequestError(f"request {rid!r}: cannot allocate {n!r} slots")
-        reply = self._allocate(demands)
-        if isinstance(reply, SlotsInsufficient):
-            self._call(ActorName.TREE, EvictDevice, Evicted, tokens=reply.shortfall_slots)
-            reply = self._allocate(demands)
-        if isinstance(reply, SlotsInsufficient):
-            return Insufficient(reply.requested_slots, reply.free_slots, reply.shortfall_slots)
-        out = {}
-        for grant in reply.grants:
-            live = self._live[grant.request_id]
-            new = grant.indices.as_tensor()
-            live.slots = torch.cat([live.slots, new])
-            out[grant.request_id] = new.clone()
-        return out
+        short, the tree evicts (waiting for writes in flight that hold evictable memory) and
+        the allocation is tried once more.
 
-    def _allocate(self, demands: Mapping[str, int]) -> Any:
-        op = self._ops.next("facade-op")
-        items = tuple(SlotDemand(request_id=r, tokens=n) for r, n in demands.items())
-        return self.system.ask(ActorName.DEVICE, AllocateSlots(op_id=op, demands=items))
+        `commit` first records tokens whose KV was written (as `commit` does), in the same
+        round trip: a decode tick is `allocate({rid: 1, ...}, commit={rid: [last_token], ...})`.
+        The commit holds even when the allocation does not fit."""
+        with self._call():
+            want = check.demands(demands, "demands", check.COUNT_MAX)
+            for rid in want:
+                self._req(rid)
+            commits = self._commits(commit or {})
+            reply = self._allocate(want, commits)
+            if isinstance(reply, SlotsInsufficient) and want:
+                self._ask(ActorName.TREE, EvictDevice(op_id=self._op(), tokens=reply.shortfall_slots), Evicted)
+                reply = self._allocate(want, [])
+            if isinstance(reply, SlotsInsufficient):
+                return Insufficient(reply.requested_slots, reply.free_slots, reply.shortfall_slots)
+            return self._granted(reply, to_caller=True)
+
+    def _allocate(self, want: Mapping[str, int], commits: list[tuple[str, bytes]]) -> Any:
+        message = AllocateSlots(
+            op_id=self._op(),
+            demands=tuple(SlotDemand(request_id=r, tokens=n) for r, n in want.items()),
+            commits=tuple(SlotDemand(request_id=r, tokens=len(data) // 8) for r, data in commits),
+        )
+        for rid, data in commits:  # certain once sent: the facade checked it against the ledger
+            live = self._live[rid]
+            live.tokens.append(data)
+            live.committed += len(data) // 8
+        return self._ask(ActorName.DEVICE, message, (SlotsAllocated, SlotsInsufficient), late=self._granted)
+
+    def _granted(self, reply: Any, *, to_caller: bool = False) -> dict[str, torch.Tensor]:
+        out = {}
+        if not isinstance(reply, SlotsAllocated):
+            return out
+        for grant in reply.grants:
+            live = self._live.get(grant.request_id)
+            if live is None:  # a late grant for a request that ended meanwhile: its release freed it
+                continue
+            live.slots.append(grant.indices)
+            live.allocated += len(grant.indices)
+            if to_caller:
+                out[grant.request_id] = grant.indices.as_tensor().clone()
+        return out
 
     def commit(self, tokens: Mapping[str, Sequence[int] | torch.Tensor]) -> None:
         """Record that the KV of these new tokens (per request, in order) is written."""
-        batch = []
+        with self._call():
+            commits = self._commits(tokens)
+            if commits:  # nothing to record for an empty commit (a full hit may have no ledger yet)
+                self._allocate({}, commits)
+
+    def _commits(self, tokens: Mapping[str, Sequence[int] | torch.Tensor]) -> list[tuple[str, bytes]]:
+        if not isinstance(tokens, Mapping):
+            raise RequestError(f"commit must map request ids to tokens, got {type(tokens).__name__}")
+        out = []
         for rid, toks in tokens.items():
-            live = self._req(rid)
-            new = _tokens(toks).clone()
-            if live.committed + len(new) > len(live.slots):
+            live = self._req(check.request_id(rid, "a request id in commit"))
+            data = check.token_bytes(toks, f"tokens committed for request {rid!r}")
+            n = len(data) // 8
+            if live.committed + n > live.allocated:
                 raise RequestError(
-                    f"request {rid!r}: committing {len(new)} tokens makes {live.committed + len(new)} committed "
-                    f"but only {len(live.slots)} slots are allocated (allocate before writing KV)"
+                    f"request {rid!r}: committing {n} tokens makes {live.committed + n} committed "
+                    f"but only {live.allocated} slots are allocated (allocate before writing KV)"
                 )
-            batch.append((rid, live, new))
-        # Nothing to record for an empty commit (a request on a full cache hit may have no ledger yet).
-        demands = tuple(SlotDemand(request_id=rid, tokens=len(new)) for rid, _, new in batch if len(new))
-        if demands:
-            self.system.ask(ActorName.DEVICE, CommitSlots(op_id=self._ops.next("facade-op"), demands=demands))
-        for _, live, new in batch:
-            live.chunks.append(new)
-            live.committed += len(new)
+            if n:
+                out.append((rid, data))
+        return out
 
     def allocated(self, request_id: str) -> int:
         """Positions of a live request that have a slot (committed or not)."""
-        return len(self._req(request_id).slots)
+        with self._call():
+            return self._req(request_id).allocated
 
     def slots(self, request_id: str) -> torch.Tensor:
         """Device slot of every committed or allocated position of a live request."""
-        return self._req(request_id).slots.clone()
+        with self._call():
+            return self._req(request_id).slot_indices().as_tensor().clone()
 
     def committed_tokens(self, request_id: str) -> list[int]:
-        return self._req(request_id).tokens().tolist()
+        with self._call():
+            return Tokens(self._req(request_id).token_data()).tolist()
+
+    def handle(self, request_id: str) -> CacheHandle:
+        """The current handle of a live request (after a `cache_unfinished` cut short, say)."""
+        with self._call():
+            return self._req(request_id).handle
 
     # -- leaving ------------------------------------------------------------------------
 
     def finish(self, handles: Iterable[CacheHandle]) -> list[LedgerEntry]:
-        return self._end(handles, ReleaseReason.FINISHED)
+        return self._leave(handles, ReleaseReason.FINISHED)
 
     def abort(self, requests: Iterable[CacheHandle | str]) -> list[LedgerEntry]:
         """End admitted requests (by handle) and queued ones with a prefetch in flight (by id).
         A prefetch is released through the same path as `ready` (stopped, agreed, settled),
         even mid-I/O. Returns the ledgers of the admitted ones."""
-        return self._end(requests, ReleaseReason.ABORTED)
+        return self._leave(requests, ReleaseReason.ABORTED)
 
     def retract(self, requests: Iterable[CacheHandle | str]) -> list[LedgerEntry]:
         """Give a request's memory back (a queued one's prefetch too); it may come back under the same id."""
-        return self._end(requests, ReleaseReason.RETRACTED)
+        return self._leave(requests, ReleaseReason.RETRACTED)
 
-    def _end(self, requests: Iterable[CacheHandle | str], reason: ReleaseReason) -> list[LedgerEntry]:
-        items = list(requests)
-        # Only abort and retract take ids (of prefetching requests); finish needs handles.
-        queued = [r for r in items if isinstance(r, str)] if reason is not ReleaseReason.FINISHED else []
-        for rid in queued:
-            if rid not in self._prefetching:
-                raise RequestError(f"request {rid!r} has no prefetch in flight; pass the CacheHandle of an "
-                                   "admitted request instead of its id")
-        if len(set(queued)) != len(queued):
-            raise RequestError(f"a request appears twice in one call: {queued}")
-        hs = self._check_handles([r for r in items if r not in queued])
-        if queued:
-            ended = PrefetchEnd.RETRACTED if reason is ReleaseReason.RETRACTED else PrefetchEnd.ABORTED
-            self._terminate(queued, ended)
-            if reason is not ReleaseReason.RETRACTED:
-                for rid in queued:
-                    self._ended[rid] = reason.value
-        if not hs:
-            return []
-        items = tuple(
-            FinishItem(request_id=h.request_id, handle=h._token, reason=reason,
-                       tokens=Tokens.from_tensor(self._live[h.request_id].tokens()),
-                       device=Indices.from_tensor(self._committed_slots(h.request_id)))
-            for h in hs
-        )
-        reply = self._call(ActorName.TREE, FinishRequests, Finished, items=items)
-        for h in hs:
-            del self._live[h.request_id]
-            if reason is not ReleaseReason.RETRACTED:
-                self._ended[h.request_id] = reason.value
-                while len(self._ended) > FINISHED_REMEMBERED_MAX:
-                    self._ended.popitem(last=False)
-        return list(reply.entries)
+    def _leave(self, requests: Iterable[CacheHandle | str], reason: ReleaseReason) -> list[LedgerEntry]:
+        with self._call():
+            items = list(self._sequence(requests, "requests"))
+            # Only abort and retract take ids (of prefetching requests); finish needs handles.
+            queued = [r for r in items if isinstance(r, str)] if reason is not ReleaseReason.FINISHED else []
+            for rid in queued:
+                if rid not in self._prefetching:
+                    raise RequestError(f"request {rid!r} has no prefetch in flight; pass the CacheHandle of an "
+                                       "admitted request instead of its id")
+            if len(set(queued)) != len(queued):
+                raise RequestError(f"a request appears twice in one call: {queued}")
+            hs = self._check_handles([r for r in items if not isinstance(r, str) or reason is ReleaseReason.FINISHED])
+            if queued:
+                self._terminate(queued, PrefetchEnd.RETRACTED if reason is ReleaseReason.RETRACTED
+                                else PrefetchEnd.ABORTED)
+            if not hs:
+                return []
+            ends = tuple(self._finish_item(h, reason) for h in hs)
+            for h in hs:  # certain once sent: the tree takes each handle exactly once
+                del self._live[h.request_id]
+                if reason is not ReleaseReason.RETRACTED:
+                    self._end(h.request_id, reason)
+            return list(self._ask(ActorName.TREE, FinishRequests(op_id=self._op(), items=ends), Finished).entries)
+
+    def _finish_item(self, h: CacheHandle, reason: ReleaseReason) -> FinishItem:
+        live = self._live[h.request_id]
+        return FinishItem(request_id=h.request_id, handle=h._token, reason=reason,
+                          tokens=Tokens(live.token_data()), device=live.slot_indices()[: live.committed])
+
+    def _end(self, rid: str, reason: ReleaseReason) -> None:
+        self._ended[rid] = reason.value
+        while len(self._ended) > FINISHED_REMEMBERED_MAX:
+            self._ended.popitem(last=False)
 
     def cache_unfinished(self, handles: Iterable[CacheHandle]) -> list[CacheHandle]:
         """After a prefill chunk: cache each request's committed prefix, switch it to the
         tree's slots and move its lock. Returns the new handles (the old ones expire)."""
-        hs = self._check_handles(handles)
-        items = tuple(
-            CacheItem(request_id=h.request_id, handle=h._token, tokens=Tokens.from_tensor(self._live[h.request_id].tokens()),
-                      device=Indices.from_tensor(self._committed_slots(h.request_id)))
-            for h in hs
-        )
-        reply = self._call(ActorName.TREE, CacheUnfinished, Cached, items=items)
-        if reply.refused:
-            raise RequestError(
-                f"request(s) {list(reply.refused)}: the cached prefix was lost to a failed load-back, so "
-                "nothing was cached; abort or retract them (the whole batch was refused)"
+        with self._call():
+            hs = self._check_handles(handles)
+            items = tuple(
+                CacheItem(request_id=h.request_id, handle=h._token, tokens=Tokens(self._live[h.request_id].token_data()),
+                          device=self._live[h.request_id].slot_indices()[: self._live[h.request_id].committed])
+                for h in hs
             )
+            for h in hs:
+                self._live[h.request_id].caching = True
+            reply = self._ask(ActorName.TREE, CacheUnfinished(op_id=self._op(), items=items), Cached,
+                              late=lambda r: self._cached(hs, r))
+            if reply.refused:
+                self._cached(hs, reply)
+                raise RequestError(
+                    f"request(s) {list(reply.refused)}: the cached prefix was lost to a failed load-back, so "
+                    "nothing was cached; abort or retract them (the whole batch was refused)"
+                )
+            return self._cached(hs, reply)  # if cut short, the new handles are there through handle()
+
+    def _cached(self, hs: list[CacheHandle], reply: Cached) -> list[CacheHandle]:
         out = []
+        for h in hs:
+            if (live := self._live.get(h.request_id)) is not None:
+                live.caching = False
+        if reply.refused:
+            return out
         for h, prefix in zip(hs, reply.prefixes, strict=True):
             live = self._live[h.request_id]
-            tree_slots = prefix.device.as_tensor()
-            live.slots = torch.cat([tree_slots, live.slots[len(tree_slots):]])
+            rest = live.slot_indices()[len(prefix.device):]
+            live.slots = [Indices.concat((prefix.device, rest))]
             live.handle = CacheHandle(h.request_id, prefix.handle)
             out.append(live.handle)
         return out
@@ -462,35 +571,52 @@ class HiCache:
     def quiesce(self, timeout_s: float = 60.0) -> None:
         """Wait until every write-through, load-back and backup to storage in flight has been
         acknowledged and applied. With several ranks, call it on every rank: it agrees too."""
-        while True:
-            self.system.quiesce(timeout_s)
-            if self.group.size == 1:
-                return
-            self.sync()
-            # Applying outcomes may issue more (a landed write starts its backup): agree until none
-            # is pending. The count is agreed state, so every rank leaves after as many syncs.
-            if not self.system.ask(ActorName.TREE, GetStatistics()).facts_pending:
-                return
+        with self._call():
+            while True:
+                self.system.quiesce(timeout_s)
+                if self.group.size == 1:
+                    return
+                self._sync()
+                # Applying outcomes may issue more (a landed write starts its backup): agree until none
+                # is pending. The count is agreed state, so every rank leaves after as many syncs.
+                if not self.system.ask(ActorName.TREE, GetStatistics()).facts_pending:
+                    return
 
     def evict_device(self, tokens: int) -> int:
         """Free at least `tokens` device slots held by the cache if it can; returns how many."""
-        return self._call(ActorName.TREE, EvictDevice, Evicted, tokens=tokens).device_tokens
+        with self._call():
+            n = check.count("tokens", tokens, check.COUNT_MAX)
+            message = EvictDevice(op_id=self._op(), tokens=min(n, self.config.device_slots))
+            return self._ask(ActorName.TREE, message, Evicted).device_tokens
 
     def evict_host(self, tokens: int) -> int:
-        return self._call(ActorName.TREE, EvictHost, Evicted, tokens=tokens).host_tokens
+        with self._call():
+            n = check.count("tokens", tokens, check.COUNT_MAX)
+            message = EvictHost(op_id=self._op(), tokens=min(n, self.config.host_slots))
+            return self._ask(ActorName.TREE, message, Evicted).host_tokens
 
     def statistics(self) -> HiCacheStatistics:
-        s = self.system.statistics()
+        """The actors' statistics (any thread may call this)."""
+        s = self._started().statistics()
         return HiCacheStatistics(tree=s[ActorName.TREE], device=s[ActorName.DEVICE], host=s[ActorName.HOST],
                                  write=s[ActorName.WRITE], load=s[ActorName.LOAD], prefetch=s[ActorName.PREFETCH])
 
     def check_invariants(self) -> None:
-        """Every actor checks its core; the facade checks its own view against the ledger."""
-        self.system.check_invariants()
-        for rid, live in self._live.items():
-            if live.committed != len(live.tokens()) or live.committed > len(live.slots):
-                raise AssertionError(f"facade: request {rid!r} has {live.committed} committed, "
-                                     f"{len(live.tokens())} tokens, {len(live.slots)} slots")
+        """Every actor checks its core; the facade checks its own view against the tree's."""
+        with self._call():
+            self.system.check_invariants()
+            for rid, live in self._live.items():
+                if live.committed != len(live.token_data()) // 8 or live.committed > live.allocated \
+                        or live.allocated != len(live.slot_indices()):
+                    raise AssertionError(f"facade: request {rid!r} has {live.committed} committed, "
+                                         f"{len(live.token_data()) // 8} tokens, {live.allocated} allocated, "
+                                         f"{len(live.slot_indices())} slots")
+            held = self.system.ask(ActorName.TREE, GetStatistics()).live_handles
+            if held != len(self._live) and not self._pending:
+                raise AssertionError(
+                    f"facade: the tree holds {held} request handles but {len(self._live)} requests are live "
+                    "(a handle no live request owns is a leaked lock)"
+                )
 
     @property
     def live_requests(self) -> tuple[str, ...]:
@@ -498,47 +624,104 @@ class HiCache:
 
     # -- helpers -------------------------------------------------------------------------------
 
-    def _call(self, to: ActorName, verb: type[Message], reply: type[Message], **fields: Any) -> Any:
-        """Tell and wait for the reply. No reply waits for an agreement: with several ranks the
-        tree answers an eviction (or an admission that evicted) without waiting for its
-        write-backs, whose slots go when their agreed acks apply. A `sync` run while a reply is
-        still on its way would read that reply as stray mail."""
-        op = self._ops.next("facade-op")
-        self.system.tell(to, verb(op_id=op, **fields))
-        return self.system.await_reply(op, reply)
+    def _call(self) -> Interrupts:
+        """A facade call: its caller's thread is checked; entering it applies late replies first."""
+        self._check_caller()
+        self._started()
+        return self._interrupts
+
+    def _check_caller(self) -> None:
+        me = threading.get_ident()
+        if me != self._caller and self._caller:
+            raise CacheStateError(
+                f"HiCache is called by one thread, the one that started it (thread {self._caller}); "
+                f"this call came from thread {me} (only statistics() may be called from any thread)"
+            )
+
+    def _started(self) -> System:
+        if not self.system.started:
+            raise CacheStateError("the cache is not running: call start() (or use `with HiCache(config)`) first")
+        return self.system
+
+    def _op(self) -> int:
+        return self._ops.next("facade-op")
+
+    def _ask(self, to: ActorName, message: Message, replies: type | tuple[type, ...],
+             late: Callable[[Any], None] = _ignore) -> Any:
+        """Tell `to` a verb and wait for its reply (by op id). If the wait is cut short, the op
+        stays in the journal and `late` is applied to its reply when it comes."""
+        op = message.op_id  # type: ignore[attr-defined]
+        entry = Pending(replies if isinstance(replies, tuple) else (replies,), late)
+        self._pending[op] = entry
+        self.system.tell(to, message)
+        try:
+            return self._wait(op, entry)
+        except BaseException:
+            entry.abandoned = True
+            raise
+
+    def _wait(self, op: int, entry: Pending) -> Any:
+        waited, poll = 0.0, self.system.runtime.poll_s
+        while True:
+            reply = self.system.next_reply(poll)
+            if reply is None:
+                self._interrupts.deliver()
+                waited += poll or 0.0
+                if waited >= self.reply_timeout_s:
+                    raise TimeoutError(f"no reply to op {op} within {self.reply_timeout_s}s; its effects are "
+                                       "undone or adopted when it comes, at the next call")
+                continue
+            if getattr(reply, "op_id", None) == op:
+                del self._pending[op]
+                if not isinstance(reply, entry.replies):
+                    raise RuntimeError(f"op {op} got {reply!r}, not a {' or '.join(t.__name__ for t in entry.replies)}")
+                return reply
+            self._late(reply)
+
+    def _collect(self) -> None:
+        """Apply every late reply that has arrived."""
+        while (reply := self.system.next_reply(0.0, block=False)) is not None:
+            self._late(reply)
+
+    def _late(self, reply: Message) -> None:
+        op = getattr(reply, "op_id", None)
+        entry = self._pending.get(op) if op is not None else None
+        if entry is None or not entry.abandoned:
+            raise RuntimeError(f"the facade got {reply!r}, which answers no call it made (a bug)")
+        del self._pending[op]
+        entry.late(reply)
+
+    @staticmethod
+    def _sequence(values: Any, what: str) -> Iterable[Any]:
+        if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+            raise RequestError(f"{what} must be a list, got {type(values).__name__}")
+        return values
 
     def _req(self, rid: str) -> _Live:
-        live = self._live.get(rid)
+        live = self._live.get(rid) if type(rid) is str else None
         if live is not None:
             return live
+        check.request_id(rid)
         if rid in self._ended:
             raise RequestError(f"request {rid!r} already {self._ended[rid]}; it has no slots any more")
-        raise RequestError(f"request {rid!r} is unknown: admit it first")
+        raise RequestError(f"request {rid!r} is not admitted (never, or it was retracted): admit it first")
 
     def _check_handles(self, handles: Iterable[CacheHandle]) -> list[CacheHandle]:
-        hs = list(handles)
+        hs = list(self._sequence(handles, "handles"))
         seen: set[str] = set()
         for h in hs:
             if not isinstance(h, CacheHandle):
                 raise RequestError(f"expected a CacheHandle from admit() or cache_unfinished(), got {h!r}")
             live = self._req(h.request_id)
+            if live.caching:
+                raise RequestError(f"request {h.request_id!r}: its cache_unfinished() is still in flight; get its "
+                                   "new handle with handle() once it returned")
             if live.handle != h:
                 raise ExpiredHandleError(
-                    f"handle of request {h.request_id!r} has expired: cache_unfinished() replaced it; "
-                    "use the handle it returned"
+                    f"handle {h._token} of request {h.request_id!r} is not its current one (replaced by "
+                    "cache_unfinished(), or forged): use the one cache_unfinished() returned, or handle(request_id)"
                 )
             if h.request_id in seen:
                 raise RequestError(f"request {h.request_id!r} appears twice in one call")
             seen.add(h.request_id)
         return hs
-
-    def _committed_slots(self, rid: str) -> torch.Tensor:
-        live = self._live[rid]
-        return live.slots[: live.committed]
-
-
-def _tokens(tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
-    t = tokens if isinstance(tokens, torch.Tensor) else torch.tensor(list(tokens), dtype=torch.int64)
-    if t.dim() != 1:
-        raise RequestError(f"tokens must be one sequence, got shape {tuple(t.shape)}")
-    return t.to(torch.int64)

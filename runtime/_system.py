@@ -230,14 +230,32 @@ class System:
 
     # -- lifecycle ------------------------------------------------------------
 
-    def start(self) -> System:
-        from .testing import Probe
+    @property
+    def started(self) -> bool:
+        return self._started
 
+    def start(self) -> System:
+        """Start the actors over fresh cores and buffers (again after `stop`: an empty cache).
+        If an actor fails to start, the ones already running are stopped: no thread is left."""
         if self._started:
             raise RuntimeError("system already started")
-        cfg, svc, d = self.config, self.services, self.directory
-        if self._log_path:
+        cfg, svc = self.config, self.services
+        self.directory = Directory()
+        self.probes = {}
+        try:
+            self._start_actors(cfg, svc)
+        except BaseException:
+            self._stop_actors()
+            raise
+        if self._log_path:  # only once every actor runs: a failed start leaves an old log as it was
             self._open_log(self._log_path)
+        self._started = True
+        return self
+
+    def _start_actors(self, cfg: Config, svc: Services) -> None:
+        from .testing import Probe
+
+        d = self.directory
         self.ring = svc.new_layer_ring(cfg.load_ring_size, cfg.layers)
         specs, self.device_kv, self.host_kv = actor_specs(cfg, self.ring)
         common = {"services": svc, "directory": d}
@@ -253,8 +271,6 @@ class System:
             inbox = Probe(ActorName.FACADE, self.runtime.new_mailbox("the facade's inbox"))
             d.register(ActorName.FACADE, _CallerRef(inbox, svc))  # type: ignore[arg-type]
             self.probes[ActorName.FACADE] = inbox
-        self._started = True
-        return self
 
     def _open_log(self, path: str | Path) -> None:
         from ._log import DeliveryLog, _LoggedFaults, _versions
@@ -279,18 +295,24 @@ class System:
     def stop(self) -> None:
         if not self._started:
             return
-        self.services.stopping = True
-        for name in self.directory.names():
-            ref = self.directory.ref(name)
-            if ref.is_alive():
-                ref.stop(block=True, timeout=DEFAULT_ASK_TIMEOUT_S)
-        self.runtime.shutdown()
-        self.services.stopping = False
+        self._stop_actors()
         if self.services.log is not None:
             self.services.log.close()
             self.services.log = None
             self.services.faults = self._unlogged_faults
         self._started = False
+
+    def _stop_actors(self) -> None:
+        self.services.stopping = True
+        try:
+            for name in self.directory.names():
+                ref = self.directory.ref(name)
+                if ref.is_alive():
+                    ref.stop(block=True, timeout=DEFAULT_ASK_TIMEOUT_S)
+            self.runtime.shutdown()
+        finally:
+            self.services.stopping = False
+            self.directory = Directory()
 
     def __enter__(self) -> System:
         return self.start()
@@ -302,7 +324,7 @@ class System:
 
     def tell(self, to: ActorName, message: Message, *, sender: ActorName = ActorName.FACADE) -> None:
         self.raise_if_failed()
-        self.directory.ref(to).tell(Mail(sender, message))
+        self._ref(to).tell(Mail(sender, message))
 
     def ask(
         self,
@@ -314,7 +336,7 @@ class System:
     ) -> Any:
         """Send `message` and wait for the reply. Errors the handler raised are raised here."""
         self.raise_if_failed()
-        future = self.directory.ref(to).ask(Mail(sender, message, ask=True), block=False)
+        future = self._ref(to).ask(Mail(sender, message, ask=True), block=False)
         try:
             return future.get(timeout=timeout_s)
         except pykka.Timeout:
@@ -322,26 +344,18 @@ class System:
                 f"no reply from the {to.value} actor to {type(message).__name__} within {timeout_s}s"
             ) from None
 
-    def await_reply(self, op_id: int, *types: type[Message], timeout_s: float = DEFAULT_ASK_TIMEOUT_S) -> Any:
-        """The reply with `op_id` to something the caller told an actor, from the facade's inbox.
-
-        Any other mail there is a bug (the facade waits for one reply at a time)."""
+    def next_reply(self, timeout_s: float | None, *, block: bool = True) -> Message | None:
+        """The next message told to the caller (the facade), waiting up to `timeout_s`
+        (`block=False`: only one already there); None if none came. Raises if an actor failed."""
+        self.raise_if_failed()
         inbox = self.probes[ActorName.FACADE]
-        waited = 0.0
-        poll = self.runtime.poll_s
-        while True:
+        if not block and not inbox.pending():
+            return None
+        try:
+            return inbox.receive(timeout_s=timeout_s)[1]
+        except TimeoutError:
             self.raise_if_failed()
-            try:
-                sender, message = inbox.receive(timeout_s=poll)
-            except TimeoutError:
-                waited += poll or 0.0
-                if waited >= timeout_s:
-                    raise TimeoutError(f"no reply to op {op_id} within {timeout_s}s") from None
-                continue
-            if not isinstance(message, types) or getattr(message, "op_id", None) != op_id:
-                wanted = " or ".join(t.__name__ for t in types)
-                raise RuntimeError(f"waiting for {wanted} of op {op_id}, the facade got {message!r} from {sender.value}")
-            return message
+            return None
 
     def quiesce(self, timeout_s: float = DEFAULT_ASK_TIMEOUT_S) -> None:
         """Return once the tree has no write-through, load-back or backup to storage in flight (every
@@ -365,6 +379,11 @@ class System:
                 raise TimeoutError(f"still in flight after {timeout_s}s: {stats}")
             if run_until_idle is None:
                 time.sleep(0.0005)
+
+    def _ref(self, to: ActorName) -> pykka.ActorRef[Any]:
+        if not self._started:
+            raise RuntimeError(f"the system is not running (start it first): cannot reach the {to.value} actor")
+        return self.directory.ref(to)
 
     def raise_if_failed(self) -> None:
         self.services.failures.raise_first()

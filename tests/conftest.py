@@ -253,7 +253,8 @@ class TreeSide:
         op = self.next_op()
         reply = self.ask(
             ActorName.DEVICE,
-            AllocateSlots(op_id=op, demands=tuple(SlotDemand(request_id=r, tokens=n) for r, n in demands.items())),
+            AllocateSlots(op_id=op, demands=tuple(SlotDemand(request_id=r, tokens=n) for r, n in demands.items()),
+                          commits=()),
         )
         assert reply.op_id == op
         if isinstance(reply, SlotsInsufficient):

@@ -246,8 +246,9 @@ def test_nested_records_and_empty_values_round_trip() -> None:
     from hicache.messages import AllocateSlots, LoadsStarted, StartLoads
 
     for msg in (
-        AllocateSlots(op_id=7, demands=(SlotDemand(request_id="a", tokens=3), SlotDemand(request_id="", tokens=0))),
-        AllocateSlots(op_id=0, demands=()),
+        AllocateSlots(op_id=7, demands=(SlotDemand(request_id="a", tokens=3), SlotDemand(request_id="", tokens=0)),
+                      commits=(SlotDemand(request_id="b", tokens=1),)),
+        AllocateSlots(op_id=0, demands=(), commits=()),
         LoadsStarted(batch=0, ops=()),
         StartLoads(),
         SetHostState(indices=Indices(), state=HostSlotState.RESERVED),

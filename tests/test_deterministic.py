@@ -53,7 +53,7 @@ WORKLOAD = textwrap.dedent(
                      transfer_pages_max=1)
         T = ActorName.TREE
         with System(cfg, runtime=rt, stand_ins=(T,)) as s:
-            got = s.ask(ActorName.DEVICE, AllocateSlots(op_id=1, demands=(SlotDemand(request_id="a", tokens=12),)))
+            got = s.ask(ActorName.DEVICE, AllocateSlots(op_id=1, demands=(SlotDemand(request_id="a", tokens=12),), commits=()))
             dev = got.grants[0].indices
             host = s.ask(ActorName.HOST, AllocateHost(op_id=2, tokens=12), sender=T).indices
             s.tell(ActorName.HOST, SetHostState(indices=host, state=HostSlotState.WRITING), sender=T)
@@ -341,7 +341,7 @@ def test_replaying_a_recorded_schedule_reproduces_the_log() -> None:
         with System(cfg, runtime=rt, stand_ins=(ActorName.TREE,)) as s:
             from hicache.messages import AllocateSlots, SlotDemand, WriteKV
 
-            got = s.ask(ActorName.DEVICE, AllocateSlots(op_id=1, demands=(SlotDemand(request_id="r", tokens=4),)))
+            got = s.ask(ActorName.DEVICE, AllocateSlots(op_id=1, demands=(SlotDemand(request_id="r", tokens=4),), commits=()))
             for i in range(4):
                 s.tell(ActorName.WRITE, WriteKV(op_id=i, device=got.grants[0].indices[i:i + 1],
                                                 host=Indices.of([i])), sender=ActorName.TREE)

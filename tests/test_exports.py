@@ -42,6 +42,13 @@ INTERNAL = {
     "hicache.runtime._services.Failures": "the runtime's record of failed actors; System raises from it",
     "hicache.runtime._system.Runtime": "protocol System needs from a runtime; both runtimes are exported",
     "hicache.runtime._system.actor_specs": "the wiring of cores and actors shared by System.start and log replay",
+    "hicache.runtime._calls.Interrupts": "the facade's deferral of SIGINT to the points where a call may give up",
+    "hicache.runtime._calls.Pending": "the facade's journal entry of a call in flight",
+    "hicache.runtime._facade_types.count": "the facade's check of a count argument",
+    "hicache.runtime._facade_types.demands": "the facade's check of a {request: count} argument",
+    "hicache.runtime._facade_types.namespace": "the facade's check of a namespace argument",
+    "hicache.runtime._facade_types.request_id": "the facade's check of a request id argument",
+    "hicache.runtime._facade_types.token_bytes": "the facade's check and conversion of token ids",
 }
 """Public-looking names of private modules that are deliberately not exported.
 Each entry needs a reason; a stale entry (the name is gone, or now exported) fails."""

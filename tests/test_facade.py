@@ -280,9 +280,9 @@ def test_cache_unfinished_switches_to_the_trees_slots_frees_duplicates_and_expir
     assert stats.device.request_slots == requests_before - 8  # a's page adopted, b's duplicate freed
     assert stats.device.tree_slots == 4
     for old in (a.handle, b.handle):
-        with pytest.raises(ExpiredHandleError, match=f"handle of request '{old.request_id}' has expired"):
+        with pytest.raises(ExpiredHandleError, match=f"of request '{old.request_id}' is not its current one"):
             hc.finish([old])
-    with pytest.raises(ExpiredHandleError, match="has expired"):
+    with pytest.raises(ExpiredHandleError, match="is not its current one"):
         hc.cache_unfinished([a.handle])
 
     s.compute("a", prompt)
@@ -418,11 +418,11 @@ def test_finishing_twice_is_an_error_and_the_cache_keeps_working(open_cache: Cal
 def test_an_unknown_request_is_an_error_and_the_cache_keeps_working(open_cache: Callable[..., Scheduler]) -> None:
     s = open_cache()
     hc = s.hc
-    with pytest.raises(RequestError, match="request 'ghost' is unknown: admit it first"):
+    with pytest.raises(RequestError, match="request 'ghost' is not admitted"):
         hc.allocate({"ghost": 4})
-    with pytest.raises(RequestError, match="request 'ghost' is unknown"):
+    with pytest.raises(RequestError, match="request 'ghost' is not admitted"):
         hc.commit({"ghost": [1, 2]})
-    with pytest.raises(RequestError, match="request 'ghost' is unknown"):
+    with pytest.raises(RequestError, match="request 'ghost' is not admitted"):
         hc.finish([CacheHandle("ghost", 1)])
     with pytest.raises(RequestError, match="expected a CacheHandle from admit"):
         hc.finish(["ghost"])  # type: ignore[list-item]
@@ -440,7 +440,7 @@ def test_committing_more_than_was_allocated_is_an_error_and_nothing_is_committed
     with pytest.raises(RequestError, match=r"request 'a': committing 5 tokens makes 5 committed but only 4 slots"):
         hc.commit({"a": seq(5, 1)})
     assert hc.committed_tokens("a") == []
-    with pytest.raises(RequestError, match="cannot allocate -1 slots"):
+    with pytest.raises(RequestError, match=r"demands\['a'\] must be in 0\.\.\d+, got -1"):
         hc.allocate({"a": -1})
     s.compute("a", seq(8, 1))
     _freed_once(hc.finish([a.handle]))
@@ -482,7 +482,7 @@ def test_a_handle_of_another_request_is_refused(open_cache: Callable[..., Schedu
     hc = s.hc
     a, b = hc.admit([Request("a", seq(8, 1)), Request("b", seq(8, 1))])
     forged = CacheHandle("b", a.handle._token)
-    with pytest.raises(ExpiredHandleError, match="handle of request 'b' has expired"):
+    with pytest.raises(ExpiredHandleError, match="of request 'b' is not its current one"):
         hc.finish([forged])
     hc.abort([a.handle, b.handle])
     s.assert_quiet()

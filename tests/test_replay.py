@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from hicache.messages import CommitSlots, SlotDemand, decode, encode
+from hicache.messages import AllocateSlots, SlotDemand, decode, encode
 from hicache.runtime import LOG_VERSION, DeterministicRuntime, HiCache
 from hicache.runtime import read_log, replay_log
 from hicache.runtime.cli import main
@@ -85,18 +85,22 @@ def test_a_deterministic_run_replays_with_no_divergence(tmp_path: Path) -> None:
 def test_changing_one_logged_body_is_a_divergence_at_that_delivery(threaded_log: Path, tmp_path: Path,
                                                                   capsys) -> None:
     lines = _lines(threaded_log)
-    # a CommitSlots the facade asked, with one more token: the device's reply differs
-    target = next(x for x in lines if x.get("type") == "CommitSlots" and x["ask"])
+    # an allocation the facade asked for, one token more: the device's reply differs
+    target = next(x for x in lines if x.get("type") == "AllocateSlots" and x["sender"] == "facade"
+                  and decode(base64.b64decode(x["body"])).demands)
     msg = decode(base64.b64decode(target["body"]))
-    assert isinstance(msg, CommitSlots)
-    changed = CommitSlots(op_id=msg.op_id, demands=tuple(
+    assert isinstance(msg, AllocateSlots)
+    changed = AllocateSlots(op_id=msg.op_id, commits=msg.commits, demands=tuple(
         SlotDemand(request_id=d.request_id, tokens=d.tokens + 1) for d in msg.demands))
     target["body"] = base64.b64encode(encode(changed)).decode()
     bad = tmp_path / "changed.log"
     _write(bad, lines)
     assert main(["replay", str(bad), "--json"]) == 1
     out = json.loads(capsys.readouterr().out)
-    assert out["divergence"]["seq"] == target["seq"]
+    # the device handles it and tells the facade another grant: the facade's delivery differs
+    reply = next(x for x in lines if x.get("event") == "delivery" and x["seq"] > target["seq"]
+                 and x["receiver"] == "facade")
+    assert (out["divergence"]["seq"], reply["type"]) == (reply["seq"], "SlotsAllocated")
     assert out["divergence"]["actor"] == "device"
 
 
@@ -226,7 +230,8 @@ def test_changing_a_blob_is_a_divergence_at_the_first_delivery_that_refers_to_it
     blobs = _blobs(lines)
     deliveries = sorted((x for x in lines if x.get("event") == "delivery"), key=lambda x: x["seq"])
     # slots the device handed out, logged as a blob: the replayed device hands out the real ones
-    first = next(x for x in deliveries if x["type"] == "AllocateSlots" and _referred(x, blobs))
+    first = next(x for x in deliveries if x["type"] == "SlotsAllocated" and x["sender"] == "device"
+                 and _referred(x, blobs))
     number = min(_referred(first, blobs))
     assert all(number not in _referred(x, blobs) for x in deliveries if x["seq"] < first["seq"])
     blob = next(x for x in lines if x.get("blob") == number)

@@ -170,14 +170,18 @@ class Player:
                 self.replies.append(m)
 
     def complete_writes(self, *, fail: bool = False) -> None:
-        for op, w in sorted(self.writes.items()):
-            del self.writes[op]
-            if fail:
-                self.tree.on_write_failed(op)
-            else:
-                copy_kv(self.device.kv, w.device.as_tensor(), self.host.kv, w.host.as_tensor())
-                self.tree.on_write_done(op)
-            self.pump()
+        for op in sorted(self.writes):
+            self.complete_write(op, fail=fail)
+
+    def complete_write(self, op: int, *, fail: bool = False) -> None:
+        """Land (or fail) one write, as the stream reports it."""
+        w = self.writes.pop(op)
+        if fail:
+            self.tree.on_write_failed(op)
+        else:
+            copy_kv(self.device.kv, w.device.as_tensor(), self.host.kv, w.host.as_tensor())
+            self.tree.on_write_done(op)
+        self.pump()
 
     def complete_loads(self, *, fail: bool = False) -> None:
         for op, load in sorted(self.loads.items()):
@@ -413,7 +417,7 @@ def test_without_a_host_tier_nothing_is_backed_up_and_eviction_deletes(play: Cal
     p.assert_idle()
 
 
-def test_backup_is_prefix_closed_a_child_waits_for_its_parents_write(play: Callable[..., Player]) -> None:
+def test_a_childs_write_through_starts_while_its_parents_write_is_in_flight(play: Callable[..., Player]) -> None:
     p = play(write_policy=WritePolicy.WRITE_THROUGH)
     x, y, z = seq(8, 1), seq(8, 20), seq(8, 40)
     p.finish(p.run("a", x + y))  # one node x+y, being written
@@ -424,20 +428,35 @@ def test_backup_is_prefix_closed_a_child_waits_for_its_parents_write(play: Calla
     mark = len(p.sent)
     p.finish(b)
     child = p.node(x + z)
-    assert child.state is S.DEVICE and child.hit_count >= 1
-    assert p.sent_since(mark, AllocateHost) == [], "a child was backed up before its parent"
-
-    mark = len(p.sent)
-    p.complete_writes()  # the parent's write lands: the child's starts
-    assert p.node(x).state is S.SYNCED and p.node(x + y).state is S.SYNCED
+    assert child.state is S.WRITING, "the child waits for no ack: the stream keeps write order"
     assert [m.tokens for m in p.sent_since(mark, AllocateHost)] == [8]
-    assert child.state is S.WRITING
-    p.complete_writes()
+    first, second = sorted(p.writes)
+    p.complete_write(first)  # the parent lands first, as the stream reports in order
+    assert p.node(x).state is S.SYNCED and p.node(x + y).state is S.SYNCED
+    p.complete_write(second)
     assert child.state is S.SYNCED
     p.verify_host(x)
     p.verify_host(x + y, start=8)
     p.verify_host(x + z, start=8)
     assert p.tree.statistics().backups_done == 2
+    p.assert_idle()
+
+
+def test_a_failed_parent_write_fails_its_childs_write_when_it_lands(play: Callable[..., Player]) -> None:
+    p = play(write_policy=WritePolicy.WRITE_THROUGH)
+    x, z = seq(8, 1), seq(8, 40)
+    p.finish(p.run("a", x))  # x being written
+    p.finish(p.run("b", x + z))  # z written under it at once
+    parent, child = p.node(x), p.node(x + z)
+    assert parent.state is S.WRITING and child.state is S.WRITING
+    first, second = sorted(p.writes)
+    p.complete_write(first, fail=True)
+    assert parent.state is S.DEVICE and child.state is S.WRITING  # its bytes are still being copied
+    p.complete_write(second)  # copied fine, but its parent has no host copy: not backed up
+    assert child.state is S.DEVICE and child.host is None
+    stats = p.tree.statistics()
+    assert (stats.backups_done, stats.backups_failed) == (0, 2)
+    assert p.tree.host_free == p.config.host_slots
     p.assert_idle()
 
 

@@ -1,0 +1,193 @@
+"""The values the facade hands a scheduler, its errors, and the checks of its arguments.
+
+Every argument of a facade call is checked here before anything reaches an actor:
+a wrong type or a value out of range is one `RequestError` that names the argument
+and the value, and the actors never see it.
+"""
+
+from __future__ import annotations
+
+import operator
+from array import array
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hicache.messages import (
+    DeviceStatistics,
+    HostStatistics,
+    PrefetcherStatistics,
+    StreamStatistics,
+    TreeStatistics,
+)
+
+TOKEN_ID_MAX = 2**63 - 1
+"""Token ids travel as int64: 0 .. 2**63 - 1."""
+
+COUNT_MAX = 2**62
+"""Largest count of tokens or slots a call may name (more than any pool; fits every wire field)."""
+
+_TOKEN_DTYPES = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8}
+                          | {getattr(torch, n) for n in ("uint16", "uint32") if hasattr(torch, n)})
+"""Tensor dtypes that hold token ids losslessly as int64."""
+
+
+class RequestError(ValueError):
+    """A facade call was malformed or named a request in a way its lifecycle does not allow."""
+
+
+class ExpiredHandleError(RequestError):
+    """A handle was used after `cache_unfinished` replaced it or its request ended."""
+
+
+class CacheStateError(RuntimeError):
+    """The cache is not running (not started yet, or closed), or is called from a second thread."""
+
+
+@dataclass(frozen=True, slots=True)
+class CacheHandle:
+    """Opaque: what a request holds while it lives. Pass it to finish, abort, retract, cache."""
+
+    request_id: str
+    _token: int
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """A request to admit: its id, prompt tokens and namespace (model / LoRA / cache salt).
+
+    Admit what the engine will not recompute: an engine computes at least the last prompt
+    token to get its logits, so it admits `tokens[:-1]` (see the README)."""
+
+    request_id: str
+    tokens: Sequence[int] | torch.Tensor
+    namespace: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class AdmitResult:
+    request_id: str
+    handle: CacheHandle
+    device_indices: torch.Tensor
+    """Slots of the cached prefix (`cached_tokens` of them); loads into some may still run."""
+    device_hit: int
+    """Prefix tokens already in device memory (L1)."""
+    host_hit: int
+    """Prefix tokens loaded back from host memory now (wait per layer before reading them),
+    including those this request's storage prefetch brought there (`storage_hit`)."""
+    host_miss: int
+    """Tokens in host memory that were not loaded back (quota, minimum length)."""
+    storage_hit: int = 0
+    """Of `host_hit`, the tokens this request's storage prefetch read from L3 (so L2 served
+    `host_hit - storage_hit` and L3 `storage_hit`)."""
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.device_hit + self.host_hit
+
+
+@dataclass(frozen=True, slots=True)
+class Insufficient:
+    """An allocation that does not fit even after eviction; nothing was allocated."""
+
+    requested_slots: int
+    free_slots: int
+    shortfall_slots: int
+
+
+@dataclass(frozen=True, slots=True)
+class Closed:
+    """What `HiCache.close` did with the work in flight."""
+
+    drained: bool
+    """Every write to host and backup to storage in flight landed before the actors stopped."""
+    writes_dropped: int
+    """Writes to host memory still in flight when the actors stopped."""
+    backups_dropped: int
+    """Backups to storage still in flight when the actors stopped (their pages are not stored)."""
+
+
+@dataclass(frozen=True, slots=True)
+class HiCacheStatistics:
+    tree: TreeStatistics
+    device: DeviceStatistics
+    host: HostStatistics
+    write: StreamStatistics
+    load: StreamStatistics
+    prefetch: PrefetcherStatistics
+
+
+# -- argument checks ---------------------------------------------------------------------
+
+
+def request_id(value: Any, what: str = "request_id") -> str:
+    if type(value) is not str or not value:
+        raise RequestError(f"{what} must be a non-empty str, got {value!r}")
+    return value
+
+
+def namespace(value: Any) -> str:
+    if type(value) is not str:
+        raise RequestError(f"namespace must be a str (\"\" for the default), got {value!r}")
+    return value
+
+
+def count(what: str, value: Any, maximum: int) -> int:
+    """A number of tokens or slots: an int (not a bool) in 0..maximum."""
+    if type(value) is bool or not hasattr(type(value), "__index__"):
+        raise RequestError(f"{what} must be an int, got {value!r}")
+    n = operator.index(value)
+    if not 0 <= n <= maximum:
+        raise RequestError(f"{what} must be in 0..{maximum}, got {n}")
+    return n
+
+
+def token_bytes(tokens: Any, what: str) -> bytes:
+    """Token ids as little-endian int64 bytes: a 1-D integer tensor, or a sequence of ints,
+    every id in 0..2**63 - 1. Anything else (floats, bools, strings, None, a 2-D tensor,
+    an id out of range) is a `RequestError` naming `what`."""
+    if isinstance(tokens, torch.Tensor):
+        return _tensor_token_bytes(tokens, what)
+    if isinstance(tokens, (str, bytes, bytearray)) or not isinstance(tokens, (Sequence, array, range)):
+        raise RequestError(f"{what} must be a 1-D integer tensor or a sequence of ints, got {type(tokens).__name__}")
+    if type(tokens) is not array and type(tokens) is not range:
+        odd = set(map(type, tokens)) - {int}
+        if odd:
+            for kind in odd:
+                if kind is bool or not hasattr(kind, "__index__"):
+                    bad = next(t for t in tokens if type(t) is kind)
+                    raise RequestError(f"{what} must be int token ids, got {bad!r} ({kind.__name__})")
+            tokens = [operator.index(t) for t in tokens]  # numpy and other integer scalars
+    try:
+        packed = array("q", tokens)
+    except (OverflowError, TypeError) as err:
+        raise RequestError(f"{what}: token ids must be ints in 0..{TOKEN_ID_MAX} ({err})") from None
+    data = packed.tobytes()
+    if data and int(torch.frombuffer(data, dtype=torch.int64).min()) < 0:
+        raise RequestError(f"{what}: token ids must be in 0..{TOKEN_ID_MAX}, got {min(packed)}")
+    return data
+
+
+def _tensor_token_bytes(t: torch.Tensor, what: str) -> bytes:
+    if t.dim() != 1:
+        raise RequestError(f"{what} must be one sequence of token ids, got a tensor of shape {tuple(t.shape)}")
+    if t.dtype not in _TOKEN_DTYPES:
+        raise RequestError(f"{what} must hold integer token ids, got a {t.dtype} tensor (use torch.int64)")
+    if not len(t):
+        return b""
+    t = t.detach().to(device="cpu", dtype=torch.int64)
+    if int(t.min()) < 0:
+        raise RequestError(f"{what}: token ids must be in 0..{TOKEN_ID_MAX}, got {int(t.min())}")
+    out = bytearray(8 * len(t))
+    torch.frombuffer(out, dtype=torch.int64).copy_(t)
+    return bytes(out)
+
+
+def demands(value: Any, what: str, maximum: int) -> dict[str, int]:
+    """`{request_id: count}` with every key and count checked."""
+    if not isinstance(value, Mapping):
+        raise RequestError(f"{what} must be a mapping of request id to count, got {type(value).__name__}")
+    return {request_id(rid, f"a request id in {what}"): count(f"{what}[{rid!r}]", n, maximum)
+            for rid, n in value.items()}
