@@ -36,6 +36,7 @@ from ._services import FailedTransfers, FaultPlan, IdSource, NoFaults, SeededFau
 from ._system import DEFAULT_ASK_TIMEOUT_S, ActorFailedError, System, ThreadedRuntime
 from .config import (
     DTYPES,
+    Available,
     Config,
     ConfigError,
     DeviceKind,
@@ -44,6 +45,7 @@ from .config import (
     PrefetchPolicy,
     StorageKind,
     WritePolicy,
+    check_resources,
 )
 
 __all__ = [
@@ -88,6 +90,8 @@ __all__ = [
     "DEFAULT_ASK_TIMEOUT_S",
     "DTYPES",
     "ActorFailedError",
+    "Available",
+    "check_resources",
     "Config",
     "ConfigError",
     "DeviceKind",
