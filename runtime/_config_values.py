@@ -98,7 +98,8 @@ DTYPES: Final[dict[str, torch.dtype]] = {
     "float8_e5m2": torch.float8_e5m2,
 }
 
-_INTEGER: Final = re.compile(r"[+-]?[0-9]+", re.ASCII)
+_INTEGER: Final = re.compile(r"[+-]?[0-9]{1,30}", re.ASCII)
+"""Decimal digits, few enough that `int()` never meets its digit limit (every bound is far below)."""
 _NUMBER: Final = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?", re.ASCII)
 _TRUE: Final = frozenset({"true", "yes", "on", "1"})
 _FALSE: Final = frozenset({"false", "no", "off", "0"})

@@ -249,8 +249,8 @@ class Config:
         if taken:
             raise ConfigError(f"for_model sets {', '.join(taken)} from the model and the byte budgets: leave "
                               f"{'it' if len(taken) == 1 else 'them'} out")
-        page_size = _RULES["page_size"].parse("page_size", fields.get("page_size", 16))
-        base = cls(**fields, device_slots=page_size, host_slots=2 * page_size)
+        page_size = _RULES["page_size"].parse("page_size", fields.get("page_size", _DEFAULTS["page_size"]))
+        base = cls(**fields, device_slots=page_size, host_slots=2 * page_size)  # sized below, from the shape
         shape = model_shape(model_config, base.tp_size, fields.get("dtype"))
         if shape.dtype is None:
             raise ConfigError("model_config has no dtype (nor torch_dtype): pass dtype=, the element type "
@@ -294,4 +294,5 @@ def _budget_pages(shaped: Config, device_bytes: Any, host_bytes: Any, host_ratio
 
 
 _RULES: Final[dict[str, Rule]] = {f.name: f.metadata["rule"] for f in dataclasses.fields(Config)}
+_DEFAULTS: Final[dict[str, Any]] = {f.name: f.default for f in dataclasses.fields(Config)}
 _FIELD_NAMES: Final = tuple(_RULES)

@@ -107,6 +107,7 @@ def test_raw_values_are_converted_the_same_way_by_every_path(raw: dict[str, Any]
     ({"layers": "1_000"}, "layers='1_000' must be an integer in 1..1024"),
     ({"layers": ""}, "layers='' must be an integer in 1..1024"),
     ({"layers": "٣"}, "layers='٣' must be an integer in 1..1024"),
+    ({"layers": "9" * 5000}, f"layers={'9' * 5000!r} must be an integer in 1..1024"),
     ({"layers": True}, "layers=True must be an integer in 1..1024"),
     ({"layers": None}, "layers=None must be an integer in 1..1024"),
     ({"tp_rank": "-1"}, "tp_rank='-1' must be an integer in 0..1023"),
