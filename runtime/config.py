@@ -77,7 +77,10 @@ _MODEL_SHAPE_NOTE = " The default is a test shape, not a model's: set it from th
 class Config:
     """Shape of the KV cache, capacities, policies and bounds of one instance.
 
-    Each field's meaning and the values it takes are in docs/configuration.md.
+    The model-shape fields (`layers`, `kv_heads`, `head_dim`, `dtype`) default to a
+    small test shape, not a model's: set them from the model, or build the config
+    with `Config.for_model`. Each field's meaning and the values it takes are in
+    docs/configuration.md.
     """
 
     # -- model shape ---------------------------------------------------------
