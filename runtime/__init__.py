@@ -39,6 +39,7 @@ from ._services import FailedTransfers, FaultPlan, IdSource, NoFaults, SeededFau
 from ._system import DEFAULT_ASK_TIMEOUT_S, ActorFailedError, System, ThreadedRuntime
 from .config import (
     DTYPES,
+    Available,
     Config,
     ConfigError,
     DeviceKind,
@@ -47,6 +48,7 @@ from .config import (
     PrefetchPolicy,
     StorageKind,
     WritePolicy,
+    check_resources,
 )
 
 __all__ = [
@@ -93,6 +95,8 @@ __all__ = [
     "DEFAULT_ASK_TIMEOUT_S",
     "DTYPES",
     "ActorFailedError",
+    "Available",
+    "check_resources",
     "Config",
     "ConfigError",
     "DeviceKind",

@@ -31,7 +31,7 @@ from ._services import (
     NoFaults,
     Services,
 )
-from .config import Config, StorageKind
+from .config import Config, StorageKind, check_resources
 
 DEFAULT_ASK_TIMEOUT_S = 60.0
 """How long the caller waits for an actor's reply before raising TimeoutError."""
@@ -240,6 +240,7 @@ class System:
         if self._started:
             raise RuntimeError("system already started")
         cfg, svc = self.config, self.services
+        check_resources(cfg)  # before anything is allocated: one line naming what does not fit
         self.directory = Directory()
         self.probes = {}
         try:

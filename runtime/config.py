@@ -1,10 +1,15 @@
-"""`Config`: every knob of a hicache instance, validated once at the edge.
+"""`Config`: every knob of a hicache instance, parsed and checked once at the edge.
 
-A `Config` is frozen and always valid: the constructor checks every field and
-raises `ConfigError` naming the field, the bad value and what is allowed.
-`Config.from_mapping()` parses raw values (strings from a command line or a
-JSON file) into the enums and types the core code uses; core code never sees a
-raw string.
+A `Config` is frozen and always valid. `Config(...)`, `Config.replace()` and
+`Config.from_mapping()` take the same path: every field's value goes through the
+field's rule (`_config_values`), which converts a raw value (a string from a
+command line or a JSON file, an enum's value, a `torch.dtype`) into the type core
+code uses or raises `ConfigError`; the rules that tie fields together are checked
+after that, on converted values. Core code never sees a raw string.
+
+`Config.for_model()` takes the model-shape fields from a transformers config and
+turns memory budgets in bytes into slots; `check_resources()` (run at start) checks
+the sizes against the machine before anything is allocated.
 """
 
 from __future__ import annotations
@@ -16,206 +21,172 @@ from typing import Any, Final
 
 import torch
 
+from ._config_values import (
+    DTYPES,
+    Choice,
+    ConfigError,
+    Count,
+    DeviceKind,
+    DType,
+    EvictionPolicy,
+    FilePath,
+    Host,
+    HostLayout,
+    HostPort,
+    HttpUrl,
+    Number,
+    PrefetchPolicy,
+    Rule,
+    StorageKind,
+    Switch,
+    WritePolicy,
+)
+from ._model_shape import model_shape
+from ._resources import Available, check_resources
 
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field."""
+__all__ = [
+    "DTYPES",
+    "Available",
+    "Config",
+    "ConfigError",
+    "DeviceKind",
+    "EvictionPolicy",
+    "HostLayout",
+    "PrefetchPolicy",
+    "StorageKind",
+    "WritePolicy",
+    "check_resources",
+]
 
-
-class WritePolicy(enum.Enum):
-    """When a device node is backed up to host memory."""
-
-    WRITE_THROUGH = "write_through"
-    """On the first hit (insert counts as one)."""
-    WRITE_THROUGH_SELECTIVE = "write_through_selective"
-    """On the second hit."""
-    WRITE_BACK = "write_back"
-    """Only when evicting, before the device slots go."""
-
-
-class HostLayout(enum.Enum):
-    """How the host KV buffer is laid out."""
-
-    LAYER_FIRST = "layer_first"
-    """`[2, layers, slots, heads, head_dim]`, the same as the device buffer."""
-    PAGE_FIRST = "page_first"
-    """`[pages, 2, layers, page_size, heads, head_dim]`: one page is contiguous across all layers."""
-
-
-class EvictionPolicy(enum.Enum):
-    """Which evictable leaf goes first."""
-
-    LRU = "lru"
-    LFU = "lfu"
-    FIFO = "fifo"
-    PRIORITY = "priority"
-
-
-class PrefetchPolicy(enum.Enum):
-    """When a request with a storage prefetch in flight may run."""
-
-    BEST_EFFORT = "best_effort"
-    """At once, with whatever has arrived."""
-    WAIT_COMPLETE = "wait_complete"
-    """Only when the whole prefetch arrived."""
-    TIMEOUT = "timeout"
-    """When complete, or when its timeout expires."""
-
-
-class StorageKind(enum.Enum):
-    """Which storage (L3) backend the prefetcher talks to."""
-
-    NONE = "none"
-    """No L3 tier: nothing is prefetched or backed up to storage."""
-    FILE = "file"
-    """One checksummed file per page under `storage_dir` (shared by instances on one machine)."""
-    MOONCAKE = "mooncake"
-    """Mooncake Store: a master and its metadata server, shared by many machines."""
+SLOTS_MAX: Final = 1 << 40
+"""Most token slots (and tokens) any size field may name: far above any machine's memory, far
+below where int64 slot indices overflow; `check_resources` holds sizes to the actual machine."""
+SECONDS_MAX: Final = 86_400.0
+"""Longest duration a field may name: a day is no timeout, and larger ones overflow timer waits."""
 
 
-class DeviceKind(enum.Enum):
-    """Where the device (L1) buffer lives."""
-
-    CPU = "cpu"
-    """A CPU tensor stands in for device memory."""
-    CUDA = "cuda"
-    """The current CUDA device."""
+def _field(default: Any, rule: Rule, doc: str) -> Any:
+    """A field with its rule and its description (the reference page is made from them)."""
+    return dataclasses.field(default=default, metadata={"rule": rule, "doc": doc})
 
 
-DTYPES: Final[dict[str, torch.dtype]] = {
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-}
+_MODEL_SHAPE_NOTE = " The default is a test shape, not a model's: set it from the model, or use `Config.for_model`."
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Config:
-    """Shape of the KV cache, capacities, policies and bounds of one instance."""
+    """Shape of the KV cache, capacities, policies and bounds of one instance.
+
+    The model-shape fields (`layers`, `kv_heads`, `head_dim`, `dtype`) default to a
+    small test shape, not a model's: set them from the model, or build the config
+    with `Config.for_model`. Each field's meaning and the values it takes are in
+    docs/configuration.md.
+    """
 
     # -- model shape ---------------------------------------------------------
-    layers: int = 4
-    """Transformer layers (each has K and V)."""
-    kv_heads: int = 2
-    """KV heads per layer on this rank."""
-    head_dim: int = 64
-    """Elements per head."""
-    dtype: str = "float16"
-    """Element type of the KV buffers; one of `DTYPES`."""
+    layers: int = _field(4, Count(1, 1024), "Transformer layers (each has K and V)." + _MODEL_SHAPE_NOTE)
+    kv_heads: int = _field(2, Count(1, 1024), "KV heads per layer on this tensor-parallel rank." + _MODEL_SHAPE_NOTE)
+    head_dim: int = _field(64, Count(1, 4096), "Elements per head." + _MODEL_SHAPE_NOTE)
+    dtype: str = _field("float16", DType(), "Element type of the KV buffers; kept as its name." + _MODEL_SHAPE_NOTE)
 
     # -- capacities ----------------------------------------------------------
-    page_size: int = 16
-    """Tokens per page: the unit of allocation, matching and transfer."""
-    device_slots: int = 4096
-    """Token slots of the device (L1) buffer; a multiple of `page_size`."""
-    host_slots: int = 16384
-    """Token slots of the host (L2) buffer; larger than `device_slots`, a multiple of `page_size`."""
-    device: DeviceKind = DeviceKind.CPU
-    """Where the device buffer lives."""
-    host_layout: HostLayout = HostLayout.LAYER_FIRST
-    """Layout of the host buffer."""
+    page_size: int = _field(16, Count(1, 4096), "Tokens per page: the unit of allocation, matching and transfer.")
+    device_slots: int = _field(4096, Count(1, SLOTS_MAX),
+                               "Token slots of the device (L1) buffer; a multiple of `page_size`.")
+    host_slots: int = _field(16384, Count(1, SLOTS_MAX),
+                             "Token slots of the host (L2) buffer; larger than `device_slots`, a multiple of `page_size`.")
+    device: DeviceKind = _field(DeviceKind.CPU, Choice(DeviceKind),
+                                "Where the device buffer lives: `cpu` (a CPU tensor stands in) or `cuda`.")
+    host_layout: HostLayout = _field(HostLayout.LAYER_FIRST, Choice(HostLayout), "Layout of the host buffer.")
 
     # -- policies ------------------------------------------------------------
-    write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
-    """When device nodes are backed up to host."""
-    eviction_policy: EvictionPolicy = EvictionPolicy.LRU
-    """Which device leaf is evicted first."""
-    prefetch_policy: PrefetchPolicy = PrefetchPolicy.BEST_EFFORT
-    """When a request waiting on a storage prefetch may run."""
-
-    host_tier: bool = True
-    """Use host memory (L2) at all; False gives an L1-only cache for comparison."""
-    load_back_min_tokens: int = 1
-    """A host-only match shorter than this is recomputed instead of loaded back."""
-    load_back_quota_tokens: int = 1 << 20
-    """Most tokens one admission batch may load back from host (device memory it may take)."""
+    write_policy: WritePolicy = _field(WritePolicy.WRITE_THROUGH, Choice(WritePolicy),
+                                       "When device nodes are backed up to host.")
+    eviction_policy: EvictionPolicy = _field(EvictionPolicy.LRU, Choice(EvictionPolicy),
+                                             "Which device leaf is evicted first.")
+    prefetch_policy: PrefetchPolicy = _field(PrefetchPolicy.BEST_EFFORT, Choice(PrefetchPolicy),
+                                             "When a request waiting on a storage prefetch may run.")
+    host_tier: bool = _field(True, Switch(),
+                             "Use host memory (L2) at all; false gives an L1-only cache for comparison.")
+    load_back_min_tokens: int = _field(1, Count(1, SLOTS_MAX),
+                                       "A host-only match shorter than this is recomputed instead of loaded back.")
+    load_back_quota_tokens: int = _field(1 << 20, Count(1, SLOTS_MAX),
+                                         "Most tokens one admission batch may load back from host "
+                                         "(device memory it may take).")
 
     # -- storage (L3) -------------------------------------------------------
-    storage: StorageKind = StorageKind.NONE
-    """The L3 backend; `none` turns prefetch and backup off."""
-    storage_dir: str = ""
-    """Directory of the file backend (created if missing); required when `storage` is `file`."""
-    mooncake_master: str = "127.0.0.1:50051"
-    """`host:port` of the Mooncake master (its RPC port)."""
-    mooncake_metadata: str = "http://127.0.0.1:8080/metadata"
-    """URL of the Mooncake HTTP metadata server (`mooncake_master --enable_http_metadata_server`)."""
-    mooncake_local_host: str = "127.0.0.1"
-    """This machine's address as other Mooncake clients reach it."""
-    mooncake_segment_mb: int = 256
-    """Memory this instance contributes to the Mooncake Store, in MiB."""
-    storage_timeout_s: float = 5.0
-    """Longest one storage call may take before it counts as failed (never a hang)."""
-    storage_batch_pages: int = 16
-    """Pages the prefetcher reads or writes per step (a stop waits for at most one step)."""
-    prefetch_threshold_pages: int = 2
-    """A prefetch starts only when at least this many pages of a request are not in L1/L2."""
-    prefetch_rate_fraction: float = 0.5
-    """Tokens being prefetched stay at most this fraction of the host capacity."""
-    prefetch_timeout_base_s: float = 1.0
-    """`timeout` policy: base seconds a request waits for its prefetch ..."""
-    prefetch_timeout_per_1k_s: float = 0.25
-    """... plus these seconds per 1,000 prefetched tokens ..."""
-    prefetch_timeout_max_s: float = 10.0
-    """... capped at this."""
+    storage: StorageKind = _field(StorageKind.NONE, Choice(StorageKind),
+                                  "The L3 backend; `none` turns prefetch and backup off.")
+    storage_dir: str = _field("", FilePath(),
+                              "Directory of the file backend (created if missing); required when `storage` is `file`.")
+    mooncake_master: str = _field("127.0.0.1:50051", HostPort(),
+                                  "`host:port` of the Mooncake master (its RPC port).")
+    mooncake_metadata: str = _field("http://127.0.0.1:8080/metadata", HttpUrl(),
+                                    "URL of the Mooncake HTTP metadata server "
+                                    "(`mooncake_master --enable_http_metadata_server`).")
+    mooncake_local_host: str = _field("127.0.0.1", Host(),
+                                      "This machine's address as other Mooncake clients reach it.")
+    mooncake_segment_mb: int = _field(256, Count(1, 1 << 20),
+                                      "Memory this instance contributes to the Mooncake Store, in MiB.")
+    storage_timeout_s: float = _field(5.0, Number(SECONDS_MAX),
+                                      "Longest one storage call may take before it counts as failed (never a hang).")
+    storage_batch_pages: int = _field(16, Count(1, 4096),
+                                      "Pages the prefetcher reads or writes per step, and pages of its staging "
+                                      "buffer (a stop waits for at most one step).")
+    prefetch_threshold_pages: int = _field(2, Count(1, SLOTS_MAX),
+                                           "A prefetch starts only when at least this many pages of a request "
+                                           "are not in L1/L2.")
+    prefetch_rate_fraction: float = _field(0.5, Number(1.0),
+                                           "Tokens being prefetched stay at most this fraction of the host capacity.")
+    prefetch_timeout_base_s: float = _field(1.0, Number(SECONDS_MAX),
+                                            "`timeout` policy: base seconds a request waits for its prefetch ...")
+    prefetch_timeout_per_1k_s: float = _field(0.25, Number(SECONDS_MAX),
+                                              "... plus these seconds per 1,000 prefetched tokens ...")
+    prefetch_timeout_max_s: float = _field(10.0, Number(SECONDS_MAX), "... capped at this.")
 
     # -- tensor parallel -----------------------------------------------------
-    tp_rank: int = 0
-    """This instance's rank in its tensor-parallel group."""
-    tp_size: int = 1
-    """Ranks in the group; with more than one, rank-local outcomes are agreed before they apply."""
+    tp_rank: int = _field(0, Count(0, 1023), "This instance's rank in its tensor-parallel group; below `tp_size`.")
+    tp_size: int = _field(1, Count(1, 1024),
+                          "Ranks in the group; with more than one, rank-local outcomes are agreed before they apply.")
 
-    log_path: str = ""
-    """Write every delivery to this JSON-lines file (`hicache replay` reads it); empty: no log."""
+    log_path: str = _field("", FilePath(),
+                           "Write every delivery to this JSON-lines file (`hicache replay` reads it); empty: no log.")
 
     # -- transfer bounds -----------------------------------------------------
-    transfer_pages_max: int = 64
-    """Most pages one copy batch moves; larger operations are split, smaller ones merged."""
-    transfer_queue_ops_max: int = 4096
-    """Most operations a stream holds queued; more are refused as failed."""
-    load_ring_size: int = 4
-    """Load batches whose per-layer progress stays observable (the next can overlap a forward pass)."""
+    transfer_pages_max: int = _field(64, Count(1, 1 << 16),
+                                     "Most pages one copy batch moves; larger operations are split, smaller merged.")
+    transfer_queue_ops_max: int = _field(4096, Count(1, 1 << 20),
+                                         "Most operations a stream holds queued; more are refused as failed.")
+    load_ring_size: int = _field(4, Count(1, 256),
+                                 "Load batches whose per-layer progress stays observable "
+                                 "(the next can overlap a forward pass).")
+
+    def __new__(cls, *args: Any, **raw: Any) -> Config:
+        # An unknown keyword is a configuration mistake like any other: the same
+        # ConfigError from the constructor as from `replace` and `from_mapping`.
+        _refuse_unknown(raw)
+        return object.__new__(cls)
 
     def __post_init__(self) -> None:
-        for name in ("layers", "kv_heads", "head_dim", "page_size", "transfer_pages_max",
-                     "transfer_queue_ops_max", "load_ring_size", "load_back_min_tokens", "load_back_quota_tokens",
-                     "mooncake_segment_mb", "storage_batch_pages", "prefetch_threshold_pages", "tp_size"):
-            _positive_int(name, getattr(self, name))
-        if isinstance(self.tp_rank, bool) or not isinstance(self.tp_rank, int) or not 0 <= self.tp_rank < self.tp_size:
-            raise ConfigError(f"tp_rank={self.tp_rank!r} must be an integer in 0..tp_size-1 (tp_size={self.tp_size})")
-        for name in ("storage_timeout_s", "prefetch_rate_fraction", "prefetch_timeout_base_s",
-                     "prefetch_timeout_per_1k_s", "prefetch_timeout_max_s"):
-            _positive_number(name, getattr(self, name))
-        if self.prefetch_rate_fraction > 1:
-            raise ConfigError(f"prefetch_rate_fraction={self.prefetch_rate_fraction} must be in (0, 1]")
-        for name in ("storage_dir", "mooncake_master", "mooncake_metadata", "mooncake_local_host"):
-            if not isinstance(getattr(self, name), str):
-                raise ConfigError(f"{name}={getattr(self, name)!r} must be a string")
+        for f in dataclasses.fields(self):
+            object.__setattr__(self, f.name, f.metadata["rule"].parse(f.name, getattr(self, f.name)))
+        self._check_together()
+
+    def _check_together(self) -> None:
+        """The rules between fields, on converted values."""
         for name in ("device_slots", "host_slots"):
-            _positive_int(name, getattr(self, name))
             if getattr(self, name) % self.page_size:
-                raise ConfigError(
-                    f"{name}={getattr(self, name)} must be a multiple of page_size={self.page_size}"
-                )
+                raise ConfigError(f"{name}={getattr(self, name)} must be a multiple of page_size={self.page_size}")
         if self.host_slots <= self.device_slots:
-            raise ConfigError(
-                f"host_slots={self.host_slots} must be larger than device_slots="
-                f"{self.device_slots}: the host tier backs up the device tier"
-            )
+            raise ConfigError(f"host_slots={self.host_slots} must be larger than device_slots="
+                              f"{self.device_slots}: the host tier backs up the device tier")
+        if self.tp_rank >= self.tp_size:
+            raise ConfigError(f"tp_rank={self.tp_rank} must be below tp_size={self.tp_size}")
         if self.storage is StorageKind.FILE and not self.storage_dir:
             raise ConfigError("storage='file' needs storage_dir: the directory that holds the pages")
         if self.storage is not StorageKind.NONE and not self.host_tier:
-            raise ConfigError("storage needs host_tier=true: pages move between storage and host memory")
-        if not isinstance(self.log_path, str):
-            raise ConfigError(f"log_path={self.log_path!r} must be a path string (empty: no log)")
-        if not isinstance(self.host_tier, bool):
-            raise ConfigError(f"host_tier={self.host_tier!r} must be true or false")
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"dtype={self.dtype!r} is unknown; allowed: {', '.join(DTYPES)}")
-        for f in dataclasses.fields(self):
-            if isinstance(f.default, enum.Enum):
-                # Store the member, never the raw string: core code compares with `is`.
-                object.__setattr__(self, f.name, _member(f.name, type(f.default), getattr(self, f.name)))
+            raise ConfigError(f"storage={self.storage.value!r} needs host_tier=true: pages move between "
+                              "storage and host memory (or set storage='none')")
 
     # -- derived values ------------------------------------------------------
 
@@ -226,8 +197,7 @@ class Config:
     @property
     def bytes_per_slot(self) -> int:
         """Bytes of K and V of one token across all layers."""
-        elem = torch.empty((), dtype=self.torch_dtype).element_size()
-        return 2 * self.layers * self.kv_heads * self.head_dim * elem
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.torch_dtype.itemsize
 
     @property
     def device_pages(self) -> int:
@@ -238,93 +208,94 @@ class Config:
         return self.host_slots // self.page_size
 
     def replace(self, **changes: Any) -> Config:
-        """A copy with some fields changed (validated like any other)."""
-        return Config.from_mapping({**self.to_mapping(), **changes})
+        """A copy with some fields changed (parsed and checked like any other)."""
+        return Config(**{**self._values(), **changes})
+
+    def _values(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     # -- the edge ------------------------------------------------------------
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any]) -> Config:
-        """Parse raw values (strings for enums) into a valid `Config`."""
-        known = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(raw) - set(known))
-        if unknown:
-            raise ConfigError(
-                f"unknown config field(s) {', '.join(unknown)}; known: {', '.join(known)}"
-            )
-        values: dict[str, Any] = {}
-        for name, value in raw.items():
-            default = known[name].default
-            if isinstance(default, enum.Enum):
-                values[name] = _member(name, type(default), value)
-            elif isinstance(default, bool):
-                values[name] = _parse_bool(name, value)
-            elif isinstance(default, float):
-                values[name] = _parse_float(name, value)
-            elif not isinstance(default, int):
-                values[name] = value
-            else:
-                values[name] = _parse_int(name, value)
-        return cls(**values)
+        """Parse raw values (strings from a command line or a JSON file) into a valid `Config`."""
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"a config mapping must be a mapping of field names to values, not {type(raw).__name__}")
+        _refuse_unknown(raw)
+        return cls(**raw)
 
     def to_mapping(self) -> dict[str, Any]:
         """Plain values (enums as their strings), the inverse of `from_mapping`."""
-        out: dict[str, Any] = {}
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            out[f.name] = v.value if isinstance(v, enum.Enum) else v
-        return out
+        return {k: v.value if isinstance(v, enum.Enum) else v for k, v in self._values().items()}
+
+    @classmethod
+    def for_model(
+        cls,
+        model_config: Any,
+        *,
+        device_bytes: int,
+        host_bytes: int | None = None,
+        host_ratio: float | None = None,
+        check: bool = True,
+        **fields: Any,
+    ) -> Config:
+        """A `Config` for a transformers model, its sizes given as memory budgets.
+
+        `model_config` is a transformers `PretrainedConfig` (or any object with its
+        attribute names): layers, KV heads (this rank's share of `tp_size`), head
+        dim and dtype come from it; `dtype=` in `fields` overrides the model's.
+        `device_bytes` and `host_bytes` (or `host_ratio` times `device_bytes`) are the
+        bytes of KV each tier may hold, turned into whole pages. `fields` sets any
+        other field. With `check` (the default) the result is checked against this
+        machine's memory (`check_resources`)."""
+        taken = sorted({"layers", "kv_heads", "head_dim", "device_slots", "host_slots"} & set(fields))
+        if taken:
+            raise ConfigError(f"for_model sets {', '.join(taken)} from the model and the byte budgets: leave "
+                              f"{'it' if len(taken) == 1 else 'them'} out")
+        page_size = _RULES["page_size"].parse("page_size", fields.get("page_size", _DEFAULTS["page_size"]))
+        base = cls(**fields, device_slots=page_size, host_slots=2 * page_size)  # sized below, from the shape
+        shape = model_shape(model_config, base.tp_size, fields.get("dtype"))
+        if shape.dtype is None:
+            raise ConfigError("model_config has no dtype (nor torch_dtype): pass dtype=, the element type "
+                              "of the engine's KV cache, like dtype='bfloat16'")
+        shaped = base.replace(layers=shape.layers, kv_heads=shape.kv_heads, head_dim=shape.head_dim,
+                              dtype=shape.dtype)
+        device_pages, host_pages = _budget_pages(shaped, device_bytes, host_bytes, host_ratio)
+        config = shaped.replace(device_slots=device_pages * shaped.page_size, host_slots=host_pages * shaped.page_size)
+        if check:
+            check_resources(config)
+        return config
 
 
-def _parse_bool(name: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
-        return value.lower() in ("true", "1", "yes")
-    raise ConfigError(f"{name}={value!r} must be true or false")
+def _refuse_unknown(raw: Mapping[Any, Any]) -> None:
+    unknown = sorted(repr(k) if not isinstance(k, str) else k for k in raw if k not in _FIELD_NAMES)
+    if unknown:
+        raise ConfigError(f"unknown config field(s) {', '.join(unknown)}; known: {', '.join(_FIELD_NAMES)}")
 
 
-def _parse_float(name: str, value: Any) -> float:
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            pass
-    raise ConfigError(f"{name}={value!r} must be a number")
+def _budget_pages(shaped: Config, device_bytes: Any, host_bytes: Any, host_ratio: Any) -> tuple[int, int]:
+    """Whole pages of KV that the byte budgets hold, for the shape of `shaped`."""
+    page_bytes = shaped.bytes_per_slot * shaped.page_size
+    device_bytes = Count(1, SLOTS_MAX * page_bytes).parse("device_bytes", device_bytes)
+    if device_bytes < page_bytes:
+        raise ConfigError(
+            f"device_bytes={device_bytes} holds no page: one page (page_size={shaped.page_size} tokens x "
+            f"{shaped.bytes_per_slot} bytes of K and V) takes {page_bytes} bytes; give at least that"
+        )
+    if (host_bytes is None) == (host_ratio is None):
+        raise ConfigError("give host_bytes (bytes of KV in host memory) or host_ratio (host bytes per "
+                          "device byte, like 2.0), one of them")
+    if host_ratio is not None:
+        host_bytes = int(device_bytes * Number(1e6).parse("host_ratio", host_ratio))
+    host_bytes = Count(1, SLOTS_MAX * page_bytes).parse("host_bytes", host_bytes)
+    if host_bytes // page_bytes <= device_bytes // page_bytes:
+        raise ConfigError(
+            f"host_bytes={host_bytes} holds {host_bytes // page_bytes} pages of {page_bytes} bytes, no more than "
+            f"the device's {device_bytes // page_bytes}: give the host tier more bytes than the device (host_ratio > 1)"
+        )
+    return device_bytes // page_bytes, host_bytes // page_bytes
 
 
-def _positive_number(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        raise ConfigError(f"{name}={value!r} must be a number")
-    if value <= 0:
-        raise ConfigError(f"{name}={value} must be > 0")
-
-
-def _positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{name}={value!r} must be an integer")
-    if value <= 0:
-        raise ConfigError(f"{name}={value} must be > 0")
-
-
-def _parse_int(name: str, value: Any) -> int:
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if isinstance(value, str):
-        try:
-            return int(value)
-        except ValueError:
-            pass
-    raise ConfigError(f"{name}={value!r} must be an integer")
-
-
-def _member(name: str, enum_cls: type[enum.Enum], value: Any) -> Any:
-    if isinstance(value, enum_cls):
-        return value
-    for member in enum_cls:
-        if value == member.value:
-            return member
-    allowed = ", ".join(str(m.value) for m in enum_cls)
-    raise ConfigError(f"{name}={value!r} is not allowed; allowed: {allowed}")
+_RULES: Final[dict[str, Rule]] = {f.name: f.metadata["rule"] for f in dataclasses.fields(Config)}
+_DEFAULTS: Final[dict[str, Any]] = {f.name: f.default for f in dataclasses.fields(Config)}
+_FIELD_NAMES: Final = tuple(_RULES)

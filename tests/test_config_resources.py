@@ -1,0 +1,109 @@
+"""`check_resources`: a size the machine cannot hold, or a CUDA device it lacks, is one
+`ConfigError` before anything is allocated; the sizes it counts are what start allocates."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from hicache.actors import DeviceCore, HostCore, KVShape
+from hicache.actors._storage import PageFormat, Staging
+from hicache.runtime import Available, Config, ConfigError, check_resources
+from hicache.runtime._resources import STORED_PAGE_HEADER_BYTES, host_available_bytes, needs
+
+GIB = 1 << 30
+SHAPE = {"layers": 2, "kv_heads": 1, "head_dim": 64, "dtype": "float16", "page_size": 16}
+"""512 bytes of K and V a slot, 8 KiB a page."""
+
+
+def _plenty(cuda: bool = True) -> Available:
+    return Available(cuda=cuda, device_free_bytes=80 * GIB if cuda else None, host_free_bytes=512 * GIB)
+
+
+def test_cuda_without_a_cuda_device_is_one_line_that_says_what_to_do() -> None:
+    config = Config(device="cuda")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError) as info:
+        check_resources(config, Available(cuda=False, device_free_bytes=None, host_free_bytes=512 * GIB))
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith("device='cuda' but torch ")
+    assert message.endswith("run on a machine with an NVIDIA GPU and a CUDA build of torch, or set device='cpu'")
+
+
+def test_on_this_machine_cuda_is_refused_exactly_when_torch_has_no_cuda() -> None:
+    config = Config(device="cuda", device_slots=64, host_slots=128)  # type: ignore[arg-type]
+    if torch.cuda.is_available():
+        check_resources(config)
+    else:
+        with pytest.raises(ConfigError, match=r"^device='cuda' but torch .* finds no usable CUDA device"):
+            check_resources(config)
+
+
+def test_a_device_buffer_larger_than_free_device_memory_names_device_slots_and_what_fits() -> None:
+    config = Config(**SHAPE, device="cuda", device_slots=10**12, host_slots=2**40)  # type: ignore[arg-type]
+    available = Available(cuda=True, device_free_bytes=1 * GIB, host_free_bytes=2**60)
+    with pytest.raises(ConfigError) as info:
+        check_resources(config, available)
+    message = str(info.value)
+    assert message.startswith("the cache needs 465.7 TiB of CUDA device memory but 1.0 GiB is free: device KV "
+                              "buffer (device_slots=1000000000000 x 512 B a slot) 465.7 TiB; ")
+    fit = int(re.search(r"lower device_slots to at most (\d+),", message).group(1))  # type: ignore[union-attr]
+    assert fit == GIB // 512
+    check_resources(config.replace(device_slots=fit), available)
+    with pytest.raises(ConfigError, match="CUDA device memory"):
+        check_resources(config.replace(device_slots=fit + 16), available)
+
+
+def test_a_host_buffer_larger_than_free_host_memory_names_host_slots_and_what_fits() -> None:
+    config = Config(**SHAPE, device_slots=1024, host_slots=2**30)
+    available = Available(cuda=False, device_free_bytes=None, host_free_bytes=4 * GIB)
+    with pytest.raises(ConfigError, match=r"^the cache needs 513\.0 GiB of host memory but 4\.0 GiB is free: ") as info:
+        check_resources(config, available)
+    fit = int(re.search(r"lower host_slots to at most (\d+),", str(info.value)).group(1))  # type: ignore[union-attr]
+    check_resources(config.replace(host_slots=fit), available)
+    with pytest.raises(ConfigError, match="host memory"):
+        check_resources(config.replace(host_slots=fit + 16), available)
+
+
+def test_on_cpu_the_device_buffer_counts_against_host_memory() -> None:
+    config = Config(**SHAPE, device_slots=2**21, host_slots=2**22)  # 1 GiB + 2 GiB of KV
+    check_resources(config, Available(cuda=False, device_free_bytes=None, host_free_bytes=4 * GIB))
+    with pytest.raises(ConfigError, match=r"device KV buffer \(device_slots=2097152 x 512 B a slot\) 1\.0 GiB \+ "
+                                          r"host KV buffer \(host_slots=4194304 x 512 B a slot\) 2\.0 GiB"):
+        check_resources(config, Available(cuda=False, device_free_bytes=None, host_free_bytes=3 * GIB))
+
+
+def test_storage_staging_and_the_mooncake_segment_are_counted() -> None:
+    config = Config(**SHAPE, device_slots=64, host_slots=128, storage="mooncake",  # type: ignore[arg-type]
+                    storage_batch_pages=4096, mooncake_segment_mb=1 << 20)
+    with pytest.raises(ConfigError, match=r"Mooncake segment \(mooncake_segment_mb=1048576\) 1\.0 TiB; "
+                                          r"lower mooncake_segment_mb, storage_batch_pages, host_slots, device_slots$"):
+        check_resources(config, _plenty())
+    check_resources(config.replace(mooncake_segment_mb=256), _plenty())
+
+
+def test_what_cannot_be_told_is_not_checked() -> None:
+    huge = Config(**SHAPE, device="cuda", device_slots=2**39, host_slots=2**40)  # type: ignore[arg-type]
+    check_resources(huge, Available(cuda=True, device_free_bytes=None, host_free_bytes=None))
+
+
+def test_the_counted_sizes_are_what_the_pools_and_the_staging_buffer_allocate() -> None:
+    config = Config(**SHAPE, device_slots=256, host_slots=1024, storage="file", storage_dir="/unused",  # type: ignore[arg-type]
+                    storage_batch_pages=3)
+    counted = {n.field: n.nbytes for n in needs(config) if n.field != "host_slots"}
+    counted["host_slots"] = sum(n.nbytes for n in needs(config) if n.field == "host_slots")
+    device, host = DeviceCore(config), HostCore(config)
+    assert counted["device_slots"] == device.kv.tensor.nbytes
+    assert counted["host_slots"] == host.kv.tensor.nbytes + len(host._state_bytes) + len(device._owner_bytes)
+    assert counted["storage_batch_pages"] == len(Staging(PageFormat(KVShape.of(config)), 3).buffer)
+    assert PageFormat(KVShape.of(config)).header_bytes == STORED_PAGE_HEADER_BYTES
+
+
+def test_this_machine_reports_its_free_host_memory_and_refuses_half_a_petabyte() -> None:
+    free = host_available_bytes()
+    assert free is not None and 0 < free < 2**49
+    check_resources(Config())
+    with pytest.raises(ConfigError, match=r"^the cache needs 513\.0 TiB of host memory but .* is free: "):
+        check_resources(Config(**SHAPE, device_slots=16, host_slots=2**40))
