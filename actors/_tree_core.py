@@ -376,6 +376,12 @@ class TreeCore:
                 if not w.evict_after and not w.doomed and all(nd.lock_ref == 1 for nd in w.nodes)]
 
     def _end_eviction(self, ev: _Eviction) -> None:
+        left = self.tree.evictable_tokens
+        if ev.freed < ev.want and left and self._agree_locally and not self._loads:
+            raise InvariantError(
+                f"tree: an eviction of {ev.want} tokens ended with {ev.freed} freed while {left} are evictable "
+                "(eviction goes on until the demand is met or nothing evictable remains)"
+            )
         if ev.reply_op:
             self._emit(FACADE, Evicted(op_id=ev.reply_op, device_tokens=ev.freed, host_tokens=0))
         if ev.retry_load:
@@ -1013,8 +1019,18 @@ class TreeCore:
             chain.append(up)
         for up in reversed(chain):
             if up.op or not self._start_backup(up, evict_after=False):
+                self._lost_tail(node, chain)
                 return False
         return True
+
+    def _lost_tail(self, node: Node, chain: list[Node]) -> None:
+        """A write_back victim is about to be deleted: only for want of host memory."""
+        need = node.tokens + sum(up.tokens for up in chain if up.state is NodeState.DEVICE and not up.op)
+        if self.host_free >= need and self._agree_locally:
+            raise InvariantError(
+                f"tree: write_back would delete {node} (and lose its tail) with {self.host_free} host tokens "
+                f"free for the {need} its write-back and its ancestors' need"
+            )
 
     def _emit_device_frees(self, frees: list[Indices]) -> None:
         if frees:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from hicache.actors import (
+    BACKED,
     DeviceAllocatorActor,
     DeviceCore,
     Node,
@@ -165,11 +166,62 @@ class _UnclosedBackupCore(TreeCore):
     def _parent_backed(self, node: Node) -> bool:
         return True
 
+    def _back_up_ancestors(self, node: Node) -> bool:
+        return True
+
 
 class _UnclosedBackup(TreeActor):
     def __init__(self, **kw: Any) -> None:
         super().__init__(**kw)
         self.core.__class__ = _UnclosedBackupCore
+
+
+# -- an eviction that ends after one round, short of its demand ---------------------------------
+
+
+class _OneRoundCore(TreeCore):
+    """Ends an eviction once its own write-backs land, without evicting what they made
+    evictable (their parents), and never waits for write-throughs: the allocation that asked
+    gets `Insufficient` (a load-back gives up) with evictable tokens left."""
+
+    def _writes_holding_evictable(self) -> list[int]:
+        return []
+
+    def _write_landed(self, op: int, dropped: list[Node]) -> None:
+        for key in self._eviction_of.pop(op, ()):
+            ev = self._evictions[key]
+            ev.freed += sum(nd.tokens for nd in dropped)
+            ev.waiting.discard(op)
+            if not ev.waiting:
+                del self._evictions[key]
+                self._end_eviction(ev)
+
+
+class _OneRoundEviction(TreeActor):
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.core.__class__ = _OneRoundCore
+
+
+# -- write_back deletes a victim whose parent is not backed up ---------------------------------
+
+
+class _DropTailCore(TreeCore):
+    """Writes a victim back only if its parent already is; otherwise deletes it: a tail under
+    a hot prefix that is never evicted (so never backed up) is lost on every eviction."""
+
+    def _back_up_ancestors(self, node: Node) -> bool:
+        parent = node.parent
+        if parent is None or parent.is_root or parent.state in BACKED:
+            return True
+        self._lost_tail(node, [])
+        return False
+
+
+class _DropTail(TreeActor):
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.core.__class__ = _DropTailCore
 
 
 # -- 7. seed 000: the prefetcher frees host slots itself ---------------------------------------
@@ -275,6 +327,10 @@ MUTANTS: tuple[Mutant, ...] = (
            {ActorName.WRITE: _ShortWrites}),
     Mutant("backup-under-unbacked-parent", "a node backed up under a parent that is not backed up",
            {ActorName.TREE: _UnclosedBackup}),
+    Mutant("eviction-ends-short", "an eviction ends after one round with evictable tokens left (allocation or "
+           "load-back gives up)", {ActorName.TREE: _OneRoundEviction}),
+    Mutant("write-back-drops-tail", "write_back deletes a victim whose parent is not backed up instead of "
+           "writing the ancestors back with it", {ActorName.TREE: _DropTail}),
     Mutant("prefetcher-frees-slots", "seed 000: the prefetcher frees the host slots past the storage hit itself",
            {ActorName.PREFETCH: _PrefetcherFrees}, "storage"),
     Mutant("prefetch-gives-up", "seed 002: a prefetch gives up instead of shrinking to the free host space",

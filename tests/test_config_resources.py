@@ -92,11 +92,13 @@ def test_what_cannot_be_told_is_not_checked() -> None:
 def test_the_counted_sizes_are_what_the_pools_and_the_staging_buffer_allocate() -> None:
     config = Config(**SHAPE, device_slots=256, host_slots=1024, storage="file", storage_dir="/unused",  # type: ignore[arg-type]
                     storage_batch_pages=3)
-    counted = {n.field: n.nbytes for n in needs(config) if n.field != "host_slots"}
-    counted["host_slots"] = sum(n.nbytes for n in needs(config) if n.field == "host_slots")
+    counted: dict[str, int] = {}
+    for n in needs(config):
+        counted[n.field] = counted.get(n.field, 0) + n.nbytes
     device, host = DeviceCore(config), HostCore(config)
-    assert counted["device_slots"] == device.kv.tensor.nbytes
-    assert counted["host_slots"] == host.kv.tensor.nbytes + len(host._state_bytes) + len(device._owner_bytes)
+    tables = device._owner.nbytes + device._pool._stack_view.nbytes
+    assert counted["device_slots"] == device.kv.tensor.nbytes + tables
+    assert counted["host_slots"] == host.kv.tensor.nbytes + len(host._state_bytes)
     assert counted["storage_batch_pages"] == len(Staging(PageFormat(KVShape.of(config)), 3).buffer)
     assert PageFormat(KVShape.of(config)).header_bytes == STORED_PAGE_HEADER_BYTES
 
