@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, Protocol
 
-import structlog
+from ._logging import logger
 import torch
 
 try:
@@ -45,7 +45,7 @@ KEY_CHARS_MAX: Final = 80
 """Longest page key, in characters."""
 _KEY = re.compile(rf"[0-9A-Za-z_-]{{1,{KEY_CHARS_MAX}}}")
 
-log = structlog.get_logger("hicache.storage")
+log = logger("hicache.storage")
 
 
 class StorageError(RuntimeError):

@@ -151,6 +151,26 @@ class DirectCores:
         assert isinstance(reply, Admitted)
         return reply.admissions
 
+    def admit_tokens(self, batch: list[tuple[str, Tokens]]) -> tuple[Admission, ...]:
+        """`admit` of prompts already as `Tokens`."""
+        op = self._next_id()
+        self.tree.admit(op, tuple(AdmitItem(request_id=rid, namespace="", tokens=t) for rid, t in batch))
+        reply = self._deliver(op)
+        assert isinstance(reply, Admitted)
+        return reply.admissions
+
+    def allocate_evicting(self, demands: list[tuple[str, int]]) -> dict[str, Indices]:
+        """Slots as the facade gets them: if the pool is short, the tree evicts, then once more."""
+        got = self.device.allocate_indices(demands)
+        if isinstance(got, Insufficient):
+            op = self._next_id()
+            self.tree.evict_device(op, got.shortfall_slots)
+            self._deliver(op)
+            got = self.device.allocate_indices(demands)
+        if isinstance(got, Insufficient):
+            raise RuntimeError(f"bench: no room even after eviction: {got}")
+        return got
+
     def allocate(self, demands: list[tuple[str, int]]) -> dict[str, torch.Tensor]:
         got = self.device.allocate(demands)
         if isinstance(got, Insufficient):

@@ -34,9 +34,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import structlog
 import torch
 
+from hicache.actors._logging import logger
 from hicache.messages import (
     ActorName,
     AdmitItem,
@@ -104,7 +104,7 @@ FINISHED_REMEMBERED_MAX = 1 << 16
 CLOSE_DRAIN_TIMEOUT_S = 30.0
 """How long `close()` waits for writes and backups in flight by default."""
 
-log = structlog.get_logger("hicache.facade")
+log = logger("hicache.facade")
 
 __all__ = [
     "AdmitResult", "CacheHandle", "CacheStateError", "Closed", "ExpiredHandleError", "HiCache",
@@ -235,6 +235,8 @@ class HiCache:
         """Match each request's prompt, lock its cached prefix, start load-back of host hits."""
         with self._call() as call:
             items = self._admit_items(requests)
+            if not items:
+                return []
             message = AdmitRequests(op_id=self._op(), items=tuple(items))
             reply = self._ask(ActorName.TREE, message, Admitted, late=lambda r: self._undo_admit(items, r))
             out = [self._admitted(item, adm) for item, adm in zip(items, reply.admissions, strict=True)]
@@ -290,6 +292,8 @@ class HiCache:
         per request (0: no prefetch). Admit a prefetching request only after `ready` reports it."""
         with self._call() as call:
             items = self._admit_items(requests)
+            if not items:
+                return {}
             message = PrefetchRequests(op_id=self._op(), items=tuple(items))
             reply = self._ask(ActorName.TREE, message, PrefetchesStarted, late=lambda r: self._undo_prefetch(items, r))
             started = self._prefetched(items, reply)
@@ -316,6 +320,8 @@ class HiCache:
         Returns, per ready request, the tokens it got from storage."""
         with self._call():
             ids = list(dict.fromkeys(check.request_id(r) for r in self._sequence(request_ids, "request_ids")))
+            if not ids:
+                return {}
             local = self._ask(ActorName.TREE, PrefetchStates(op_id=self._op(), request_ids=tuple(ids)),
                               PrefetchReadiness).ready
             agreed = self.group.all_min([int(x) for x in local])

@@ -17,9 +17,11 @@ Each `tick()`:
 3. runs the fake model: it waits for each layer's load and checks, layer by layer,
    the KV of every prefix the cache supplied (fingerprint oracle), then writes
    fingerprint KV for the tokens it computes;
-4. commits what was computed (one call); caches requests that finished a prefill
-   chunk but not the prompt (`cache_unfinished`), finishes requests that produced
-   all their output, and aborts some when an abort rate is set.
+4. commits what was computed: a request that goes on decoding commits with the next
+   tick's allocation (so a decode tick is one call), the others at once; caches
+   requests that finished a prefill chunk but not the prompt (`cache_unfinished`),
+   finishes requests that produced all their output, and aborts some when an abort
+   rate is set.
 
 Token semantics follow an engine: a request is admitted with its sequence minus
 the last token (so at least one token is always computed), prefill computes the
@@ -181,6 +183,8 @@ class ReferenceScheduler:
         self.ticks = 0
         self.load_failures = 0
         self._prefetch_tried: set[str] = set()
+        self._uncommitted: dict[str, list[int]] = {}
+        """Tokens computed last tick by requests still decoding: committed by this tick's allocation."""
 
     # -- driving ---------------------------------------------------------------------
 
@@ -222,13 +226,28 @@ class ReferenceScheduler:
             self._retract_after_failed_load(steps)
             return
         if steps:
-            self.hc.commit({st.run.spec.request_id: st.run.seq[st.start : st.start + st.count] for st in steps})
-            for st in steps:
-                st.run.computed += st.count
+            self._commit(steps)
         self._advance(steps)
         advance = getattr(self.hc.system.runtime, "advance", None)
         if advance is not None and self.config.tick_s:
             advance(self.config.tick_s)
+
+    def _commit(self, steps: list[_Step]) -> None:
+        """Commit what this tick computed. A request that goes on decoding commits with the
+        next tick's allocation (one round trip per decode tick); one that finishes or caches
+        a chunk now, since those calls read its committed tokens."""
+        now = {}
+        for st in steps:
+            run = st.run
+            run.computed += st.count
+            tokens = run.seq[st.start : st.start + st.count]
+            decoding_on = run.computed >= len(run.seq) and run.outputs + 1 < run.spec.output_tokens
+            if decoding_on:
+                self._uncommitted[run.spec.request_id] = tokens
+            else:
+                now[run.spec.request_id] = tokens
+        if now:
+            self.hc.commit(now)
 
     # -- storage prefetch --------------------------------------------------------------------
 
@@ -320,7 +339,8 @@ class ReferenceScheduler:
             for st in steps:
                 rid = st.run.spec.request_id
                 want[rid] = max(0, st.start + st.count + ahead - self.hc.allocated(rid))
-            got = self.hc.allocate(want)
+            commit, self._uncommitted = self._uncommitted, {}
+            got = self.hc.allocate(want, commit=commit)
             if not isinstance(got, Insufficient):
                 for st in steps:
                     st.slots = self.hc.slots(st.run.spec.request_id)[st.start : st.start + st.count]
@@ -366,6 +386,7 @@ class ReferenceScheduler:
             if doomed:
                 self.hc.abort([r.handle for r in doomed])
                 for run in doomed:
+                    self._uncommitted.pop(run.spec.request_id, None)
                     del self.running[run.spec.request_id]
                     self.outcomes[run.spec.request_id].aborted = True
 
@@ -379,6 +400,7 @@ class ReferenceScheduler:
         return max(pool, key=lambda r: (r.admitted_at, r.spec.request_id))
 
     def _retract(self, run: _Running) -> None:
+        self._uncommitted.pop(run.spec.request_id, None)  # its KV past the committed part is given up
         self.hc.retract([run.handle])
         del self.running[run.spec.request_id]
         self.outcomes[run.spec.request_id].retractions += 1

@@ -71,6 +71,10 @@ def _parser() -> argparse.ArgumentParser:
     rb.add_argument("--json", action="store_true",
                     help="print one JSON object (deliveries, replay_s, deliveries_per_s, read_s, ...)")
     rb.add_argument("--quick", action="store_true", help="a small, fast run (for smoke tests)")
+    tc = bsub.add_parser("trace", help="the conversation trace through the facade vs the bare cores, per phase")
+    tc.add_argument("--json", action="store_true", help="print one JSON object with `results`")
+    tc.add_argument("--quick", action="store_true", help="a small, fast run (for smoke tests)")
+    tc.add_argument("--requests", type=int, default=None, help="serve the trace's first N requests (default 2000)")
     st = bsub.add_parser("storage", help="reading pages from each storage backend into host memory vs a raw read")
     st.add_argument("--json", action="store_true", help="print one JSON object with `results`")
     st.add_argument("--mib", type=int, default=256, help="MiB of pages written and read per backend (default 256)")
@@ -123,6 +127,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ._bench_replay import run_bench_replay
 
         return run_bench_replay(as_json=args.json, quick=args.quick)
+    if args.command == "bench" and args.bench == "trace":
+        from ._bench_trace import run_bench_trace
+
+        return run_bench_trace(as_json=args.json, quick=args.quick, requests=args.requests)
     if args.command == "bench" and args.bench == "storage":
         from ._bench_storage import run_bench_storage
 

@@ -42,6 +42,7 @@ INTERNAL = {
     "hicache.runtime._services.Failures": "the runtime's record of failed actors; System raises from it",
     "hicache.runtime._system.Runtime": "protocol System needs from a runtime; both runtimes are exported",
     "hicache.runtime._system.actor_specs": "the wiring of cores and actors shared by System.start and log replay",
+    "hicache.actors._logging.logger": "the operational log lines of storage and the facade, through stdlib logging",
     "hicache.runtime._calls.Interrupts": "the facade's deferral of SIGINT to the points where a call may give up",
     "hicache.runtime._calls.Pending": "the facade's journal entry of a call in flight",
     "hicache.runtime._facade_types.count": "the facade's check of a count argument",
