@@ -25,14 +25,15 @@ from ._radix import (
     NodeStateError,
     RadixTree,
 )
-from ._storage import (
+from ._file_backend import FileBackend
+from ._storage import StorageBackend, open_backend
+from ._stored_page import (
     KEY_CHARS_MAX,
-    FileBackend,
+    HostPages,
     PageFormat,
-    StorageBackend,
     StorageError,
     StorageIO,
-    open_backend,
+    StorageUsage,
     page_keys,
 )
 from ._streams import LoadStreamActor, WriteStreamActor
@@ -53,6 +54,7 @@ __all__ = [
     "Facts",
     "HandleError",
     "HostCore",
+    "HostPages",
     "HostInsert",
     "HostPoolActor",
     "InsertOutcome",
@@ -76,6 +78,7 @@ __all__ = [
     "StorageBackend",
     "StorageError",
     "StorageIO",
+    "StorageUsage",
     "StoragePrefetcherActor",
     "TransferOp",
     "TransferQueue",

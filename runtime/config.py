@@ -148,6 +148,9 @@ class Config:
     """Longest one storage call may take before it counts as failed (never a hang)."""
     storage_batch_pages: int = 16
     """Pages the prefetcher reads or writes per step (a stop waits for at most one step)."""
+    storage_max_bytes: int = 0
+    """File backend: most bytes its pages may take on disk (least recently used pages are evicted
+    past it, within one segment file); 0: no bound."""
     prefetch_threshold_pages: int = 2
     """A prefetch starts only when at least this many pages of a request are not in L1/L2."""
     prefetch_rate_fraction: float = 0.5
@@ -183,6 +186,9 @@ class Config:
             _positive_int(name, getattr(self, name))
         if isinstance(self.tp_rank, bool) or not isinstance(self.tp_rank, int) or not 0 <= self.tp_rank < self.tp_size:
             raise ConfigError(f"tp_rank={self.tp_rank!r} must be an integer in 0..tp_size-1 (tp_size={self.tp_size})")
+        if isinstance(self.storage_max_bytes, bool) or not isinstance(self.storage_max_bytes, int) \
+                or self.storage_max_bytes < 0:
+            raise ConfigError(f"storage_max_bytes={self.storage_max_bytes!r} must be an integer >= 0 (0: no bound)")
         for name in ("storage_timeout_s", "prefetch_rate_fraction", "prefetch_timeout_base_s",
                      "prefetch_timeout_per_1k_s", "prefetch_timeout_max_s"):
             _positive_number(name, getattr(self, name))
