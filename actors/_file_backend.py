@@ -95,10 +95,14 @@ class _Segment:
     """Bytes of whole records from the start (the scan's position; for ours, the file's end)."""
     live: list[int] = field(default_factory=list)
     """Offsets of the records the index holds, ascending."""
+    keys: dict[int, str] = field(default_factory=dict)
+    """The key of the record at each offset of `live`."""
     allocated: int = 0
     """Bytes allocated to the file (`st_blocks * 512`) when last looked at."""
     shaped: bool = False
     """It holds records of this instance's KV shape (only those segments count toward the bound)."""
+    record: int = 0
+    """Bytes of each of its records (one writer writes one KV shape), once a header told it."""
     fd: int = -1
 
 
@@ -313,6 +317,7 @@ class FileBackend:
             offset = seg.scanned + i * fmt.stored_bytes
             self._index[key] = _Page(seg, offset, sums[i])
             seg.live.append(offset)
+            seg.keys[offset] = key
         seg.scanned += need
         self._restat(seg)
         return ""
@@ -406,20 +411,25 @@ class FileBackend:
         self._restat(seg)
 
     def _scan_records(self, seg: _Segment, fd: int, size: int) -> None:
+        """Index the records from `seg.scanned` on. A header that does not check out is skipped
+        by the segment's record size when the next header is there (damage in the middle);
+        otherwise the scan stops there (a torn tail, or a writer still appending) and the
+        next scan looks again."""
         fmt = self.fmt
         h = fmt.header_bytes
         off, buf, buf_at = seg.scanned, b"", 0
-        record = fmt.stored_bytes
         while off + h <= size:
+            record = seg.record or fmt.stored_bytes
             if off + h > buf_at + len(buf):
                 want = h if record >= SCAN_BYTES // 4 else min(SCAN_BYTES, size - off)
                 buf, buf_at = os.pread(fd, want, off), off
                 if len(buf) < h:
                     break
             header = fmt.unpack(buf[off - buf_at : off - buf_at + h])
-            if not header.readable:
-                break  # a torn tail, or a writer still appending: look again at the next scan
-            record = h + header.payload_bytes
+            if header.readable:
+                record = seg.record = h + header.payload_bytes
+            elif off + record + h > size:
+                break
             if off + record > size:
                 break
             if not header.problem:
@@ -427,6 +437,7 @@ class FileBackend:
                 if header.key not in self._index:
                     self._index[header.key] = _Page(seg, off, header.checksum)
                     seg.live.append(off)
+                    seg.keys[off] = header.key
             off += record
         seg.scanned = off
 
@@ -439,6 +450,7 @@ class FileBackend:
         live = seg.live
         i = bisect_left(live, page.offset)
         del live[i]
+        del seg.keys[page.offset]
         start = live[i - 1] + self.fmt.stored_bytes if i > 0 else 0
         end = live[i] if i < len(live) else seg.scanned
         if not live and seg.sealed and seg.shaped:
@@ -480,22 +492,15 @@ class FileBackend:
 
     def _forget_segment(self, seg: _Segment) -> None:
         """Drop a segment (deleted, or unreachable) and every page the index had in it."""
-        for off in seg.live:
-            key = self._key_at(seg, off)
-            if key is not None:
-                del self._index[key]
+        for key in seg.keys.values():
+            del self._index[key]
         seg.live.clear()
+        seg.keys.clear()
         self._set_allocated(seg, 0)
         self._close_fd(seg)
         self._segments.pop(seg.name, None)
         if seg is self._current:
             self._current = None
-
-    def _key_at(self, seg: _Segment, offset: int) -> str | None:
-        for key, page in self._index.items():
-            if page.segment is seg and page.offset == offset:
-                return key
-        return None
 
     def _restat(self, seg: _Segment) -> None:
         try:
