@@ -106,7 +106,7 @@ class StoragePrefetcherActor(HiActor):
             case ContinuePrefetch(op_id=op):
                 return self._step(op)
             case StopPrefetch(op_id=op):
-                return self._stop(op)
+                return self._stop_read(op)
             case StorePages(op_id=op, keys=keys, host=host):
                 return self._store(op, keys, host.as_tensor())
             case _:
@@ -140,7 +140,7 @@ class StoragePrefetcherActor(HiActor):
         else:
             self.send(self.name, ContinuePrefetch(op_id=op))
 
-    def _stop(self, op: int) -> PrefetchStopped | None:
+    def _stop_read(self, op: int) -> PrefetchStopped | None:
         r = self._reads.get(op)
         if r is None:  # the tree stops one that never reached storage
             return PrefetchStopped(op_id=op, pages=0)
@@ -158,7 +158,7 @@ class StoragePrefetcherActor(HiActor):
             return None
         if r.stopping:
             r.stopping = False
-            stopped = self._stop(op)
+            stopped = self._stop_read(op)
             if stopped is not None:
                 self.send(ActorName.TREE, stopped)
             return None
