@@ -249,7 +249,8 @@ class FileBackend:
         there; (leading good pages, error)."""
         seg = group[0].segment
         headers = self._header_views(len(group))
-        bufs = [b for i in range(len(group)) for b in (headers[i], *pages.blocks(starts[first + i]))]
+        blocks = [pages.blocks(starts[first + i]) for i in range(len(group))]
+        bufs = [b for i in range(len(group)) for b in (headers[i], *blocks[i])]
         try:
             got = _preadv_all(self._fd(seg), bufs, group[0].offset)
         except OSError as e:
@@ -260,7 +261,7 @@ class FileBackend:
             if got < (i + 1) * self.fmt.stored_bytes:
                 problem = f"truncated: the segment ends within its record ({seg.path})"
             else:
-                problem = self.fmt.problem(key, headers[i], checksum(pages.blocks(starts[first + i])))
+                problem = self.fmt.problem(key, headers[i], checksum(blocks[i]))
             if problem:
                 self._drop(key, page, problem)
                 return i, f"page {key} is unusable ({problem}); dropped it"

@@ -129,6 +129,13 @@ class PageFormat:
         self._dtype = str(shape.dtype).removeprefix("torch.").encode()
         self._shape_fields = (self._dtype, shape.layers, shape.heads, shape.head_dim, shape.page_size,
                               PAYLOAD_LAYOUT)
+        template = bytearray(self.HEADER.size)
+        self.HEADER.pack_into(template, 0, self.MAGIC, self.VERSION, 0, self.payload_bytes, 0, *self._shape_fields,
+                              b"", 0)
+        self._lead = bytes(template[:6])
+        """Magic and version, as stored."""
+        self._shape_region = bytes(template[24:80])
+        """The dtype, dims and payload layout, as stored (see `_intact`)."""
         self.tag = f"{xxhash.xxh3_64_intdigest(repr((self.VERSION, self._shape_fields)).encode()) & 0xFFFFFFFF:08x}"
         """8 hex digits naming the format version and the KV shape, for backends that keep
         pages of different shapes apart by name (Mooncake object keys)."""
@@ -173,6 +180,8 @@ class PageFormat:
     def problem(self, key: str, header: memoryview | bytes, payload_checksum: int) -> str:
         """Why a header and the checksum of the payload read with it are not a valid page of
         `key`; "" when they are."""
+        if self._intact(key, header, payload_checksum):
+            return ""
         found = self.unpack(header)
         if found.problem:
             return found.problem
@@ -181,6 +190,19 @@ class PageFormat:
         if found.checksum != payload_checksum:
             return "checksum mismatch: the payload is corrupt"
         return ""
+
+
+    def _intact(self, key: str, header: memoryview | bytes, payload_checksum: int) -> bool:
+        """The common case of `problem`, by comparing stored bytes with what they must be (a page
+        read costs a few microseconds of Python; this is most of them)."""
+        h = self.HEADER.size
+        if len(header) < h or header[:6] != self._lead or header[24:80] != self._shape_region:
+            return False
+        raw = key.encode()
+        key_len, length, stored_sum = struct.unpack_from("<HQQ", header, 6)
+        return (key_len == len(raw) and length == self.payload_bytes and stored_sum == payload_checksum
+                and header[80 : 80 + len(raw)] == raw
+                and xxhash.xxh3_64_intdigest(header[: h - 8]) == struct.unpack_from("<Q", header, h - 8)[0])
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,11 +272,21 @@ class HostPages:
         return [m[off : off + n] for off, n in self.spans(start)]
 
 
+_SLOTS_BY_LIST_MAX = 4096
+"""`page_starts` checks up to this many slots with Python ints (cheaper than torch ops on few)."""
+
+
 def page_starts(keys: Sequence[str], host: KVBuffer, slots: torch.Tensor) -> list[int]:
     """The first host slot of each key's page; ValueError unless `slots` are whole, aligned
     pages of `host`, one per key, in key order."""
     p = host.shape.page_size
     n = len(keys)
+    if slots.dim() == 1 and slots.dtype == torch.int64 and len(slots) == n * p and n * p <= _SLOTS_BY_LIST_MAX:
+        listed = slots.tolist()
+        starts = listed[::p]
+        if listed == [s + i for s in starts for i in range(p)] and all(s % p == 0 and 0 <= s <= host.slots - p
+                                                                       for s in starts):
+            return starts  # whole pages in range: the checks below, without a tensor op per call
     if slots.dim() != 1 or slots.dtype != torch.int64 or len(slots) != n * p:
         raise ValueError(
             f"slots must be a 1-D int64 tensor of {n} keys x page_size {p} = {n * p} host slots, "
