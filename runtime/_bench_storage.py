@@ -142,15 +142,16 @@ class RawFile:
             at += n
 
     def write(self, rep: int) -> None:
-        path = self.root / f"raw-{rep}.bin"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = os.open(self.root / f"raw-{rep}.bin", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             view, done = self.memory[: self.nbytes], 0
             while done < self.nbytes:
                 done += os.write(fd, view[done:])
         finally:
             os.close(fd)
-        path.unlink()
+
+    def forget(self, rep: int) -> None:
+        (self.root / f"raw-{rep}.bin").unlink()
 
 
 class RawMooncake:
@@ -181,7 +182,9 @@ class RawMooncake:
             raw = [f"raw{rep}-{k}" for k in keys]
             if any(self.client.batch_put_from(raw, ptrs, [self.stored] * len(keys))):
                 raise StorageError("bench storage: raw Mooncake put failed")
-            self.client.batch_remove(raw, True)
+
+    def forget(self, rep: int) -> None:
+        self.client.batch_remove([f"raw{rep}-{k}" for k in self.objects], True)
 
 
 # -- one backend -------------------------------------------------------------------------------
@@ -208,9 +211,9 @@ def _forget(backend: StorageBackend, keys: list[str]) -> None:
         backend.client.batch_remove([backend.object_key(k) for k in keys], True)
 
 
-def _measure(backend: StorageBackend, config: Config, page: str, pages: int, seed: int,
+def _measure(backend: StorageBackend, config: Config, layout: HostLayout, page: str, pages: int, seed: int,
              step: Callable[[], None]) -> Result:
-    shape, layout = KVShape.of(config), config.host_layout
+    shape = KVShape.of(config)
     p = shape.page_size
     slots = torch.arange(pages * p)
     src = KVBuffer.allocate(shape, config.host_slots, layout, "cpu")
@@ -229,6 +232,7 @@ def _measure(backend: StorageBackend, config: Config, page: str, pages: int, see
             "raw_write": _timed(lambda: raw.write(rep)),
         }
         _forget(backend, fresh)
+        raw.forget(rep)
         if rep >= WARMUP:
             for k, v in sample.items():
                 times[k].append(v)
@@ -263,12 +267,14 @@ def _run_backend(kind: str, mib: int, step: Callable[[], None]) -> list[Result]:
     try:
         with ExitStack() as stack:
             fields = _storage_fields(kind, mib, stack)
-            for seed, (layout, page) in enumerate(cells, start=1):
-                config = _config(page, _pages(page, mib), layout, **fields)
-                backend = open_backend(config)
+            for i, page in enumerate(SHAPES):
+                config = _config(page, _pages(page, mib), LAYOUTS[0], **fields)
+                backend = open_backend(config)  # one per KV shape: the host layout is the buffer's alone
                 assert backend is not None
                 try:
-                    results.append(_measure(backend, config, page, _pages(page, mib), seed, step))
+                    for j, layout in enumerate(LAYOUTS):
+                        seed = 1 + i * len(LAYOUTS) + j
+                        results.append(_measure(backend, config, layout, page, _pages(page, mib), seed, step))
                 finally:
                     backend.close()
     except (MasterStartError, StorageError) as e:
