@@ -26,14 +26,15 @@ from ._radix import (
     RadixTree,
     chain_hashes,
 )
-from ._storage import (
+from ._file_backend import FileBackend
+from ._storage import StorageBackend, open_backend
+from ._stored_page import (
     KEY_CHARS_MAX,
-    FileBackend,
+    HostPages,
     PageFormat,
-    StorageBackend,
     StorageError,
     StorageIO,
-    open_backend,
+    StorageUsage,
     page_keys,
 )
 from ._streams import LoadStreamActor, WriteStreamActor
@@ -54,6 +55,7 @@ __all__ = [
     "Facts",
     "HandleError",
     "HostCore",
+    "HostPages",
     "HostInsert",
     "HostPoolActor",
     "InsertOutcome",
@@ -76,6 +78,7 @@ __all__ = [
     "StorageBackend",
     "StorageError",
     "StorageIO",
+    "StorageUsage",
     "StoragePrefetcherActor",
     "TransferOp",
     "TransferQueue",

@@ -2,9 +2,12 @@
 
 Each instance is a Mooncake client: it mounts `mooncake_segment_mb` of its memory into
 the store and asks the master (`mooncake_master`, with its HTTP metadata server) where
-objects live. Pages are stored in the envelope of `PageFormat` and move only through
-one registered staging buffer (`batch_get_into` / `batch_put_from`), so the client
-needs no local buffer of its own.
+objects live. A page is one object, its `PageFormat` record, named by its key and the
+format's KV-shape tag (`<key>.<tag>`), so instances of another KV shape never see it.
+Pages move straight between the store and the host buffer, which the backend registers
+with the client: a multi-buffer get scatters an object into the header slot of a small
+registered buffer and the page's runs in host memory (`HostPages`), where it is
+verified; a multi-buffer put gathers them back. The client needs no buffer of its own.
 
 The client is a blocking C++ library, and none of this may hang. Measured here:
 against an unreachable master `setup` retries for about 90 s, so `open` first connects
@@ -13,8 +16,9 @@ master died, a `put` or `remove` returned only after about 4 s. So calls run on 
 private daemon thread and the caller waits at most `storage_timeout_s`. This is the one
 place hicache starts a thread outside the runtime: it wraps a blocking C client, not
 actor logic. A call that overran makes the next calls fail at once until it returns, so
-the thread never queues work and the staging buffer it may still be filling is not
-reused meanwhile.
+the thread never queues work and the buffers it may still be filling are not reused
+meanwhile: the prefetcher does not report a prefetch stopped (after which the tree may
+reuse its host slots) while a call is pending (`pending`).
 
 Three client calls hold the interpreter lock, so no timeout of ours can bound them:
 - `close` (about 2 s here with a live master, over 10 s against a dead one), and the
@@ -34,6 +38,7 @@ Three client calls hold the interpreter lock, so no timeout of ours can bound th
 
 from __future__ import annotations
 
+import ctypes
 import os
 import queue
 import socket
@@ -48,7 +53,17 @@ import torch
 from hicache.runtime.config import Config
 
 from ._kv import KVBuffer, KVShape
-from ._storage import PageFormat, Staging, StorageError, StorageIO, check_keys, log, page_starts
+from ._stored_page import (
+    HostPages,
+    PageFormat,
+    StorageError,
+    StorageIO,
+    StorageUsage,
+    check_keys,
+    checksum,
+    log,
+    page_starts,
+)
 
 T = TypeVar("T")
 
@@ -66,6 +81,7 @@ _CODES: Final = {
 _INVALID_PARAMS: Final = -600
 _NOT_FOUND: Final = -704
 _ALREADY_EXISTS: Final = -705
+_TRANSFER_FAILED: Final = -800
 
 SETUP_RETRIES: Final = 3
 """Attempts of the client's `setup` (each up to `storage_timeout_s`)."""
@@ -99,11 +115,11 @@ class _BoundedCalls:
 
     A daemon thread, not a `ThreadPoolExecutor`: the executor joins its threads at
     interpreter exit, so one call stuck in the C client would hang the process's exit.
-    `keep` holds what a stuck call may still touch (the staging buffer), so it outlives
+    `keep` holds what a stuck call may still touch (the registered buffers), so it outlives
     the backend.
     """
 
-    def __init__(self, timeout_s: float, keep: tuple[object, ...]) -> None:
+    def __init__(self, timeout_s: float, keep: list[object]) -> None:
         self.timeout_s = timeout_s
         self._keep = keep
         self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None] = (
@@ -165,9 +181,15 @@ class MooncakeBackend:
         self._config = config
         os.environ.update({k: v for k, v in _client_env(config).items() if k not in _USER_ENV})
         self.fmt = PageFormat(KVShape.of(config))
-        self._staging = Staging(self.fmt, config.storage_batch_pages)
+        self._batch = config.storage_batch_pages
+        self._headers = torch.zeros(self._batch * self.fmt.header_bytes, dtype=torch.uint8)
+        self._header_views = _byte_views(self._headers, self.fmt.header_bytes)
         self._store = store_class()
-        self._calls = _BoundedCalls(config.storage_timeout_s, keep=(self._staging, self._store))
+        self._keep: list[object] = [self._headers, self._store]
+        self._hosts: dict[int, HostPages] = {}
+        """Host buffers registered with the client, by address."""
+        self._errors = 0
+        self._calls = _BoundedCalls(config.storage_timeout_s, keep=self._keep)
         self._closed = False
         try:
             rc = self._calls.run(
@@ -176,7 +198,7 @@ class MooncakeBackend:
             )
             if rc == 0:
                 rc = self._calls.run("register_buffer", self._store.register_buffer,
-                                     self._staging.address, len(self._staging.buffer))
+                                     self._headers.data_ptr(), self._headers.numel())
         except _CallFailed as e:
             _ABANDONED.append(self._store)  # still inside setup: never destroy it mid-run
             self._calls.stop()
@@ -188,7 +210,7 @@ class MooncakeBackend:
     @property
     def pending(self) -> str:
         """The client call that still runs after its caller gave up on it ("" when none):
-        until it returns, every call fails at once."""
+        until it returns, every call fails at once, and a read may still write host slots."""
         return self._calls.busy()
 
     @property
@@ -196,110 +218,161 @@ class MooncakeBackend:
         """The `MooncakeDistributedStore` underneath, for tools and benches that need raw access."""
         return self._store
 
+    def object_key(self, key: str) -> str:
+        """The store's name of the page of `key`: the key and this KV shape's format tag."""
+        return f"{key}.{self.fmt.tag}"
+
+    def usage(self) -> StorageUsage:
+        return StorageUsage(io_errors=self._errors)
+
+    def _failed(self, call: str, key: str, error: str) -> None:
+        self._errors += 1
+        log.error("storage call failed", backend=self.name, call=call, key=key, error=error)
+
     def exists(self, keys: Sequence[str]) -> int:
         check_keys(keys)
         if not keys:
             return 0
         try:
-            found = self._calls.run("batch_is_exist", self._store.batch_is_exist, list(keys))
+            found = self._calls.run("batch_is_exist", self._store.batch_is_exist, [self.object_key(k) for k in keys])
         except _CallFailed as e:
-            log.error("storage call failed", backend=self.name, call="batch_is_exist", error=str(e))
+            self._failed("batch_is_exist", keys[0], str(e))
             return 0
         for i, f in enumerate(found):
             if f != 1:
                 if f < 0:
-                    log.error("storage call failed", backend=self.name, call="batch_is_exist", key=keys[i],
-                              error=_describe(f))
+                    self._failed("batch_is_exist", keys[i], _describe(f))
                 return i
         return len(keys)
 
-    def read(self, keys: Sequence[str], host: KVBuffer, slots: torch.Tensor) -> StorageIO:
-        return self._staging.read(keys, host, slots, self._read_batch)
-
-    def _read_batch(self, keys: Sequence[str]) -> tuple[int, str]:
-        """Get and verify `keys` into the staging pages; (leading good pages, error)."""
-        stored = self.fmt.stored_bytes
-        ptrs = [self._staging.address + i * stored for i in range(len(keys))]
+    def _host_pages(self, host: KVBuffer) -> tuple[HostPages | None, str]:
+        """The host buffer's pages, registered with the client at first use."""
+        address = host.tensor.data_ptr()
+        pages = self._hosts.get(address)
+        if pages is not None and pages.host is host:
+            return pages, ""
+        pages = HostPages(host)
         try:
-            got = self._calls.run("batch_get_into", self._store.batch_get_into, list(keys), ptrs,
-                                  [stored] * len(keys))
+            rc = self._calls.run("register_buffer", self._store.register_buffer, pages.address, pages.nbytes)
         except _CallFailed as e:
-            log.error("storage call failed", backend=self.name, call="batch_get_into", key=keys[0], error=str(e))
+            rc, why = -1, str(e)
+        else:
+            why = _describe(rc)
+        if rc != 0:
+            self._failed("register_buffer", "", why)
+            return None, f"registering the host buffer with Mooncake failed ({why})"
+        self._hosts[address] = pages
+        self._keep.append(pages)
+        return pages, ""
+
+    def _buffers(self, pages: HostPages, starts: Sequence[int]) -> tuple[list[list[int]], list[list[int]]]:
+        """Per page: the addresses and sizes of its header slot and its runs in host memory."""
+        h = self.fmt.header_bytes
+        base, hdr = pages.address, self._headers.data_ptr()
+        ptrs, sizes = [], []
+        for i, start in enumerate(starts):
+            spans = pages.spans(start)
+            ptrs.append([hdr + i * h, *(base + off for off, _ in spans)])
+            sizes.append([h, *(n for _, n in spans)])
+        return ptrs, sizes
+
+    def read(self, keys: Sequence[str], host: KVBuffer, slots: torch.Tensor) -> StorageIO:
+        check_keys(keys)
+        starts = page_starts(keys, host, slots)
+        pages, error = self._host_pages(host) if keys else (None, "")
+        done = 0
+        while done < len(keys) and not error:
+            batch = keys[done : done + self._batch]
+            good, error = self._read_batch(batch, starts[done : done + len(batch)], pages)
+            done += good
+        return StorageIO(pages=done, bytes=done * self.fmt.payload_bytes, error=error)
+
+    def _read_batch(self, keys: Sequence[str], starts: Sequence[int], pages: HostPages) -> tuple[int, str]:
+        """Get `keys` straight into their host pages and verify them there; (leading good pages, error)."""
+        ptrs, sizes = self._buffers(pages, starts)
+        try:
+            got = self._calls.run("batch_get_into_multi_buffers", self._store.batch_get_into_multi_buffers,
+                                  [self.object_key(k) for k in keys], ptrs, sizes)
+        except _CallFailed as e:
+            self._failed("batch_get_into_multi_buffers", keys[0], str(e))
             return 0, f"page {keys[0]}: {e}"
         for i, (key, n) in enumerate(zip(keys, got, strict=True)):
             if n == _NOT_FOUND:
                 return i, f"page {key} is not in storage"
-            problem = self._oversized(key) if n == _INVALID_PARAMS else ""
-            if problem:
-                self._drop(key, problem)
-                return i, f"page {key} is unusable ({problem}); dropped it"
-            if n < 0:
-                log.error("storage call failed", backend=self.name, call="batch_get_into", key=key,
-                          error=_describe(n))
+            problem = self._misfit(key) if n in (_INVALID_PARAMS, _TRANSFER_FAILED) else ""
+            if not problem and n < 0:
+                self._failed("batch_get_into_multi_buffers", key, _describe(n))
                 return i, f"page {key}: Mooncake get failed ({_describe(n)})"
-            problem = self.fmt.problem(key, self._staging.page(i, n))
+            problem = problem or self.fmt.problem(key, self._header_views[i], checksum(pages.blocks(starts[i])))
             if problem:
                 self._drop(key, problem)
                 return i, f"page {key} is unusable ({problem}); dropped it"
         return len(keys), ""
 
-    def _oversized(self, key: str) -> str:
-        """Why `get_into` found no room for `key` when the object is larger than a page
-        (the client says only 'invalid parameters'); "" when it is not that."""
+    def _misfit(self, key: str) -> str:
+        """Why a get of `key` failed when the object is not the size of a page (the client says
+        only 'invalid parameters' or 'transfer failed'); "" when it is not that."""
         try:
-            size = self._calls.run("get_size", self._store.get_size, key)
+            size = self._calls.run("get_size", self._store.get_size, self.object_key(key))
         except _CallFailed:
             return ""
-        return f"object of {size} bytes, expected {self.fmt.stored_bytes}" if size > self.fmt.stored_bytes else ""
+        return f"object of {size} bytes, expected {self.fmt.stored_bytes}" if size != self.fmt.stored_bytes else ""
 
     def _drop(self, key: str, problem: str) -> None:
         log.warning("storage page unusable, dropped", backend=self.name, key=key, problem=problem)
         try:
-            rc = self._calls.run("remove", self._store.remove, key, True)
+            rc = self._calls.run("remove", self._store.remove, self.object_key(key), True)
         except _CallFailed as e:
-            log.error("storage call failed", backend=self.name, call="remove", key=key, error=str(e))
+            self._failed("remove", key, str(e))
             return
         if rc not in (0, _NOT_FOUND):
-            log.error("storage call failed", backend=self.name, call="remove", key=key, error=_describe(rc))
+            self._failed("remove", key, _describe(rc))
 
     def write(self, keys: Sequence[str], host: KVBuffer, slots: torch.Tensor) -> StorageIO:
         check_keys(keys)
         starts = page_starts(keys, host, slots)
-        stage = self._staging
-        stored = self.fmt.stored_bytes
+        pages, error = self._host_pages(host) if keys else (None, "")
+        if error:
+            return StorageIO(pages=0, error=f"page {keys[0]}: {error}")
         written = 0
+        for b in range(0, len(keys), self._batch):
+            stored, done, error = self._write_batch(keys[b : b + self._batch], starts[b : b + self._batch], pages)
+            written += done
+            if error:
+                return StorageIO(pages=b + stored, written=written, bytes=written * self.fmt.payload_bytes,
+                                 error=error)
+        return StorageIO(pages=len(keys), written=written, bytes=written * self.fmt.payload_bytes)
 
-        def result(pages: int, error: str = "") -> StorageIO:
-            return StorageIO(pages=pages, written=written, bytes=written * self.fmt.payload_bytes, error=error)
-
-        for b in range(0, len(keys), stage.pages):
-            batch = list(keys[b : b + stage.pages])
-            try:
-                found = self._calls.run("batch_is_exist", self._store.batch_is_exist, batch)
-                failed = next((f for f in found if f < 0), 0)
-                if failed:  # the master does not answer: a put now would only block the client
-                    log.error("storage call failed", backend=self.name, call="batch_is_exist", key=batch[0],
-                              error=_describe(failed))
-                    return result(b, f"page {batch[0]}: Mooncake exists check failed ({_describe(failed)})")
-                todo = [i for i, f in enumerate(found) if f != 1]
-                if not todo:
-                    continue
-                stage.gather(host, [starts[b + i] for i in todo], [batch[i] for i in todo])
-                codes = self._calls.run(
-                    "batch_put_from", self._store.batch_put_from, [batch[i] for i in todo],
-                    [stage.address + j * stored for j in range(len(todo))], [stored] * len(todo),
-                )
-            except _CallFailed as e:
-                log.error("storage call failed", backend=self.name, call="write", key=batch[0], error=str(e))
-                return result(b, f"page {batch[0]}: {e}")
-            for i, rc in zip(todo, codes, strict=True):
-                if rc not in (0, _ALREADY_EXISTS):
-                    log.error("storage call failed", backend=self.name, call="batch_put_from", key=batch[i],
-                              error=_describe(rc))
-                    return result(b + i, f"page {batch[i]}: Mooncake put failed ({_describe(rc)})")
-                if rc == 0:
-                    written += 1
-        return result(len(keys))
+    def _write_batch(
+        self, keys: Sequence[str], starts: Sequence[int], pages: HostPages
+    ) -> tuple[int, int, str]:
+        """Put the pages of `keys` not yet stored, gathered from host memory:
+        (leading pages now stored, pages written, error)."""
+        objects = [self.object_key(k) for k in keys]
+        try:
+            found = self._calls.run("batch_is_exist", self._store.batch_is_exist, objects)
+            failed = next((f for f in found if f < 0), 0)
+            if failed:  # the master does not answer: a put now would only block the client
+                self._failed("batch_is_exist", keys[0], _describe(failed))
+                return 0, 0, f"page {keys[0]}: Mooncake exists check failed ({_describe(failed)})"
+            todo = [i for i, f in enumerate(found) if f != 1]
+            if not todo:
+                return len(keys), 0, ""
+            ptrs, sizes = self._buffers(pages, [starts[i] for i in todo])
+            for j, i in enumerate(todo):
+                self.fmt.pack(self._header_views[j], keys[i], checksum(pages.blocks(starts[i])))
+            codes = self._calls.run("batch_put_from_multi_buffers", self._store.batch_put_from_multi_buffers,
+                                    [objects[i] for i in todo], ptrs, sizes)
+        except _CallFailed as e:
+            self._failed("write", keys[0], str(e))
+            return 0, 0, f"page {keys[0]}: {e}"
+        written = 0
+        for i, rc in zip(todo, codes, strict=True):
+            if rc not in (0, _ALREADY_EXISTS):
+                self._failed("batch_put_from_multi_buffers", keys[i], _describe(rc))
+                return i, written, f"page {keys[i]}: Mooncake put failed ({_describe(rc)})"
+            written += rc == 0
+        return len(keys), written, ""
 
     def close(self) -> None:
         """Unmount this client's segment (its pages leave the store) and stop the call thread.
@@ -319,10 +392,16 @@ class MooncakeBackend:
                 problem = str(e)
         if problem:
             log.warning("storage client left open until exit", backend=self.name, reason=problem)
-            _ABANDONED.append(self._store)
+            _ABANDONED.append(self._keep)  # the client and every buffer a stuck call may touch
         else:
             self._store.close()  # holds the GIL, so the call thread could not bound it either
         self._calls.stop()
+
+
+def _byte_views(buffer: torch.Tensor, size: int) -> list[Any]:
+    """`buffer` (uint8, CPU) cut into consecutive writable byte views of `size` bytes."""
+    return [memoryview((ctypes.c_char * size).from_address(buffer.data_ptr() + i * size)).cast("B")
+            for i in range(buffer.numel() // size)]
 
 
 def _client_env(config: Config) -> dict[str, str]:

@@ -7,10 +7,14 @@ final page count, after which the prefetcher never writes those slots again. The
 tree alone then keeps or frees them.
 
 Reads go in steps of `storage_batch_pages`, each step a message to itself, so a
-`StopPrefetch` waits for one step at most. A page counts as complete only once
-its verified bytes are in host memory (the backend copies before it returns).
+`StopPrefetch` waits for one step at most. The backend reads straight into the
+reserved slots and verifies the pages there; a page counts as complete only once
+it is verified. A backend call that overran its timeout may still be writing
+host memory (`StorageBackend.pending`): while it is, `PrefetchStopped` waits,
+checked again every `STOP_RECHECK_S`, since after it the tree may reuse the slots.
 Injected storage latency delays the next step by a runtime timer, never a sleep,
-so the deterministic runtime runs it in virtual time.
+so the deterministic runtime runs it in virtual time. Every storage fault is an
+operating condition: a miss or a failed backup, never a failed actor.
 """
 
 from __future__ import annotations
@@ -40,6 +44,10 @@ from hicache.runtime.config import Config
 
 from ._errors import InvariantError
 from ._kv import KVBuffer
+from ._stored_page import StorageUsage
+
+STOP_RECHECK_S = 0.05
+"""How often a stop held back by a pending backend call looks again."""
 
 
 @dataclass(slots=True)
@@ -53,6 +61,8 @@ class _Read:
     """Leading pages whose bytes are in host memory."""
     finished: bool = False
     step_pending: bool = False
+    stopping: bool = False
+    """The tree stopped it; the reply waits for a pending backend call to return."""
 
 
 @dataclass(slots=True)
@@ -96,8 +106,7 @@ class StoragePrefetcherActor(HiActor):
             case ContinuePrefetch(op_id=op):
                 return self._step(op)
             case StopPrefetch(op_id=op):
-                r = self._reads.pop(op, None)  # unknown: the tree stops one that never reached storage
-                return PrefetchStopped(op_id=op, pages=0 if r is None else r.done)
+                return self._stop_read(op)
             case StorePages(op_id=op, keys=keys, host=host):
                 return self._store(op, keys, host.as_tensor())
             case _:
@@ -131,9 +140,27 @@ class StoragePrefetcherActor(HiActor):
         else:
             self.send(self.name, ContinuePrefetch(op_id=op))
 
+    def _stop_read(self, op: int) -> PrefetchStopped | None:
+        r = self._reads.get(op)
+        if r is None:  # the tree stops one that never reached storage
+            return PrefetchStopped(op_id=op, pages=0)
+        if getattr(self._backend, "pending", ""):
+            if not r.stopping:
+                r.stopping = True
+                self.send_later(STOP_RECHECK_S, self.name, ContinuePrefetch(op_id=op))
+            return None
+        del self._reads[op]
+        return PrefetchStopped(op_id=op, pages=r.done)
+
     def _step(self, op: int) -> Message | None:
         r = self._reads.get(op)
         if r is None:  # stopped while the step was queued
+            return None
+        if r.stopping:
+            r.stopping = False
+            stopped = self._stop_read(op)
+            if stopped is not None:
+                self.send(ActorName.TREE, stopped)
             return None
         r.step_pending = False
         p = self._page
@@ -181,10 +208,12 @@ class StoragePrefetcherActor(HiActor):
 
     def statistics(self) -> PrefetcherStatistics:
         n = self._n
+        usage = StorageUsage() if self._backend is None else self._backend.usage()
         return PrefetcherStatistics(
             backend=getattr(self._backend, "name", "none"), prefetches=n.prefetches, in_flight=len(self._reads),
             pages_read=n.pages_read, bytes_read=n.bytes_read, pages_written=n.pages_written,
-            bytes_written=n.bytes_written, errors=n.errors,
+            bytes_written=n.bytes_written, errors=n.errors, stored_bytes=usage.stored_bytes,
+            evicted_pages=usage.evicted_pages, io_errors=usage.io_errors,
         )
 
     def on_stop(self) -> None:

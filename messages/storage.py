@@ -154,11 +154,18 @@ class PrefetcherStatistics(Message):
     """Bytes written to storage."""
     errors: int
     """Storage calls that failed (misses of corrupt pages, timeouts, backend errors)."""
+    stored_bytes: int = 0
+    """Bytes the storage holds for this KV shape (file backend: allocated on disk; 0 for Mooncake)."""
+    evicted_pages: int = 0
+    """Pages the backend evicted to stay within `storage_max_bytes`."""
+    io_errors: int = 0
+    """OS or client errors the backend met (each logged once, with its path or key)."""
 
 
 @message(509)
 class ContinuePrefetch(Message):
-    """The prefetcher to itself: read the next step of a prefetch (a stop can come in between)."""
+    """The prefetcher to itself: read the next step of a prefetch (a stop can come in between),
+    or look again whether a stop held back by a pending backend call can be answered."""
 
     op_id: int
     """The prefetch."""

@@ -1,24 +1,30 @@
-"""`hicache bench storage`: reading pages from each storage backend into a host buffer,
-against a raw read of the same bytes in the same run.
+"""`hicache bench storage`: reading and writing pages between each storage backend and a
+host buffer, against a raw read or write of the same bytes in the same run.
 
 For each backend (file, in a temporary directory; Mooncake Store, against a master this
-bench starts on 127.0.0.1) and each host layout, the bench writes `--mib` of pages of a
-32-layer, 8-KV-head, head_dim-128 fp16 model (16-token pages: 2 MiB each), then times:
-- **backend**: `backend.read` of all pages, one call per `storage_batch_pages` pages as
-  the prefetcher makes them: the stored bytes land in staging, are checked (header and
-  CRC-32) and copied into the host buffer;
-- **raw**: the same stored bytes read into one preallocated buffer, unchecked, not
-  copied on: per file `readinto` (file), `batch_get_into` per batch through the same
-  client (Mooncake).
-The two are interleaved rep by rep after a warm-up; the median of each counts. File
-reads come from the page cache (the pages were just written): this measures the
-backend's own cost, not a disk. A backend that cannot run (no master) is an error row.
+bench starts on 127.0.0.1), each host layout and each page size (2 MiB: a 32-layer,
+8-KV-head, head_dim-128 fp16 model with 16-token pages; then 64 KiB and 2 KiB pages of
+smaller shapes), it times:
+- **read**: `backend.read` of all pages, one call per `storage_batch_pages` pages as the
+  prefetcher makes them: straight into the host pages, verified there;
+- **raw read**: the same stored bytes read into the same host buffer, one contiguous
+  region, unchecked: a `preadv` per run of adjacent records (file), a `batch_get_into`
+  per batch through the same client (Mooncake);
+- **write**: `backend.write` of all pages under new keys, one call per batch;
+- **raw write**: the same number of stored bytes, from the same host buffer as one
+  region, in one sequential write to a new file in the same directory (file), or a
+  `batch_put_from` per batch under new keys (Mooncake).
+Sides are interleaved rep by rep after a warm-up; the median of each counts; every rate
+is payload bytes over time, so a ratio is the raw time over the backend's. File I/O goes
+through the page cache (no fsync on either side): this measures the backend's own cost,
+not a disk. A backend that cannot run (no master) is an error row.
 
 This is not actor code: it reads `time.perf_counter` and runs the backends directly.
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 import statistics
@@ -49,184 +55,251 @@ from ._bench_transfer import _machine
 from ._mooncake_master import MasterStartError, MooncakeMaster
 from .config import Config, DeviceKind, HostLayout
 
-SHAPE = {"layers": 32, "kv_heads": 8, "head_dim": 128, "dtype": "float16", "page_size": 16}
-"""128 KiB of K and V a token; a 16-token page is 2 MiB."""
+SHAPES: dict[str, dict[str, Any]] = {
+    "2MiB": {"layers": 32, "kv_heads": 8, "head_dim": 128, "dtype": "float16", "page_size": 16},
+    "64KiB": {"layers": 8, "kv_heads": 4, "head_dim": 64, "dtype": "float16", "page_size": 8},
+    "2KiB": {"layers": 2, "kv_heads": 1, "head_dim": 32, "dtype": "float16", "page_size": 8},
+}
+"""Page sizes and the KV shapes that give them (the demo's pages are 2 KiB)."""
+SMALL_MIB_MAX = 16
+"""Small pages move at most this much (a page costs a fixed few microseconds)."""
 BATCH_PAGES = 16
 WARMUP = 1
 REPS = 5
 DEFAULT_MIB = 256
 BACKENDS = ("file", "mooncake")
 LAYOUTS = (HostLayout.LAYER_FIRST, HostLayout.PAGE_FIRST)
+_FIGURES = ("read_gbps", "raw_read_gbps", "read_ratio", "write_gbps", "raw_write_gbps", "write_ratio")
 
 
 @dataclass(frozen=True, slots=True)
 class Result:
     backend: str
     layout: HostLayout
-    gbps: float = 0.0
-    raw_gbps: float = 0.0
-    write_gbps: float = 0.0
+    page: str
+    read_s: float = 0.0
+    raw_read_s: float = 0.0
+    write_s: float = 0.0
+    raw_write_s: float = 0.0
+    payload_bytes: int = 0
     error: str = ""
 
-    @property
-    def ratio(self) -> float:
-        return self.gbps / self.raw_gbps if self.raw_gbps else 0.0
+    def figures(self) -> dict[str, float]:
+        gb = self.payload_bytes / 1e9
+        return {"read_gbps": gb / self.read_s, "raw_read_gbps": gb / self.raw_read_s,
+                "read_ratio": self.raw_read_s / self.read_s, "write_gbps": gb / self.write_s,
+                "raw_write_gbps": gb / self.raw_write_s, "write_ratio": self.raw_write_s / self.write_s}
 
     def to_json(self) -> dict[str, object]:
-        numbers = None if self.error else {
-            "gbps": round(self.gbps, 3), "raw_gbps": round(self.raw_gbps, 3), "ratio": round(self.ratio, 3),
-            "write_gbps": round(self.write_gbps, 3),
-        }
-        return {"backend": self.backend, "layout": self.layout.value,
-                **(numbers or dict.fromkeys(("gbps", "raw_gbps", "ratio", "write_gbps"))), "error": self.error}
+        numbers = dict.fromkeys(_FIGURES) if self.error else {k: round(v, 3) for k, v in self.figures().items()}
+        return {"backend": self.backend, "layout": self.layout.value, "page": self.page, **numbers,
+                "error": self.error}
 
 
-def _config(pages: int, layout: HostLayout, **storage: Any) -> Config:
-    """The bench's shape with room for `pages` host pages (the layout matters only to KVShape users)."""
-    p = SHAPE["page_size"]
-    return Config(**SHAPE, device_slots=p, host_slots=(pages + 1) * p, host_layout=layout,
+def _config(page: str, pages: int, layout: HostLayout, **storage: Any) -> Config:
+    """The shape of `page` with room for the pages and their raw copy (stored bytes, headers included)."""
+    p = SHAPES[page]["page_size"]
+    host_pages = pages + pages // 8 + 2
+    return Config(**SHAPES[page], device_slots=p, host_slots=host_pages * p, host_layout=layout,
                   storage_batch_pages=BATCH_PAGES, **storage)
 
 
-# -- raw reads ---------------------------------------------------------------------------
+# -- raw I/O ---------------------------------------------------------------------------------
+
+
+def _whole(host: KVBuffer) -> memoryview:
+    """The host buffer's memory as one writable run of bytes."""
+    t = host.tensor
+    return memoryview((ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())).cast("B")
 
 
 class RawFile:
-    """Reads each page file whole into one preallocated buffer."""
+    """The same stored bytes as one region of the host buffer: read per run of adjacent
+    records, written as one sequential file."""
 
-    def __init__(self, backend: FileBackend, keys: list[str]) -> None:
-        self.paths = [backend.path(k) for k in keys]
-        self.buffer = memoryview(bytearray(len(keys) * backend.fmt.stored_bytes))
-        self.stored = backend.fmt.stored_bytes
+    def __init__(self, backend: FileBackend, keys: list[str], host: KVBuffer) -> None:
+        self.memory = _whole(host)
+        self.runs: list[tuple[str, int, int]] = []  # (path, offset, bytes), adjacent records merged
+        stored = backend.fmt.stored_bytes
+        for key in keys:
+            path, offset = backend.locate(key)
+            if self.runs and self.runs[-1][0] == str(path) and sum(self.runs[-1][1:]) == offset:
+                self.runs[-1] = (str(path), self.runs[-1][1], self.runs[-1][2] + stored)
+            else:
+                self.runs.append((str(path), offset, stored))
+        self.nbytes = len(keys) * stored
+        self.root = backend.root
 
-    def read(self) -> int:
-        for i, path in enumerate(self.paths):
-            with open(path, "rb", buffering=0) as f:
-                if f.readinto(self.buffer[i * self.stored : (i + 1) * self.stored]) != self.stored:
-                    raise RuntimeError(f"bench storage: {path} is shorter than a stored page")
-        return len(self.buffer)
+    def read(self) -> None:
+        view, at = self.memory, 0
+        for path, offset, n in self.runs:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                if os.preadv(fd, [view[at : at + n]], offset) != n:
+                    raise StorageError(f"bench storage: {path} is shorter than its records")
+            finally:
+                os.close(fd)
+            at += n
+
+    def write(self, rep: int) -> None:
+        fd = os.open(self.root / f"raw-{rep}.bin", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            view, done = self.memory[: self.nbytes], 0
+            while done < self.nbytes:
+                done += os.write(fd, view[done:])
+        finally:
+            os.close(fd)
+
+    def forget(self, rep: int) -> None:
+        (self.root / f"raw-{rep}.bin").unlink()
 
 
 class RawMooncake:
-    """`batch_get_into` of the same keys through the backend's client into one registered buffer."""
+    """`batch_get_into` / `batch_put_from` of the same stored bytes through the backend's client,
+    into or out of one region of the (registered) host buffer."""
 
-    def __init__(self, backend: MooncakeBackend, keys: list[str]) -> None:
+    def __init__(self, backend: MooncakeBackend, keys: list[str], host: KVBuffer) -> None:
         self.client = backend.client
-        self.keys = keys
+        self.objects = [backend.object_key(k) for k in keys]
         self.stored = backend.fmt.stored_bytes
-        self.buffer = torch.empty(len(keys) * self.stored, dtype=torch.uint8)
-        if self.client.register_buffer(self.buffer.data_ptr(), self.buffer.numel()) != 0:
-            raise StorageError("bench storage: Mooncake could not register the raw read buffer")
+        self.base = host.tensor.data_ptr()
 
-    def read(self) -> int:
-        base = self.buffer.data_ptr()
-        for b in range(0, len(self.keys), BATCH_PAGES):
-            keys = self.keys[b : b + BATCH_PAGES]
-            got = self.client.batch_get_into(keys, [base + (b + i) * self.stored for i in range(len(keys))],
-                                             [self.stored] * len(keys))
+    def _batches(self) -> list[tuple[list[str], list[int]]]:
+        out = []
+        for b in range(0, len(self.objects), BATCH_PAGES):
+            keys = self.objects[b : b + BATCH_PAGES]
+            out.append((keys, [self.base + (b + i) * self.stored for i in range(len(keys))]))
+        return out
+
+    def read(self) -> None:
+        for keys, ptrs in self._batches():
+            got = self.client.batch_get_into(keys, ptrs, [self.stored] * len(keys))
             if any(n != self.stored for n in got):
                 raise StorageError(f"bench storage: raw Mooncake get returned {got}")
-        return self.buffer.numel()
 
-    def close(self) -> None:
-        self.client.unregister_buffer(self.buffer.data_ptr())
+    def write(self, rep: int) -> None:
+        for keys, ptrs in self._batches():
+            raw = [f"raw{rep}-{k}" for k in keys]
+            if any(self.client.batch_put_from(raw, ptrs, [self.stored] * len(keys))):
+                raise StorageError("bench storage: raw Mooncake put failed")
+
+    def forget(self, rep: int) -> None:
+        self.client.batch_remove([f"raw{rep}-{k}" for k in self.objects], True)
 
 
-# -- one backend ---------------------------------------------------------------------------
+# -- one backend -------------------------------------------------------------------------------
 
 
-def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+def _timed(fn: Callable[[], Any]) -> float:
     t0 = time.perf_counter()
-    out = fn()
-    return time.perf_counter() - t0, out
+    fn()
+    return time.perf_counter() - t0
 
 
-def _read_all(backend: StorageBackend, keys: list[str], host: KVBuffer, slots: torch.Tensor) -> int:
-    """`backend.read` one batch of pages at a time, as the prefetcher calls it; payload bytes."""
+def _batched(call: Callable[..., Any], keys: list[str], host: KVBuffer, slots: torch.Tensor) -> None:
+    """`backend.read` or `backend.write`, one batch of pages at a time, as the prefetcher calls them."""
     p = host.shape.page_size
-    moved = 0
     for b in range(0, len(keys), BATCH_PAGES):
-        io = backend.read(keys[b : b + BATCH_PAGES], host, slots[b * p : (b + BATCH_PAGES) * p])
-        if io.error:
-            raise StorageError(f"bench storage: {io.error}")
-        moved += io.bytes
-    return moved
+        io = call(keys[b : b + BATCH_PAGES], host, slots[b * p : (b + BATCH_PAGES) * p])
+        if io.error or io.pages != len(keys[b : b + BATCH_PAGES]):
+            raise StorageError(f"bench storage: {io}")
 
 
-def _measure(
-    backend: StorageBackend, shape: KVShape, pages: int, layout: HostLayout, seed: int, step: Callable[[], None]
-) -> Result:
+def _forget(backend: StorageBackend, keys: list[str]) -> None:
+    """Remove pages a write rep stored, so the next rep writes them anew (Mooncake: bounded memory)."""
+    if isinstance(backend, MooncakeBackend):
+        backend.client.batch_remove([backend.object_key(k) for k in keys], True)
+
+
+def _measure(backend: StorageBackend, config: Config, layout: HostLayout, page: str, pages: int, seed: int,
+             step: Callable[[], None]) -> Result:
+    shape = KVShape.of(config)
     p = shape.page_size
-    keys = page_keys(range(seed << 32, (seed << 32) + pages), rank=0)
     slots = torch.arange(pages * p)
-    src = KVBuffer.allocate(shape, (pages + 1) * p, layout, "cpu")
+    src = KVBuffer.allocate(shape, config.host_slots, layout, "cpu")
     src.tensor.view(torch.uint8).random_(generator=torch.Generator().manual_seed(seed))
-    dst = KVBuffer.allocate(shape, (pages + 1) * p, layout, "cpu")
-    write_s, wrote = _timed(lambda: backend.write(keys, src, slots))
-    if wrote.error or wrote.written != pages:
-        raise StorageError(f"bench storage: writing the pages failed: {wrote}")
-    raw = RawFile(backend, keys) if isinstance(backend, FileBackend) else RawMooncake(backend, keys)
-    read_s, raw_s = [], []
-    try:
-        for rep in range(WARMUP + REPS):
-            r, moved = _timed(lambda: _read_all(backend, keys, dst, slots))
-            w, raw_bytes = _timed(raw.read)
-            if rep >= WARMUP:
-                read_s.append(r)
-                raw_s.append(w)
-            step()
-    finally:
-        if isinstance(raw, RawMooncake):
-            raw.close()
+    dst = KVBuffer.allocate(shape, config.host_slots, layout, "cpu")
+    keys = page_keys(range(seed << 40, (seed << 40) + pages), rank=0)
+    _batched(backend.write, keys, src, slots)
+    raw = RawFile(backend, keys, dst) if isinstance(backend, FileBackend) else RawMooncake(backend, keys, dst)
+    times: dict[str, list[float]] = {"read": [], "raw_read": [], "write": [], "raw_write": []}
+    for rep in range(WARMUP + REPS):
+        fresh = page_keys(range((seed << 40) + (rep + 1) * pages, (seed << 40) + (rep + 2) * pages), rank=0)
+        sample = {
+            "read": _timed(lambda: _batched(backend.read, keys, dst, slots)),
+            "raw_read": _timed(raw.read),
+            "write": _timed(lambda: _batched(backend.write, fresh, src, slots)),
+            "raw_write": _timed(lambda: raw.write(rep)),
+        }
+        _forget(backend, fresh)
+        raw.forget(rep)
+        if rep >= WARMUP:
+            for k, v in sample.items():
+                times[k].append(v)
+        step()
+    _batched(backend.read, keys, dst, slots)
     if not torch.equal(dst.read(slots).view(torch.uint8), src.read(slots).view(torch.uint8)):  # bits: NaNs too
         raise StorageError("bench storage: the pages read back differ from those written")
-    return Result(backend.name, layout, gbps=moved / statistics.median(read_s) / 1e9,
-                  raw_gbps=raw_bytes / statistics.median(raw_s) / 1e9, write_gbps=wrote.bytes / write_s / 1e9)
+    m = {k: statistics.median(v) for k, v in times.items()}
+    return Result(backend.name, layout, page, m["read"], m["raw_read"], m["write"], m["raw_write"],
+                  pages * PageFormat(shape).payload_bytes)
 
 
-def _storage_fields(kind: str, pages: int, stack: ExitStack) -> dict[str, Any]:
+def _pages(page: str, mib: int) -> int:
+    payload = PageFormat(KVShape.of(_config(page, 1, LAYOUTS[0]))).payload_bytes
+    return max(1, (min(mib, SMALL_MIB_MAX) if page != "2MiB" else mib) * 2**20 // payload)
+
+
+def _storage_fields(kind: str, mib: int, stack: ExitStack) -> dict[str, Any]:
     """The Config fields of `kind`'s storage; `stack` keeps it (directory, master) alive."""
     if kind == "file":
         return {"storage": "file", "storage_dir": stack.enter_context(tempfile.TemporaryDirectory(prefix="hicache-"))}
-    stored_mib = len(LAYOUTS) * pages * PageFormat(KVShape.of(_config(pages, LAYOUTS[0]))).stored_bytes / 2**20
     master = stack.enter_context(MooncakeMaster())
-    return {"storage": "mooncake", "mooncake_segment_mb": math.ceil(stored_mib * 1.25) + 64, **master.config_fields()}
+    # Every page size's pages and one write rep's, with room for the headers and the allocator.
+    return {"storage": "mooncake", "mooncake_segment_mb": math.ceil(mib * 2.5 + 3 * SMALL_MIB_MAX) + 64,
+            **master.config_fields()}
 
 
-def _run_backend(kind: str, pages: int, step: Callable[[], None]) -> list[Result]:
-    """Both layouts on one backend; error rows for what could not run."""
+def _run_backend(kind: str, mib: int, step: Callable[[], None]) -> list[Result]:
+    """Every layout and page size on one backend; error rows for what could not run."""
     results: list[Result] = []
+    cells = [(layout, page) for page in SHAPES for layout in LAYOUTS]
     try:
         with ExitStack() as stack:
-            config = _config(pages, LAYOUTS[0], **_storage_fields(kind, pages, stack))
-            backend = open_backend(config)
-            assert backend is not None
-            stack.callback(backend.close)
-            for seed, layout in enumerate(LAYOUTS, start=1):
-                results.append(_measure(backend, KVShape.of(config), pages, layout, seed, step))
+            fields = _storage_fields(kind, mib, stack)
+            for i, page in enumerate(SHAPES):
+                config = _config(page, _pages(page, mib), LAYOUTS[0], **fields)
+                backend = open_backend(config)  # one per KV shape: the host layout is the buffer's alone
+                assert backend is not None
+                try:
+                    for j, layout in enumerate(LAYOUTS):
+                        seed = 1 + i * len(LAYOUTS) + j
+                        results.append(_measure(backend, config, layout, page, _pages(page, mib), seed, step))
+                finally:
+                    backend.close()
     except (MasterStartError, StorageError) as e:
-        done = {r.layout for r in results}
-        results += [Result(kind, layout, error=str(e)) for layout in LAYOUTS if layout not in done]
+        done = {(r.layout, r.page) for r in results}
+        results += [Result(kind, layout, page, error=str(e)) for layout, page in cells if (layout, page) not in done]
     return results
 
 
 # -- the command -----------------------------------------------------------------------------
 
 
-def _table(results: list[Result], pages: int, machine: dict[str, object]) -> Table:
+def _table(results: list[Result], mib: int, machine: dict[str, object]) -> Table:
     t = Table(
-        title=f"storage: {pages} pages of 2 MiB read in batches of {BATCH_PAGES}, median of {REPS}",
+        title=f"storage: {mib} MiB of 2 MiB pages ({min(mib, SMALL_MIB_MAX)} MiB of smaller ones) in batches of "
+              f"{BATCH_PAGES}, median of {REPS}",
         caption=(f"{machine['cpu_count']} x {machine['cpu_model']}, {machine['memory_gib']} GiB, "
-                 f"torch {machine['torch']}; raw: the same stored bytes, unchecked, into one buffer"),
+                 f"torch {machine['torch']}; raw: the same stored bytes, unchecked, one host region"),
     )
-    for col in ("backend", "layout", "GB/s", "raw GB/s", "ratio", "write GB/s"):
-        t.add_column(col, justify="left" if col in ("backend", "layout") else "right")
+    for col in ("backend", "layout", "page", "read GB/s", "raw", "ratio", "write GB/s", "raw", "ratio"):
+        t.add_column(col, justify="left" if col in ("backend", "layout", "page") else "right")
     for r in results:
         if r.error:
-            t.add_row(r.backend, r.layout.value, f"[red]error: {r.error}[/red]", "", "", "")
+            t.add_row(r.backend, r.layout.value, r.page, f"[red]error: {r.error}[/red]", *[""] * 5)
         else:
-            t.add_row(r.backend, r.layout.value, f"{r.gbps:.2f}", f"{r.raw_gbps:.2f}", f"{r.ratio:.2f}",
-                      f"{r.write_gbps:.2f}")
+            t.add_row(r.backend, r.layout.value, r.page, *(f"{v:.2f}" for v in r.figures().values()))
     return t
 
 
@@ -234,21 +307,19 @@ def run_bench_storage(*, as_json: bool, mib: int) -> int:
     if mib < 2:
         raise SystemExit("hicache bench storage: --mib must be at least 2 (one 2 MiB page)")
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # Mooncake's client logs every step at INFO
-    pages = mib // 2
     progress = progress_bar(as_json)
     results: list[Result] = []
     with progress:
-        task = progress.add_task("storage", total=len(BACKENDS) * len(LAYOUTS) * (WARMUP + REPS))
+        task = progress.add_task("storage", total=len(BACKENDS) * len(LAYOUTS) * len(SHAPES) * (WARMUP + REPS))
         for kind in BACKENDS:
             progress.update(task, description=kind)
-            results += _run_backend(kind, pages, lambda: progress.advance(task))
+            results += _run_backend(kind, mib, lambda: progress.advance(task))
     machine = _machine(DeviceKind.CPU)
-    table = _table(results, pages, machine)
     body = {
         "machine": machine,
-        "workload": {**SHAPE, "page_bytes": _config(1, LAYOUTS[0]).bytes_per_slot * SHAPE["page_size"],
-                     "pages": pages, "mib": mib,
+        "workload": {"shapes": SHAPES, "mib": mib, "small_mib": min(mib, SMALL_MIB_MAX),
+                     "pages": {page: _pages(page, mib) for page in SHAPES},
                      "batch_pages": BATCH_PAGES, "warmup": WARMUP, "reps": REPS},
         "results": [r.to_json() for r in results],
     }
-    return report(table, body, as_json=as_json)
+    return report(_table(results, mib, machine), body, as_json=as_json)

@@ -133,6 +133,9 @@ class Config:
     storage_batch_pages: int = _field(16, Count(1, 4096),
                                       "Pages the prefetcher reads or writes per step, and pages of its staging "
                                       "buffer (a stop waits for at most one step).")
+    storage_max_bytes: int = _field(0, Count(0, 1 << 62),
+                                    "File backend: most bytes its pages may take on disk (least recently used "
+                                    "pages are evicted past it, within one segment file); 0: no bound.")
     prefetch_threshold_pages: int = _field(2, Count(1, SLOTS_MAX),
                                            "A prefetch starts only when at least this many pages of a request "
                                            "are not in L1/L2.")

@@ -23,6 +23,7 @@ the host reservation, a backup that lands partly, the anchor's pin.
 from __future__ import annotations
 
 import contextlib
+import subprocess
 import threading
 import time
 from collections import defaultdict
@@ -34,7 +35,7 @@ import pykka
 import pytest
 import torch
 
-from hicache.actors import InvariantError, KVShape
+from hicache.actors import FileBackend, InvariantError, KVShape
 from hicache.actors._radix import NodeState, RadixTree
 from hicache.messages import (
     AdmitItem,
@@ -339,12 +340,33 @@ def populate(start: Callable[..., Server], prompts: Sequence[list[int]], namespa
     return s
 
 
-def page_paths(storage_dir: Path, tokens: list[int], namespace: str = "") -> list[Path]:
-    """Where the file backend keeps each page of `tokens` (namespace-seeded hash chain, rank 0)."""
+def page_keys_of(tokens: list[int], namespace: str = "") -> list[str]:
+    """The storage keys of the pages of `tokens` (namespace-seeded hash chain, rank 0)."""
     tree = RadixTree(P, EvictionPolicy.LRU)
     hashes = tree.chain(tree.root(namespace), Tokens.of(tokens[: len(tokens) - len(tokens) % P]))
-    keys = [f"{h & 0xFFFFFFFFFFFFFFFF:016x}-r0" for h in hashes]
-    return [storage_dir / k[:2] / k for k in keys]
+    return [f"{h & 0xFFFFFFFFFFFFFFFF:016x}-r0" for h in hashes]
+
+
+def stored_pages(storage_dir: Path, tokens: list[int], namespace: str = "") -> list[bool]:
+    """Which pages of `tokens` the file backend over `storage_dir` holds (a fresh instance's scan)."""
+    backend = FileBackend(config(storage_dir))
+    try:
+        return [backend.exists([k]) == 1 for k in page_keys_of(tokens, namespace)]
+    finally:
+        backend.close()
+
+
+def corrupt_page(storage_dir: Path, key: str) -> Path:
+    """Flip a payload byte of `key`'s stored page in place; returns its segment file."""
+    backend = FileBackend(config(storage_dir))
+    path, offset = backend.locate(key)
+    with open(path, "r+b") as f:
+        f.seek(offset + backend.fmt.header_bytes + 72)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    backend.close()
+    return path
 
 
 # == the prefetch lifecycle under each termination policy ======================================
@@ -720,11 +742,8 @@ def test_a_corrupt_page_in_shared_storage_is_a_miss_and_the_pages_before_it_are_
     servers: Callable[..., Server], tmp_path: Path
 ) -> None:
     populate(servers, [PROMPT])
-    paths = page_paths(tmp_path / "l3", PROMPT)
-    assert all(p.exists() for p in paths)
-    raw = bytearray(paths[5].read_bytes())
-    raw[200] ^= 0xFF  # a payload byte: the checksum no longer matches
-    paths[5].write_bytes(bytes(raw))
+    assert all(stored_pages(tmp_path / "l3", PROMPT))
+    corrupt_page(tmp_path / "l3", page_keys_of(PROMPT)[5])  # the checksum no longer matches
 
     b = servers(prefetch_policy="wait_complete")
     assert b.hc.prefetch([Request("q", PROMPT)]) == {"q": 40}  # its size is right: exists() counts it
@@ -732,7 +751,7 @@ def test_a_corrupt_page_in_shared_storage_is_a_miss_and_the_pages_before_it_are_
     s = b.stats()
     assert ends(s) == {"failed": 1}
     assert (s.prefetch.pages_read, s.prefetch.errors) == (5, 1)
-    assert not paths[5].exists()  # dropped, so the next backup rewrites it
+    assert stored_pages(tmp_path / "l3", PROMPT)[5:] == [False] + [True] * 4  # dropped: the backup rewrites it
 
     res = b.admit("q", PROMPT)
     assert (res.device_hit, res.host_hit) == (0, 20)
@@ -740,7 +759,7 @@ def test_a_corrupt_page_in_shared_storage_is_a_miss_and_the_pages_before_it_are_
     b.hc.finish([res.handle])
     s = statistics_when(b.raw, quiet, "the backup")
     assert (s.tree.stored_tokens, s.prefetch.pages_written) == (4, 1)  # page 5 only; 6..9 were there
-    assert paths[5].exists()
+    assert all(stored_pages(tmp_path / "l3", PROMPT))
     assert_drained(b.raw)
 
     c = servers(prefetch_policy="wait_complete")  # the repaired page reads back exactly
@@ -752,13 +771,35 @@ def test_a_corrupt_page_in_shared_storage_is_a_miss_and_the_pages_before_it_are_
     assert_drained(c.raw)
 
 
+def test_a_corrupt_page_storage_cannot_remove_is_a_miss_and_the_prefetcher_serves_on(
+    servers: Callable[..., Server], tmp_path: Path
+) -> None:
+    populate(servers, [PROMPT])
+    segment = corrupt_page(tmp_path / "l3", page_keys_of(PROMPT)[5])
+    files = [segment]
+    subprocess.run(["chattr", "+i", *map(str, files)], check=True)  # read-only, even for root
+    try:
+        b = servers(prefetch_policy="wait_complete")
+        assert b.hc.prefetch([Request("q", PROMPT)]) == {"q": 40}
+        assert b.ready(["q"], 0.01) == {"q": 20}
+        s = b.stats()
+        assert (s.prefetch.pages_read, s.prefetch.errors, s.prefetch.io_errors) == (5, 1, 1)
+        res = b.admit("q", PROMPT)  # the cache serves on: the pages before the corrupt one are used
+        assert res.host_hit == 20
+        b.compute("q", PROMPT)
+        b.hc.finish([res.handle])
+        assert_drained(b.raw)
+    finally:
+        subprocess.run(["chattr", "-i", *map(str, files)], check=True)
+
+
 def test_two_namespaces_with_the_same_tokens_never_hit_each_others_pages(
     servers: Callable[..., Server], tmp_path: Path
 ) -> None:
     populate(servers, [PROMPT], namespace="tenant-a")
-    mine, theirs = page_paths(tmp_path / "l3", PROMPT, "tenant-a"), page_paths(tmp_path / "l3", PROMPT, "tenant-b")
-    assert not set(mine) & set(theirs)
-    assert all(p.exists() for p in mine) and not any(p.exists() for p in theirs)
+    assert not set(page_keys_of(PROMPT, "tenant-a")) & set(page_keys_of(PROMPT, "tenant-b"))
+    assert all(stored_pages(tmp_path / "l3", PROMPT, "tenant-a"))
+    assert not any(stored_pages(tmp_path / "l3", PROMPT, "tenant-b"))
 
     b = servers(prefetch_policy="wait_complete", prefetch_rate_fraction=1.0, device_pages=32, host_pages=64)
     assert b.hc.prefetch([Request("x", PROMPT, "tenant-b"), Request("y", PROMPT, "tenant-a")]) == {"x": 40, "y": 40}
@@ -771,7 +812,7 @@ def test_two_namespaces_with_the_same_tokens_never_hit_each_others_pages(
     b.compute("y", PROMPT)
     b.hc.finish([x.handle, y.handle])
     statistics_when(b.raw, quiet, "the backup")
-    assert all(p.exists() for p in theirs)  # tenant-b's own pages, under its own keys
+    assert all(stored_pages(tmp_path / "l3", PROMPT, "tenant-b"))  # tenant-b's own pages, under its own keys
     assert_drained(b.raw)
 
 
@@ -784,15 +825,15 @@ def test_a_backup_lands_in_storage_and_an_existing_page_is_not_rewritten(
     a = populate(servers, [PROMPT])
     assert (a.tree.stored_tokens, a.prefetch.pages_written, a.tree.backups_done) == (40, 10, 1)
     assert a.prefetch.bytes_written == 10 * P * KVShape.of(config(tmp_path)).bytes_per_slot
-    paths = page_paths(tmp_path / "l3", PROMPT)
-    before = {p: p.stat().st_mtime_ns for p in paths}
+    assert a.prefetch.stored_bytes >= a.prefetch.bytes_written and a.prefetch.evicted_pages == 0
+    before = {p: p.stat().st_size for p in (tmp_path / "l3").iterdir()}
 
     b = servers()
     res = b.serve("q", PROMPT)  # computes the same pages itself; its write-through then backs them up
     assert res.cached_tokens == 0
     s = statistics_when(b.raw, quiet, "the backup")
     assert (s.tree.backups_done, s.tree.stored_tokens, s.prefetch.pages_written, s.prefetch.errors) == (1, 0, 0, 0)
-    assert {p: p.stat().st_mtime_ns for p in paths} == before
+    assert {p: p.stat().st_size for p in (tmp_path / "l3").iterdir()} == before  # nothing written
     assert_drained(b.raw)  # PagesStored unpinned the node: host eviction may take it
 
 
@@ -801,7 +842,7 @@ def test_a_failed_backup_unpins_its_node_and_stores_nothing(servers: Callable[..
     b.serve("q", PROMPT)
     s = statistics_when(b.raw, quiet, "the backup")
     assert (s.tree.backups_done, s.tree.stored_tokens, s.prefetch.errors) == (1, 0, 1)
-    assert not any(p.exists() for p in page_paths(tmp_path / "l3", PROMPT))
+    assert not any(stored_pages(tmp_path / "l3", PROMPT))
     assert_drained(b.raw)
 
 

@@ -1,0 +1,302 @@
+"""What both storage (L3) backends share: keys, the stored page format, the bytes of host
+pages, and the results of their calls.
+
+A backend stores *pages* under opaque keys chosen by the caller (`page_keys`): a page is the
+K and V of `page_size` tokens across all layers, as the bytes of a `[2, L, P, H, D]`
+block, whatever the host layout (`HostPages` finds those bytes in the host buffer:
+one run in page_first, 2 x L runs in layer_first). Every stored page is a record
+(`PageFormat`): a header that names the key and the KV shape (dtype, layers, heads,
+head_dim, page size, payload layout) and carries a checksum of the header and one of
+the payload, then the payload.
+
+Reads go straight into the host slots the tree reserved and are verified there: a
+page that is missing, truncated, corrupt, stored under another key or of another KV
+shape does not count (`StorageIO.pages` stops before it), so its bytes never become
+visible to the tree, which frees or reuses those reserved slots. Every OS or client
+error is an operating condition: counted, logged once with its path or key, a miss.
+
+The checksum is XXH3-64 (the `xxhash` wheel): it only has to catch torn or flipped
+bytes, not an adversary (whoever can write the storage can write a valid checksum
+too), and it streams over the runs of a layer_first page without copying them
+(figures in docs/benchmarks.md). The backends are in `_file_backend.py` and
+`_mooncake.py`; their protocol and `open_backend` in `_storage.py`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Final
+
+import torch
+import xxhash
+
+from ._kv import KVBuffer, KVShape
+from ._logging import logger
+
+KEY_CHARS_MAX: Final = 80
+"""Longest page key, in characters."""
+_KEY = re.compile(rf"[0-9A-Za-z_-]{{1,{KEY_CHARS_MAX}}}")
+
+log = logger("hicache.storage")
+
+
+class StorageError(RuntimeError):
+    """Backend cannot be used (unreachable master, unwritable dir...): message says what to check."""
+
+
+@dataclass(frozen=True, slots=True)
+class StorageIO:
+    """The outcome of one `read` or `write`."""
+
+    pages: int
+    """read: leading pages whose verified bytes are now in the host slots;
+    write: leading pages now present in storage (written or already there)."""
+    written: int = 0
+    """write only: pages actually written (the others were already there)."""
+    bytes: int = 0
+    """Payload bytes moved."""
+    error: str = ""
+    """Non-empty when a page failed (miss, corrupt page, timeout, backend error): what and which key."""
+
+
+@dataclass(frozen=True, slots=True)
+class StorageUsage:
+    """What a backend holds and has done, for `statistics()`."""
+
+    stored_bytes: int = 0
+    """Bytes the backend's storage takes (file: allocated on disk, as `du` counts; Mooncake: 0, the
+    store's own accounting is the master's)."""
+    evicted_pages: int = 0
+    """Pages this backend removed to stay within `storage_max_bytes`."""
+    io_errors: int = 0
+    """OS or client errors met (each also logged once, with its path or key)."""
+
+
+def page_keys(hashes: Sequence[int], rank: int, per_rank: bool = True) -> list[str]:
+    """Storage keys of a chain of page hashes: 16+ hex digits, then `-r{rank}` when each
+    tensor-parallel rank stores its own share of the heads (`per_rank`)."""
+    if any(h < 0 for h in hashes):
+        raise ValueError(f"page hashes must be non-negative integers, got {min(hashes)}")
+    suffix = f"-r{rank}" if per_rank else ""
+    keys = [f"{h:016x}{suffix}" for h in hashes]
+    check_keys(keys)
+    return keys
+
+
+def check_keys(keys: Sequence[str]) -> None:
+    """Raise ValueError for a key a backend must not accept (it becomes part of a file record
+    or a Mooncake object key as it is)."""
+    for key in keys:
+        if not isinstance(key, str) or _KEY.fullmatch(key) is None:
+            raise ValueError(
+                f"storage key {key!r} is not allowed: a key is 1 to {KEY_CHARS_MAX} characters "
+                "of 0-9, a-z, A-Z, '_' and '-' (see page_keys)"
+            )
+
+
+# -- the stored page -------------------------------------------------------------------
+
+
+PAYLOAD_LAYOUT: Final = b"kv,layer,token,head,dim"
+"""The order of a payload's elements, recorded in every header: `[2, L, P, H, D]`, the same
+for both host layouts (a page written from either reads into either)."""
+
+
+class PageFormat:
+    """How one page is stored: a `HEADER.size`-byte header, then the payload.
+
+    Header (little endian): magic `HKVP`, format version (u16), key length (u16),
+    payload length (u64), XXH3-64 of the payload (u64), the dtype's name (16 bytes),
+    layers, heads, head_dim and page size (u32 each), the payload layout (24 bytes),
+    the key's ASCII bytes (80, zero padded), then XXH3-64 of everything before it.
+    A header that fails its own checksum tells nothing, not even its length.
+    """
+
+    MAGIC: Final = b"HKVP"
+    VERSION: Final = 2
+    HEADER: Final = struct.Struct(f"<4sHHQQ16sIIII24s{KEY_CHARS_MAX}sQ")
+
+    def __init__(self, shape: KVShape) -> None:
+        self.shape = shape
+        self.header_bytes = self.HEADER.size
+        self.payload_bytes = shape.page_size * shape.bytes_per_slot
+        self.stored_bytes = self.header_bytes + self.payload_bytes
+        self._dtype = str(shape.dtype).removeprefix("torch.").encode()
+        self._shape_fields = (self._dtype, shape.layers, shape.heads, shape.head_dim, shape.page_size,
+                              PAYLOAD_LAYOUT)
+        template = bytearray(self.HEADER.size)
+        self.HEADER.pack_into(template, 0, self.MAGIC, self.VERSION, 0, self.payload_bytes, 0, *self._shape_fields,
+                              b"", 0)
+        self._lead = bytes(template[:6])
+        """Magic and version, as stored."""
+        self._shape_region = bytes(template[24:80])
+        """The dtype, dims and payload layout, as stored (see `_intact`)."""
+        self.tag = f"{xxhash.xxh3_64_intdigest(repr((self.VERSION, self._shape_fields)).encode()) & 0xFFFFFFFF:08x}"
+        """8 hex digits naming the format version and the KV shape, for backends that keep
+        pages of different shapes apart by name (Mooncake object keys)."""
+
+    def describe(self) -> str:
+        s = self.shape
+        return (f"{self._dtype.decode()} x {s.layers} layers x {s.heads} heads x head_dim {s.head_dim}, "
+                f"page_size {s.page_size}")
+
+    def pack(self, into: memoryview, key: str, checksum: int) -> None:
+        """Write the header of `key`, whose payload has XXH3-64 `checksum`, into `into`."""
+        h = self.HEADER
+        fields = (self.MAGIC, self.VERSION, len(key), self.payload_bytes, checksum, *self._shape_fields,
+                  key.encode())
+        h.pack_into(into, 0, *fields, 0)
+        struct.pack_into("<Q", into, h.size - 8, xxhash.xxh3_64_intdigest(into[: h.size - 8]))
+
+    def unpack(self, header: memoryview | bytes) -> Header:
+        """What a stored header says, and whether it is an intact header of a page of this
+        format and KV shape (`Header.problem` is "" then)."""
+        h = self.HEADER
+        if len(header) < h.size:
+            return Header(problem=f"truncated: {len(header)} bytes, shorter than the {h.size}-byte header")
+        magic, version, key_len, length, payload_sum, dtype, layers, heads, head_dim, page, layout, raw_key, own = (
+            h.unpack_from(header))
+        if magic != self.MAGIC:
+            return Header(problem=f"not a hicache page (magic {magic!r}, expected {self.MAGIC!r})")
+        if version != self.VERSION:
+            return Header(problem=f"page format version {version}; this build reads version {self.VERSION}")
+        if xxhash.xxh3_64_intdigest(header[: h.size - 8]) != own:
+            return Header(problem="header checksum mismatch: the header is corrupt")
+        key = raw_key[: min(key_len, KEY_CHARS_MAX)].decode("ascii", "replace")
+        found = Header(key=key, payload_bytes=length, checksum=payload_sum, readable=True)
+        if (dtype.rstrip(b"\0"), layers, heads, head_dim, page, layout.rstrip(b"\0")) != self._shape_fields:
+            name = dtype.rstrip(b"\0").decode("ascii", "replace")
+            theirs = f"{name} x {layers} layers x {heads} heads x head_dim {head_dim}, page_size {page}"
+            return replace(found, problem=f"a page of another KV shape ({theirs}; this instance: {self.describe()})")
+        if length != self.payload_bytes:
+            return replace(found, problem=f"payload of {length} bytes; pages of this KV shape have {self.payload_bytes}")
+        return found
+
+    def problem(self, key: str, header: memoryview | bytes, payload_checksum: int) -> str:
+        """Why a header and the checksum of the payload read with it are not a valid page of
+        `key`; "" when they are."""
+        if self._intact(key, header, payload_checksum):
+            return ""
+        found = self.unpack(header)
+        if found.problem:
+            return found.problem
+        if found.key != key:
+            return f"holds the page of key {found.key!r}"
+        if found.checksum != payload_checksum:
+            return "checksum mismatch: the payload is corrupt"
+        return ""
+
+
+    def _intact(self, key: str, header: memoryview | bytes, payload_checksum: int) -> bool:
+        """The common case of `problem`, by comparing stored bytes with what they must be (a page
+        read costs a few microseconds of Python; this is most of them)."""
+        h = self.HEADER.size
+        if len(header) < h or header[:6] != self._lead or header[24:80] != self._shape_region:
+            return False
+        raw = key.encode()
+        key_len, length, stored_sum = struct.unpack_from("<HQQ", header, 6)
+        return (key_len == len(raw) and length == self.payload_bytes and stored_sum == payload_checksum
+                and header[80 : 80 + len(raw)] == raw
+                and xxhash.xxh3_64_intdigest(header[: h - 8]) == struct.unpack_from("<Q", header, h - 8)[0])
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    """A stored page header as read (`PageFormat.unpack`)."""
+
+    key: str = ""
+    payload_bytes: int = 0
+    checksum: int = 0
+    """XXH3-64 of the payload, as stored."""
+    readable: bool = False
+    """The header is intact (magic, version, its own checksum): its key and length can be trusted."""
+    problem: str = ""
+    """Why it is not a page of this format and KV shape ("" when it is)."""
+
+
+def checksum(blocks: Sequence[memoryview]) -> int:
+    """XXH3-64 of the bytes of `blocks`, one after the other (a page's payload)."""
+    if len(blocks) == 1:
+        return xxhash.xxh3_64_intdigest(blocks[0])
+    h = xxhash.xxh3_64()
+    for b in blocks:
+        h.update(b)
+    return h.intdigest()
+
+
+# -- host pages as stored bytes ------------------------------------------------------------
+
+
+class HostPages:
+    """The payload bytes of the pages of a host KV buffer, where they lie in its memory.
+
+    A page's payload is its `[2, L, P, H, D]` block: in page_first the page itself, one
+    run; in layer_first the K or V of one layer of its `P` slots is one run, so `2 x L`
+    runs. Backends read into and write from these runs directly (`readv`/`writev`, a
+    Mooncake multi-buffer get or put), so a page is never copied through a staging buffer.
+    """
+
+    def __init__(self, host: KVBuffer) -> None:
+        t = host.tensor
+        if t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError("storage reads and writes need a contiguous host buffer in CPU memory")
+        s = host.shape
+        self.host = host
+        self.address = t.data_ptr()
+        self.nbytes = t.numel() * t.element_size()
+        self._memory = memoryview((ctypes.c_char * self.nbytes).from_address(self.address)).cast("B")
+        self._page_bytes = s.page_size * s.bytes_per_slot
+        item, run = t.element_size(), s.page_size * s.heads * s.head_dim * t.element_size()
+        if host.page_first:
+            self._runs = [(0, self._page_bytes)]
+            self._slot_step = s.bytes_per_slot  # pages are adjacent: slot * bytes_per_slot is the page start
+        else:
+            kv, layer = t.stride()[:2]
+            self._runs = [(k * kv * item + l_ * layer * item, run) for k in range(2) for l_ in range(s.layers)]
+            self._slot_step = s.heads * s.head_dim * item
+        self.runs_per_page = len(self._runs)
+
+    def spans(self, start: int) -> list[tuple[int, int]]:
+        """(offset in the buffer, length) of each run of the page whose first slot is `start`."""
+        base = start * self._slot_step
+        return [(base + off, n) for off, n in self._runs]
+
+    def blocks(self, start: int) -> list[memoryview]:
+        """The runs of the page whose first slot is `start`, as writable views of the buffer."""
+        m = self._memory
+        return [m[off : off + n] for off, n in self.spans(start)]
+
+
+_SLOTS_BY_LIST_MAX = 4096
+"""`page_starts` checks up to this many slots with Python ints (cheaper than torch ops on few)."""
+
+
+def page_starts(keys: Sequence[str], host: KVBuffer, slots: torch.Tensor) -> list[int]:
+    """The first host slot of each key's page; ValueError unless `slots` are whole, aligned
+    pages of `host`, one per key, in key order."""
+    p = host.shape.page_size
+    n = len(keys)
+    if slots.dim() == 1 and slots.dtype == torch.int64 and len(slots) == n * p and n * p <= _SLOTS_BY_LIST_MAX:
+        listed = slots.tolist()
+        starts = listed[::p]
+        if listed == [s + i for s in starts for i in range(p)] and all(s % p == 0 and 0 <= s <= host.slots - p
+                                                                       for s in starts):
+            return starts  # whole pages in range: the checks below, without a tensor op per call
+    if slots.dim() != 1 or slots.dtype != torch.int64 or len(slots) != n * p:
+        raise ValueError(
+            f"slots must be a 1-D int64 tensor of {n} keys x page_size {p} = {n * p} host slots, "
+            f"got {slots.dtype} of shape {tuple(slots.shape)}"
+        )
+    if n == 0:
+        return []
+    pages = slots.view(n, p)
+    starts = pages[:, 0]
+    if bool((starts % p).any()) or not torch.equal(pages, starts[:, None] + torch.arange(p)):
+        raise ValueError(f"slots must be whole pages: each key's {p} slots run page_start .. page_start + {p}")
+    if int(starts.min()) < 0 or int(starts.max()) + p > host.slots:
+        raise ValueError(f"slots must lie within the host buffer's {host.slots} slots")
+    return starts.tolist()

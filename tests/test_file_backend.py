@@ -1,0 +1,254 @@
+"""The file backend's segments: sharing a directory between processes, crashes, the size
+bound (`storage_max_bytes`) and storage faults as operating conditions (a miss, counted and
+logged once with its path; never a raised error, never wrong KV)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import structlog
+import torch
+
+from hicache.actors import FileBackend, KVBuffer, KVShape, PageFormat, StorageIO
+from hicache.actors import _file_backend
+from hicache.runtime import Config, HostLayout
+
+pytestmark = pytest.mark.timeout(60)
+
+PAGE = 16
+HOST_PAGES = 64
+
+
+def _config(storage_dir: Path, **changes: Any) -> Config:
+    """32 KiB pages (4 layers x 2 heads x head_dim 64, fp16, 16 tokens)."""
+    values: dict[str, Any] = dict(layers=4, kv_heads=2, head_dim=64, page_size=PAGE, device_slots=8 * PAGE,
+                                  host_slots=HOST_PAGES * PAGE, storage="file", storage_dir=str(storage_dir))
+    values.update(changes)
+    return Config(**values)
+
+
+def _slots(pages: list[int]) -> torch.Tensor:
+    return (torch.tensor(pages, dtype=torch.int64)[:, None] * PAGE + torch.arange(PAGE)).flatten()
+
+
+def _host(config: Config, seed: int | None = None, layout: HostLayout = HostLayout.LAYER_FIRST) -> KVBuffer:
+    host = KVBuffer.allocate(KVShape.of(config), HOST_PAGES * PAGE, layout, "cpu")
+    if seed is not None:
+        host.tensor.view(torch.uint8).random_(generator=torch.Generator().manual_seed(seed))
+    return host
+
+
+def _same(a: KVBuffer, a_pages: list[int], b: KVBuffer, b_pages: list[int]) -> bool:
+    return torch.equal(a.read(_slots(a_pages)).view(torch.uint8), b.read(_slots(b_pages)).view(torch.uint8))
+
+
+def _keys(stem: str, n: int) -> list[str]:
+    return [f"{stem}-{i}" for i in range(n)]
+
+
+def _du(root: Path) -> int:
+    """Bytes allocated to the files under `root`, as `du` counts them."""
+    return sum(p.stat().st_blocks * 512 for p in root.rglob("*") if p.is_file())
+
+
+@pytest.fixture
+def opened(tmp_path: Path) -> Iterator[Any]:
+    """`opened(**changes)`: a FileBackend over `tmp_path`, closed at teardown."""
+    backends: list[FileBackend] = []
+
+    def open_one(**changes: Any) -> FileBackend:
+        backends.append(FileBackend(_config(tmp_path, **changes)))
+        return backends[-1]
+
+    yield open_one
+    for b in backends:
+        b.close()
+
+
+# -- segments ------------------------------------------------------------------------------
+
+
+def test_a_backup_of_many_small_pages_goes_to_one_segment_file(tmp_path: Path, opened: Any) -> None:
+    config = _config(tmp_path, layers=1, kv_heads=1, head_dim=64, page_size=8)  # 2 KiB pages
+    backend = FileBackend(config)
+    host = KVBuffer.allocate(KVShape.of(config), 512 * 8, HostLayout.PAGE_FIRST, "cpu")
+    slots = torch.arange(512 * 8)
+    assert backend.write(_keys("small", 512), host, slots).written == 512
+    assert [p.name for p in tmp_path.iterdir()] == [backend.locate("small-0")[0].name]
+    backend.close()
+
+
+def test_a_page_another_process_writes_after_this_one_opened_is_found(tmp_path: Path, opened: Any) -> None:
+    reader = opened()
+    assert reader.exists(["late-0"]) == 0
+    script = f"""
+import torch
+from hicache.actors import FileBackend, KVBuffer, KVShape
+from hicache.runtime import Config, HostLayout
+config = Config(**{dict(layers=4, kv_heads=2, head_dim=64, page_size=PAGE, device_slots=8 * PAGE,
+                        host_slots=HOST_PAGES * PAGE, storage="file", storage_dir=str(tmp_path))!r})
+host = KVBuffer.allocate(KVShape.of(config), {HOST_PAGES * PAGE}, HostLayout.PAGE_FIRST, "cpu")
+host.tensor.view(torch.uint8).random_(generator=torch.Generator().manual_seed(3))
+assert FileBackend(config).write(["late-0", "late-1"], host, torch.arange(2 * {PAGE})).written == 2
+"""
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
+
+    assert reader.exists(["late-0", "late-1"]) == 2
+    src, dst = _host(_config(tmp_path), seed=3, layout=HostLayout.PAGE_FIRST), _host(_config(tmp_path))
+    assert reader.read(["late-0", "late-1"], dst, _slots([5, 9])).pages == 2
+    assert _same(dst, [5, 9], src, [0, 1])
+
+
+def test_a_restart_finds_every_complete_page_and_none_of_a_torn_tail(tmp_path: Path, opened: Any) -> None:
+    a = opened()
+    src = _host(_config(tmp_path), seed=4)
+    ks = _keys("torn", 4)
+    assert a.write(ks[:3], src, _slots([0, 1, 2])).written == 3
+    path, _ = a.locate(ks[0])
+    a.close()
+    # A crash while appending the fourth page: its header and half its payload made it.
+    whole = path.read_bytes()
+    fmt = PageFormat(KVShape.of(_config(tmp_path)))
+    with open(path, "ab") as f:
+        f.write(whole[: fmt.header_bytes].replace(ks[0].encode(), ks[3].encode()) + whole[fmt.header_bytes :][:1000])
+
+    b = opened()
+    assert b.exists(ks) == 3
+    dst = _host(_config(tmp_path))
+    assert b.read(ks, dst, _slots([3, 4, 5, 6])).pages == 3
+    assert _same(dst, [3, 4, 5], src, [0, 1, 2])
+    assert b.write(ks, src, _slots([0, 1, 2, 3])).written == 1  # the torn page is written again, elsewhere
+    assert opened().read(ks, dst, _slots([3, 4, 5, 6])).pages == 4
+
+
+def test_a_page_whose_bytes_were_lost_after_a_crash_reads_as_a_miss(tmp_path: Path, opened: Any) -> None:
+    a = opened()
+    src = _host(_config(tmp_path), seed=5)
+    ks = _keys("lost", 3)
+    a.write(ks, src, _slots([0, 1, 2]))
+    path, offset = a.locate(ks[1])
+    fmt = a.fmt
+    with open(path, "r+b") as f:  # blocks allocated but never written before power went: zeros
+        f.seek(offset + fmt.header_bytes + 4096)
+        f.write(bytes(4096))
+
+    b = opened()
+    dst = _host(_config(tmp_path))
+    got = b.read(ks, dst, _slots([0, 1, 2]))
+    assert got.pages == 1 and "checksum mismatch" in got.error
+
+
+# -- the size bound ------------------------------------------------------------------------------
+
+
+def test_storage_max_bytes_bounds_the_bytes_on_disk_within_one_segment(tmp_path: Path, opened: Any) -> None:
+    max_bytes = 1 << 20
+    backend = opened(storage_max_bytes=max_bytes)
+    src = _host(_config(tmp_path), seed=6)
+    for round_ in range(8):  # 8 x 16 pages of 32 KiB: 4 MiB written
+        ks = _keys(f"bound{round_}", 16)
+        assert backend.write(ks, src, _slots(list(range(16)))).written == 16
+        assert _du(tmp_path) <= max_bytes + backend._segment_bytes, round_
+    usage = backend.usage()
+    assert usage.stored_bytes == _du(tmp_path)
+    assert usage.evicted_pages >= 8 * 16 - max_bytes // backend.fmt.stored_bytes
+    assert backend.exists(_keys("bound7", 16)) == 16  # the newest pages stay
+
+    again = opened(storage_max_bytes=max_bytes)  # a restart rebuilds the accounting by a scan
+    assert again.usage().stored_bytes == _du(tmp_path)
+    assert again.exists(_keys("bound7", 16)) == 16
+
+
+def test_the_least_recently_read_pages_are_evicted_first(tmp_path: Path, opened: Any) -> None:
+    backend = opened(storage_max_bytes=24 * 33 * 1024)  # room for about 24 pages
+    src, dst = _host(_config(tmp_path), seed=7), _host(_config(tmp_path))
+    old, hot = _keys("old", 8), _keys("hot", 8)
+    backend.write(hot, src, _slots(list(range(8))))
+    backend.write(old, src, _slots(list(range(8, 16))))
+    assert backend.read(hot, dst, _slots(list(range(8)))).pages == 8  # hot is now the most recent
+
+    backend.write(_keys("new", 16), src, _slots(list(range(16, 32))))
+
+    assert backend.exists(hot) == 8
+    assert backend.exists(old) == 0
+    assert backend.read(hot, dst, _slots(list(range(8)))).pages == 8
+    assert _same(dst, list(range(8)), src, list(range(8)))
+
+
+# -- faults ----------------------------------------------------------------------------------------
+
+
+def test_a_read_error_is_a_counted_miss_logged_once_with_its_path(tmp_path: Path, opened: Any, monkeypatch) -> None:
+    backend = opened()
+    src, dst = _host(_config(tmp_path), seed=8), _host(_config(tmp_path))
+    backend.write(_keys("eio", 2), src, _slots([0, 1]))
+
+    def failing(*args: Any) -> int:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(_file_backend.os, "preadv", failing)
+    with structlog.testing.capture_logs() as logs:
+        got = backend.read(_keys("eio", 2), dst, _slots([0, 1]))
+    monkeypatch.undo()
+
+    path = str(backend.locate("eio-0")[0])
+    assert got.pages == 0 and "Input/output error" in got.error and path in got.error
+    assert [(e["log_level"], e["path"]) for e in logs] == [("error", path)]
+    assert backend.usage().io_errors == 1
+    assert backend.read(_keys("eio", 2), dst, _slots([0, 1])).pages == 2  # the next call works
+
+
+def test_a_removed_storage_directory_is_recreated_by_the_next_backup(tmp_path: Path) -> None:
+    root = tmp_path / "l3"
+    a = FileBackend(_config(root))
+    src, dst = _host(_config(root), seed=9), _host(_config(root))
+    assert a.write(_keys("gone", 2), src, _slots([0, 1])).written == 2
+    shutil.rmtree(root)
+
+    assert a.write(_keys("back", 2), src, _slots([2, 3])) == StorageIO(pages=2, written=2, bytes=2 * a.fmt.payload_bytes)
+    assert a.exists(_keys("gone", 2)) == 0  # they went with the directory
+    b = FileBackend(_config(root))
+    assert b.read(_keys("back", 2), dst, _slots([0, 1])).pages == 2
+    assert _same(dst, [0, 1], src, [2, 3])
+    a.close()
+    b.close()
+
+
+def test_a_corrupt_page_that_cannot_be_removed_is_a_miss_and_the_backend_goes_on(tmp_path: Path) -> None:
+    a = FileBackend(_config(tmp_path))
+    src, dst = _host(_config(tmp_path), seed=10), _host(_config(tmp_path))
+    ks = _keys("stuck", 3)
+    a.write(ks, src, _slots([0, 1, 2]))
+    path, offset = a.locate(ks[1])
+    with open(path, "r+b") as f:
+        f.seek(offset + a.fmt.header_bytes + 100)
+        f.write(b"\xff\xfe")
+    immutable(path, tmp_path)
+    try:
+        with structlog.testing.capture_logs() as logs:
+            got = a.read(ks, dst, _slots([0, 1, 2]))
+        assert got.pages == 1 and "checksum mismatch" in got.error
+        errors = [e for e in logs if e["log_level"] == "error"]
+        assert len(errors) == 1 and errors[0]["path"] == str(path), logs
+        assert a.usage().io_errors == 1
+        assert a.exists(ks) == 1  # a miss from now on, though its bytes stay
+        assert a.read(ks, dst, _slots([0, 1, 2])).pages == 1
+    finally:
+        mutable(path, tmp_path)
+    a.close()
+
+
+def immutable(*paths: Path) -> None:
+    """Make files and directories unchangeable, even for root (`chattr +i`)."""
+    subprocess.run(["chattr", "+i", *map(str, paths)], check=True)
+
+
+def mutable(*paths: Path) -> None:
+    subprocess.run(["chattr", "-i", *map(str, paths)], check=True)
