@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,10 +20,6 @@ from ._config_values import ConfigError, DeviceKind, StorageKind
 
 if TYPE_CHECKING:
     from .config import Config
-
-STORED_PAGE_HEADER_BYTES: Final = 128
-"""Bytes a stored page carries before its KV (the header of the storage backends' page format)."""
-
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Need:
@@ -67,10 +63,6 @@ def needs(config: Config) -> tuple[Need, ...]:
         Need("device page table and free list (16 bytes per device page)",
              "device_slots", 16 * config.device_pages, False),
     ]
-    if config.storage is not StorageKind.NONE:
-        stored = STORED_PAGE_HEADER_BYTES + config.page_size * bps
-        out.append(Need(f"storage staging (storage_batch_pages={config.storage_batch_pages} x "
-                        f"{_size(stored)} a page)", "storage_batch_pages", config.storage_batch_pages * stored, False))
     if config.storage is StorageKind.MOONCAKE:
         out.append(Need(f"Mooncake segment (mooncake_segment_mb={config.mooncake_segment_mb})",
                         "mooncake_segment_mb", config.mooncake_segment_mb << 20, False))

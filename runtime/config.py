@@ -131,8 +131,8 @@ class Config:
     storage_timeout_s: float = _field(5.0, Number(SECONDS_MAX),
                                       "Longest one storage call may take before it counts as failed (never a hang).")
     storage_batch_pages: int = _field(16, Count(1, 4096),
-                                      "Pages the prefetcher reads or writes per step, and pages of its staging "
-                                      "buffer (a stop waits for at most one step).")
+                                      "Pages the prefetcher reads or writes per step (a stop waits for at most "
+                                      "one step).")
     storage_max_bytes: int = _field(0, Count(0, 1 << 62),
                                     "File backend: most bytes its pages may take on disk (least recently used "
                                     "pages are evicted past it, within one segment file); 0: no bound.")

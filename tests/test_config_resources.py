@@ -8,10 +8,9 @@ import re
 import pytest
 import torch
 
-from hicache.actors import DeviceCore, HostCore, KVShape
-from hicache.actors._storage import PageFormat, Staging
+from hicache.actors import DeviceCore, HostCore
 from hicache.runtime import Available, Config, ConfigError, check_resources
-from hicache.runtime._resources import STORED_PAGE_HEADER_BYTES, host_available_bytes, needs
+from hicache.runtime._resources import host_available_bytes, needs
 
 GIB = 1 << 30
 SHAPE = {"layers": 2, "kv_heads": 1, "head_dim": 64, "dtype": "float16", "page_size": 16}
@@ -75,11 +74,11 @@ def test_on_cpu_the_device_buffer_counts_against_host_memory() -> None:
         check_resources(config, Available(cuda=False, device_free_bytes=None, host_free_bytes=3 * GIB))
 
 
-def test_storage_staging_and_the_mooncake_segment_are_counted() -> None:
+def test_the_mooncake_segment_is_counted() -> None:
     config = Config(**SHAPE, device_slots=64, host_slots=128, storage="mooncake",  # type: ignore[arg-type]
                     storage_batch_pages=4096, mooncake_segment_mb=1 << 20)
     with pytest.raises(ConfigError, match=r"Mooncake segment \(mooncake_segment_mb=1048576\) 1\.0 TiB; "
-                                          r"lower mooncake_segment_mb, storage_batch_pages, host_slots, device_slots$"):
+                                          r"lower mooncake_segment_mb, host_slots, device_slots$"):
         check_resources(config, _plenty())
     check_resources(config.replace(mooncake_segment_mb=256), _plenty())
 
@@ -89,7 +88,7 @@ def test_what_cannot_be_told_is_not_checked() -> None:
     check_resources(huge, Available(cuda=True, device_free_bytes=None, host_free_bytes=None))
 
 
-def test_the_counted_sizes_are_what_the_pools_and_the_staging_buffer_allocate() -> None:
+def test_the_counted_sizes_are_what_the_pools_allocate() -> None:
     config = Config(**SHAPE, device_slots=256, host_slots=1024, storage="file", storage_dir="/unused",  # type: ignore[arg-type]
                     storage_batch_pages=3)
     counted: dict[str, int] = {}
@@ -99,8 +98,7 @@ def test_the_counted_sizes_are_what_the_pools_and_the_staging_buffer_allocate() 
     tables = device._owner.nbytes + device._pool._stack_view.nbytes
     assert counted["device_slots"] == device.kv.tensor.nbytes + tables
     assert counted["host_slots"] == host.kv.tensor.nbytes + len(host._state_bytes)
-    assert counted["storage_batch_pages"] == len(Staging(PageFormat(KVShape.of(config)), 3).buffer)
-    assert PageFormat(KVShape.of(config)).header_bytes == STORED_PAGE_HEADER_BYTES
+    assert "storage_batch_pages" not in counted  # storage reads and writes host slots in place: no buffer
 
 
 def test_this_machine_reports_its_free_host_memory_and_refuses_half_a_petabyte() -> None:
