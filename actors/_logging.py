@@ -2,9 +2,10 @@
 through the standard `logging` module, under `hicache.*` logger names.
 
 A library must not print to stdout or take over the application's structlog setup: each
-logger here renders its event as `key=value` text and hands it to `logging`, whose
+logger here renders its event as one JSON object and hands it to `logging`, whose
 handlers the application configures (with none configured, warnings and errors go to
-stderr). The delivery log is separate (`hicache.runtime.DeliveryLog`).
+stderr). `hicache.runtime.testing.capture_logs` reads them back in tests. The delivery
+log is separate (`hicache.runtime.DeliveryLog`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,6 @@ def logger(name: str) -> Any:
     """A structlog logger over the stdlib logger `name`, independent of structlog's global setup."""
     return structlog.wrap_logger(
         logging.getLogger(name),
-        processors=[structlog.stdlib.add_log_level, structlog.processors.KeyValueRenderer(key_order=["event"])],
+        processors=[structlog.stdlib.add_log_level, structlog.processors.JSONRenderer(sort_keys=True)],
         wrapper_class=structlog.stdlib.BoundLogger,
     )

@@ -7,6 +7,10 @@ with `system.probes[ActorName.TREE].expect(WriteDone)`.
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
+from collections.abc import Iterator
 from typing import Any, TypeVar
 
 from hicache.messages import ActorName, Message
@@ -65,3 +69,30 @@ class Probe:
 
     def pending(self) -> int:
         return self._inbox.qsize()
+
+
+class _Captured(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.events: list[dict[str, Any]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        event = json.loads(record.getMessage())
+        event["log_level"] = event.pop("level", record.levelname.lower())
+        self.events.append(event)
+
+
+@contextlib.contextmanager
+def capture_logs() -> Iterator[list[dict[str, Any]]]:
+    """The operational log events of hicache (storage faults, ...) emitted inside the block,
+    as dicts with `event`, `log_level` and their fields, in order."""
+    handler = _Captured()
+    root = logging.getLogger("hicache")
+    level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG)
+    try:
+        yield handler.events
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
