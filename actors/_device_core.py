@@ -38,6 +38,7 @@ from ._pages import (
     SMALL_SLOTS_MAX,
     Ints,
     PagePool,
+    Distinct,
     Slots,
     as_list,
     as_tensor,
@@ -47,6 +48,7 @@ from ._pages import (
     pages_of,
     put,
     slots_of_pages,
+    within,
 )
 
 RELEASED_REMEMBERED_MAX = 1 << 16
@@ -103,6 +105,7 @@ class DeviceCore:
         `PageOwner`, or the number of the ledger that holds it."""
         self._ledgers: dict[str, _Ledger] = {}
         self._next_ledger = _FIRST_LEDGER
+        self._distinct = Distinct(config.device_pages)
         self._released: OrderedDict[str, LedgerEntry] = OrderedDict()
 
     # -- requests -------------------------------------------------------------
@@ -236,10 +239,8 @@ class DeviceCore:
         number = ledger.number
         if isinstance(pages, list):
             ok = holds(self._owner_table, pages, frozenset((number,)))
-        elif len(pages):
-            ok = bool(((pages >= 0) & (pages < len(self._owner))).all()) and bool((self._owner[pages] == number).all())
         else:
-            ok = True
+            ok = within(pages, len(self._owner)) and bool((self._owner.index_select(0, pages) == number).all())
         if ok:
             put(self._owner_table, self._owner, pages, PageOwner.TREE)
             if len(self._held(ledger)) == len(ledger.pages) - len(pages):
@@ -263,7 +264,7 @@ class DeviceCore:
             table, number = self._owner_table, ledger.number
             return [pg for pg in pages if table[pg] == number]
         mine = torch.frombuffer(pages, dtype=torch.int64)
-        return mine[self._owner[mine] == ledger.number]
+        return mine[self._owner.index_select(0, mine) == ledger.number]
 
     def _distinct_live(self, rids: list[str], what: str, *, new_ok: bool = False) -> list[_Ledger]:
         if len(set(rids)) != len(rids):
@@ -383,11 +384,11 @@ class DeviceCore:
             pages = as_tensor(pages)  # refused: the check below names why
         if not len(pages):
             return
-        if bool(((pages < 0) | (pages >= len(self._owner))).any()):
+        if not within(pages, len(self._owner)):
             raise SlotStateError(f"cannot {what}: slot index out of range 0..{self.capacity_slots - 1}")
-        if len(torch.unique(pages)) != len(pages):
+        if not self._distinct(pages):
             raise SlotStateError(f"{what}: a page appears twice in {pages.tolist()}")
-        have = self._owner[pages]
+        have = self._owner.index_select(0, pages)
         ok = torch.zeros_like(have, dtype=torch.bool)
         for o in owners:
             ok |= have == o

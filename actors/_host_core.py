@@ -27,7 +27,19 @@ from hicache.runtime.config import Config, DeviceKind
 
 from ._errors import InvariantError, SlotStateError
 from ._kv import KVBuffer, KVShape
-from ._pages import Ints, PagePool, as_tensor, holds, indices_of, ints, pages_of, put, slots_of_pages
+from ._pages import (
+    Distinct,
+    Ints,
+    PagePool,
+    as_tensor,
+    holds,
+    indices_of,
+    ints,
+    pages_of,
+    put,
+    slots_of_pages,
+    within,
+)
 
 _N = len(HostSlotState)
 
@@ -70,6 +82,7 @@ class HostCore:
         self._state_bytes = bytearray(config.host_slots)
         self._state = torch.frombuffer(self._state_bytes, dtype=torch.uint8)
         """The same memory as `_state_bytes` (both are written, neither is copied)."""
+        self._distinct = Distinct(config.host_slots)
 
     @property
     def free_slots(self) -> int:
@@ -132,11 +145,11 @@ class HostCore:
                 put(self._state_bytes, self._state, slots, to)
                 return
             slots = as_tensor(slots)  # refused: the check below names why
-        if len(torch.unique(slots)) != len(slots):
-            raise SlotStateError(f"host {what}: a slot appears twice in one call")
-        if bool(((slots < 0) | (slots >= self.capacity_slots)).any()):
+        if not within(slots, self.capacity_slots):
             raise SlotStateError(f"host {what}: slot index out of range 0..{self.capacity_slots - 1}")
-        have = self._state[slots].to(torch.int64)
+        if not self._distinct(slots):
+            raise SlotStateError(f"host {what}: a slot appears twice in one call")
+        have = self._state.index_select(0, slots).to(torch.int64)
         legal = rules.table[have, int(to)]
         if not bool(legal.all()):
             bad = (~legal).nonzero().flatten()

@@ -85,13 +85,32 @@ def holds(table: bytearray, at: list[int], allowed: frozenset[int]) -> bool:
     return allowed.issuperset(map(table.__getitem__, at))
 
 
-def put(table: bytearray, view: torch.Tensor, at: Ints, value: int) -> None:
-    """Write `value` at `at` into `table`, whose bytes `view` (a uint8 tensor) also shows."""
+def put(table: bytearray | array, view: torch.Tensor, at: Ints, value: int) -> None:
+    """Write `value` at `at` into `table`, whose memory `view` (a tensor) also shows."""
     if isinstance(at, torch.Tensor):
-        view[at] = value
+        view.index_fill_(0, at, value)  # a scatter of one value: several times cheaper than view[at] = value
         return
     for i in at:
         table[i] = value
+
+
+def within(at: torch.Tensor, size: int) -> bool:
+    """Whether every number of `at` is a position of a table of `size` (two reductions)."""
+    return not len(at) or (int(at.min()) >= 0 and int(at.max()) < size)
+
+
+class Distinct:
+    """Tells whether a tensor of positions holds each at most once, in O(len) and without a
+    sort: each position's index is scattered into a scratch table and read back; a position
+    named twice reads back the later index at the earlier one."""
+
+    def __init__(self, size: int) -> None:
+        self._scratch = torch.empty(size, dtype=torch.int64)
+
+    def __call__(self, at: torch.Tensor) -> bool:
+        order = torch.arange(len(at))
+        self._scratch.index_copy_(0, at, order)
+        return torch.equal(self._scratch.index_select(0, at), order)
 
 
 # -- pages and slots ---------------------------------------------------------------------
@@ -107,12 +126,18 @@ def pages_of(indices: Ints, page_size: int, what: str) -> Ints:
         raise ValueError(f"{what}: {n} slots are not whole pages of {page_size}")
     if isinstance(indices, torch.Tensor) and n <= SMALL_SLOTS_MAX:  # a few, given as a tensor
         return as_tensor(pages_of(indices.tolist(), page_size, what))
+    if page_size == 1:
+        return indices  # a slot is a page
     if isinstance(indices, list):
         pages = [first // page_size for first in indices[::page_size]]
         # Whole pages in order are exactly the slots of the pages their first slots lie in.
         if slots_of_pages(pages, page_size) == indices:
             return pages
         indices = as_tensor(indices)  # the vectorised check below names the culprit
+    else:
+        pages = indices[::page_size] // page_size
+        if torch.equal(slots_of_pages(pages, page_size), indices):  # the same check, vectorised
+            return pages
     grid = indices.view(-1, page_size)
     first = grid[:, 0]
     aligned = (first % page_size == 0) & (grid == first.unsqueeze(1) + torch.arange(page_size)).all(1)
@@ -126,6 +151,8 @@ def pages_of(indices: Ints, page_size: int, what: str) -> Ints:
 
 def slots_of_pages(pages: Ints, page_size: int) -> Ints:
     """Every slot of `pages`, in page order (the inverse of `pages_of`)."""
+    if page_size == 1:
+        return pages
     if isinstance(pages, list):
         return [slot for page in pages for slot in range(page * page_size, page * page_size + page_size)]
     if len(pages) * page_size <= SMALL_SLOTS_MAX:  # a few, given as a tensor

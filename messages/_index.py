@@ -7,6 +7,7 @@ them back into a tensor without a copy.
 
 from __future__ import annotations
 
+import ctypes
 import operator
 from array import array
 import struct
@@ -112,6 +113,12 @@ class Indices:
             return torch.empty(0, dtype=torch.int64)
         return torch.frombuffer(self._data, dtype=torch.int64)
 
+    def to_tensor(self) -> torch.Tensor:
+        """A new, writable int64 CPU tensor of the indices (a copy the caller owns)."""
+        if not self._data:
+            return torch.empty(0, dtype=torch.int64)
+        return torch.frombuffer(bytearray(self._data), dtype=torch.int64)
+
     def tolist(self) -> list[int]:
         """The indices as Python ints (read from the bytes, no tensor)."""
         unpacked = array("q", self._data)
@@ -158,11 +165,9 @@ class Indices:
 
 
 def _tensor_bytes(flat: torch.Tensor) -> bytes:
-    """The raw bytes of a contiguous CPU tensor, without numpy."""
-    out = bytearray(flat.numel() * _ITEM_BYTES)
-    if out:  # a bytearray is writable: torch has nothing to warn about
-        torch.frombuffer(out, dtype=torch.int64).copy_(flat)
-    return bytes(out)
+    """The raw bytes of a contiguous CPU int64 tensor, copied once (no numpy)."""
+    n = flat.numel() * _ITEM_BYTES
+    return ctypes.string_at(flat.data_ptr(), n) if n else b""
 
 
 class Tokens(Indices):

@@ -10,10 +10,13 @@ allocation's slots join the request), at the next call, before anything else.
 
 A KeyboardInterrupt must not land inside an actor handler the scheduler's thread is
 running (the bookkeeping actors run on it, see `SerialExecutor`): a core left halfway
-through a change is corrupt. So while a facade call runs on the main thread, SIGINT
-only records itself; the call delivers it where it may give up (while it waits for a
-reply) or, having finished, on its way out. Then the handler that was installed runs,
-as if the signal had just arrived: the default one raises KeyboardInterrupt.
+through a change is corrupt. So while a cache runs, the process's SIGINT handler is a
+gate: outside facade calls it passes the signal on to the handler it replaced at once;
+while a facade call runs on the main thread it only records it, and the call delivers it
+where it may give up (while it waits for a reply) or, having finished, on its way out.
+Then the replaced handler runs as if the signal had just arrived: the default one raises
+KeyboardInterrupt. A handler the application installs after starting the cache replaces
+the gate, and with it this protection.
 """
 
 from __future__ import annotations
@@ -37,27 +40,78 @@ class Pending:
     abandoned: bool = False
 
 
+class _SigintGate:
+    """The process's SIGINT handler while any cache runs: it forwards the signal to the handler
+    it replaced, at once outside facade calls and, inside one, where the call may give up.
+    Installed by the first `HiCache.start()` on the main thread, removed by the last `close()`
+    (if nothing replaced it meanwhile). A call costs a counter, not a handler swap."""
+
+    def __init__(self) -> None:
+        self.users = 0
+        self.prev: Any = None
+        self.depth = 0
+        """Facade calls in progress on the main thread."""
+        self.hit = False
+
+    def acquire(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if self.users == 0:
+            prev = signal.getsignal(signal.SIGINT)
+            if not callable(prev):  # SIG_DFL / SIG_IGN: no Python code runs on SIGINT anyway
+                return
+            self.prev = prev
+            signal.signal(signal.SIGINT, self._handle)
+        self.users += 1
+
+    def release(self) -> None:
+        if threading.current_thread() is not threading.main_thread() or not self.users:
+            return
+        self.users -= 1
+        if self.users == 0:
+            if signal.getsignal(signal.SIGINT) == self._handle:
+                signal.signal(signal.SIGINT, self.prev)
+            self.prev = None
+
+    def deliver(self) -> None:
+        """Run a deferred SIGINT's handler now (it may raise, KeyboardInterrupt by default)."""
+        if self.hit:
+            self.hit = False
+            self.prev(signal.SIGINT, None)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.depth:
+            self.hit = True
+        else:
+            self.prev(signum, frame)
+
+
+_GATE = _SigintGate()
+_MAIN = threading.main_thread().ident
+
+
 class Interrupts:
-    """SIGINT deferred while the facade changes state (main thread only; nests)."""
+    """A facade's calls: SIGINT deferred while one runs on the main thread; they nest."""
 
     def __init__(self, on_enter: Callable[[], None]) -> None:
         self._on_enter = on_enter
         """Run first in every outermost call (the facade applies late replies there)."""
         self._depth = 0
-        self._prev: Any = None
-        self._hit = False
+        self._main = False
         self._on_interrupt: list[Callable[[], None]] = []
+
+    def start(self) -> None:
+        _GATE.acquire()
+
+    def stop(self) -> None:
+        _GATE.release()
 
     def __enter__(self) -> Interrupts:
         self._depth += 1
         if self._depth == 1:
-            self._hit = False
-            self._prev = None
-            if threading.current_thread() is threading.main_thread():
-                prev = signal.getsignal(signal.SIGINT)
-                if callable(prev):  # SIG_DFL / SIG_IGN: no Python code would run anyway
-                    self._prev = prev
-                    signal.signal(signal.SIGINT, self._record)
+            self._main = threading.get_ident() == _MAIN and _GATE.users > 0
+            if self._main:
+                _GATE.depth += 1
             try:
                 self._on_enter()
             except BaseException:
@@ -70,14 +124,12 @@ class Interrupts:
         if self._depth:
             return
         undo, self._on_interrupt = self._on_interrupt, []
-        if self._prev is None:
+        if not self._main:
             return
-        signal.signal(signal.SIGINT, self._prev)
-        self._prev = None
-        if self._hit and exc_type is None:
-            self._hit = False
+        _GATE.depth -= 1
+        if _GATE.hit and exc_type is None and not _GATE.depth:
             try:
-                signal.raise_signal(signal.SIGINT)  # the restored handler runs now
+                _GATE.deliver()
             except BaseException:
                 for fn in undo:  # the caller never sees this call's result: take its effects back
                     fn()
@@ -89,14 +141,5 @@ class Interrupts:
 
     def deliver(self) -> None:
         """At a point where the call may give up: run a deferred SIGINT's handler now."""
-        if not self._hit or self._prev is None:
-            return
-        self._hit = False
-        signal.signal(signal.SIGINT, self._prev)
-        try:
-            signal.raise_signal(signal.SIGINT)
-        finally:
-            signal.signal(signal.SIGINT, self._record)
-
-    def _record(self, signum: int, frame: Any) -> None:
-        self._hit = True
+        if self._main:
+            _GATE.deliver()

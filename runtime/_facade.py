@@ -187,6 +187,7 @@ class HiCache:
         self._reset()
         self.system.start()
         self._caller = threading.get_ident()
+        self._interrupts.start()
         return self
 
     def close(self, *, drain: bool = True, timeout_s: float = CLOSE_DRAIN_TIMEOUT_S) -> Closed:
@@ -209,6 +210,7 @@ class HiCache:
             writes = backups = -1
             drained = False
         self.system.stop()
+        self._interrupts.stop()
         if writes or backups:
             drained = False
             log.warning("closed with work in flight", writes_dropped=writes, backups_dropped=backups)
@@ -250,7 +252,7 @@ class HiCache:
         handle = CacheHandle(rid, adm.handle)
         self._live[rid] = _Live(handle, item.namespace, [item.tokens.to_bytes()[: 8 * cached]], cached,
                                 [adm.device], cached)
-        return AdmitResult(rid, handle, adm.device.as_tensor().clone(), adm.device_hit, adm.host_hit,
+        return AdmitResult(rid, handle, adm.device.to_tensor(), adm.device_hit, adm.host_hit,
                            adm.host_miss, storage)
 
     def _undo_admit(self, items: Sequence[AdmitItem], reply: Admitted) -> None:
@@ -440,7 +442,7 @@ class HiCache:
             live.slots.append(grant.indices)
             live.allocated += len(grant.indices)
             if to_caller:
-                out[grant.request_id] = grant.indices.as_tensor().clone()
+                out[grant.request_id] = grant.indices.to_tensor()
         return out
 
     def commit(self, tokens: Mapping[str, Sequence[int] | torch.Tensor]) -> None:
@@ -475,7 +477,7 @@ class HiCache:
     def slots(self, request_id: str) -> torch.Tensor:
         """Device slot of every committed or allocated position of a live request."""
         with self._call():
-            return self._req(request_id).slot_indices().as_tensor().clone()
+            return self._req(request_id).slot_indices().to_tensor()
 
     def committed_tokens(self, request_id: str) -> list[int]:
         with self._call():

@@ -17,6 +17,7 @@ import torch
 
 from hicache.messages import (
     DeviceStatistics,
+    Tokens,
     HostStatistics,
     PrefetcherStatistics,
     StreamStatistics,
@@ -177,12 +178,10 @@ def _tensor_token_bytes(t: torch.Tensor, what: str) -> bytes:
         raise RequestError(f"{what} must hold integer token ids, got a {t.dtype} tensor (use torch.int64)")
     if not len(t):
         return b""
-    t = t.detach().to(device="cpu", dtype=torch.int64)
+    t = t.detach().to(device="cpu", dtype=torch.int64).contiguous()
     if int(t.min()) < 0:
         raise RequestError(f"{what}: token ids must be in 0..{TOKEN_ID_MAX}, got {int(t.min())}")
-    out = bytearray(8 * len(t))
-    torch.frombuffer(out, dtype=torch.int64).copy_(t)
-    return bytes(out)
+    return Tokens.from_tensor(t).to_bytes()
 
 
 def demands(value: Any, what: str, maximum: int) -> dict[str, int]:

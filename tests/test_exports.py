@@ -29,6 +29,8 @@ INTERNAL = {
     "hicache.actors._pages.as_tensor": "the pool cores' conversion of slot numbers of either form to a tensor",
     "hicache.actors._pages.indices_of": "the pool cores' conversion of slot numbers of either form to Indices",
     "hicache.actors._pages.holds": "the pool cores' check of a few positions of a state table",
+    "hicache.actors._pages.within": "the pool cores' range check of positions given as a tensor",
+    "hicache.actors._pages.Distinct": "the pool cores' check that positions given as a tensor are distinct",
     "hicache.actors._pages.put": "the pool cores' write of a state into positions of either form",
     "hicache.actors._stored_page.Header": "a stored page header as read, for both storage backends' checks",
     "hicache.actors._stored_page.check_keys": "both storage backends' key check (page_keys makes valid keys)",
