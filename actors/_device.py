@@ -40,10 +40,10 @@ class DeviceAllocatorActor(HiActor):
             case AllocateSlots(op_id=op, demands=demands, commits=commits):
                 if commits:
                     core.commit_many([(d.request_id, d.tokens) for d in commits])
-                got = core.allocate_indices([(d.request_id, d.tokens) for d in demands])
+                got = core.allocate_pages([(d.request_id, d.tokens) for d in demands])
                 if isinstance(got, Insufficient):
                     return _insufficient(op, got)
-                grants = tuple(SlotGrant(request_id=d.request_id, indices=got[d.request_id]) for d in demands)
+                grants = tuple(SlotGrant(request_id=d.request_id, pages=got[d.request_id]) for d in demands)
                 return SlotsAllocated(op_id=op, grants=grants)
             case CommitSlots(op_id=op, demands=demands):
                 views = core.commit_many([(d.request_id, d.tokens) for d in demands])
@@ -56,16 +56,16 @@ class DeviceAllocatorActor(HiActor):
                 view = core.swap(rid, adopt, free)
                 return RequestPagesSwapped(op_id=op, entry=view)
             case AllocateLoadSlots(op_id=op, tokens=n):
-                slots = core.allocate_load_indices(n)
-                if isinstance(slots, Insufficient):
-                    return _insufficient(op, slots)
-                grant = SlotGrant(request_id="", indices=slots)
+                pages = core.allocate_load_pages(n)
+                if isinstance(pages, Insufficient):
+                    return _insufficient(op, pages)
+                grant = SlotGrant(request_id="", pages=pages)
                 return SlotsAllocated(op_id=op, grants=(grant,))
-            case AdoptLoadedSlots(indices=idx):
+            case AdoptLoadedSlots(pages=idx):
                 self.require_sender(sender, ActorName.TREE, "adopting loaded device slots")
                 core.adopt_loaded(idx)
                 return None
-            case FreeDeviceSlots(indices=idx):
+            case FreeDeviceSlots(pages=idx):
                 self.require_sender(sender, ActorName.TREE, "freeing tree-owned device slots")
                 core.free_tree(idx)
                 return None

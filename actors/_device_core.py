@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hicache.messages import Indices, LedgerEntry, ReleaseReason
+from hicache.messages import EMPTY, Indices, LedgerEntry, ReleaseReason
 from hicache.runtime.config import Config, DeviceKind, HostLayout
 
 from ._errors import InvariantError, LedgerError, SlotStateError
@@ -45,7 +45,6 @@ from ._pages import (
     holds,
     indices_of,
     ints,
-    pages_of,
     put,
     slots_of_pages,
     within,
@@ -111,13 +110,26 @@ class DeviceCore:
     # -- requests -------------------------------------------------------------
 
     def allocate(self, demands: Sequence[tuple[str, int]]) -> dict[str, torch.Tensor] | Insufficient:
-        """`allocate_indices`, each request's slots as a tensor."""
-        got = self.allocate_indices(demands)
-        return got if isinstance(got, Insufficient) else {rid: idx.as_tensor() for rid, idx in got.items()}
+        """`allocate_pages`, answered as the slots each request got (the rest of its last
+        partial page, then its new pages' slots), as a tensor: what an engine writes KV into."""
+        p = self.page_size
+        before = {rid: self._ledgers[rid].allocated if rid in self._ledgers else 0 for rid, _ in demands}
+        got = self.allocate_pages(demands)
+        if isinstance(got, Insufficient):
+            return got
+        out = {}
+        for rid, n in demands:
+            start, new = before[rid], got[rid].tolist()
+            spare = min(n, (-start) % p)
+            last = self._ledgers[rid].pages[-1 - len(new)] * p + start % p if spare else 0
+            out[rid] = torch.tensor(list(range(last, last + spare)) + slots_of_pages(new, p)[: n - spare],
+                                    dtype=torch.int64)
+        return out
 
-    def allocate_indices(self, demands: Sequence[tuple[str, int]]) -> dict[str, Indices] | Insufficient:
-        """Slots for several requests, all or nothing, in demand order. Each request first
-        gets the rest of its last partial page, then whole pages."""
+    def allocate_pages(self, demands: Sequence[tuple[str, int]]) -> dict[str, Indices] | Insufficient:
+        """Room for the next `n` tokens of several requests, all or nothing, in demand order:
+        each first fills the rest of its last partial page, then gets whole new pages (the
+        answer: per request, its new pages)."""
         p = self.page_size
         plan: list[tuple[_Ledger, int, int, int]] = []  # ledger, tokens, slots left in its last page, new pages
         seen: set[str] = set()
@@ -135,29 +147,23 @@ class DeviceCore:
             need += k
         if need > self._pool.free_pages:
             return Insufficient(requested_slots=need * p, free_slots=self._pool.free_slots)
-        return {ledger.request_id: self._grant(ledger, n, spare, k) for ledger, n, spare, k in plan}
+        return {ledger.request_id: self._grant(ledger, n, k) for ledger, n, _, k in plan}
 
-    def _grant(self, ledger: _Ledger, n: int, spare: int, k: int) -> Indices:
-        """`n` slots for the ledger: the `spare` ones left in its last page first, then `k` new pages."""
-        p = self.page_size
+    def _grant(self, ledger: _Ledger, n: int, k: int) -> Indices:
+        """`n` more tokens for the ledger: what its last page has left, then `k` new pages."""
         if ledger.request_id not in self._ledgers:
             ledger.number = self._next_ledger
             self._next_ledger += 1
             self._ledgers[ledger.request_id] = ledger
-        head: list[int] = []
-        if spare and n:
-            last = ledger.pages[-1] * p + p - spare
-            head = list(range(last, last + min(n, spare)))
         ledger.allocated += n
         if not k:
-            return Indices.of(head)
+            return EMPTY
         new = self._pool.alloc(k)
         assert new is not None
         put(self._owner_table, self._owner, new, ledger.number)
-        _extend(ledger.pages, new)
-        slots = slots_of_pages(new, p)[: n - len(head)]
-        return indices_of(head + slots) if isinstance(slots, list) else Indices.concat(
-            (Indices.of(head), indices_of(slots)))
+        got = indices_of(new)
+        ledger.pages.frombytes(got.to_bytes())
+        return got
 
     def commit(self, rid: str, n: int) -> LedgerEntry:
         return self.commit_many([(rid, n)])[0]
@@ -189,8 +195,7 @@ class DeviceCore:
         adopted: list[Ints] = []
         try:
             for ledger, (rid, adopt, _) in zip(ledgers, releases, strict=True):
-                adopted.append(self._hand_over(ledger, pages_of(ints(adopt), self.page_size,
-                                                                f"slots adopted from request {rid!r}")))
+                adopted.append(self._hand_over(ledger, ints(adopt)))
         except LedgerError:
             for ledger, pages in zip(ledgers, adopted):
                 put(self._owner_table, self._owner, pages, ledger.number)  # all or nothing
@@ -214,8 +219,8 @@ class DeviceCore:
         back to the free list (`free`, duplicates of the tree's); the request stays live."""
         ledger = self._live(rid, "swap pages of", new_ok=True)  # a full-prefix hit may not have allocated
         p = self.page_size
-        adopt_pages = as_list(pages_of(ints(adopt), p, f"slots adopted from request {rid!r}"))
-        free_pages = as_list(pages_of(ints(free), p, f"duplicate slots freed from request {rid!r}"))
+        adopt_pages = as_list(ints(adopt))
+        free_pages = as_list(ints(free))
         both = adopt_pages + free_pages
         whole = ledger.committed // p - ledger.given // p if ledger.committed >= ledger.given else 0
         handed = set(both)
@@ -282,28 +287,29 @@ class DeviceCore:
     # -- tree and loads -------------------------------------------------------
 
     def allocate_load(self, n: int) -> torch.Tensor | Insufficient:
-        """`allocate_load_indices`, the slots as a tensor."""
-        got = self.allocate_load_indices(n)
+        """`allocate_load_pages`, the pages as a tensor."""
+        got = self.allocate_load_pages(n)
         return got if isinstance(got, Insufficient) else got.as_tensor()
 
-    def allocate_load_indices(self, n: int) -> Indices | Insufficient:
-        """Whole pages for a load from host; owner LOADING until adopted or freed."""
+    def allocate_load_pages(self, n: int) -> Indices | Insufficient:
+        """Whole pages for a load of `n` tokens from host; owner LOADING until adopted or freed."""
         k = -(-n // self.page_size)
         new = self._pool.alloc(k)
         if new is None:
             return Insufficient(requested_slots=k * self.page_size, free_slots=self._pool.free_slots)
         self._set_owner(new, PageOwner.LOADING)
-        return indices_of(slots_of_pages(new, self.page_size))
+        return indices_of(new)
 
-    def adopt_loaded(self, indices: torch.Tensor | Indices) -> None:
-        pages = pages_of(ints(indices), self.page_size, "adopted loaded slots")
-        self._expect(pages, (PageOwner.LOADING,), "adopt loaded slots")
+    def adopt_loaded(self, pages: Slots) -> None:
+        """A load into `pages` completed: the tree owns them."""
+        pages = ints(pages)
+        self._expect(pages, (PageOwner.LOADING,), "adopt loaded pages")
         self._set_owner(pages, PageOwner.TREE)
 
-    def free_tree(self, indices: torch.Tensor | Indices) -> None:
+    def free_tree(self, pages: Slots) -> None:
         """Free pages the tree owns, or a load's pages whose load failed or was dropped."""
-        pages = pages_of(ints(indices), self.page_size, "freed device slots")
-        self._expect(pages, (PageOwner.TREE, PageOwner.LOADING), "free device slots")
+        pages = ints(pages)
+        self._expect(pages, (PageOwner.TREE, PageOwner.LOADING), "free device pages")
         self._set_owner(pages, PageOwner.FREE)
         self._pool.free(pages)
 
@@ -385,7 +391,7 @@ class DeviceCore:
         if not len(pages):
             return
         if not within(pages, len(self._owner)):
-            raise SlotStateError(f"cannot {what}: slot index out of range 0..{self.capacity_slots - 1}")
+            raise SlotStateError(f"cannot {what}: page number out of range 0..{len(self._owner) - 1}")
         if not self._distinct(pages):
             raise SlotStateError(f"{what}: a page appears twice in {pages.tolist()}")
         have = self._owner.index_select(0, pages)
@@ -413,9 +419,3 @@ def _owner_name(code: int) -> str:
     return PageOwner(min(code, PageOwner.REQUEST) if code >= _FIRST_LEDGER else code).name.lower()
 
 
-def _extend(pages: array, new: Ints) -> None:
-    """Append page numbers (either form) to a ledger's array."""
-    if isinstance(new, list):
-        pages.extend(new)
-    else:
-        pages.frombytes(indices_of(new).to_bytes())

@@ -28,17 +28,17 @@ class HostPoolActor(HiActor):
 
     def handle(self, sender: ActorName, message: Message) -> Message | None:
         match message:
-            case SetHostState(indices=idx, state=state):  # the most frequent first
+            case SetHostState(pages=idx, state=state):  # the most frequent first
                 self.require_sender(sender, ActorName.TREE, "moving host slot states")
                 self.core.transition(idx, state)
                 return None
             case AllocateHost(op_id=op, tokens=n):
                 self.require_sender(sender, ActorName.TREE, "reserving host slots")
-                slots = None if self._services.faults.host_exhausted(n) else self.core.allocate_indices(n)
-                if slots is None:
+                pages = None if self._services.faults.host_exhausted(n) else self.core.allocate_pages(n)
+                if pages is None:
                     return HostInsufficient(op_id=op, requested_slots=n, free_slots=self.core.free_slots)
-                return HostAllocated(op_id=op, indices=slots)
-            case FreeHostSlots(indices=idx):
+                return HostAllocated(op_id=op, pages=pages)
+            case FreeHostSlots(pages=idx):
                 self.require_sender(sender, ActorName.TREE, "freeing host slots")
                 self.core.free(idx)
                 return None

@@ -1,18 +1,19 @@
-"""`HostCore`: the host KV buffer, its page allocator and the slot state machine.
+"""`HostCore`: the host KV buffer, its page allocator and the page state machine.
 
-Every host slot has a `HostSlotState`. Moves are checked against
-`HOST_TRANSITIONS` on every call, vectorised over the slots of the call (a
-lookup in an 8x8 table), so an illegal move raises at once, naming the slots,
-their states and the state asked for. This check is always on.
+Host memory is handed out in pages, and every page has a `HostSlotState` (all its
+slots share it). Moves are checked against `HOST_TRANSITIONS` on every call,
+vectorised over the pages of the call (a lookup in an 8x8 table), so an illegal move
+raises at once, naming the pages, their states and the state asked for. This check
+is always on.
 
 The states are one `bytearray`, seen also as a uint8 tensor over the same memory.
-Each call keeps its slot numbers in the form `_pages` chooses for their number
-(`Ints`): a move of a few slots (a page or two: most moves) is checked and made on
-the bytearray with Python ints, from the message's bytes on, which costs a fraction
-of the dozen small torch calls of the vectorised check; a larger move, or one that
-fails the check, takes the vectorised path (which names what is wrong). Slots come
-in as tensors or `Indices`; `allocate_indices` answers with the `Indices` a reply
-carries, `allocate` with a tensor (a read-only view of those `Indices`).
+Each call keeps its page numbers in the form `_pages` chooses for their number
+(`Ints`): a move of a few pages (most moves) is checked and made on the bytearray with
+Python ints, from the message's bytes on, which costs a fraction of the dozen small
+torch calls of the vectorised check; a larger move, or one that fails the check, takes
+the vectorised path (which names what is wrong). Pages come in as tensors, `Indices`
+or lists; `allocate_pages` answers with the `Indices` a reply carries, `allocate` with
+a tensor.
 """
 
 from __future__ import annotations
@@ -27,19 +28,7 @@ from hicache.runtime.config import Config, DeviceKind
 
 from ._errors import InvariantError, SlotStateError
 from ._kv import KVBuffer, KVShape
-from ._pages import (
-    Distinct,
-    Ints,
-    PagePool,
-    as_tensor,
-    holds,
-    indices_of,
-    ints,
-    pages_of,
-    put,
-    slots_of_pages,
-    within,
-)
+from ._pages import Distinct, Ints, PagePool, Slots, as_tensor, holds, indices_of, ints, put, within
 
 _N = len(HostSlotState)
 
@@ -79,50 +68,51 @@ class HostCore:
         pin = config.device is DeviceKind.CUDA and torch.cuda.is_available()
         self.kv = KVBuffer.allocate(KVShape.of(config), config.host_slots, config.host_layout, "cpu", pin=pin)
         self._pool = PagePool(config.host_pages, config.page_size)
-        self._state_bytes = bytearray(config.host_slots)
+        self._pages = config.host_pages
+        self._state_bytes = bytearray(config.host_pages)
         self._state = torch.frombuffer(self._state_bytes, dtype=torch.uint8)
-        """The same memory as `_state_bytes` (both are written, neither is copied)."""
-        self._distinct = Distinct(config.host_slots)
+        """The same memory as `_state_bytes` (both are written, neither is copied): a state per page."""
+        self._distinct = Distinct(config.host_pages)
 
     @property
     def free_slots(self) -> int:
         return self._pool.free_slots
 
     def allocate(self, n: int) -> torch.Tensor | None:
-        """`allocate_indices`, the slots as a tensor."""
-        got = self.allocate_indices(n)
+        """`allocate_pages`, the pages as a tensor."""
+        got = self.allocate_pages(n)
         return None if got is None else got.as_tensor()
 
-    def allocate_indices(self, n: int) -> Indices | None:
-        """`n` slots (whole pages) in state RESERVED, or None when too few are free."""
+    def allocate_pages(self, n: int) -> Indices | None:
+        """Pages for `n` slots (whole pages) in state RESERVED, or None when too few are free."""
         if n < 0 or n % self.page_size:
             raise ValueError(f"host allocation of {n} slots is not whole pages of {self.page_size}")
         pages = self._pool.alloc(n // self.page_size)
         if pages is None:
             return None
-        slots = slots_of_pages(pages, self.page_size)
-        self._move(slots, HostSlotState.RESERVED, "allocate")
-        return indices_of(slots)
+        self._move(pages, HostSlotState.RESERVED, "allocate")
+        return indices_of(pages)
 
-    def transition(self, indices: torch.Tensor | Indices, to: HostSlotState) -> None:
-        """Move every slot in `indices` to `to`; all moves must be legal."""
+    def transition(self, pages: Slots, to: HostSlotState) -> None:
+        """Move every page of `pages` to `to`; all moves must be legal."""
         if to is HostSlotState.FREE:
             raise SlotStateError("freeing goes through free(), which returns the pages to the free list")
-        self._move(ints(indices), to, _MOVE_TO[to], _MOVABLE)
+        self._move(ints(pages), to, _MOVE_TO[to], _MOVABLE)
 
-    def free(self, indices: torch.Tensor | Indices) -> None:
-        """Free whole pages that hold no in-flight copy."""
-        slots = ints(indices)
-        pages = pages_of(slots, self.page_size, "freed host slots")
-        self._move(slots, HostSlotState.FREE, "free")
+    def free(self, pages: Slots) -> None:
+        """Free pages that hold no in-flight copy."""
+        pages = ints(pages)
+        self._move(pages, HostSlotState.FREE, "free")
         self._pool.free(pages)
 
-    def states(self, indices: torch.Tensor) -> torch.Tensor:
-        return self._state[indices].clone()
+    def states(self, pages: torch.Tensor) -> torch.Tensor:
+        """The state of each page of `pages`."""
+        return self._state.index_select(0, as_tensor(pages))
 
     def counts(self) -> tuple[int, ...]:
+        """Slots in each state (a page counts `page_size` slots)."""
         c = torch.bincount(self._state.to(torch.int64), minlength=_N)
-        return tuple(int(x) for x in c)
+        return tuple(int(x) * self.page_size for x in c)
 
     def check_invariants(self) -> None:
         counts = self.counts()
@@ -135,34 +125,33 @@ class HostCore:
                 f"{len(free_pages)} pages of {self.page_size}"
             )
         if len(free_pages):
-            slots = slots_of_pages(free_pages, self.page_size)
-            if bool((self._state[slots] != HostSlotState.FREE).any()) or len(torch.unique(free_pages)) != len(free_pages):
-                raise InvariantError("host: the free list holds a page with a slot that is not FREE, or a page twice")
+            if bool((self._state[free_pages] != HostSlotState.FREE).any()) or len(torch.unique(free_pages)) != len(free_pages):
+                raise InvariantError("host: the free list holds a page that is not FREE, or a page twice")
 
-    def _move(self, slots: Ints, to: HostSlotState, what: str, rules: _Rules = _LEGAL) -> None:
-        if isinstance(slots, list):
-            if holds(self._state_bytes, slots, rules.sources[to]):
-                put(self._state_bytes, self._state, slots, to)
+    def _move(self, pages: Ints, to: HostSlotState, what: str, rules: _Rules = _LEGAL) -> None:
+        if isinstance(pages, list):
+            if holds(self._state_bytes, pages, rules.sources[to]):
+                put(self._state_bytes, self._state, pages, to)
                 return
-            slots = as_tensor(slots)  # refused: the check below names why
-        if not within(slots, self.capacity_slots):
-            raise SlotStateError(f"host {what}: slot index out of range 0..{self.capacity_slots - 1}")
-        if not self._distinct(slots):
-            raise SlotStateError(f"host {what}: a slot appears twice in one call")
-        have = self._state.index_select(0, slots).to(torch.int64)
+            pages = as_tensor(pages)  # refused: the check below names why
+        if not within(pages, self._pages):
+            raise SlotStateError(f"host {what}: page number out of range 0..{self._pages - 1}")
+        if not self._distinct(pages):
+            raise SlotStateError(f"host {what}: a page appears twice in one call")
+        have = self._state.index_select(0, pages).to(torch.int64)
         legal = rules.table[have, int(to)]
         if not bool(legal.all()):
             bad = (~legal).nonzero().flatten()
             shown = ", ".join(
-                f"slot {int(slots[i])} is {HostSlotState(int(have[i])).name}" for i in bad[:8]
+                f"page {int(pages[i])} is {HostSlotState(int(have[i])).name}" for i in bad[:8]
             )
             more = f" (and {len(bad) - 8} more)" if len(bad) > 8 else ""
             hint = ""
             if to is HostSlotState.FREE and bool((have[bad] == HostSlotState.FREE).any()):
                 hint = " (double free)"
             elif to is HostSlotState.FREE:
-                hint = f" (only {', '.join(s.name for s in _FREEABLE)} slots may be freed)"
+                hint = f" (only {', '.join(s.name for s in _FREEABLE)} pages may be freed)"
             elif bool((have[bad] == HostSlotState.FREE).any()):
-                hint = " (FREE slots are allocated with allocate(), not moved)"
-            raise SlotStateError(f"illegal host slot transition to {to.name} on {what}: {shown}{more}{hint}")
-        put(self._state_bytes, self._state, slots, to)
+                hint = " (FREE pages are allocated with allocate(), not moved)"
+            raise SlotStateError(f"illegal host page transition to {to.name} on {what}: {shown}{more}{hint}")
+        put(self._state_bytes, self._state, pages, to)

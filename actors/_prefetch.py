@@ -27,6 +27,7 @@ import torch
 from hicache.messages import (
     ActorName,
     ContinuePrefetch,
+    Indices,
     Message,
     PagesStored,
     Prefetch,
@@ -44,6 +45,7 @@ from hicache.runtime.config import Config
 
 from ._errors import InvariantError
 from ._kv import KVBuffer
+from ._pages import as_tensor, slots_of_pages
 from ._stored_page import StorageUsage
 
 STOP_RECHECK_S = 0.05
@@ -95,7 +97,7 @@ class StoragePrefetcherActor(HiActor):
             self.require_sender(sender, ActorName.TREE, type(message).__name__)
         match message:
             case Prefetch(op_id=op, keys=keys, host=host):
-                return PrefetchHit(op_id=op, pages=self._start(op, keys, host.as_tensor()))
+                return PrefetchHit(op_id=op, pages=self._start(op, keys, self._slots(host)))
             case ReadPrefetch(op_id=op, pages=pages):
                 r = self._reads[op]
                 if pages > r.hit:
@@ -108,10 +110,14 @@ class StoragePrefetcherActor(HiActor):
             case StopPrefetch(op_id=op):
                 return self._stop_read(op)
             case StorePages(op_id=op, keys=keys, host=host):
-                return self._store(op, keys, host.as_tensor())
+                return self._store(op, keys, self._slots(host))
             case _:
                 self.unknown(message)
         return None
+
+    def _slots(self, pages: Indices) -> torch.Tensor:
+        """The host slots of the pages a message names (backends read and write by slot)."""
+        return as_tensor(slots_of_pages(pages.as_tensor(), self._page))
 
     def _start(self, op: int, keys: tuple[str, ...], host: torch.Tensor) -> int:
         if op in self._reads:

@@ -10,12 +10,13 @@ Plain and synchronous; `TreeCore` drives it. What it guarantees:
 - `lock` counts a lock up the whole path; `protected_tokens` (device tokens under
   a lock) and `evictable_tokens` (device tokens under none) are kept exact on every
   change, and `check_invariants` recomputes them.
-- Keys and slots are immutable values: a node's tokens are the little-endian int64
+- Keys and pages are immutable values: a node's tokens are the little-endian int64
   bytes of its token ids (`Node.key`, the bytes inside a `Tokens`), its device and
-  host slots are `Indices`. Slicing one copies exactly its part, so no node keeps a
-  larger buffer alive, and the tree runs on bytes and Python ints (a page key is a
-  bytes slice, a match is a `startswith`); only the duplicate slots of a long insert
-  are found by a tensor comparison.
+  host memory are the `Indices` of its pages (one page number per `page_size`
+  tokens). Slicing one copies exactly its part, so no node keeps a larger buffer
+  alive, and the tree runs on bytes and Python ints (a page key is a bytes slice, a
+  match is a `startswith`); only the duplicate pages of a long insert are found by a
+  tensor comparison.
 - Each page has a hash chained from its parent page's hash, seeded by the namespace,
   computed only when something asks for it (storage keys, rank digests).
 - Eviction order is kept incrementally: a heap of (policy key, version) entries
@@ -47,13 +48,13 @@ class NodeState(enum.Enum):
     DEVICE = "device"
     """KV in device memory only."""
     WRITING = "writing"
-    """In device memory; its host copy is being written (host slots may still be on their way)."""
+    """In device memory; its host copy is being written (host pages may still be on their way)."""
     SYNCED = "synced"
     """In device and host memory."""
     HOST_ONLY = "host_only"
     """In host memory only."""
     LOADING = "loading"
-    """In host memory; device slots are being filled from it."""
+    """In host memory; device pages are being filled from it."""
 
     # Members are singletons compared by identity: hash them the same way, in C (Enum's own
     # hash is a Python call on the name, paid at every `state in RESIDENT`).
@@ -76,7 +77,7 @@ NODE_TRANSITIONS: frozenset[tuple[NodeState, NodeState]] = frozenset(
 """Every legal move of a node; creation (DEVICE, or HOST_ONLY from storage) and deletion are not moves."""
 
 RESIDENT = frozenset({_N.DEVICE, _N.WRITING, _N.SYNCED, _N.LOADING})
-"""States with device slots."""
+"""States with device pages."""
 BACKED = frozenset({_N.SYNCED, _N.HOST_ONLY, _N.LOADING})
 """States whose host copy is complete."""
 
@@ -152,7 +153,7 @@ class HostInsert:
     """What `RadixTree.insert_host` did with pages that arrived from storage."""
 
     new: list[Node]
-    """Host-only nodes created for them (their slots are the tree's now)."""
+    """Host-only nodes created for them (their pages are the tree's now)."""
     unused: list[Indices]
     """Slots not taken: pages the tree already held, and pages past a node that is not backed up."""
 
@@ -164,11 +165,11 @@ class InsertOutcome:
     present: int
     """Tokens already cached (device, host or loading) before the insert."""
     adopted: list[Indices]
-    """Slots of the caller that the tree now owns (new nodes, revived host-only nodes)."""
+    """Pages of the caller that the tree now owns (new nodes, revived host-only nodes)."""
     duplicates: list[Indices]
-    """Slots of the caller whose KV the tree already holds in other slots."""
+    """Pages of the caller whose KV the tree already holds in other pages."""
     revived: list[Node]
-    """Host-only nodes that got the caller's device slots (now SYNCED)."""
+    """Host-only nodes that got the caller's device pages (now SYNCED)."""
 
 
 class _Where:
@@ -247,14 +248,15 @@ class RadixTree:
     def insert(
         self, namespace: str, tokens: Indices, device: Indices, *, own_from: int = 0, priority: int = 0
     ) -> InsertOutcome:
-        """Insert `tokens` (whole pages) whose KV sits in `device` slots.
+        """Insert `tokens` (whole pages) whose KV sits in the `device` pages (one per page of tokens).
 
-        Slots of positions below `own_from` came from the tree itself (the caller's
+        Pages of positions below `own_from` came from the tree itself (the caller's
         cached prefix): they are never adopted or reported as duplicates."""
         p = self.page_size
         n = len(tokens)
-        if n % p or len(device) != n:
-            raise ValueError(f"insert needs whole pages with one slot per token, got {n} tokens, {len(device)} slots")
+        if n % p or len(device) * p != n:
+            raise ValueError(f"insert needs whole pages with one device page each, got {n} tokens, "
+                             f"{len(device)} pages of {p}")
         self._tick += 1
         out = InsertOutcome(path=[], present=0, adopted=[], duplicates=[], revived=[])
         node = self.root(namespace)
@@ -271,7 +273,7 @@ class RadixTree:
                         f"{pos}; its nodes were locked and cannot have been evicted"
                     )
                 new = self._new_node(node, data[at:], NodeState.DEVICE, priority)
-                new.device = device[pos:n]
+                new.device = device[pos // p : n // p]
                 self._attach(new)  # offers it for eviction
                 out.adopted.append(new.device)
                 for nd in out.path:  # the nodes above it, with their new access time
@@ -284,9 +286,9 @@ class RadixTree:
             if same < child.tokens:
                 child = self.split(child, same)
             if pos + child.tokens <= own_from:
-                out.present += child.tokens  # the tree's own slots
+                out.present += child.tokens  # the tree's own pages
             else:
-                self._absorb(child, device[pos : pos + child.tokens], out)
+                self._absorb(child, device[pos // p : (pos + child.tokens) // p], out)
             child.hit_count += 1
             child.last_access = self._tick
             child.priority = max(child.priority, priority)
@@ -298,10 +300,10 @@ class RadixTree:
         return out
 
     def _absorb(self, node: Node, mine: Indices, out: InsertOutcome) -> None:
-        """The caller's slots for an existing node: the node's own, duplicates, or a revival."""
+        """The caller's pages for an existing node: the node's own, duplicates, or a revival."""
         out.present += node.tokens
         if node.device is not None:
-            if mine != node.device:  # the caller computed KV the tree holds: its differing slots are spare
+            if mine != node.device:  # the caller computed KV the tree holds: its differing pages are spare
                 out.duplicates.append(_differing(mine, node.device))
         elif node.state is NodeState.HOST_ONLY:
             self._account(node, -1)
@@ -311,7 +313,7 @@ class RadixTree:
             out.adopted.append(node.device)
             out.revived.append(node)
         else:  # pragma: no cover - every non-resident node is HOST_ONLY
-            raise InvariantError(f"{node}: no device slots but not host-only")
+            raise InvariantError(f"{node}: no device pages but not host-only")
 
     def split(self, node: Node, at: int) -> Node:
         """Cut `node` after `at` tokens (a page boundary); returns the new upper part."""
@@ -324,8 +326,8 @@ class RadixTree:
         upper = Node(
             id=next(self._ids), namespace=node.namespace, parent=parent, key=node.key[: 8 * at], tokens=at,
             page_bytes=node.page_bytes, state=node.state, chained=None if node.chained is None else node.chained[:pages],
-            device=None if node.device is None else node.device[:at],
-            host=None if node.host is None else node.host[:at],
+            device=None if node.device is None else node.device[:pages],
+            host=None if node.host is None else node.host[:pages],
             lock_ref=node.lock_ref, host_ref=node.host_ref, hit_count=node.hit_count,
             last_access=node.last_access, created=node.created, priority=node.priority, op=node.op,
             stored=node.stored,
@@ -334,8 +336,8 @@ class RadixTree:
         node.tokens -= at
         if node.chained is not None:
             node.chained = node.chained[pages:]
-        node.device = None if node.device is None else node.device[at:]
-        node.host = None if node.host is None else node.host[at:]
+        node.device = None if node.device is None else node.device[pages:]
+        node.host = None if node.host is None else node.host[pages:]
         step = self._page_bytes
         parent.children[upper.key[:step]] = upper
         upper.children[node.key[:step]] = node
@@ -370,11 +372,11 @@ class RadixTree:
             self.offer(node.parent)
 
     def start_load(self, node: Node, device: Indices) -> None:
-        """HOST_ONLY -> LOADING with the device slots the load fills."""
+        """HOST_ONLY -> LOADING with the device pages the load fills."""
         self._change(node, NodeState.LOADING, device=device)
 
     def fail_load(self, node: Node) -> None:
-        """LOADING -> HOST_ONLY: the load failed, its device slots are given back."""
+        """LOADING -> HOST_ONLY: the load failed, its device pages are given back."""
         self._change(node, NodeState.HOST_ONLY, device=None)
 
     def evict_to_host(self, node: Node) -> None:
@@ -382,7 +384,7 @@ class RadixTree:
         self._change(node, NodeState.HOST_ONLY, device=None)
 
     def set_host(self, node: Node, host: Indices | None) -> None:
-        """Give a WRITING node its host slots, or take them back (a failed write)."""
+        """Give a WRITING node its host pages, or take them back (a failed write)."""
         self._account(node, -1)
         node.host = host
         self._account(node, +1)
@@ -516,8 +518,9 @@ class RadixTree:
         prefix-closure, and the pages past it are not taken either. `hashes`, when the caller
         has them (the prefetch's page keys), are those of `tokens`' pages: kept, not recomputed."""
         p = self.page_size
-        if len(tokens) % p or len(host) != len(tokens):
-            raise ValueError(f"insert_host needs whole pages with one slot per token, got {len(tokens)} tokens, {len(host)} slots")
+        if len(tokens) % p or len(host) * p != len(tokens):
+            raise ValueError(f"insert_host needs whole pages with one host page each, got {len(tokens)} tokens, "
+                             f"{len(host)} pages of {p}")
         if not anchor.alive or not (anchor.is_root or anchor.state in BACKED):
             raise InvariantError(f"prefetch anchor {anchor} must be alive and backed up (or a root)")
         self._tick += 1
@@ -529,7 +532,7 @@ class RadixTree:
             child = node.children.get(data[at : at + step])
             if child is None:
                 new = self._new_node(node, data[at:], NodeState.HOST_ONLY, 0)
-                new.host = host[pos:n]
+                new.host = host[pos // p : n // p]
                 new.stored = True
                 if hashes is not None:
                     new.chained = hashes[pos // p :]
@@ -543,11 +546,11 @@ class RadixTree:
                 child = self.split(child, same)
             child.last_access = self._tick
             self.offer(child)
-            out.unused.append(host[pos : pos + child.tokens])
+            out.unused.append(host[pos // p : (pos + child.tokens) // p])
             pos += child.tokens
             node = child
         if pos < n:
-            out.unused.append(host[pos:n])
+            out.unused.append(host[pos // p : n // p])
         return out
 
     def chain(self, node: Node, tokens: Indices) -> tuple[int, ...]:
@@ -622,12 +625,12 @@ class RadixTree:
             ):
                 raise InvariantError(f"{where}: page hashes do not chain from the parent's")
             resident = node.state in RESIDENT
-            if resident != (node.device is not None) or (resident and len(node.device) != node.tokens):  # type: ignore[arg-type]
-                raise InvariantError(f"{where}: device slots do not match state")
-            if node.state in BACKED and (node.host is None or len(node.host) != node.tokens):
+            if resident != (node.device is not None) or (resident and len(node.device) * p != node.tokens):  # type: ignore[arg-type]
+                raise InvariantError(f"{where}: device pages do not match state")
+            if node.state in BACKED and (node.host is None or len(node.host) * p != node.tokens):
                 raise InvariantError(f"{where}: backed-up state without a full host copy")
             if node.state is NodeState.DEVICE and node.host is not None:
-                raise InvariantError(f"{where}: not backed up but holds host slots")
+                raise InvariantError(f"{where}: not backed up but holds host pages")
             if resident and not parent.is_root and parent.state not in RESIDENT:
                 raise InvariantError(f"{where}: device residency is not prefix-closed (parent {parent})")
             if node.state in BACKED and not parent.is_root and parent.state not in BACKED:
@@ -638,9 +641,9 @@ class RadixTree:
                 raise InvariantError(f"{where}: lock ref below its children's (locks count up the path)")
             if node.resident_children != sum(c.state in RESIDENT for c in node.children.values()):
                 raise InvariantError(f"{where}: resident child count is stale")
-            for what, slots in (("device", node.device), ("host", node.host)):
-                if slots is not None and type(slots) is not Indices:
-                    raise InvariantError(f"{where}: {what} slots are a {type(slots).__name__}, not Indices")
+            for what, pages in (("device", node.device), ("host", node.host)):
+                if pages is not None and type(pages) is not Indices:
+                    raise InvariantError(f"{where}: {what} pages are a {type(pages).__name__}, not Indices")
             if resident:
                 device += node.tokens
                 if node.lock_ref > 0:
@@ -673,7 +676,7 @@ def _page_ids(page: bytes) -> tuple[int, ...]:
 
 
 def _differing(mine: Indices, theirs: Indices) -> Indices:
-    """The slots of `mine` that differ from `theirs` at the same position (equal lengths):
+    """The pages of `mine` that differ from `theirs` at the same position (equal lengths):
     compared as Python ints for a few, vectorised for more."""
     if len(mine) <= _SMALL:
         return Indices.of(s for s, t in zip(mine.tolist(), theirs.tolist(), strict=True) if s != t)
@@ -682,4 +685,4 @@ def _differing(mine: Indices, theirs: Indices) -> Indices:
 
 
 _SMALL = 64
-"""Up to this many slots, Python ints beat a tensor op's fixed cost."""
+"""Up to this many pages, Python ints beat a tensor op's fixed cost."""

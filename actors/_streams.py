@@ -43,7 +43,7 @@ from hicache.runtime.config import Config
 
 from ._errors import InvariantError
 from ._kv import CopyPlan, KVBuffer, _Route
-from ._pages import Ints, ints
+from ._pages import Ints, ints, slots_of_pages
 from ._transfer_core import Piece, TransferOp, TransferQueue, _concat_slots, batch_indices, op_problem
 
 _COPY_ERRORS = (RuntimeError, ValueError, IndexError)
@@ -100,10 +100,11 @@ def _enqueue(
     dst: tuple[Indices, KVBuffer],
     what: str,
 ) -> str | None:
-    """Queue an operation; the reason it was refused (counted as failed), or None.
-    The operation keeps its indices in the form their size calls for (Python ints for a
-    few, see `SMALL_SLOTS_MAX`), read from the message once."""
-    s, d = ints(src[0]), ints(dst[0])
+    """Queue an operation given as pages; the reason it was refused (counted as failed), or
+    None. The queue merges and splits by slot, so the operation keeps the slots of its pages,
+    in the form their number calls for (Python ints for a few, see `SMALL_SLOTS_MAX`)."""
+    p = src[1].shape.page_size
+    s, d = slots_of_pages(ints(src[0]), p), slots_of_pages(ints(dst[0]), p)
     problem = op_problem(s, src[1].slots, d, dst[1].slots)
     if problem is None and not queue.push(TransferOp(op_id, requester, s, d)):
         problem = f"{what} queue full ({queue.ops_max} ops, transfer_queue_ops_max)"

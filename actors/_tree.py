@@ -83,11 +83,11 @@ _ROUTES: dict[type[Message], _Route] = {
     ApplyFacts: (FACADE, _apply_facts),
     DigestTree: (FACADE, lambda core, m: core.digest(m.op_id)),
     # replies and acks
-    SlotsAllocated: (DEVICE, lambda core, m: core.on_load_slots(m.op_id, m.grants[0].indices, 0)),
+    SlotsAllocated: (DEVICE, lambda core, m: core.on_load_slots(m.op_id, m.grants[0].pages, 0)),
     SlotsInsufficient: (DEVICE, lambda core, m: core.on_load_slots(m.op_id, None, m.shortfall_slots)),
     RequestsReleased: (DEVICE, lambda core, m: core.on_released(m.op_id, m.entries)),
     RequestPagesSwapped: (DEVICE, lambda core, m: core.on_swapped(m.op_id)),
-    HostAllocated: (HOST, lambda core, m: core.on_host_allocated(m.op_id, m.indices)),
+    HostAllocated: (HOST, lambda core, m: core.on_host_allocated(m.op_id, m.pages)),
     HostInsufficient: (HOST, lambda core, m: core.on_host_allocated(m.op_id, None)),
     WriteDone: (WRITE, lambda core, m: core.on_write_done(m.op_id)),
     WriteFailed: (WRITE, lambda core, m: core.on_write_failed(m.op_id)),

@@ -69,7 +69,6 @@ from hicache.messages import (
     PrefetchesStarted,
     PrefetchesStopped,
     ReadPrefetch,
-    ReleaseReason,
     ReleaseRequests,
     SetHostState,
     SlotRelease,
@@ -302,7 +301,7 @@ class TreeCore:
             path: list[Node] = []
             if not self._prefix_lost(h):  # else its KV was computed over a failed load: cache none of it
                 path = self._insert(h, it.tokens, it.device, adopted, [])
-            self._unlock_finished(h, it.reason)
+            self._unlock_finished(h)
             for nd in path:
                 self._consider_backup(nd)
             releases.append(SlotRelease(request_id=it.request_id, adopt=_cat(adopted), reason=it.reason))
@@ -398,9 +397,9 @@ class TreeCore:
 
     # == replies from the other actors ====================================================
 
-    def on_load_slots(self, load_op: int, slots: Indices | None, shortfall: int) -> None:
+    def on_load_slots(self, load_op: int, pages: Indices | None, shortfall: int) -> None:
         adm = self._admissions.pop(load_op)
-        if slots is None:
+        if pages is None:
             if not adm.retried:
                 adm.retried = True
                 self._admissions[load_op] = adm
@@ -412,14 +411,15 @@ class TreeCore:
         nodes = [nd for p in adm.plans for nd in p.load_nodes]
         at = 0
         for nd in nodes:
-            self.tree.start_load(nd, slots[at : at + nd.tokens])
+            k = nd.tokens // self.page_size
+            self.tree.start_load(nd, pages[at : at + k])
             nd.op = load_op
-            at += nd.tokens
+            at += k
         host = _cat([nd.host for nd in nodes if nd.host is not None])
         device = _cat([nd.device for nd in nodes if nd.device is not None])
         self._loads[load_op] = _Load(nodes)
         self.facts.expect("load", load_op)
-        self._emit(HOST, SetHostState(indices=host, state=HostSlotState.LOADING))
+        self._emit(HOST, SetHostState(pages=host, state=HostSlotState.LOADING))
         self._emit(LOAD, LoadKV(op_id=load_op, host=host, device=device))
         self._reply_admitted(adm.facade_op, adm.plans)
 
@@ -473,9 +473,9 @@ class TreeCore:
         for nd in load.nodes:
             nd.op = 0
             self.tree.set_state(nd, NodeState.SYNCED)
-        self._emit(HOST, SetHostState(indices=_cat([nd.host for nd in load.nodes if nd.host is not None]),
+        self._emit(HOST, SetHostState(pages=_cat([nd.host for nd in load.nodes if nd.host is not None]),
                                       state=HostSlotState.SYNCED))
-        self._emit(DEVICE, AdoptLoadedSlots(indices=_cat([nd.device for nd in load.nodes if nd.device is not None])))
+        self._emit(DEVICE, AdoptLoadedSlots(pages=_cat([nd.device for nd in load.nodes if nd.device is not None])))
 
     def _load_failed(self, op: int) -> None:
         load = self._loads.pop(op)
@@ -483,26 +483,27 @@ class TreeCore:
         for nd in load.nodes:
             nd.op = 0
             self.tree.fail_load(nd)
-        self._emit(HOST, SetHostState(indices=_cat([nd.host for nd in load.nodes if nd.host is not None]),
+        self._emit(HOST, SetHostState(pages=_cat([nd.host for nd in load.nodes if nd.host is not None]),
                                       state=HostSlotState.HOST_ONLY))
-        self._emit(DEVICE, FreeDeviceSlots(indices=device))
+        self._emit(DEVICE, FreeDeviceSlots(pages=device))
 
-    def on_host_allocated(self, op: int, slots: Indices | None) -> None:
+    def on_host_allocated(self, op: int, pages: Indices | None) -> None:
         if op in self._prefetches:
-            self._prefetch_host(self._prefetches[op], slots)
+            self._prefetch_host(self._prefetches[op], pages)
             return
         w = self._writes[op]
-        if slots is None:  # the mirror says this cannot happen (an injected fault): the write fails
+        if pages is None:  # the mirror says this cannot happen (an injected fault): the write fails
             self._fact("write", op, 0)
             return
         at = 0
         for nd in w.nodes:
-            self.tree.set_host(nd, slots[at : at + nd.tokens])
-            at += nd.tokens
+            k = nd.tokens // self.page_size
+            self.tree.set_host(nd, pages[at : at + k])
+            at += k
         w.host_assigned = True
         host = _cat([nd.host for nd in w.nodes if nd.host is not None])
         device = _cat([nd.device for nd in w.nodes if nd.device is not None])
-        self._emit(HOST, SetHostState(indices=host, state=HostSlotState.WRITING))
+        self._emit(HOST, SetHostState(pages=host, state=HostSlotState.WRITING))
         self._emit(WRITE, WriteKV(op_id=op, device=device, host=host))
 
     def _write_done(self, op: int) -> None:
@@ -510,7 +511,7 @@ class TreeCore:
             self._write_failed(op)
             return
         w = self._writes.pop(op)
-        self._emit(HOST, SetHostState(indices=_cat([nd.host for nd in w.nodes if nd.host is not None]),
+        self._emit(HOST, SetHostState(pages=_cat([nd.host for nd in w.nodes if nd.host is not None]),
                                       state=HostSlotState.SYNCED))
         for nd in w.nodes:
             nd.op = 0
@@ -531,8 +532,8 @@ class TreeCore:
         self._doom_descendants(w)
         if w.host_assigned:  # its bytes are not valid (on this rank or another)
             host = _cat([nd.host for nd in w.nodes if nd.host is not None])
-            self._emit(HOST, SetHostState(indices=host, state=HostSlotState.RESERVED))
-            self._emit(HOST, FreeHostSlots(indices=host))
+            self._emit(HOST, SetHostState(pages=host, state=HostSlotState.RESERVED))
+            self._emit(HOST, FreeHostSlots(pages=host))
             for nd in w.nodes:
                 self.tree.set_host(nd, None)
         self.host_free += w.tokens
@@ -631,20 +632,20 @@ class TreeCore:
         cfg = self.config
         return min(cfg.prefetch_timeout_base_s + cfg.prefetch_timeout_per_1k_s * tokens / 1000, cfg.prefetch_timeout_max_s)
 
-    def _prefetch_host(self, pf: _Prefetch, slots: Indices | None) -> None:
+    def _prefetch_host(self, pf: _Prefetch, pages: Indices | None) -> None:
         pf.host_reply = True
-        if slots is None:  # refused (an injected fault): it never reaches storage
+        if pages is None:  # refused (an injected fault): it never reaches storage
             self._fact("hit", pf.op, 0)
             if pf.stopping:
                 self.on_prefetch_stopped(pf.op, 0)
             return
-        pf.host = slots
-        self._emit(PREFETCH, Prefetch(op_id=pf.op, keys=pf.keys, host=slots))
+        pf.host = pages
+        self._emit(PREFETCH, Prefetch(op_id=pf.op, keys=pf.keys, host=pages))
         if pf.stopping:
             self._emit(PREFETCH, StopPrefetch(op_id=pf.op))
 
     def _prefetch_hit(self, op: int, pages: int) -> None:
-        """The agreed hit: free the surplus slots now, read the rest (unless stopping already)."""
+        """The agreed hit: free the surplus pages now, read the rest (unless stopping already)."""
         pf = self._prefetches.get(op)
         if pf is None:  # settled already: everything it held was freed then
             return
@@ -653,14 +654,14 @@ class TreeCore:
         surplus = pf.reserved - keep
         if surplus:
             if pf.host is not None:
-                self._emit(HOST, FreeHostSlots(indices=pf.host[keep:]))
-                pf.host = pf.host[:keep]
+                self._emit(HOST, FreeHostSlots(pages=pf.host[pf.hit :]))
+                pf.host = pf.host[: pf.hit]
             pf.reserved = keep
             self.host_free += surplus
             self._prefetch_tokens -= surplus
         if pf.hit and not pf.stopping and pf.host is not None:
             pf.read = pf.hit
-            self._emit(HOST, SetHostState(indices=pf.host, state=HostSlotState.PREFETCHING))
+            self._emit(HOST, SetHostState(pages=pf.host, state=HostSlotState.PREFETCHING))
             self._emit(PREFETCH, ReadPrefetch(op_id=op, pages=pf.hit))
 
     def on_prefetch_progress(self, op: int, pages: int, finished: bool) -> None:
@@ -747,22 +748,22 @@ class TreeCore:
         kept = 0
         if pf.host is not None:
             if keep:
-                res = self.tree.insert_host(pf.anchor, pf.tokens[:keep], pf.host[:keep], pf.hashes[:pages])
+                res = self.tree.insert_host(pf.anchor, pf.tokens[:keep], pf.host[:pages], pf.hashes[:pages])
                 for nd in res.new:
                     kept += nd.tokens
                 new = _cat([nd.host for nd in res.new])
                 if len(new):
-                    self._emit(HOST, SetHostState(indices=new, state=HostSlotState.HOST_ONLY))
+                    self._emit(HOST, SetHostState(pages=new, state=HostSlotState.HOST_ONLY))
                 unused.extend(res.unused)
-            read = pf.host[keep : pf.read * p]  # read (or being read) and not kept
+            read = pf.host[pages : pf.read]  # read (or being read) and not kept
             if len(read):
                 unused.append(read)
             prefetching = _cat(unused)
             if len(prefetching):
-                self._emit(HOST, SetHostState(indices=prefetching, state=HostSlotState.RESERVED))
-            free = _cat([prefetching, pf.host[pf.read * p :]])
+                self._emit(HOST, SetHostState(pages=prefetching, state=HostSlotState.RESERVED))
+            free = _cat([prefetching, pf.host[pf.read :]])
             if len(free):
-                self._emit(HOST, FreeHostSlots(indices=free))
+                self._emit(HOST, FreeHostSlots(pages=free))
         self.host_free += pf.reserved - kept
         self._prefetch_tokens -= pf.reserved
         self.tree.pin_host(pf.anchor, -1)
@@ -881,7 +882,7 @@ class TreeCore:
         device = node.device
         assert device is not None
         if node.state is NodeState.SYNCED:
-            self._emit(HOST, SetHostState(indices=node.host, state=HostSlotState.HOST_ONLY))  # type: ignore[arg-type]
+            self._emit(HOST, SetHostState(pages=node.host, state=HostSlotState.HOST_ONLY))  # type: ignore[arg-type]
             self.tree.evict_to_host(node)
         else:
             self.tree.remove(node)
@@ -900,7 +901,7 @@ class TreeCore:
             freed += node.tokens
             self.tree.remove(node)
         if frees:
-            self._emit(HOST, FreeHostSlots(indices=_cat(frees)))
+            self._emit(HOST, FreeHostSlots(pages=_cat(frees)))
             self.host_free += freed
             self.n.evicted_host_tokens += freed
         return freed
@@ -928,18 +929,13 @@ class TreeCore:
         self, h: _Handle, tokens: Tokens, device: Indices,
         adopted: list[Indices], duplicates: list[Indices],
     ) -> list[Node]:
-        if len(tokens) != len(device):
-            raise ValueError(f"request {h.request_id!r}: {len(tokens)} tokens but {len(device)} slots")
-        n = len(tokens) - len(tokens) % self.page_size
-        if n < h.prefix_tokens:
-            raise ValueError(
-                f"request {h.request_id!r}: {n} committed page-aligned tokens, fewer than the "
-                f"{h.prefix_tokens} it was admitted with"
-            )
-        out = self.tree.insert(h.namespace, tokens[:n], device[:n], own_from=h.prefix_tokens)
+        self._check_item(h.request_id, h, tokens, device)
+        p = self.page_size
+        n = len(tokens) - len(tokens) % p
+        out = self.tree.insert(h.namespace, tokens[:n], device[: n // p], own_from=h.prefix_tokens)
         if out.revived:
             revived = _cat([nd.host for nd in out.revived])
-            self._emit(HOST, SetHostState(indices=revived, state=HostSlotState.SYNCED))
+            self._emit(HOST, SetHostState(pages=revived, state=HostSlotState.SYNCED))
         adopted.extend(out.adopted)
         duplicates.extend(out.duplicates)
         return out.path
@@ -980,18 +976,23 @@ class TreeCore:
                 raise HandleError(f"lock handle {it.handle} belongs to request {h.request_id!r}, not {it.request_id!r}")
             if it.handle in seen:
                 raise HandleError(f"lock handle {it.handle} of request {it.request_id!r} appears twice in one batch")
-            if len(it.tokens) != len(it.device):
-                raise ValueError(f"request {it.request_id!r}: {len(it.tokens)} tokens but {len(it.device)} slots")
-            n = len(it.tokens) - len(it.tokens) % self.page_size
-            if n < h.prefix_tokens:
-                raise ValueError(
-                    f"request {it.request_id!r}: {n} committed page-aligned tokens, fewer than the "
-                    f"{h.prefix_tokens} it was admitted with"
-                )
+            self._check_item(it.request_id, h, it.tokens, it.device)
             seen.add(it.handle)
         return [self._handles.pop(it.handle) for it in items]
 
-    def _unlock_finished(self, h: _Handle, reason: ReleaseReason) -> None:
+    def _check_item(self, rid: str, h: _Handle, tokens: Tokens, device: Indices) -> None:
+        """A request's committed tokens come with the pages that hold them, and cover at
+        least the prefix it was admitted with."""
+        p = self.page_size
+        if -(-len(tokens) // p) != len(device):
+            raise ValueError(f"request {rid!r}: {len(tokens)} tokens need {-(-len(tokens) // p)} pages of {p}, "
+                             f"got {len(device)}")
+        n = len(tokens) - len(tokens) % p
+        if n < h.prefix_tokens:
+            raise ValueError(f"request {rid!r}: {n} committed page-aligned tokens, fewer than the "
+                             f"{h.prefix_tokens} it was admitted with")
+
+    def _unlock_finished(self, h: _Handle) -> None:
         """The one lock release of a request that leaves, whatever the reason."""
         if h.node is not None:
             self.tree.lock(h.node, -1)
@@ -1034,7 +1035,7 @@ class TreeCore:
 
     def _emit_device_frees(self, frees: list[Indices]) -> None:
         if frees:
-            self._emit(DEVICE, FreeDeviceSlots(indices=_cat(frees)))
+            self._emit(DEVICE, FreeDeviceSlots(pages=_cat(frees)))
 
     def _emit(self, to: ActorName, message: Message) -> None:
         self.outbox.append((to, message))
@@ -1118,8 +1119,9 @@ class TreeCore:
                 )
             if self._prefetch_of.get(pf.request_id) != op:
                 raise InvariantError(f"tree: prefetch {op} is not the one of request {pf.request_id!r}")
-            if pf.host is not None and len(pf.host) != pf.reserved:
-                raise InvariantError(f"tree: prefetch {op} holds {len(pf.host)} host slots but reserved {pf.reserved}")
+            if pf.host is not None and len(pf.host) * self.page_size != pf.reserved:
+                raise InvariantError(f"tree: prefetch {op} holds {len(pf.host)} host pages but reserved {pf.reserved} "
+                                     "tokens")
         got, rule = self._last_reservation
         if got != rule:
             raise InvariantError(

@@ -1,5 +1,9 @@
 """Verbs of the device allocator: per-request slot ledger and tree-owned slots.
 
+Device memory is handed out in pages of `page_size` slots; the pages a message names are
+page numbers (page `k` holds slots `k * page_size .. (k + 1) * page_size - 1`). Only the
+facade turns them into slot numbers, for the engine.
+
 Ownership of a device page moves between four owners: free, a request (through
 its ledger), the tree, and an in-flight load. See docs/messages.md.
 """
@@ -50,12 +54,13 @@ class AllocateSlots(Message):
 
 @message(102)
 class SlotGrant(Message):
-    """The slots granted to one request, in token order."""
+    """The pages granted to one request (its next slots are the rest of its last partial
+    page, then these pages, in token order)."""
 
     request_id: str
-    """The request the slots now belong to."""
-    indices: Indices
-    """New slot indices: the rest of the request's last partial page, then whole pages."""
+    """The request the pages now belong to."""
+    pages: Indices
+    """New pages, in token order; none when the rest of its last page covers the demand."""
 
 
 @message(103)
@@ -118,12 +123,12 @@ class SlotsCommitted(Message):
 
 @message(108)
 class SlotRelease(Message):
-    """Release one request: its `adopt` slots go to the tree, all others are freed."""
+    """Release one request: its `adopt` pages go to the tree, all others are freed."""
 
     request_id: str
     """The request being finished, retracted or aborted."""
     adopt: Indices
-    """Whole pages of the request that the tree keeps (its cached prefix); may be empty."""
+    """Pages of the request that the tree keeps (its cached prefix); may be empty."""
     reason: ReleaseReason
     """Finished and aborted ids are remembered as released; retracted ones may come back."""
 
@@ -150,7 +155,7 @@ class RequestsReleased(Message):
 
 @message(111)
 class AllocateLoadSlots(Message):
-    """Allocate device slots that a load from host will fill (owner: loading)."""
+    """Allocate device pages that a load from host will fill (owner: loading)."""
 
     op_id: int
     """Correlation id echoed in the reply (`SlotsAllocated` with one grant, or `SlotsInsufficient`)."""
@@ -160,18 +165,18 @@ class AllocateLoadSlots(Message):
 
 @message(112)
 class AdoptLoadedSlots(Message):
-    """A load into these slots completed: they now belong to the tree."""
+    """A load into these pages completed: they now belong to the tree."""
 
-    indices: Indices
-    """Slots previously allocated with `AllocateLoadSlots`."""
+    pages: Indices
+    """Pages previously allocated with `AllocateLoadSlots`."""
 
 
 @message(113)
 class FreeDeviceSlots(Message):
-    """Free tree-owned or loading slots (eviction, a failed load). Tree only."""
+    """Free tree-owned or loading pages (eviction, a failed load). Tree only."""
 
-    indices: Indices
-    """Whole pages to free."""
+    pages: Indices
+    """Pages to free."""
 
 
 @message(114)
@@ -201,9 +206,9 @@ class SwapRequestPages(Message):
     request_id: str
     """The request; it stays live."""
     adopt: Indices
-    """Whole committed pages the tree now owns."""
+    """Whole committed pages (page numbers) the tree now owns."""
     free: Indices
-    """Whole committed pages that duplicate the tree's and are freed."""
+    """Whole committed pages (page numbers) that duplicate the tree's and are freed."""
 
 
 @message(116)

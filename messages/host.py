@@ -1,4 +1,7 @@
-"""Verbs of the host pool: slot allocation and the per-slot state machine."""
+"""Verbs of the host pool: page allocation and the per-page state machine.
+
+Host memory is handed out in pages of `page_size` slots, as device memory is; messages name
+page numbers, and every slot of a page shares its state."""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ from ._registry import Message, message, wire_enum
 
 @wire_enum(200)
 class HostSlotState(enum.IntEnum):
-    """Lifecycle of one host slot. Legal moves are listed in `HOST_TRANSITIONS`."""
+    """Lifecycle of one host page (all its slots). Legal moves are listed in `HOST_TRANSITIONS`."""
 
     FREE = 0
     """Not allocated."""
@@ -49,12 +52,12 @@ HOST_TRANSITIONS: frozenset[tuple[HostSlotState, HostSlotState]] = frozenset(
         (_S.PREFETCHING, _S.RESERVED),  # storage read failed or stopped
     }
 )
-"""Every legal (from, to) move of a host slot; anything else is a programmer error."""
+"""Every legal (from, to) move of a host page; anything else is a programmer error."""
 
 
 @message(201)
 class AllocateHost(Message):
-    """Reserve host slots (whole pages) for a write-through, a load or a prefetch."""
+    """Reserve host pages for a write-through, a load or a prefetch."""
 
     op_id: int
     """Correlation id echoed in the reply."""
@@ -64,12 +67,12 @@ class AllocateHost(Message):
 
 @message(202)
 class HostAllocated(Message):
-    """Reply to `AllocateHost`: the reserved slots, in state RESERVED."""
+    """Reply to `AllocateHost`: the reserved pages, in state RESERVED."""
 
     op_id: int
     """The `op_id` of the allocation."""
-    indices: Indices
-    """The reserved slots."""
+    pages: Indices
+    """The reserved pages (`tokens / page_size` of them)."""
 
 
 @message(203)
@@ -86,20 +89,20 @@ class HostInsufficient(Message):
 
 @message(204)
 class SetHostState(Message):
-    """Move slots to a new state; every slot's move must be legal."""
+    """Move pages to a new state; every page's move must be legal."""
 
-    indices: Indices
-    """Slots to move."""
+    pages: Indices
+    """Pages to move."""
     state: HostSlotState
     """The state they move to (not FREE: use `FreeHostSlots`)."""
 
 
 @message(205)
 class FreeHostSlots(Message):
-    """Free host slots. Accepted only from the tree."""
+    """Free host pages. Accepted only from the tree."""
 
-    indices: Indices
-    """Whole pages in state RESERVED, SYNCED or HOST_ONLY."""
+    pages: Indices
+    """Pages in state RESERVED, SYNCED or HOST_ONLY."""
 
 
 @message(206)

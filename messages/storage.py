@@ -53,7 +53,7 @@ class Prefetch(Message):
     keys: tuple[str, ...]
     """Storage keys of the pages, in token order (namespace-seeded hash chain, rank suffix)."""
     host: Indices
-    """The host slots the tree reserved: `page_size` per key, page aligned, in key order."""
+    """The host pages the tree reserved: one per key, in key order."""
 
 
 @message(501)
@@ -117,7 +117,7 @@ class StorePages(Message):
     keys: tuple[str, ...]
     """Storage keys, one per page."""
     host: Indices
-    """The host slots holding the pages (the tree pins them until `PagesStored`)."""
+    """The host pages holding them, one per key (the tree pins them until `PagesStored`)."""
 
 
 @message(507)

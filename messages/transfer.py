@@ -8,14 +8,14 @@ from ._registry import Message, message
 
 @message(300)
 class WriteKV(Message):
-    """Copy KV from device slots into host slots (D2H). Replies `WriteDone` or `WriteFailed`."""
+    """Copy KV from device pages into host pages (D2H). Replies `WriteDone` or `WriteFailed`."""
 
     op_id: int
     """The requester's id for this operation."""
     device: Indices
-    """Source device slots."""
+    """Source device pages."""
     host: Indices
-    """Destination host slots, same length as `device`."""
+    """Destination host pages, as many as `device`."""
 
 
 @message(301)
@@ -40,14 +40,14 @@ class WriteFailed(Message):
 
 @message(303)
 class LoadKV(Message):
-    """Queue a copy of KV from host slots into device slots (H2D); `StartLoads` starts it."""
+    """Queue a copy of KV from host pages into device pages (H2D); `StartLoads` starts it."""
 
     op_id: int
     """The requester's id for this operation."""
     host: Indices
-    """Source host slots."""
+    """Source host pages."""
     device: Indices
-    """Destination device slots, same length as `host`."""
+    """Destination device pages, as many as `host`."""
 
 
 @message(304)

@@ -44,7 +44,7 @@ class Admission(Message):
     handle: int
     """Opaque lock handle: pass it back on finish, cache or release."""
     device: Indices
-    """Device slots of the cached prefix, in token order (slots still loading included)."""
+    """Device pages of the cached prefix (whole pages), in token order (pages still loading included)."""
     device_hit: int
     """Tokens of the prefix that were already in device memory."""
     host_hit: int
@@ -74,7 +74,7 @@ class FinishItem(Message):
     tokens: Tokens
     """Every token whose KV was committed, in order."""
     device: Indices
-    """The device slot of each committed token (same length as `tokens`)."""
+    """The device pages of the committed tokens, in token order (the last may be partly committed)."""
     reason: ReleaseReason
     """Why it leaves."""
 
@@ -110,7 +110,7 @@ class CacheItem(Message):
     tokens: Tokens
     """Tokens committed so far."""
     device: Indices
-    """Their device slots."""
+    """Their device pages, in token order (the last may be partly committed)."""
 
 
 @message(408)
@@ -125,14 +125,14 @@ class CacheUnfinished(Message):
 
 @message(409)
 class CachedPrefix(Message):
-    """One request after caching: its new handle and the slots its prefix now uses."""
+    """One request after caching: its new handle and the pages its prefix now uses."""
 
     request_id: str
     """The request."""
     handle: int
     """The new lock handle (the old one is released)."""
     device: Indices
-    """Device slots of the cached (page-aligned) prefix: the tree's, which replace the request's."""
+    """Device pages of the cached (page-aligned) prefix: the tree's, which replace the request's."""
 
 
 @message(410)

@@ -46,6 +46,7 @@ import torch
 from rich.table import Table
 
 from hicache.actors import DeviceCore, HostCore, Insufficient, TransferOp, TransferQueue, TreeCore, copy_kv
+from hicache.actors._pages import slots_of_pages
 from hicache.actors._transfer_core import batch_indices
 from hicache.messages import (
     ActorName,
@@ -161,18 +162,18 @@ class DirectCores:
 
     def allocate_evicting(self, demands: list[tuple[str, int]]) -> dict[str, Indices]:
         """Slots as the facade gets them: if the pool is short, the tree evicts, then once more."""
-        got = self.device.allocate_indices(demands)
+        got = self.device.allocate_pages(demands)
         if isinstance(got, Insufficient):
             op = self._next_id()
             self.tree.evict_device(op, got.shortfall_slots)
             self._deliver(op)
-            got = self.device.allocate_indices(demands)
+            got = self.device.allocate_pages(demands)
         if isinstance(got, Insufficient):
             raise RuntimeError(f"bench: no room even after eviction: {got}")
         return got
 
-    def allocate(self, demands: list[tuple[str, int]]) -> dict[str, torch.Tensor]:
-        got = self.device.allocate(demands)
+    def allocate(self, demands: list[tuple[str, int]]) -> dict[str, Indices]:
+        got = self.device.allocate_pages(demands)
         if isinstance(got, Insufficient):
             raise RuntimeError(f"bench overhead: the device pool is sized for the run, yet {got}")
         return got
@@ -209,34 +210,36 @@ class DirectCores:
         tree, device, host = self.tree, self.device, self.host
         match message:
             case AllocateHost(op_id=op, tokens=n):
-                tree.on_host_allocated(op, host.allocate_indices(n))
-            case SetHostState(indices=idx, state=state):
-                host.transition(idx.as_tensor(), state)
-            case FreeHostSlots(indices=idx):
-                host.free(idx.as_tensor())
+                tree.on_host_allocated(op, host.allocate_pages(n))
+            case SetHostState(pages=idx, state=state):
+                host.transition(idx, state)
+            case FreeHostSlots(pages=idx):
+                host.free(idx)
             case WriteKV(op_id=op, device=dev, host=dst):
-                if not self.writes.push(TransferOp(op, ActorName.TREE, dev.as_tensor(), dst.as_tensor())):
+                p = self.device.page_size
+                src, to = slots_of_pages(dev.as_tensor(), p), slots_of_pages(dst.as_tensor(), p)
+                if not self.writes.push(TransferOp(op, ActorName.TREE, src, to)):
                     raise RuntimeError("bench overhead: the write queue is full")
                 self._copy_writes()
             case ReleaseRequests(op_id=op, releases=releases):
-                views = device.release_many([(r.request_id, r.adopt.as_tensor(), r.reason) for r in releases])
+                views = device.release_many([(r.request_id, r.adopt, r.reason) for r in releases])
                 tree.on_released(op, tuple(
                     LedgerEntry(request_id=v.request_id, allocated=v.allocated, committed=v.committed, freed=v.freed)
                     for v in views
                 ))
             case SwapRequestPages(op_id=op, request_id=rid, adopt=adopt, free=free):
-                device.swap(rid, adopt.as_tensor(), free.as_tensor())
+                device.swap(rid, adopt, free)
                 tree.on_swapped(op)
             case AllocateLoadSlots(op_id=op, tokens=n):
-                slots = device.allocate_load(n)
-                if isinstance(slots, Insufficient):
-                    tree.on_load_slots(op, None, slots.shortfall_slots)
+                pages = device.allocate_load_pages(n)
+                if isinstance(pages, Insufficient):
+                    tree.on_load_slots(op, None, pages.shortfall_slots)
                 else:
-                    tree.on_load_slots(op, Indices.from_tensor(slots), 0)
-            case AdoptLoadedSlots(indices=idx):
-                device.adopt_loaded(idx.as_tensor())
-            case FreeDeviceSlots(indices=idx):
-                device.free_tree(idx.as_tensor())
+                    tree.on_load_slots(op, pages, 0)
+            case AdoptLoadedSlots(pages=idx):
+                device.adopt_loaded(idx)
+            case FreeDeviceSlots(pages=idx):
+                device.free_tree(idx)
             case LoadKV():
                 raise RuntimeError("bench overhead: nothing is evicted in this workload, so nothing loads back")
             case Admitted() | Finished() | Cached() | Evicted():
@@ -294,7 +297,7 @@ def _drain(cache: HiCache, acks: WriteAcks) -> int:
     else:
         raise RuntimeError(f"bench overhead: write-throughs still in flight after {DRAIN_ASKS_MAX} asks")
     # The tree sent every SetHostState before it answered; an empty one queues behind them.
-    system.ask(ActorName.HOST, SetHostState(indices=Indices(), state=HostSlotState.SYNCED), sender=ActorName.TREE)
+    system.ask(ActorName.HOST, SetHostState(pages=Indices(), state=HostSlotState.SYNCED), sender=ActorName.TREE)
     return asks + 1
 
 
@@ -305,7 +308,7 @@ def _tick_direct(cores: DirectCores, batch: list[tuple[str, torch.Tensor]]) -> N
     cores.commit([(rid, len(t) - cached[rid]) for rid, t in batch])
     items = tuple(
         FinishItem(request_id=rid, handle=a.handle, reason=ReleaseReason.FINISHED, tokens=Tokens.from_tensor(t),
-                   device=Indices.from_tensor(torch.cat([a.device.as_tensor(), got[rid]])))
+                   device=Indices.concat((a.device, got[rid])))
         for (rid, t), a in zip(batch, admitted, strict=True)
     )
     cores.finish(items)

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
 from hicache.actors._logging import logger
+from hicache.actors._pages import slots_of_pages
 from hicache.messages import (
     ActorName,
     AdmitItem,
@@ -44,16 +44,16 @@ from hicache.messages import (
     Admitted,
     AllocateSlots,
     ApplyFacts,
-    CacheItem,
     Cached,
+    CacheItem,
     CacheUnfinished,
     DigestTree,
     EvictDevice,
     Evicted,
     EvictHost,
     FactsApplied,
-    FinishItem,
     Finished,
+    FinishItem,
     FinishRequests,
     GetStatistics,
     Indices,
@@ -119,9 +119,12 @@ class _Live:
     tokens: list[bytes]
     """Committed token ids (int64 bytes) in order, the cached prefix first; joined on demand."""
     committed: int
-    slots: list[Indices]
-    """The device slot of every allocated position, in order; joined on demand."""
+    pages: list[Indices]
+    """The device pages of its positions, in token order (the cached prefix's first); joined on demand."""
     allocated: int
+    """Positions with a slot: the last page may be partly allocated."""
+    last_page: int
+    """The last of `pages` (-1: none yet), whose free slots the next allocation fills first."""
     caching: bool = False
     """A `cache_unfinished` of it is in flight: its handle is being replaced."""
 
@@ -130,10 +133,15 @@ class _Live:
             self.tokens = [b"".join(self.tokens)]
         return self.tokens[0]
 
-    def slot_indices(self) -> Indices:
-        if len(self.slots) != 1:
-            self.slots = [Indices.concat(self.slots)]
-        return self.slots[0]
+    def page_indices(self) -> Indices:
+        if len(self.pages) != 1:
+            self.pages = [Indices.concat(self.pages)]
+        return self.pages[0]
+
+    def add_pages(self, new: Indices) -> None:
+        if new:
+            self.pages.append(new)
+            self.last_page = new[len(new) - 1 :].tolist()[0]
 
 
 def _ignore(reply: Any) -> None:
@@ -250,10 +258,18 @@ class HiCache:
         cached = adm.device_hit + adm.host_hit
         storage = min(self._stored.pop(rid, 0), adm.host_hit)
         handle = CacheHandle(rid, adm.handle)
-        self._live[rid] = _Live(handle, item.namespace, [item.tokens.to_bytes()[: 8 * cached]], cached,
-                                [adm.device], cached)
-        return AdmitResult(rid, handle, adm.device.to_tensor(), adm.device_hit, adm.host_hit,
+        live = _Live(handle, item.namespace, [item.tokens.to_bytes()[: 8 * cached]], cached, [], cached, -1)
+        live.add_pages(adm.device)
+        self._live[rid] = live
+        return AdmitResult(rid, handle, self._slots(adm.device, cached), adm.device_hit, adm.host_hit,
                            adm.host_miss, storage)
+
+    def _slots(self, pages: Indices, n: int) -> torch.Tensor:
+        """The engine's view: the first `n` slots of `pages`, as a tensor the caller owns."""
+        p = self.config.page_size
+        if p == 1:
+            return pages[:n].to_tensor()
+        return slots_of_pages(pages.as_tensor(), p)[:n].clone()
 
     def _undo_admit(self, items: Sequence[AdmitItem], reply: Admitted) -> None:
         """An admission whose caller never saw it: release its locks (retracted: the ids stay usable)."""
@@ -417,7 +433,7 @@ class HiCache:
                 reply = self._allocate(want, [])
             if isinstance(reply, SlotsInsufficient):
                 return Insufficient(reply.requested_slots, reply.free_slots, reply.shortfall_slots)
-            return self._granted(reply, to_caller=True)
+            return self._granted(reply, want, to_caller=True)
 
     def _allocate(self, want: Mapping[str, int], commits: list[tuple[str, bytes]]) -> Any:
         message = AllocateSlots(
@@ -429,20 +445,27 @@ class HiCache:
             live = self._live[rid]
             live.tokens.append(data)
             live.committed += len(data) // 8
-        return self._ask(ActorName.DEVICE, message, (SlotsAllocated, SlotsInsufficient), late=self._granted)
+        return self._ask(ActorName.DEVICE, message, (SlotsAllocated, SlotsInsufficient),
+                         late=lambda r: self._granted(r, want))
 
-    def _granted(self, reply: Any, *, to_caller: bool = False) -> dict[str, torch.Tensor]:
+    def _granted(self, reply: Any, demands: Mapping[str, int], *, to_caller: bool = False) -> dict[str, torch.Tensor]:
+        """Record the pages each request got for its `demands`; to the caller, the slots."""
         out = {}
         if not isinstance(reply, SlotsAllocated):
             return out
+        p = self.config.page_size
         for grant in reply.grants:
             live = self._live.get(grant.request_id)
             if live is None:  # a late grant for a request that ended meanwhile: its release freed it
                 continue
-            live.slots.append(grant.indices)
-            live.allocated += len(grant.indices)
+            start, n = live.allocated, demands[grant.request_id]
+            spare = min(n, (-start) % p)
+            base = live.last_page * p + start % p
+            live.add_pages(grant.pages)
+            live.allocated += n
             if to_caller:
-                out[grant.request_id] = grant.indices.to_tensor()
+                new = self._slots(grant.pages, n - spare)
+                out[grant.request_id] = torch.cat((torch.arange(base, base + spare), new)) if spare else new
         return out
 
     def commit(self, tokens: Mapping[str, Sequence[int] | torch.Tensor]) -> None:
@@ -477,7 +500,8 @@ class HiCache:
     def slots(self, request_id: str) -> torch.Tensor:
         """Device slot of every committed or allocated position of a live request."""
         with self._call():
-            return self._req(request_id).slot_indices().to_tensor()
+            live = self._req(request_id)
+            return self._slots(live.page_indices(), live.allocated)
 
     def committed_tokens(self, request_id: str) -> list[int]:
         with self._call():
@@ -527,10 +551,14 @@ class HiCache:
                     self._end(h.request_id, reason)
             return list(self._ask(ActorName.TREE, FinishRequests(op_id=self._op(), items=ends), Finished).entries)
 
+    def _committed_pages(self, live: _Live) -> Indices:
+        """The pages holding a request's committed tokens (the last one maybe partly)."""
+        return live.page_indices()[: -(-live.committed // self.config.page_size)]
+
     def _finish_item(self, h: CacheHandle, reason: ReleaseReason) -> FinishItem:
         live = self._live[h.request_id]
         return FinishItem(request_id=h.request_id, handle=h._token, reason=reason,
-                          tokens=Tokens(live.token_data()), device=live.slot_indices()[: live.committed])
+                          tokens=Tokens(live.token_data()), device=self._committed_pages(live))
 
     def _end(self, rid: str, reason: ReleaseReason) -> None:
         self._ended[rid] = reason.value
@@ -544,7 +572,7 @@ class HiCache:
             hs = self._check_handles(handles)
             items = tuple(
                 CacheItem(request_id=h.request_id, handle=h._token, tokens=Tokens(self._live[h.request_id].token_data()),
-                          device=self._live[h.request_id].slot_indices()[: self._live[h.request_id].committed])
+                          device=self._committed_pages(self._live[h.request_id]))
                 for h in hs
             )
             for h in hs:
@@ -568,8 +596,8 @@ class HiCache:
             return out
         for h, prefix in zip(hs, reply.prefixes, strict=True):
             live = self._live[h.request_id]
-            rest = live.slot_indices()[len(prefix.device):]
-            live.slots = [Indices.concat((prefix.device, rest))]
+            rest = live.page_indices()[len(prefix.device):]
+            live.pages = [Indices.concat((prefix.device, rest))]
             live.handle = CacheHandle(h.request_id, prefix.handle)
             out.append(live.handle)
         return out
@@ -615,10 +643,10 @@ class HiCache:
             self.system.check_invariants()
             for rid, live in self._live.items():
                 if live.committed != len(live.token_data()) // 8 or live.committed > live.allocated \
-                        or live.allocated != len(live.slot_indices()):
+                        or -(-live.allocated // self.config.page_size) != len(live.page_indices()):
                     raise AssertionError(f"facade: request {rid!r} has {live.committed} committed, "
                                          f"{len(live.token_data()) // 8} tokens, {live.allocated} allocated, "
-                                         f"{len(live.slot_indices())} slots")
+                                         f"{len(live.page_indices())} pages")
             held = self.system.ask(ActorName.TREE, GetStatistics()).live_handles
             if held != len(self._live) and not self._pending:
                 raise AssertionError(

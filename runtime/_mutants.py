@@ -27,7 +27,7 @@ from hicache.actors import (
     WriteStreamActor,
 )
 from hicache.actors._pages import Ints, as_list
-from hicache.actors._tree_core import _Handle, _Prefetch
+from hicache.actors._tree_core import _Prefetch
 from hicache.messages import (
     ActorName,
     AdmitRequests,
@@ -116,7 +116,7 @@ class _EvictWhileWritingCore(TreeCore):
         device = node.device
         assert device is not None
         if node.host is not None:
-            self._emit(ActorName.HOST, SetHostState(indices=node.host, state=HostSlotState.HOST_ONLY))
+            self._emit(ActorName.HOST, SetHostState(pages=node.host, state=HostSlotState.HOST_ONLY))
         t = self.tree
         t._account(node, -1)
         node.state, node.device = NodeState.HOST_ONLY, None  # the bug: no synced check
@@ -135,10 +135,13 @@ class _EvictWhileWriting(TreeActor):
 
 
 class _DoubleUnlockCore(TreeCore):
-    def _unlock_finished(self, h: _Handle, reason: ReleaseReason) -> None:
-        super()._unlock_finished(h, reason)
-        if reason is ReleaseReason.RETRACTED and h.node is not None:
-            self.tree.lock(h.node, -1)
+    def finish(self, op_id: int, items: Any) -> None:
+        locked = [self._handles[it.handle].node for it in items
+                  if it.reason is ReleaseReason.RETRACTED and it.handle in self._handles]
+        super().finish(op_id, items)
+        for node in locked:
+            if node is not None and node.alive:
+                self.tree.lock(node, -1)
 
 
 class _DoubleUnlockOnRetract(TreeActor):
@@ -234,9 +237,9 @@ class _PrefetcherFrees(StoragePrefetcherActor):
     def handle(self, sender: ActorName, message: Message) -> Message | None:
         reply = super().handle(sender, message)
         if isinstance(message, Prefetch) and reply is not None:
-            surplus = message.host.as_tensor()[reply.pages * self._page :]  # type: ignore[attr-defined]
+            surplus = message.host[reply.pages :]  # type: ignore[attr-defined]
             if len(surplus):
-                self.send(ActorName.HOST, FreeHostSlots(indices=Indices.from_tensor(surplus)))
+                self.send(ActorName.HOST, FreeHostSlots(pages=surplus))
         return reply
 
 

@@ -43,9 +43,11 @@ class IdSource:
         self._next: dict[str, itertools.count[int]] = {}
 
     def next(self, kind: str) -> int:
-        with self._lock:
-            counter = self._next.setdefault(kind, itertools.count(1))
-            return next(counter)
+        counter = self._next.get(kind)
+        if counter is None:
+            with self._lock:
+                counter = self._next.setdefault(kind, itertools.count(1))
+        return next(counter)  # atomic: a count is advanced in C under the interpreter lock
 
 
 class FaultPlan(Protocol):
@@ -166,8 +168,8 @@ class Failures:
             self._items.append((actor, error))
 
     def first(self) -> tuple[ActorName, BaseException] | None:
-        with self._lock:
-            return self._items[0] if self._items else None
+        items = self._items  # read without the lock: a list only grows, and reading it is atomic
+        return items[0] if items else None
 
     def raise_first(self) -> None:
         """Raise `ActorFailedError` (caused by the original error) if an actor failed."""

@@ -7,9 +7,9 @@ the deterministic runtime can run the same actor classes without threads.
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -96,23 +96,39 @@ class ThreadedRuntime:
 
 
 class _QueueMailbox:
-    """A thread-safe mailbox the caller reads (probes)."""
+    """A thread-safe mailbox the caller reads (the facade's inbox, probes).
+
+    Most mail for the caller is put by the caller's own thread (the bookkeeping actors run
+    on it), so a get first looks without taking a lock; only a get that must wait takes the
+    condition, and a put notifies only when someone waits."""
 
     def __init__(self, what: str) -> None:
-        self._q: queue.Queue[Any] = queue.Queue()
+        self._items: deque[Any] = deque()
+        self._cond = threading.Condition(threading.Lock())
+        self._waiting = 0
         self._what = what
 
     def put(self, item: Any) -> None:
-        self._q.put(item)
+        self._items.append(item)
+        if self._waiting:
+            with self._cond:
+                self._cond.notify_all()
 
     def get(self, timeout_s: float | None = None) -> Any:
-        try:
-            return self._q.get(timeout=timeout_s)
-        except queue.Empty:
-            raise TimeoutError(f"{self._what}: nothing arrived within {timeout_s}s") from None
+        items = self._items
+        if items:
+            return items.popleft()
+        with self._cond:
+            self._waiting += 1
+            try:
+                if not self._cond.wait_for(lambda: bool(items), timeout_s):
+                    raise TimeoutError(f"{self._what}: nothing arrived within {timeout_s}s")
+            finally:
+                self._waiting -= 1
+        return items.popleft()
 
     def qsize(self) -> int:
-        return self._q.qsize()
+        return len(self._items)
 
 
 def _ignore(receiver: ActorName, mail: Any) -> None:

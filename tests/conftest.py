@@ -100,6 +100,12 @@ def reference_copy(src: KVBuffer, src_idx: list[int], dst: KVBuffer, dst_idx: li
     return want.tensor
 
 
+def pages_to_slots(pages: Indices | torch.Tensor | list[int], page_size: int) -> torch.Tensor:
+    """The slots of page numbers, in order: what the oracle and the KV buffers take."""
+    t = pages.as_tensor() if isinstance(pages, Indices) else torch.as_tensor(pages, dtype=torch.int64)
+    return (t.unsqueeze(1) * page_size + torch.arange(page_size)).reshape(-1)
+
+
 def small_config(*, page_size: int = 4, device_pages: int = 16, host_pages: int = 32, **changes: Any) -> Config:
     """A tiny, valid Config: 2 layers, 1 KV head, head_dim 8, capacities in pages."""
     values: dict[str, Any] = {
@@ -217,7 +223,10 @@ def gate() -> Iterator[Gate]:
 
 class TreeSide:
     """The test in the tree's place: sends as `ActorName.TREE`, receives the tree's
-    mail from its probe, and checks every actor's invariants after every step."""
+    mail from its probe, and checks every actor's invariants after every step.
+
+    As in the messages, device and host memory are named by page numbers; `slots()`
+    gives the slots of pages (for the oracle, which reads and writes slots)."""
 
     def __init__(self, system: System) -> None:
         self.system = system
@@ -247,6 +256,10 @@ class TreeSide:
     def statistics(self, name: ActorName) -> Any:
         return self.system.ask(name, GetStatistics())
 
+    def slots(self, pages: Indices) -> torch.Tensor:
+        """The slots of `pages`, in order."""
+        return pages_to_slots(pages, self.system.config.page_size)
+
     # -- device ------------------------------------------------------------------
 
     def allocate(self, demands: dict[str, int]) -> dict[str, Indices] | SlotsInsufficient:
@@ -260,7 +273,7 @@ class TreeSide:
         if isinstance(reply, SlotsInsufficient):
             return reply
         assert isinstance(reply, SlotsAllocated)
-        return {g.request_id: g.indices for g in reply.grants}
+        return {g.request_id: g.pages for g in reply.grants}
 
     def commit(self, request_id: str, tokens: int) -> Any:
         op = self.next_op()
@@ -281,13 +294,13 @@ class TreeSide:
         reply = self.ask(ActorName.DEVICE, AllocateLoadSlots(op_id=self.next_op(), tokens=tokens))
         if isinstance(reply, SlotsInsufficient):
             return None
-        return reply.grants[0].indices
+        return reply.grants[0].pages
 
-    def adopt_loaded(self, indices: Indices) -> None:
-        assert self.ask(ActorName.DEVICE, AdoptLoadedSlots(indices=indices)) is None
+    def adopt_loaded(self, pages: Indices) -> None:
+        assert self.ask(ActorName.DEVICE, AdoptLoadedSlots(pages=pages)) is None
 
-    def free_device(self, indices: Indices) -> None:
-        assert self.ask(ActorName.DEVICE, FreeDeviceSlots(indices=indices)) is None
+    def free_device(self, pages: Indices) -> None:
+        assert self.ask(ActorName.DEVICE, FreeDeviceSlots(pages=pages)) is None
 
     # -- host --------------------------------------------------------------------
 
@@ -298,18 +311,18 @@ class TreeSide:
         if isinstance(reply, HostInsufficient):
             return None
         assert isinstance(reply, HostAllocated)
-        return reply.indices
+        return reply.pages
 
-    def host_move(self, indices: Indices, state: HostSlotState) -> None:
-        assert self.ask(ActorName.HOST, SetHostState(indices=indices, state=state)) is None
+    def host_move(self, pages: Indices, state: HostSlotState) -> None:
+        assert self.ask(ActorName.HOST, SetHostState(pages=pages, state=state)) is None
 
-    def host_free(self, indices: Indices) -> None:
-        assert self.ask(ActorName.HOST, FreeHostSlots(indices=indices)) is None
+    def host_free(self, pages: Indices) -> None:
+        assert self.ask(ActorName.HOST, FreeHostSlots(pages=pages)) is None
 
     # -- transfers ---------------------------------------------------------------
 
     def write(self, device: Indices, host: Indices, op_id: int | None = None) -> WriteDone | WriteFailed:
-        """One D2H write through the stream; the host slots go RESERVED -> WRITING -> SYNCED
+        """One D2H write through the stream (pages); the host pages go RESERVED -> WRITING -> SYNCED
         (or back to RESERVED if it failed)."""
         op = self.next_op() if op_id is None else op_id
         self.host_move(host, HostSlotState.WRITING)
@@ -320,7 +333,7 @@ class TreeSide:
         return reply
 
     def load(self, host: Indices, device: Indices, op_id: int | None = None) -> LoadDone | LoadFailed:
-        """One H2D load batch; the host slots go HOST_ONLY -> LOADING -> SYNCED (or back to
+        """One H2D load batch (pages); the host pages go HOST_ONLY -> LOADING -> SYNCED (or back to
         HOST_ONLY if it failed); the forward pass's per-layer waits succeed or raise."""
         op = self.next_op() if op_id is None else op_id
         self.host_move(host, HostSlotState.LOADING)
