@@ -121,14 +121,13 @@ class Result:
 
 
 def _scattered_ops(w: Workload, page_size: int, rng: torch.Generator) -> list[tuple[Indices, Indices]]:
-    """(device, host) slot indices of ops of a few pages each, over scattered pages."""
+    """(device, host) pages of ops of a few pages each, scattered over the buffers."""
     pages = w.transfer_slots // page_size
     dev_pages = torch.randperm(w.device_slots // page_size, generator=rng)[:pages]
     host_pages = torch.randperm(w.host_slots // page_size, generator=rng)[:pages]
     per_op = max(1, w.slots_per_op // page_size)
     return [
-        (Indices.from_pages(dev_pages[i : i + per_op], page_size),
-         Indices.from_pages(host_pages[i : i + per_op], page_size))
+        (Indices.from_tensor(dev_pages[i : i + per_op]), Indices.from_tensor(host_pages[i : i + per_op]))
         for i in range(0, pages, per_op)
     ]
 

@@ -59,7 +59,7 @@ def needs(config: Config) -> tuple[Need, ...]:
              "device_slots", config.device_slots * bps, on_cuda),
         Need(f"host KV buffer (host_slots={config.host_slots} x {_size(bps)} a slot)",
              "host_slots", config.host_slots * bps, False),
-        Need("host slot states (a byte per host slot)", "host_slots", config.host_slots, False),
+        Need("host page states (a byte per host page)", "host_slots", config.host_pages, False),
         Need("device page table and free list (16 bytes per device page)",
              "device_slots", 16 * config.device_pages, False),
     ]

@@ -143,16 +143,16 @@ def logged_deliveries(tmp_path_factory: pytest.TempPathFactory) -> list[tuple]:
     big = Indices.from_range(0, 20_000)  # 160 KB of indices: a blob, referred to twice
     n = len(out)
     out += [
-        (n + 1, 1e-7, ActorName.HOST, ActorName.TREE, SetHostState(indices=big, state=HostSlotState.SYNCED),
+        (n + 1, 1e-7, ActorName.HOST, ActorName.TREE, SetHostState(pages=big, state=HostSlotState.SYNCED),
          False, None, None),
         (n + 2, 12345.678901234, ActorName.TREE, ActorName.WRITE, WriteDone(op_id=1, slots=2), True,
-         SetHostState(indices=big, state=HostSlotState.FREE), None),
+         SetHostState(pages=big, state=HostSlotState.FREE), None),
         (n + 3, 0.0, ActorName.TREE, ActorName.WRITE, WriteDone(op_id=1, slots=2), True, None,
          ValueError('bad "quote" \\ é ✓ \n line')),
         (n + 4, 2.5, ActorName.TREE, ActorName.FACADE, WriteDone(op_id=3, slots=4), False, WriteDone(op_id=5, slots=6),
          KeyError("k")),
-        (n + 5, 3.0, ActorName.TREE, ActorName.HOST, HostAllocated(op_id=7, indices=Indices.from_range(5, 300)),
-         True, HostAllocated(op_id=8, indices=Indices.from_range(5, 300)), None),
+        (n + 5, 3.0, ActorName.TREE, ActorName.HOST, HostAllocated(op_id=7, pages=Indices.from_range(5, 300)),
+         True, HostAllocated(op_id=8, pages=Indices.from_range(5, 300)), None),
     ]
     return out
 
@@ -218,13 +218,13 @@ def test_past_its_bound_the_writer_forgets_the_oldest_blobs_and_writes_a_repeat_
     log = _log.DeliveryLog(path, {"bench": "logging"})
     payloads = [Indices.from_range(1000 * i, 256) for i in range(5)]  # 2 KiB each: three are held
     for seq, idx in enumerate([*payloads, payloads[4], payloads[0]], start=1):
-        log.delivery(seq, 0.0, ActorName.HOST, ActorName.TREE, FreeHostSlots(indices=idx), False, None, None)
+        log.delivery(seq, 0.0, ActorName.HOST, ActorName.TREE, FreeHostSlots(pages=idx), False, None, None)
     log.close()
     blobs = [x for x in map(json.loads, path.read_text().splitlines()) if x["event"] == "blob"]
     # the fifth is still held when it repeats; the first was forgotten, so it is written again
     assert [x["blob"] for x in blobs] == [0, 1, 2, 3, 4, 5]
     assert blobs[5]["data"] == blobs[0]["data"]
-    got = [d.message.indices for d in _tick_deliveries(path, 0, path.stat().st_size)]
+    got = [d.message.pages for d in _tick_deliveries(path, 0, path.stat().st_size)]
     assert got == [*payloads, payloads[4], payloads[0]]
 
 
@@ -232,10 +232,10 @@ def test_the_tick_of_the_logging_bench_reads_blobs_logged_before_it(tmp_path: Pa
     path = tmp_path / "span.log"
     log = _log.DeliveryLog(path, {"bench": "logging"})
     idx = Indices.from_range(0, 512)
-    log.delivery(1, 0.0, ActorName.HOST, ActorName.TREE, FreeHostSlots(indices=idx), False, None, None)
+    log.delivery(1, 0.0, ActorName.HOST, ActorName.TREE, FreeHostSlots(pages=idx), False, None, None)
     log.flush()
     start = path.stat().st_size
-    log.delivery(2, 0.0, ActorName.HOST, ActorName.TREE, FreeHostSlots(indices=idx), False, None, None)
+    log.delivery(2, 0.0, ActorName.HOST, ActorName.TREE, FreeHostSlots(pages=idx), False, None, None)
     log.close()
     (d,) = _tick_deliveries(path, start, path.stat().st_size)
-    assert d.seq == 2 and d.message == FreeHostSlots(indices=idx)
+    assert d.seq == 2 and d.message == FreeHostSlots(pages=idx)

@@ -58,7 +58,7 @@ def test_a_device_buffer_larger_than_free_device_memory_names_device_slots_and_w
 def test_a_host_buffer_larger_than_free_host_memory_names_host_slots_and_what_fits() -> None:
     config = Config(**SHAPE, device_slots=1024, host_slots=2**30)
     available = Available(cuda=False, device_free_bytes=None, host_free_bytes=4 * GIB)
-    with pytest.raises(ConfigError, match=r"^the cache needs 513\.0 GiB of host memory but 4\.0 GiB is free: ") as info:
+    with pytest.raises(ConfigError, match=r"^the cache needs 512\.1 GiB of host memory but 4\.0 GiB is free: ") as info:
         check_resources(config, available)
     fit = int(re.search(r"lower host_slots to at most (\d+),", str(info.value)).group(1))  # type: ignore[union-attr]
     check_resources(config.replace(host_slots=fit), available)
@@ -105,5 +105,5 @@ def test_this_machine_reports_its_free_host_memory_and_refuses_half_a_petabyte()
     free = host_available_bytes()
     assert free is not None and 0 < free < 2**49
     check_resources(Config())
-    with pytest.raises(ConfigError, match=r"^the cache needs 513\.0 TiB of host memory but .* is free: "):
+    with pytest.raises(ConfigError, match=r"^the cache needs 512\.1 TiB of host memory but .* is free: "):
         check_resources(Config(**SHAPE, device_slots=16, host_slots=2**40))

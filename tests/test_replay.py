@@ -85,13 +85,14 @@ def test_a_deterministic_run_replays_with_no_divergence(tmp_path: Path) -> None:
 def test_changing_one_logged_body_is_a_divergence_at_that_delivery(threaded_log: Path, tmp_path: Path,
                                                                   capsys) -> None:
     lines = _lines(threaded_log)
-    # an allocation the facade asked for, one token more: the device's reply differs
+    header = lines[0]
+    # an allocation the facade asked for, one page more: the device's reply differs
     target = next(x for x in lines if x.get("type") == "AllocateSlots" and x["sender"] == "facade"
                   and decode(base64.b64decode(x["body"])).demands)
     msg = decode(base64.b64decode(target["body"]))
     assert isinstance(msg, AllocateSlots)
-    changed = AllocateSlots(op_id=msg.op_id, commits=msg.commits, demands=tuple(
-        SlotDemand(request_id=d.request_id, tokens=d.tokens + 1) for d in msg.demands))
+    changed = AllocateSlots(op_id=msg.op_id, commits=msg.commits, demands=tuple(  # a page more
+        SlotDemand(request_id=d.request_id, tokens=d.tokens + header["config"]["page_size"]) for d in msg.demands))
     target["body"] = base64.b64encode(encode(changed)).decode()
     bad = tmp_path / "changed.log"
     _write(bad, lines)
@@ -188,9 +189,9 @@ def test_replay_refuses_an_actor_it_cannot_replay(threaded_log: Path, capsys) ->
 
 @pytest.fixture(scope="module")
 def blob_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A run whose prompts are pages of 64 tokens: token ids and slot indices of 1 KiB and more."""
+    """A run of prompts of hundreds of tokens at page size 1: token ids and page numbers of 1 KiB and more."""
     path = tmp_path_factory.mktemp("logs") / "blobs.log"
-    cfg = Config(layers=2, kv_heads=1, head_dim=8, page_size=64, device_slots=64 * 24, host_slots=64 * 48,
+    cfg = Config(layers=2, kv_heads=1, head_dim=8, page_size=1, device_slots=64 * 24, host_slots=64 * 48,
                  log_path=str(path))
     with HiCache(cfg, runtime=DeterministicRuntime(seed=3)) as hc:
         sched = ReferenceScheduler(hc, SchedulerConfig(max_running=4, prefill_tokens_per_tick=512,
@@ -229,7 +230,7 @@ def test_changing_a_blob_is_a_divergence_at_the_first_delivery_that_refers_to_it
     lines = _lines(blob_log)
     blobs = _blobs(lines)
     deliveries = sorted((x for x in lines if x.get("event") == "delivery"), key=lambda x: x["seq"])
-    # slots the device handed out, logged as a blob: the replayed device hands out the real ones
+    # pages the device handed out, logged as a blob: the replayed device hands out the real ones
     first = next(x for x in deliveries if x["type"] == "SlotsAllocated" and x["sender"] == "device"
                  and _referred(x, blobs))
     number = min(_referred(first, blobs))
