@@ -50,12 +50,14 @@ def _tokens(seed: int, n: int) -> list[int]:
 
 
 def _prefill(tree: Any, oracle: Any, requests: dict[str, list[int]]) -> dict[str, Indices]:
-    """Allocate device slots for each request in one batch, write its KV (the forward
-    pass), commit it, and finish it with every page adopted by the tree."""
+    """Allocate device pages for each request in one batch, write its KV (the forward
+    pass), commit it, and finish it with every page adopted by the tree. Every request
+    is whole pages of tokens; the answer is its pages."""
     grants = tree.allocate({rid: len(tokens) for rid, tokens in requests.items()})
     assert isinstance(grants, dict)
     for rid, tokens in requests.items():
-        oracle.write(tree.system.device_kv, tokens, grants[rid].as_tensor())
+        assert len(grants[rid]) * tree.system.config.page_size == len(tokens)
+        oracle.write(tree.system.device_kv, tokens, tree.slots(grants[rid]))
         entry = tree.commit(rid, len(tokens))
         assert (entry.allocated, entry.committed) == (len(tokens), len(tokens))
         final = tree.release(rid, grants[rid], ReleaseReason.FINISHED)
@@ -102,7 +104,7 @@ def test_kv_bytes_round_trip_device_to_host_to_device_with_merged_and_split_tran
     assert writes.slots_copied == 9 * p and writes.bytes_copied == 9 * p * cfg.bytes_per_slot
     for rid, tokens in requests.items():
         tree.host_move(host[rid], S.SYNCED)
-        oracle.verify(tree.system.host_kv, tokens, host[rid].as_tensor())
+        oracle.verify(tree.system.host_kv, tokens, tree.slots(host[rid]))
 
     # the device copies go (eviction); the host copies are all that is left
     for rid in requests:
@@ -110,9 +112,9 @@ def test_kv_bytes_round_trip_device_to_host_to_device_with_merged_and_split_tran
         tree.host_move(host[rid], S.HOST_ONLY)
     tree.system.device_kv.tensor.zero_()
     with pytest.raises(FingerprintMismatchError):
-        oracle.verify(tree.system.device_kv, requests["big"], device["big"].as_tensor())
+        oracle.verify(tree.system.device_kv, requests["big"], tree.slots(device["big"]))
 
-    # L2 -> L1: one merged load batch into fresh device slots
+    # L2 -> L1: one merged load batch into fresh device pages
     loaded = {rid: tree.allocate_load(len(t)) for rid, t in requests.items()}
     for rid in requests:
         tree.host_move(host[rid], S.LOADING)
@@ -126,7 +128,7 @@ def test_kv_bytes_round_trip_device_to_host_to_device_with_merged_and_split_tran
     for rid, tokens in requests.items():
         tree.adopt_loaded(loaded[rid])
         tree.host_move(host[rid], S.SYNCED)
-        oracle.verify(tree.system.device_kv, tokens, loaded[rid].as_tensor())
+        oracle.verify(tree.system.device_kv, tokens, tree.slots(loaded[rid]))
     loads = tree.statistics(LOAD)
     assert loads.ops_done == 5 and loads.merged_ops == 5 and loads.batches == 1
     assert loads.bytes_copied == 9 * p * cfg.bytes_per_slot
@@ -144,19 +146,19 @@ def test_kv_bytes_round_trip_device_to_host_to_device_with_merged_and_split_tran
 def test_a_write_longer_than_the_batch_bound_is_split_and_arrives_whole(
     make_config: Callable[..., Config], oracle_for: Callable[[Config], Any], start_system: Callable[..., Any]
 ) -> None:
-    cfg = make_config(page_size=4, device_pages=16, host_pages=32, transfer_pages_max=1,
+    cfg = make_config(page_size=4, device_pages=16, host_pages=32, transfer_pages_max=3,
                       host_layout=HostLayout.PAGE_FIRST)
     oracle = oracle_for(cfg)
     tree = start_system(cfg)
     tokens = _tokens(5, 32)
     device = _prefill(tree, oracle, {"r": tokens})
     host = tree.host_allocate(32)
-    reply = tree.write(device["r"][:30], host[:30])  # 8 batches, the last one partial
-    assert isinstance(reply, WriteDone) and reply.slots == 30
-    oracle.verify(tree.system.host_kv, tokens[:30], host[:30].as_tensor())
-    assert not bool(tree.system.host_kv.read(host[30:].as_tensor()).any())
+    reply = tree.write(device["r"][:7], host[:7])  # 7 pages: batches of 3, 3 and 1 (partial)
+    assert isinstance(reply, WriteDone) and reply.slots == 28
+    oracle.verify(tree.system.host_kv, tokens[:28], tree.slots(host[:7]))
+    assert not bool(tree.system.host_kv.read(tree.slots(host[7:])).any())
     stats = tree.statistics(WRITE)
-    assert stats.split_ops == 1 and stats.batches == 8 and stats.merged_ops == 0
+    assert stats.split_ops == 1 and stats.batches == 3 and stats.merged_ops == 0
 
 
 # -- the per-layer waiter -------------------------------------------------------------
@@ -172,7 +174,7 @@ def test_the_forward_pass_may_read_a_layer_as_soon_as_its_load_is_done(
     tokens = _tokens(1, 12)
     host = tree.host_allocate(12)
     tree.host_move(host, S.PREFETCHING)
-    oracle.write(tree.system.host_kv, tokens, host.as_tensor())  # as a storage read would
+    oracle.write(tree.system.host_kv, tokens, tree.slots(host))  # as a storage read would
     tree.host_move(host, S.HOST_ONLY)
     device = tree.allocate_load(12)
     tree.host_move(host, S.LOADING)
@@ -183,7 +185,7 @@ def test_the_forward_pass_may_read_a_layer_as_soon_as_its_load_is_done(
     waiter = tree.system.ring.waiter(started.batch)
     waiter.wait_layer(0, timeout_s=30)
     assert held.reached.wait(30)  # the stream is about to copy layer 1, and waits
-    kv = tree.system.device_kv.read(device.as_tensor())
+    kv = tree.system.device_kv.read(tree.slots(device))
     want = oracle.expected(tokens, 0, 12)
     assert torch.equal(kv[:, 0], want[:, 0])
     assert not bool(kv[:, 1:].any())  # layers 1 and 2 not copied yet
@@ -193,7 +195,7 @@ def test_the_forward_pass_may_read_a_layer_as_soon_as_its_load_is_done(
     waiter.wait_layer(2, timeout_s=30)
     waiter.wait_layer(1, timeout_s=30)
     assert tree.expect(LoadDone).op_id == 1
-    oracle.verify(tree.system.device_kv, tokens, device.as_tensor())
+    oracle.verify(tree.system.device_kv, tokens, tree.slots(device))
     tree.adopt_loaded(device)
     tree.host_move(host, S.SYNCED)
 
@@ -218,13 +220,13 @@ def test_load_batches_are_numbered_in_order_and_each_completes(
         tokens = _tokens(i, 4)
         host = tree.host_allocate(4)
         tree.host_move(host, S.PREFETCHING)
-        oracle.write(tree.system.host_kv, tokens, host.as_tensor())
+        oracle.write(tree.system.host_kv, tokens, tree.slots(host))
         tree.host_move(host, S.HOST_ONLY)
         device = tree.allocate_load(4)
         reply = tree.load(host, device)
         assert isinstance(reply, LoadDone)
         batches.append(reply.batch)
-        oracle.verify(tree.system.device_kv, tokens, device.as_tensor())
+        oracle.verify(tree.system.device_kv, tokens, tree.slots(device))
         tree.free_device(device)
         tree.host_free(host)
     assert batches == [1, 2, 3, 4, 5, 6]
@@ -248,9 +250,9 @@ def test_a_failed_write_is_reported_failed_and_never_done(
     assert tree.probe.pending() == 0
     stats = tree.statistics(WRITE)
     assert (stats.ops_failed, stats.ops_done, stats.slots_copied) == (1, 0, 0)
-    # the stream goes on: the same slots with another op id are written
+    # the stream goes on: the same pages with another op id are written
     assert isinstance(tree.write(device, host, op_id=501), WriteDone)
-    oracle.verify(tree.system.host_kv, tokens, host.as_tensor())
+    oracle.verify(tree.system.host_kv, tokens, tree.slots(host))
 
 
 def test_a_failed_split_write_leaves_nothing_queued(
@@ -329,24 +331,24 @@ def test_a_failed_load_is_reported_failed_and_waiting_on_it_raises(
     tree.host_move(host, S.HOST_ONLY)
     retry = tree.allocate_load(8)
     assert isinstance(tree.load(host, retry, op_id=78), LoadDone)
-    oracle.verify(tree.system.device_kv, tokens, retry.as_tensor())
+    oracle.verify(tree.system.device_kv, tokens, tree.slots(retry))
 
 
 @pytest.mark.parametrize(
-    ("host_slots", "reason"),
+    ("host_pages", "reason"),
     [
-        (lambda h: h[:3], "bad write: source has 4 slots but destination has 3"),
-        (lambda h: Indices.of([10_000, 10_001, 10_002, 10_003]), "bad write: destination slot out of range 0..127"),
+        (lambda h: h[:1], "bad write: source has 8 slots but destination has 4"),
+        (lambda h: Indices.of([10_000, 10_001]), "bad write: destination slot out of range 0..127"),
     ],
     ids=["length-mismatch", "out-of-range"],
 )
 def test_a_write_with_unusable_indices_is_failed_at_once(
-    make_config: Callable[..., Config], start_system: Callable[..., Any], host_slots: Any, reason: str
+    make_config: Callable[..., Config], start_system: Callable[..., Any], host_pages: Any, reason: str
 ) -> None:
     tree = start_system(make_config(page_size=4))
-    device = tree.allocate_load(4)
-    host = tree.host_allocate(4)
-    tree.tell(WRITE, WriteKV(op_id=3, device=device, host=host_slots(host)))
+    device = tree.allocate_load(8)
+    host = tree.host_allocate(8)
+    tree.tell(WRITE, WriteKV(op_id=3, device=device, host=host_pages(host)))
     failed = tree.expect(WriteFailed)
     assert failed == WriteFailed(op_id=3, reason=reason)
     assert tree.statistics(WRITE).ops_failed == 1
@@ -412,7 +414,7 @@ def test_replies_to_tells_go_back_to_the_sender(
     tree = start_system(make_config(page_size=4))
     tree.tell(HOST, AllocateHost(op_id=42, tokens=8))
     reply = tree.expect(HostAllocated)
-    assert reply.op_id == 42 and reply.indices.tolist() == list(range(8))
+    assert reply.op_id == 42 and reply.pages.tolist() == [0, 1]  # 8 slots: two pages of 4
     hst = tree.statistics(HOST)
     assert hst.slots_by_state[S.RESERVED] == 8
-    tree.host_free(reply.indices)
+    tree.host_free(reply.pages)

@@ -53,30 +53,31 @@ def _still_running(tree: Any, name: ActorName) -> None:
 # -- double frees ------------------------------------------------------------------
 
 
-def test_freeing_tree_device_slots_twice_is_refused_as_a_double_free(tree: Any) -> None:
-    slots = tree.allocate({"r": 8})["r"]
-    tree.release("r", slots, ReleaseReason.FINISHED)
-    tree.free_device(slots)
-    with pytest.raises(SlotStateError, match=r"cannot free device slots: slots 0..3 owned by free.*\(double free\?\)"):
-        tree.ask(DEVICE, FreeDeviceSlots(indices=slots))
+def test_freeing_tree_device_pages_twice_is_refused_as_a_double_free(tree: Any) -> None:
+    pages = tree.allocate({"r": 8})["r"]
+    assert pages.tolist() == [0, 1]
+    tree.release("r", pages, ReleaseReason.FINISHED)
+    tree.free_device(pages)
+    with pytest.raises(SlotStateError, match=r"cannot free device pages: slots 0..3 owned by free.*\(double free\?\)"):
+        tree.ask(DEVICE, FreeDeviceSlots(pages=pages))
     _still_running(tree, DEVICE)
     assert tree.statistics(DEVICE).free_slots == 64
 
 
-def test_freeing_host_slots_twice_is_refused_as_a_double_free(tree: Any) -> None:
-    slots = tree.host_allocate(4)
-    tree.host_free(slots)
-    with pytest.raises(SlotStateError, match=r"illegal host slot transition to FREE on free: slot 0 is FREE.*\(double free\)"):
-        tree.ask(HOST, FreeHostSlots(indices=slots))
+def test_freeing_host_pages_twice_is_refused_as_a_double_free(tree: Any) -> None:
+    pages = tree.host_allocate(4)
+    tree.host_free(pages)
+    with pytest.raises(SlotStateError, match=r"illegal host page transition to FREE on free: page 0 is FREE.*\(double free\)"):
+        tree.ask(HOST, FreeHostSlots(pages=pages))
     _still_running(tree, HOST)
-    assert tree.host_allocate(4) == slots
+    assert tree.host_allocate(4) == pages
 
 
-def test_freeing_host_slots_while_a_write_is_in_flight_is_refused(tree: Any) -> None:
-    slots = tree.host_allocate(4)
-    tree.host_move(slots, S.WRITING)
-    with pytest.raises(SlotStateError, match="slot 0 is WRITING.*only RESERVED, SYNCED, HOST_ONLY slots may be freed"):
-        tree.ask(HOST, FreeHostSlots(indices=slots))
+def test_freeing_host_pages_while_a_write_is_in_flight_is_refused(tree: Any) -> None:
+    pages = tree.host_allocate(4)
+    tree.host_move(pages, S.WRITING)
+    with pytest.raises(SlotStateError, match="page 0 is WRITING.*only RESERVED, SYNCED, HOST_ONLY pages may be freed"):
+        tree.ask(HOST, FreeHostSlots(pages=pages))
     _still_running(tree, HOST)
     assert tree.statistics(HOST).slots_by_state[S.WRITING] == 4
 
@@ -85,31 +86,31 @@ def test_freeing_host_slots_while_a_write_is_in_flight_is_refused(tree: Any) -> 
 
 
 def test_a_host_free_not_from_the_tree_is_refused(tree: Any) -> None:
-    slots = tree.host_allocate(4)
+    pages = tree.host_allocate(4)
     with pytest.raises(
         WrongSenderError, match="freeing host slots is accepted only from the tree actor, got it from write"
     ):
-        tree.system.ask(HOST, FreeHostSlots(indices=slots), sender=WRITE)
+        tree.system.ask(HOST, FreeHostSlots(pages=pages), sender=WRITE)
     _still_running(tree, HOST)
     assert tree.statistics(HOST).slots_by_state[S.RESERVED] == 4
-    tree.host_free(slots)  # the tree may
+    tree.host_free(pages)  # the tree may
 
 
 @pytest.mark.parametrize("sender", [ActorName.FACADE, ActorName.LOAD, ActorName.PREFETCH])
 @pytest.mark.parametrize(
     ("make", "what"),
     [
-        (lambda idx: FreeDeviceSlots(indices=idx), "freeing tree-owned device slots"),
-        (lambda idx: AdoptLoadedSlots(indices=idx), "adopting loaded device slots"),
+        (lambda idx: FreeDeviceSlots(pages=idx), "freeing tree-owned device slots"),
+        (lambda idx: AdoptLoadedSlots(pages=idx), "adopting loaded device slots"),
     ],
     ids=["free", "adopt"],
 )
 def test_tree_only_device_verbs_from_anyone_else_are_refused(
     tree: Any, sender: ActorName, make: Callable[[Indices], Message], what: str
 ) -> None:
-    slots = tree.allocate_load(4)
+    pages = tree.allocate_load(4)
     with pytest.raises(WrongSenderError, match=f"{what} is accepted only from the tree actor, got it from {sender.value}"):
-        tree.system.ask(DEVICE, make(slots), sender=sender)
+        tree.system.ask(DEVICE, make(pages), sender=sender)
     _still_running(tree, DEVICE)
     assert tree.statistics(DEVICE).loading_slots == 4
 
@@ -118,14 +119,14 @@ def test_tree_only_device_verbs_from_anyone_else_are_refused(
 
 
 def test_allocating_for_a_finished_request_names_the_request(tree: Any) -> None:
-    slots = tree.allocate({"req-7": 4})["req-7"]
+    pages = tree.allocate({"req-7": 4})["req-7"]
     tree.release("req-7", Indices(), ReleaseReason.FINISHED)
     message = AllocateSlots(op_id=1, demands=(SlotDemand(request_id="req-7", tokens=4),), commits=())
     with pytest.raises(LedgerError, match="request 'req-7' was already released.*never allocate after finish"):
         tree.ask(DEVICE, message)
     _still_running(tree, DEVICE)
     assert tree.statistics(DEVICE).free_slots == 64
-    assert tree.allocate({"req-8": 4})["req-8"] == slots
+    assert tree.allocate({"req-8": 4})["req-8"] == pages
 
 
 def test_committing_more_than_was_allocated_is_refused(tree: Any) -> None:
@@ -149,22 +150,60 @@ def test_releasing_a_request_twice_is_refused(tree: Any) -> None:
 # -- the host state machine ------------------------------------------------------------
 
 
-def test_an_illegal_host_slot_transition_names_slots_and_states(tree: Any) -> None:
-    slots = tree.host_allocate(8)
+def test_an_illegal_host_page_transition_names_pages_and_states(tree: Any) -> None:
+    pages = tree.host_allocate(8)
     with pytest.raises(
         SlotStateError,
-        match=r"illegal host slot transition to SYNCED on move to SYNCED: slot 0 is RESERVED, slot 1 is RESERVED",
+        match=r"illegal host page transition to SYNCED on move to SYNCED: page 0 is RESERVED, page 1 is RESERVED$",
     ):
-        tree.ask(HOST, SetHostState(indices=slots, state=S.SYNCED))
+        tree.ask(HOST, SetHostState(pages=pages, state=S.SYNCED))
     _still_running(tree, HOST)
     assert tree.statistics(HOST).slots_by_state[S.RESERVED] == 8
 
 
-def test_reserving_free_host_slots_by_a_state_change_is_refused(tree: Any) -> None:
-    with pytest.raises(SlotStateError, match=r"to RESERVED.*slot 0 is FREE"):
-        tree.ask(HOST, SetHostState(indices=Indices.from_range(0, 4), state=S.RESERVED))
+def test_reserving_free_host_pages_by_a_state_change_is_refused(tree: Any) -> None:
+    with pytest.raises(SlotStateError, match=r"to RESERVED.*page 0 is FREE"):
+        tree.ask(HOST, SetHostState(pages=Indices.of([0]), state=S.RESERVED))
     _still_running(tree, HOST)
     assert tree.host_allocate(4 * 32) is not None  # every page is still free
+
+
+@pytest.mark.parametrize(
+    ("pages", "error"),
+    [
+        (lambda got: Indices.of([got[0], got[0]]), "host move to WRITING: a page appears twice in one call"),
+        (lambda got: Indices.of([got[0], 32]), r"host move to WRITING: page number out of range 0..31"),
+    ],
+    ids=["twice", "out-of-range"],
+)
+def test_a_host_move_naming_a_page_twice_or_past_the_pool_is_refused(
+    tree: Any, pages: Callable[[list[int]], Indices], error: str
+) -> None:
+    got = tree.host_allocate(8)
+    with pytest.raises(SlotStateError, match=error):
+        tree.ask(HOST, SetHostState(pages=pages(got.tolist()), state=S.WRITING))
+    _still_running(tree, HOST)
+    assert tree.statistics(HOST).slots_by_state[S.RESERVED] == 8  # nothing moved
+    tree.host_move(got, S.WRITING)
+
+
+@pytest.mark.parametrize(
+    ("pages", "error"),
+    [
+        (lambda got: Indices.of([got[0], got[0]]), r"free device pages: a page appears twice in \[0, 0\]"),
+        (lambda got: Indices.of([got[0], 16]), r"cannot free device pages: page number out of range 0..15"),
+    ],
+    ids=["twice", "out-of-range"],
+)
+def test_a_device_free_naming_a_page_twice_or_past_the_pool_is_refused(
+    tree: Any, pages: Callable[[list[int]], Indices], error: str
+) -> None:
+    got = tree.allocate_load(8)
+    with pytest.raises(SlotStateError, match=error):
+        tree.ask(DEVICE, FreeDeviceSlots(pages=pages(got.tolist())))
+    _still_running(tree, DEVICE)
+    assert tree.statistics(DEVICE).loading_slots == 8  # nothing freed
+    tree.free_device(got)
 
 
 def test_a_host_allocation_that_is_not_whole_pages_is_refused(tree: Any) -> None:
@@ -222,9 +261,9 @@ def test_a_told_programmer_error_stops_the_actor_and_the_next_call_says_so(make_
     runtime = ThreadedRuntime()
     failures = runtime.services.failures = _SignallingFailures()
     with System(make_config(), runtime=runtime, stand_ins=(TREE,)) as system:
-        system.tell(HOST, FreeHostSlots(indices=Indices.from_range(0, 4)), sender=TREE)  # never allocated
+        system.tell(HOST, FreeHostSlots(pages=Indices.of([0])), sender=TREE)  # never allocated
         assert failures.reported.wait(30)
-        with pytest.raises(ActorFailedError, match=r"the host actor failed: illegal host slot transition") as err:
+        with pytest.raises(ActorFailedError, match=r"the host actor failed: illegal host page transition") as err:
             system.ask(DEVICE, GetStatistics())
         assert isinstance(err.value.__cause__, SlotStateError)
         assert not system.directory.ref(HOST).is_alive()

@@ -171,7 +171,7 @@ def test_strings_bytes_and_arrays_at_each_length_boundary_are_msgpacks_own() -> 
 
     for n in (0, 15, 16, 31, 32, 255, 256, 65535, 65536):
         for msg in (SlotDemand(request_id="x" * n, tokens=1), HostStatistics(capacity_slots=1, slots_by_state=(7,) * n),
-                    SetHostState(indices=Indices(bytes(8 * n)), state=HostSlotState.SYNCED)):
+                    SetHostState(pages=Indices(bytes(8 * n)), state=HostSlotState.SYNCED)):
             assert encode(msg) == _msgpack_reference(msg), (type(msg).__name__, n)
 
 
@@ -198,19 +198,19 @@ def test_large_indices_and_tokens_travel_as_blob_references_and_come_back_exact(
     tokens = Tokens.from_range(100, 40)
     msg = AdmitRequests(op_id=3, items=(AdmitItem(request_id="a", namespace="", tokens=tokens),
                                         AdmitItem(request_id="b", namespace="n", tokens=Tokens.of([1]))))
-    small = SetHostState(indices=Indices.of([1]), state=HostSlotState.SYNCED)
+    small = SetHostState(pages=Indices.of([1]), state=HostSlotState.SYNCED)
     data = encode(msg, held)
     assert len(data) < len(encode(msg)) and list(held.blobs.values()) == [tokens.to_bytes()]
     assert_identical(decode(data, held.blobs), msg, "AdmitRequests")
     assert encode(small, held) == encode(small)  # nothing to refer to
-    again = SetHostState(indices=Indices(tokens.to_bytes()), state=HostSlotState.SYNCED)
+    again = SetHostState(pages=Indices(tokens.to_bytes()), state=HostSlotState.SYNCED)
     assert_identical(decode(encode(again, held), held.blobs), again, "SetHostState")  # an Indices, not Tokens
     assert len(held.blobs) == 1
 
 
 def test_a_blob_reference_without_its_blob_raises_codec_error() -> None:
     held = _Held()
-    data = encode(SetHostState(indices=Indices.from_range(0, 4), state=HostSlotState.SYNCED), held)
+    data = encode(SetHostState(pages=Indices.from_range(0, 4), state=HostSlotState.SYNCED), held)
     with pytest.raises(CodecError, match=r"refers to blob 0, and no blobs were given"):
         decode(data)
     with pytest.raises(CodecError, match=r"refers to blob 0, which is not among the 1 given"):
@@ -236,7 +236,7 @@ def test_every_wire_enum_is_carried_by_some_message() -> None:
 
 
 def test_an_int_enum_decodes_as_its_enum_not_as_a_plain_int() -> None:
-    msg = SetHostState(indices=Indices.of([16, 17]), state=HostSlotState.WRITING)
+    msg = SetHostState(pages=Indices.of([16, 17]), state=HostSlotState.WRITING)
     got = decode(encode(msg))
     assert type(got.state) is HostSlotState
     assert got.state is HostSlotState.WRITING
@@ -251,7 +251,7 @@ def test_nested_records_and_empty_values_round_trip() -> None:
         AllocateSlots(op_id=0, demands=(), commits=()),
         LoadsStarted(batch=0, ops=()),
         StartLoads(),
-        SetHostState(indices=Indices(), state=HostSlotState.RESERVED),
+        SetHostState(pages=Indices(), state=HostSlotState.RESERVED),
     ):
         assert_identical(decode(encode(msg)), msg, type(msg).__name__)
 
@@ -325,7 +325,7 @@ def test_an_unknown_type_code_raises_codec_error_naming_it() -> None:
 
 
 def test_every_truncation_of_a_payload_raises_codec_error() -> None:
-    data = encode(SetHostState(indices=Indices.of(range(32)), state=HostSlotState.SYNCED))
+    data = encode(SetHostState(pages=Indices.of(range(32)), state=HostSlotState.SYNCED))
     for cut in range(len(data)):
         with pytest.raises(CodecError, match=r"malformed payload \(\d+ bytes\)"):
             decode(data[:cut])

@@ -54,12 +54,11 @@ WORKLOAD = textwrap.dedent(
         T = ActorName.TREE
         with System(cfg, runtime=rt, stand_ins=(T,)) as s:
             got = s.ask(ActorName.DEVICE, AllocateSlots(op_id=1, demands=(SlotDemand(request_id="a", tokens=12),), commits=()))
-            dev = got.grants[0].indices
-            host = s.ask(ActorName.HOST, AllocateHost(op_id=2, tokens=12), sender=T).indices
-            s.tell(ActorName.HOST, SetHostState(indices=host, state=HostSlotState.WRITING), sender=T)
+            dev = got.grants[0].pages  # six pages of two slots
+            host = s.ask(ActorName.HOST, AllocateHost(op_id=2, tokens=12), sender=T).pages
+            s.tell(ActorName.HOST, SetHostState(pages=host, state=HostSlotState.WRITING), sender=T)
             for i in range(6):
-                s.tell(ActorName.WRITE, WriteKV(op_id=10 + i, device=dev[2 * i: 2 * i + 2],
-                                                host=host[2 * i: 2 * i + 2]), sender=T)
+                s.tell(ActorName.WRITE, WriteKV(op_id=10 + i, device=dev[i: i + 1], host=host[i: i + 1]), sender=T)
                 s.tell(ActorName.DEVICE, CommitSlots(op_id=20 + i, demands=(SlotDemand(request_id="a", tokens=2),)),
                        sender=T)
             s.probes[T].collect(12)
@@ -341,9 +340,9 @@ def test_replaying_a_recorded_schedule_reproduces_the_log() -> None:
         with System(cfg, runtime=rt, stand_ins=(ActorName.TREE,)) as s:
             from hicache.messages import AllocateSlots, SlotDemand, WriteKV
 
-            got = s.ask(ActorName.DEVICE, AllocateSlots(op_id=1, demands=(SlotDemand(request_id="r", tokens=4),), commits=()))
-            for i in range(4):
-                s.tell(ActorName.WRITE, WriteKV(op_id=i, device=got.grants[0].indices[i:i + 1],
+            got = s.ask(ActorName.DEVICE, AllocateSlots(op_id=1, demands=(SlotDemand(request_id="r", tokens=8),), commits=()))
+            for i in range(4):  # one page of two slots each
+                s.tell(ActorName.WRITE, WriteKV(op_id=i, device=got.grants[0].pages[i:i + 1],
                                                 host=Indices.of([i])), sender=ActorName.TREE)
             s.probes[ActorName.TREE].collect(4)
         return rt
