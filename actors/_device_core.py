@@ -192,17 +192,17 @@ class DeviceCore:
         rest to the free list. Exactly once per request; all or nothing."""
         # A request admitted and ended before it allocated has an empty ledger.
         ledgers = self._distinct_live([rid for rid, _, _ in releases], "release", new_ok=True)
-        adopted: list[Ints] = []
+        adopted: list[tuple[Ints, Ints]] = []
         try:
             for ledger, (rid, adopt, _) in zip(ledgers, releases, strict=True):
-                adopted.append(self._hand_over(ledger, ints(adopt)))
+                adopted.append(self._hand_over(ledger, adopt))
         except LedgerError:
-            for ledger, pages in zip(ledgers, adopted):
+            for ledger, (pages, _) in zip(ledgers, adopted):
                 put(self._owner_table, self._owner, pages, ledger.number)  # all or nothing
             raise
         views = []
-        for ledger, (rid, _, reason) in zip(ledgers, releases, strict=True):
-            rest = self._rest(ledger)
+        for ledger, (_, held), (rid, _, reason) in zip(ledgers, adopted, releases, strict=True):
+            rest = self._rest(ledger, held)
             put(self._owner_table, self._owner, rest, PageOwner.FREE)
             self._pool.free(rest)
             self._ledgers.pop(rid, None)
@@ -236,20 +236,30 @@ class DeviceCore:
         ledger.given += len(both) * p
         return self._view(ledger, freed=ledger.given)
 
-    def _hand_over(self, ledger: _Ledger, pages: Ints) -> Ints:
-        """Give `pages` of the ledger to the tree; refused (changing nothing) unless they are
-        distinct pages the ledger holds. One lookup per page: each must carry the ledger's
-        number, and after the move the ledger must hold exactly that many pages fewer
-        (a page named twice moves once)."""
-        number = ledger.number
+    def _hand_over(self, ledger: _Ledger, adopt: Slots) -> tuple[Ints, Ints]:
+        """Give the `adopt` pages of the ledger to the tree; the pages, and those the ledger
+        still holds. Refused (changing nothing) unless they are distinct pages it holds.
+
+        Usually they are its first pages, in order (its own pages after its cached prefix,
+        none a duplicate): then that is the check, one comparison of bytes, since a ledger's
+        pages are its own (an invariant). Otherwise one lookup per page: each must carry the
+        ledger's number, and after the move the ledger must hold exactly that many pages
+        fewer (a page named twice moves once)."""
+        number, held, k = ledger.number, ledger.pages, len(adopt)
+        if isinstance(adopt, Indices) and k <= len(held) and adopt.to_bytes() == memoryview(held)[:k].tobytes():
+            pages = ints(adopt)
+            put(self._owner_table, self._owner, pages, PageOwner.TREE)
+            return pages, ints(Indices(memoryview(held)[k:].tobytes()))
+        pages = ints(adopt)
         if isinstance(pages, list):
             ok = holds(self._owner_table, pages, frozenset((number,)))
         else:
             ok = within(pages, len(self._owner)) and bool((self._owner.index_select(0, pages) == number).all())
         if ok:
             put(self._owner_table, self._owner, pages, PageOwner.TREE)
-            if len(self._held(ledger)) == len(ledger.pages) - len(pages):
-                return pages
+            rest = self._held(ledger)
+            if len(rest) == len(held) - k:
+                return pages, rest
             put(self._owner_table, self._owner, pages, number)
         listed = as_list(pages)
         foreign = [pg for pg in listed if not 0 <= pg < len(self._owner_table) or self._owner_table[pg] != number]
@@ -258,9 +268,9 @@ class DeviceCore:
             "this request"
         )
 
-    def _rest(self, ledger: _Ledger) -> Ints:
+    def _rest(self, ledger: _Ledger, held: Ints) -> Ints:
         """What a release frees: every page the ledger still holds once the tree took its share."""
-        return self._held(ledger)
+        return held
 
     def _held(self, ledger: _Ledger) -> Ints:
         """The ledger's pages it still owns in the table, in token order."""

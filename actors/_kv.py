@@ -219,6 +219,20 @@ class _Route:
         plan._plan(self, src_idx, dst_idx)
         return plan
 
+    def plan_pages(self, src_pages: Slots, dst_pages: Slots) -> CopyPlan:
+        """The plan of copying page `src_pages[i]` to page `dst_pages[i]` (every slot of
+        each), on this route: its runs are found over pages, `page_size` times fewer numbers."""
+        p = self.page_size
+        a, b = ints(src_pages), ints(dst_pages)
+        rs = runs(a, b)
+        if rs:
+            for what, idx, buf in (("source", a, self.src), ("destination", b, self.dst)):
+                if not _in_range(idx, buf.slots // p):
+                    raise IndexError(f"copy: {what} page out of range 0..{buf.slots // p - 1}")
+        plan = CopyPlan.__new__(CopyPlan)
+        plan._set(self, [(s * p, d * p, n * p) for s, d, n in rs], len(a) * p)
+        return plan
+
 
 class CopyPlan:
     """The page-granular pieces of one copy between two buffers, worked out once.
@@ -264,9 +278,14 @@ class CopyPlan:
             for what, idx, buf in (("source", a, route.src), ("destination", b, route.dst)):
                 if not _in_range(idx, buf.slots):
                     raise IndexError(f"copy: {what} slot out of range 0..{buf.slots - 1}")
+        self._set(route, rs, len(a))
+
+    def _set(self, route: _Route, rs: list[tuple[int, int, int]], slots: int) -> None:
+        if route.src.page_first and route.dst.page_first:
+            raise ValueError("copies between two page_first buffers are not supported")
         self._route = route
         self._pieces = _pieces(rs, route.pf_is_src, route.page_size)
-        self.slots = len(a)
+        self.slots = slots
         self._views: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
         self._blocks: _Blocks | None = None
         self._planned = False

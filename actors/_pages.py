@@ -157,7 +157,14 @@ def slots_of_pages(pages: Ints, page_size: int) -> Ints:
         return [slot for page in pages for slot in range(page * page_size, page * page_size + page_size)]
     if len(pages) * page_size <= SMALL_SLOTS_MAX:  # a few, given as a tensor
         return as_tensor(slots_of_pages(pages.tolist(), page_size))
-    return (pages.unsqueeze(1) * page_size + torch.arange(page_size)).reshape(-1)
+    offsets = _OFFSETS.get(page_size)
+    if offsets is None:
+        offsets = _OFFSETS[page_size] = torch.arange(page_size)
+    return (pages.unsqueeze(1) * page_size + offsets).reshape(-1)
+
+
+_OFFSETS: dict[int, torch.Tensor] = {}
+"""`arange(page_size)` per page size, made once (read-only)."""
 
 
 # -- the free list -----------------------------------------------------------------------

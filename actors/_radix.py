@@ -188,8 +188,13 @@ class _Where:
 
 
 class RadixTree:
-    def __init__(self, page_size: int, policy: EvictionPolicy) -> None:
+    def __init__(self, page_size: int, policy: EvictionPolicy, *, index_tokens: int = 1) -> None:
+        if index_tokens not in (1, page_size):
+            raise ValueError(f"index_tokens must be 1 (slots) or page_size={page_size} (pages), got {index_tokens}")
         self.page_size = page_size
+        self.index_tokens = index_tokens
+        """Tokens one device or host index stands for: 1 when nodes hold slots, `page_size`
+        when they hold pages (the cache's own tree)."""
         self._page_bytes = 8 * page_size
         self.policy = policy
         self._roots: dict[str, Node] = {}
@@ -254,9 +259,10 @@ class RadixTree:
         cached prefix): they are never adopted or reported as duplicates."""
         p = self.page_size
         n = len(tokens)
-        if n % p or len(device) * p != n:
-            raise ValueError(f"insert needs whole pages with one device page each, got {n} tokens, "
-                             f"{len(device)} pages of {p}")
+        u = self.index_tokens
+        if n % p or len(device) * u != n:
+            raise ValueError(f"insert needs whole pages and an index per {u} tokens, got {n} tokens, "
+                             f"{len(device)} indices")
         self._tick += 1
         out = InsertOutcome(path=[], present=0, adopted=[], duplicates=[], revived=[])
         node = self.root(namespace)
@@ -273,7 +279,7 @@ class RadixTree:
                         f"{pos}; its nodes were locked and cannot have been evicted"
                     )
                 new = self._new_node(node, data[at:], NodeState.DEVICE, priority)
-                new.device = device[pos // p : n // p]
+                new.device = device[pos // u : n // u]
                 self._attach(new)  # offers it for eviction
                 out.adopted.append(new.device)
                 for nd in out.path:  # the nodes above it, with their new access time
@@ -288,7 +294,7 @@ class RadixTree:
             if pos + child.tokens <= own_from:
                 out.present += child.tokens  # the tree's own pages
             else:
-                self._absorb(child, device[pos // p : (pos + child.tokens) // p], out)
+                self._absorb(child, device[pos // u : (pos + child.tokens) // u], out)
             child.hit_count += 1
             child.last_access = self._tick
             child.priority = max(child.priority, priority)
@@ -321,13 +327,13 @@ class RadixTree:
             raise ValueError(f"cannot split {node} at {at}")
         parent = node.parent
         assert parent is not None
-        pages = at // self.page_size
+        pages, cut = at // self.page_size, at // self.index_tokens
         self._account(node, -1)
         upper = Node(
             id=next(self._ids), namespace=node.namespace, parent=parent, key=node.key[: 8 * at], tokens=at,
             page_bytes=node.page_bytes, state=node.state, chained=None if node.chained is None else node.chained[:pages],
-            device=None if node.device is None else node.device[:pages],
-            host=None if node.host is None else node.host[:pages],
+            device=None if node.device is None else node.device[:cut],
+            host=None if node.host is None else node.host[:cut],
             lock_ref=node.lock_ref, host_ref=node.host_ref, hit_count=node.hit_count,
             last_access=node.last_access, created=node.created, priority=node.priority, op=node.op,
             stored=node.stored,
@@ -336,8 +342,8 @@ class RadixTree:
         node.tokens -= at
         if node.chained is not None:
             node.chained = node.chained[pages:]
-        node.device = None if node.device is None else node.device[pages:]
-        node.host = None if node.host is None else node.host[pages:]
+        node.device = None if node.device is None else node.device[cut:]
+        node.host = None if node.host is None else node.host[cut:]
         step = self._page_bytes
         parent.children[upper.key[:step]] = upper
         upper.children[node.key[:step]] = node
@@ -518,9 +524,10 @@ class RadixTree:
         prefix-closure, and the pages past it are not taken either. `hashes`, when the caller
         has them (the prefetch's page keys), are those of `tokens`' pages: kept, not recomputed."""
         p = self.page_size
-        if len(tokens) % p or len(host) * p != len(tokens):
-            raise ValueError(f"insert_host needs whole pages with one host page each, got {len(tokens)} tokens, "
-                             f"{len(host)} pages of {p}")
+        u = self.index_tokens
+        if len(tokens) % p or len(host) * u != len(tokens):
+            raise ValueError(f"insert_host needs whole pages and an index per {u} tokens, got {len(tokens)} "
+                             f"tokens, {len(host)} indices")
         if not anchor.alive or not (anchor.is_root or anchor.state in BACKED):
             raise InvariantError(f"prefetch anchor {anchor} must be alive and backed up (or a root)")
         self._tick += 1
@@ -532,7 +539,7 @@ class RadixTree:
             child = node.children.get(data[at : at + step])
             if child is None:
                 new = self._new_node(node, data[at:], NodeState.HOST_ONLY, 0)
-                new.host = host[pos // p : n // p]
+                new.host = host[pos // u : n // u]
                 new.stored = True
                 if hashes is not None:
                     new.chained = hashes[pos // p :]
@@ -546,11 +553,11 @@ class RadixTree:
                 child = self.split(child, same)
             child.last_access = self._tick
             self.offer(child)
-            out.unused.append(host[pos // p : (pos + child.tokens) // p])
+            out.unused.append(host[pos // u : (pos + child.tokens) // u])
             pos += child.tokens
             node = child
         if pos < n:
-            out.unused.append(host[pos // p : n // p])
+            out.unused.append(host[pos // u : n // u])
         return out
 
     def chain(self, node: Node, tokens: Indices) -> tuple[int, ...]:
@@ -607,7 +614,7 @@ class RadixTree:
     # -- invariants ------------------------------------------------------------------------
 
     def check_invariants(self) -> None:
-        p = self.page_size
+        p, u = self.page_size, self.index_tokens
         device = host = protected = evictable = count = 0
         for node in self.walk():
             count += 1
@@ -625,9 +632,9 @@ class RadixTree:
             ):
                 raise InvariantError(f"{where}: page hashes do not chain from the parent's")
             resident = node.state in RESIDENT
-            if resident != (node.device is not None) or (resident and len(node.device) * p != node.tokens):  # type: ignore[arg-type]
+            if resident != (node.device is not None) or (resident and len(node.device) * u != node.tokens):  # type: ignore[arg-type]
                 raise InvariantError(f"{where}: device pages do not match state")
-            if node.state in BACKED and (node.host is None or len(node.host) * p != node.tokens):
+            if node.state in BACKED and (node.host is None or len(node.host) * u != node.tokens):
                 raise InvariantError(f"{where}: backed-up state without a full host copy")
             if node.state is NodeState.DEVICE and node.host is not None:
                 raise InvariantError(f"{where}: not backed up but holds host pages")

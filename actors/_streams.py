@@ -43,7 +43,7 @@ from hicache.runtime.config import Config
 
 from ._errors import InvariantError
 from ._kv import CopyPlan, KVBuffer, _Route
-from ._pages import Ints, ints, slots_of_pages
+from ._pages import Ints, ints
 from ._transfer_core import Piece, TransferOp, TransferQueue, _concat_slots, batch_indices, op_problem
 
 _COPY_ERRORS = (RuntimeError, ValueError, IndexError)
@@ -100,12 +100,12 @@ def _enqueue(
     dst: tuple[Indices, KVBuffer],
     what: str,
 ) -> str | None:
-    """Queue an operation given as pages; the reason it was refused (counted as failed), or
-    None. The queue merges and splits by slot, so the operation keeps the slots of its pages,
-    in the form their number calls for (Python ints for a few, see `SMALL_SLOTS_MAX`)."""
+    """Queue an operation on pages; the reason it was refused (counted as failed), or None.
+    The operation keeps its page numbers in the form their number calls for (Python ints
+    for a few, see `SMALL_SLOTS_MAX`), read from the message once."""
     p = src[1].shape.page_size
-    s, d = slots_of_pages(ints(src[0]), p), slots_of_pages(ints(dst[0]), p)
-    problem = op_problem(s, src[1].slots, d, dst[1].slots)
+    s, d = ints(src[0]), ints(dst[0])
+    problem = op_problem(s, src[1].slots // p, d, dst[1].slots // p, "page")
     if problem is None and not queue.push(TransferOp(op_id, requester, s, d)):
         problem = f"{what} queue full ({queue.ops_max} ops, transfer_queue_ops_max)"
     elif problem is not None:
@@ -127,7 +127,8 @@ class WriteStreamActor(HiActor):
         self._device = device_kv
         self._host = host_kv
         self._route = _Route(device_kv, host_kv)
-        self._queue = TransferQueue(config.transfer_pages_max * config.page_size, config.transfer_queue_ops_max)
+        self._queue = TransferQueue(config.transfer_pages_max, config.transfer_queue_ops_max)
+        self._page = config.page_size
         self._cuda = _CudaStream(device_kv.device)
         self._drain_pending = False
         self._n = _Counters()
@@ -167,7 +168,7 @@ class WriteStreamActor(HiActor):
         if reason is None:
             src, dst = self._batch_indices(batch)
             try:
-                nbytes, event = self._cuda.run(self._route.plan(src, dst))
+                nbytes, event = self._cuda.run(self._route.plan_pages(src, dst))
                 if event is not None:
                     event.synchronize()
             except _COPY_ERRORS as err:
@@ -184,8 +185,8 @@ class WriteStreamActor(HiActor):
                 continue
             if piece.last:
                 self._n.ops_done += 1
-                self._n.slots_copied += op.slots
-                self.send(op.requester, WriteDone(op_id=op.op_id, slots=op.slots))
+                self._n.slots_copied += op.slots * self._page
+                self.send(op.requester, WriteDone(op_id=op.op_id, slots=op.slots * self._page))
         if reason is None:
             self._n.bytes_copied += nbytes
 
@@ -230,7 +231,8 @@ class LoadStreamActor(HiActor):
         self._ring = ring
         self._layers = config.layers
         # Loads are merged per batch, never split: each step copies one layer.
-        self._queue = TransferQueue(config.host_slots, config.transfer_queue_ops_max)
+        self._queue = TransferQueue(config.host_pages, config.transfer_queue_ops_max)
+        self._page = config.page_size
         self._started: deque[_LoadBatch] = deque()
         self._running: _LoadBatch | None = None
         self._next_batch = 1
@@ -284,7 +286,7 @@ class LoadStreamActor(HiActor):
         if reason is None:
             try:
                 if run.plan is None:
-                    run.plan = self._route.plan(run.src, run.dst)
+                    run.plan = self._route.plan_pages(run.src, run.dst)
                 nbytes, event = self._cuda.run(run.plan, layer)
                 self._n.bytes_copied += nbytes
                 self._ring.layer_done(b, layer, event)
@@ -306,8 +308,8 @@ class LoadStreamActor(HiActor):
         for op in run.ops:
             if reason is None:
                 self._n.ops_done += 1
-                self._n.slots_copied += op.slots
-                self.send(op.requester, LoadDone(op_id=op.op_id, batch=run.batch, slots=op.slots))
+                self._n.slots_copied += op.slots * self._page
+                self.send(op.requester, LoadDone(op_id=op.op_id, batch=run.batch, slots=op.slots * self._page))
             else:
                 self._n.ops_failed += 1
                 self.send(op.requester, LoadFailed(op_id=op.op_id, reason=reason))

@@ -1,9 +1,10 @@
-"""`TransferQueue`: the op merger/splitter both streams share (seed 004 without threads).
+"""`TransferQueue`: the op merger/splitter both streams share (SGLang's cache controller
+without its threads).
 
 Operations wait in FIFO order. `next_batch()` takes pieces from the head until the
-batch holds `slots_max` slots: small operations merge into one batch, an operation
-larger than the room left is split and continues in the next batch. An operation
-completes when its last piece is copied.
+batch holds `slots_max` units (the streams queue pages, so a unit is a page):
+small operations merge into one batch, an operation larger than the room left is
+split and continues in the next batch. An operation completes when its last piece is copied.
 """
 
 from __future__ import annotations
@@ -136,13 +137,13 @@ def _concat_slots(parts: list[Slots]) -> Ints:
     return ints(torch.cat([as_tensor(p) for p in parts]))
 
 
-def op_problem(src: Slots, src_slots: int, dst: Slots, dst_slots: int) -> str | None:
-    """Why an operation's indices are unusable, or None when they are fine."""
+def op_problem(src: Slots, src_cap: int, dst: Slots, dst_cap: int, unit: str = "slot") -> str | None:
+    """Why an operation's indices (of `unit`s: slots, or pages) are unusable, or None when fine."""
     n = len(src)
     if n != len(dst):
-        return f"source has {n} slots but destination has {len(dst)}"
-    for name, idx, cap in (("source", src, src_slots), ("destination", dst, dst_slots)):
+        return f"source has {n} {unit}s but destination has {len(dst)}"
+    for name, idx, cap in (("source", src, src_cap), ("destination", dst, dst_cap)):
         if n and not _in_range(ints(idx), cap):
-            return f"{name} slot out of range 0..{cap - 1}"
+            return f"{name} {unit} out of range 0..{cap - 1}"
     return None
 

@@ -223,7 +223,7 @@ class TreeCore:
     def __init__(self, config: Config, next_id: Callable[[], int], now: Callable[[], float] = lambda: 0.0) -> None:
         self.config = config
         self.page_size = config.page_size
-        self.tree = RadixTree(config.page_size, config.eviction_policy)
+        self.tree = RadixTree(config.page_size, config.eviction_policy, index_tokens=config.page_size)
         self.tree.on_split = self._follow_split
         self._next_id = next_id
         self.outbox: list[tuple[ActorName, Message]] = []

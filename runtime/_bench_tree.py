@@ -105,7 +105,7 @@ class Grower:
         self.recent: deque[Tokens] = deque(maxlen=RECENT_MAX)
         self._rng = random.Random(SEED)
         self._gen = torch.Generator().manual_seed(SEED)
-        self._next_page = 0
+        self._next_slot = 0
 
     @property
     def pages(self) -> int:
@@ -126,8 +126,8 @@ class Grower:
         t0 = time.perf_counter()
         while self.pages < pages:
             tokens = self.next_sequence()
-            device = Indices.from_range(self._next_page, len(tokens) // PAGE_SIZE)  # fresh pages
-            self._next_page += len(tokens) // PAGE_SIZE
+            device = Indices.from_range(self._next_slot, len(tokens))
+            self._next_slot += len(tokens)
             self.tree.insert(NAMESPACE, tokens, device)
             self.recent.append(tokens)
         return time.perf_counter() - t0

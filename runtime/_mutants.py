@@ -84,8 +84,8 @@ class _InferredLengthCore(DeviceCore):
     """Frees the pages that cover the committed length, as `len(input) + len(output) - 1`
     did: over-allocated pages (speculative lookahead) leak."""
 
-    def _rest(self, ledger: Any) -> Ints:
-        rest = super()._rest(ledger)
+    def _rest(self, ledger: Any, held: Ints) -> Ints:
+        rest = super()._rest(ledger, held)
         p = self.page_size
         inferred = -(-max(ledger.committed - ledger.given, 0) // p)
         mine = set(ledger.pages[:inferred])

@@ -337,8 +337,8 @@ def test_a_failed_load_is_reported_failed_and_waiting_on_it_raises(
 @pytest.mark.parametrize(
     ("host_pages", "reason"),
     [
-        (lambda h: h[:1], "bad write: source has 8 slots but destination has 4"),
-        (lambda h: Indices.of([10_000, 10_001]), "bad write: destination slot out of range 0..127"),
+        (lambda h: h[:1], "bad write: source has 2 pages but destination has 1"),
+        (lambda h: Indices.of([10_000, 10_001]), "bad write: destination page out of range 0..31"),
     ],
     ids=["length-mismatch", "out-of-range"],
 )
@@ -361,7 +361,7 @@ def test_a_load_with_unusable_indices_is_failed_at_once(
     tree = start_system(make_config(page_size=4))
     tree.tell(LOAD, LoadKV(op_id=4, host=Indices.of([0, 1]), device=Indices.of([5_000, 5_001])))
     failed = tree.expect(LoadFailed)
-    assert failed == LoadFailed(op_id=4, reason="bad load: destination slot out of range 0..63")
+    assert failed == LoadFailed(op_id=4, reason="bad load: destination page out of range 0..15")
     assert tree.ask(LOAD, StartLoads()).batch == 0
 
 
