@@ -33,20 +33,23 @@ from typing import Any
 
 import pykka
 import pytest
-import torch
 
 from hicache.actors import FileBackend, InvariantError, KVShape
 from hicache.actors._radix import NodeState, RadixTree
 from hicache.messages import (
     AdmitItem,
     AllocateHost,
+    FreeHostSlots,
     HostSlotState,
+    Indices,
     Prefetch,
     PrefetchEnd,
     PrefetchesSettled,
     PrefetchesStarted,
     PrefetchesStopped,
     ReadPrefetch,
+    ReleaseReason,
+    SetHostState,
     StopPrefetch,
     StorePages,
     Tokens,
@@ -66,7 +69,7 @@ from hicache.runtime._scheduler import ReferenceScheduler, SchedulerConfig
 from hicache.runtime.explore import synthetic_workload
 from hicache.runtime.oracle import FingerprintOracle
 
-from conftest import make_runtime, small_config
+from conftest import make_runtime, pages_to_slots, small_config
 from test_tree_core import Player
 
 pytestmark = pytest.mark.timeout(60)
@@ -857,7 +860,8 @@ class StoragePlayer(Player):
         super().__init__(cfg, **kwargs)
         self.stored: set[str] = set()
         self.keys: dict[int, tuple[str, ...]] = {}
-        self.slots: dict[int, torch.Tensor] = {}
+        self.host_pages: dict[int, Indices] = {}
+        """Each prefetch's host pages, one per key, as its `Prefetch` named them."""
         self.asked: dict[int, int] = {}
         self.done: dict[int, int] = {}
         self.backups: dict[int, StorePages] = {}
@@ -878,7 +882,7 @@ class StoragePlayer(Player):
                 self.held.append(m)
             case Prefetch(op_id=op, keys=keys, host=host):
                 self.keys[op] = keys
-                self.slots[op] = host.as_tensor()
+                self.host_pages[op] = host
                 hit = next((i for i, k in enumerate(keys) if k not in self.stored), len(keys))
                 self.tree.on_prefetch_hit(op, hit)
             case ReadPrefetch(op_id=op, pages=n):
@@ -897,7 +901,7 @@ class StoragePlayer(Player):
     def release_host(self) -> None:
         held, self.held = self.held, []
         for m in held:
-            self.tree.on_host_allocated(m.op_id, self.host.allocate_indices(m.tokens))
+            self.tree.on_host_allocated(m.op_id, self.host.allocate_pages(m.tokens))
         self.pump()
 
     def read(self, op: int, pages: int, tokens: list[int], start: int) -> None:
@@ -905,7 +909,7 @@ class StoragePlayer(Player):
         a = self.done[op]
         b = a + pages
         assert b <= self.asked[op]
-        self.oracle.write(self.host.kv, tokens, self.slots[op][a * P : b * P], start=start + a * P)
+        self.oracle.write(self.host.kv, tokens, pages_to_slots(self.host_pages[op][a:b], P), start=start + a * P)
         self.done[op] = b
         self.tree.on_prefetch_progress(op, b, b == self.asked[op])
         self.pump()
@@ -1054,6 +1058,43 @@ def test_overlapping_prefetches_keep_each_page_once_and_free_the_duplicates(
     p.complete_loads()
     p.oracle.verify(p.device.kv, other, r.slots)
     p.finish(r)
+    p.assert_idle()
+
+
+def test_a_short_hit_frees_the_surplus_pages_and_settling_fewer_keeps_exactly_the_agreed_pages(
+    storage_player: Callable[..., StoragePlayer],
+) -> None:
+    p = storage_player()
+    p.stored.update(p.keys_of(PROMPT)[:6])  # storage holds six of the ten pages
+    mark = len(p.sent)
+    assert p.prefetch("q", PROMPT) == 40
+    [op] = p.keys
+    host = p.host_pages[op]
+    assert len(host) == 10  # one host page per key
+    [surplus] = p.sent_since(mark, FreeHostSlots)
+    assert surplus.pages == host[6:]
+    [reading] = p.sent_since(mark, SetHostState)
+    assert (reading.pages, reading.state) == (host[:6], S.PREFETCHING)
+    assert p.asked[op] == 6
+    p.read(op, 6, PROMPT, 0)
+    assert p.stopped(p.terminate(["q"])) == (6,)
+
+    mark = len(p.sent)
+    assert p.settle(["q"], [4]) == (16,)  # the ranks agreed on four pages
+    node = p.node(PROMPT[:16])
+    assert (node.state, node.host) == (NodeState.HOST_ONLY, host[:4])
+    moves = [(m.pages, m.state) for m in p.sent_since(mark, SetHostState)]
+    assert moves == [(host[:4], S.HOST_ONLY), (host[4:6], S.RESERVED)]
+    [freed] = p.sent_since(mark, FreeHostSlots)
+    assert freed.pages == host[4:6]
+    assert p.host.states(host.as_tensor()).tolist() == [S.HOST_ONLY] * 4 + [S.FREE] * 6
+    assert p.host.free_slots == p.config.host_slots - 16 == p.tree.host_free
+
+    [q] = p.admit(("q", PROMPT))
+    assert (q.device_hit, q.host_hit) == (0, 16)
+    p.complete_loads()
+    p.oracle.verify(p.device.kv, PROMPT[:16], q.slots)
+    p.finish(q, reason=ReleaseReason.ABORTED)
     p.assert_idle()
 
 

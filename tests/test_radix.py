@@ -30,7 +30,8 @@ def toks(n: int, start: int = 1) -> Tokens:
     return Tokens.from_tensor(torch.arange(start, start + n, dtype=torch.int64))
 
 
-def slots(n: int, start: int = 0) -> Indices:
+def pages(n: int, start: int = 0) -> Indices:
+    """`n` page numbers `start, start + 1, ...` (a node holds one per `P` tokens)."""
     return Indices.from_range(start, n)
 
 
@@ -50,7 +51,7 @@ def tree(make_tree: Callable[..., Any]) -> Any:
 
 
 def back_up(tree: Any, node: Node, host: Indices) -> None:
-    """DEVICE -> WRITING (with host slots) -> SYNCED, as a write-through does."""
+    """DEVICE -> WRITING (with host pages) -> SYNCED, as a write-through does."""
     tree.set_state(node, S.WRITING)
     tree.set_host(node, host)
     tree.set_state(node, S.SYNCED)
@@ -78,17 +79,17 @@ def drain_device(tree: Any) -> list[list[int]]:
 
 
 def test_match_finds_the_longest_page_aligned_prefix_and_ignores_a_partial_last_page(tree: Any) -> None:
-    tree.insert("", toks(12), slots(12))
+    tree.insert("", toks(12), pages(3))
     path = tree.match("", cat(toks(10), Tokens.of([99, 98])))  # 10 cached, then a difference
     assert sum(nd.tokens for nd in path) == 8
-    assert path[-1].device.tolist() == slots(8).tolist()
+    assert path[-1].device.tolist() == pages(2).tolist()
     assert sum(nd.tokens for nd in tree.match("", toks(11))) == 8  # 11 = 2 pages + a partial page
     assert sum(nd.tokens for nd in tree.match("", toks(3))) == 0  # less than a page never matches
     assert tree.match("", toks(8, start=50)) == []
 
 
 def test_match_of_a_prefix_ending_inside_a_node_splits_it_at_the_page_boundary(tree: Any) -> None:
-    tree.insert("", toks(12), slots(12))
+    tree.insert("", toks(12), pages(3))
     [upper] = tree.match("", toks(4))
     assert upper.token_ids() == toks(4).tolist()
     [lower] = upper.children.values()
@@ -99,122 +100,124 @@ def test_match_of_a_prefix_ending_inside_a_node_splits_it_at_the_page_boundary(t
 # -- insert --------------------------------------------------------------------------------
 
 
-def test_insert_returns_how_many_tokens_were_already_present_and_which_slots_it_adopted(tree: Any) -> None:
-    first = tree.insert("", toks(8), slots(8))
+def test_insert_returns_how_many_tokens_were_already_present_and_which_pages_it_adopted(tree: Any) -> None:
+    first = tree.insert("", toks(8), pages(2))
     assert first.present == 0
-    assert [a.tolist() for a in first.adopted] == [slots(8).tolist()]
+    assert [a.tolist() for a in first.adopted] == [pages(2).tolist()]
     assert first.duplicates == []
 
-    # The same 8 tokens computed again in slots 20..27, then 8 new tokens in 28..35.
-    second = tree.insert("", toks(16), cat(slots(8, 20), slots(8, 28)))
+    # The same 8 tokens computed again in pages 5..6, then 8 new tokens in pages 7..8.
+    second = tree.insert("", toks(16), cat(pages(2, 5), pages(2, 7)))
     assert second.present == 8
-    assert [d.tolist() for d in second.duplicates] == [slots(8, 20).tolist()]
-    assert [a.tolist() for a in second.adopted] == [slots(8, 28).tolist()]
+    assert [d.tolist() for d in second.duplicates] == [pages(2, 5).tolist()]
+    assert [a.tolist() for a in second.adopted] == [pages(2, 7).tolist()]
     assert [nd.tokens for nd in second.path] == [8, 8]
     assert tree.device_tokens == 16
 
 
-def test_insert_of_the_trees_own_slots_reports_no_duplicates(tree: Any) -> None:
-    tree.insert("", toks(8), slots(8))
-    again = tree.insert("", toks(8), slots(8))
+def test_insert_of_the_trees_own_pages_reports_no_duplicates(tree: Any) -> None:
+    tree.insert("", toks(8), pages(2))
+    again = tree.insert("", toks(8), pages(2))
     assert (again.present, again.duplicates, again.adopted) == (8, [], [])
 
 
-def test_insert_reports_only_the_slots_that_differ_as_duplicates(tree: Any) -> None:
-    tree.insert("", toks(8), slots(8))
-    mixed = cat(slots(4), slots(4, 40))  # first page is the tree's own, the second a copy
+def test_insert_reports_only_the_pages_that_differ_as_duplicates(tree: Any) -> None:
+    tree.insert("", toks(8), pages(2))
+    mixed = cat(pages(1), pages(1, 10))  # first page is the tree's own, the second a copy
     out = tree.insert("", toks(8), mixed)
-    assert [d.tolist() for d in out.duplicates] == [slots(4, 40).tolist()]
+    assert [d.tolist() for d in out.duplicates] == [pages(1, 10).tolist()]
 
 
-@pytest.mark.parametrize("n", [8, 64, 68, 4096])
-def test_the_differing_slots_are_the_same_whether_compared_as_ints_or_vectorised(tree: Any, n: int) -> None:
-    tree.insert("", toks(n), slots(n))
-    mine = Indices.of(i if (i // P) % 3 else 10_000 + i for i in range(n))  # every third page a copy
-    out = tree.insert("", toks(n), mine)
-    assert [d.tolist() for d in out.duplicates] == [[10_000 + i for i in range(n) if (i // P) % 3 == 0]]
+@pytest.mark.parametrize("n", [2, 64, 65, 1024])  # pages: up to 64 are compared as ints
+def test_the_differing_pages_are_the_same_whether_compared_as_ints_or_vectorised(tree: Any, n: int) -> None:
+    tree.insert("", toks(n * P), pages(n))
+    mine = Indices.of(i if i % 3 else 10_000 + i for i in range(n))  # every third page a copy
+    out = tree.insert("", toks(n * P), mine)
+    assert [d.tolist() for d in out.duplicates] == [[10_000 + i for i in range(n) if i % 3 == 0]]
 
 
-def test_insert_refuses_partial_pages_and_a_slot_count_that_differs(tree: Any) -> None:
-    with pytest.raises(ValueError, match="whole pages with one slot per token, got 6 tokens, 6 slots"):
-        tree.insert("", toks(6), slots(6))
-    with pytest.raises(ValueError, match="got 8 tokens, 4 slots"):
-        tree.insert("", toks(8), slots(4))
+def test_insert_refuses_partial_pages_and_a_page_count_that_differs(tree: Any) -> None:
+    with pytest.raises(ValueError, match="whole pages with one device page each, got 6 tokens, 2 pages of 4"):
+        tree.insert("", toks(6), pages(2))
+    with pytest.raises(ValueError, match="got 8 tokens, 1 pages of 4"):
+        tree.insert("", toks(8), pages(1))
+    with pytest.raises(ValueError, match="got 8 tokens, 8 pages of 4"):  # one per token, as slots were
+        tree.insert("", toks(8), pages(8))
     assert tree.nodes == 0
 
 
 def test_insert_counts_a_hit_on_every_node_it_passes(tree: Any) -> None:
-    tree.insert("", toks(8), slots(8))
-    out = tree.insert("", toks(16), slots(16))
+    tree.insert("", toks(8), pages(2))
+    out = tree.insert("", toks(16), pages(4))
     assert [nd.hit_count for nd in out.path] == [2, 1]
 
 
 def test_insert_below_own_from_neither_adopts_nor_reports_duplicates(tree: Any) -> None:
-    tree.insert("", toks(8), slots(8))
-    # The caller's first 8 positions are the tree's slots (its cached prefix); whatever it
+    tree.insert("", toks(8), pages(2))
+    # The caller's first 8 positions are in the tree's pages (its cached prefix); whatever it
     # passes there is not its own and must not be reported back.
-    garbage = slots(8, 100)
-    out = tree.insert("", toks(16), cat(garbage, slots(8, 40)), own_from=8)
+    garbage = pages(2, 25)
+    out = tree.insert("", toks(16), cat(garbage, pages(2, 10)), own_from=8)
     assert out.present == 8
     assert out.duplicates == []
-    assert [a.tolist() for a in out.adopted] == [slots(8, 40).tolist()]
-    assert out.path[0].device.tolist() == slots(8).tolist()
+    assert [a.tolist() for a in out.adopted] == [pages(2, 10).tolist()]
+    assert out.path[0].device.tolist() == pages(2).tolist()
 
 
 def test_insert_with_own_from_inside_a_node_splits_it_so_only_the_callers_part_is_compared(tree: Any) -> None:
-    tree.insert("", toks(16), slots(16))
-    out = tree.insert("", toks(16), cat(slots(8, 100), slots(8, 40)), own_from=8)
+    tree.insert("", toks(16), pages(4))
+    out = tree.insert("", toks(16), cat(pages(2, 25), pages(2, 10)), own_from=8)
     assert [nd.tokens for nd in out.path] == [8, 8]
     assert out.present == 16
-    assert [d.tolist() for d in out.duplicates] == [slots(8, 40).tolist()]  # only positions 8..15
+    assert [d.tolist() for d in out.duplicates] == [pages(2, 10).tolist()]  # only positions 8..15
     assert out.adopted == []
 
 
 def test_insert_refuses_a_cached_prefix_that_is_no_longer_in_the_tree(tree: Any) -> None:
-    tree.insert("", toks(4), slots(4))
+    tree.insert("", toks(4), pages(1))
     with pytest.raises(InvariantError, match=r"cached prefix \(8 tokens\) is no longer in the tree at 4"):
-        tree.insert("", toks(12), slots(12), own_from=8)
+        tree.insert("", toks(12), pages(3), own_from=8)
 
 
-def test_insert_revives_a_host_only_node_with_the_callers_fresh_device_slots(tree: Any) -> None:
-    [node] = tree.insert("", toks(8), slots(8)).path
-    to_host_only(tree, node, slots(8, 64))
+def test_insert_revives_a_host_only_node_with_the_callers_fresh_device_pages(tree: Any) -> None:
+    [node] = tree.insert("", toks(8), pages(2)).path
+    to_host_only(tree, node, pages(2, 16))
     assert (tree.device_tokens, tree.host_tokens) == (0, 8)
 
-    out = tree.insert("", toks(8), slots(8, 16))
+    out = tree.insert("", toks(8), pages(2, 4))
     assert out.revived == [node]
-    assert [a.tolist() for a in out.adopted] == [slots(8, 16).tolist()]
+    assert [a.tolist() for a in out.adopted] == [pages(2, 4).tolist()]
     assert (out.present, out.duplicates) == (8, [])
     assert node.state is S.SYNCED
-    assert node.device.tolist() == slots(8, 16).tolist()
-    assert node.host.tolist() == slots(8, 64).tolist()
+    assert node.device.tolist() == pages(2, 4).tolist()
+    assert node.host.tolist() == pages(2, 16).tolist()
     assert (tree.device_tokens, tree.host_tokens, tree.evictable_tokens) == (8, 8, 8)
 
 
-def test_insert_does_not_revive_a_loading_node_but_reports_the_callers_slots_as_duplicates(tree: Any) -> None:
-    [node] = tree.insert("", toks(8), slots(8)).path
-    to_host_only(tree, node, slots(8, 64))
-    tree.start_load(node, slots(8, 32))
-    out = tree.insert("", toks(8), slots(8, 16))
+def test_insert_does_not_revive_a_loading_node_but_reports_the_callers_pages_as_duplicates(tree: Any) -> None:
+    [node] = tree.insert("", toks(8), pages(2)).path
+    to_host_only(tree, node, pages(2, 16))
+    tree.start_load(node, pages(2, 8))
+    out = tree.insert("", toks(8), pages(2, 4))
     assert out.revived == []
-    assert [d.tolist() for d in out.duplicates] == [slots(8, 16).tolist()]
-    assert node.device.tolist() == slots(8, 32).tolist()
+    assert [d.tolist() for d in out.duplicates] == [pages(2, 4).tolist()]
+    assert node.device.tolist() == pages(2, 8).tolist()
 
 
 # -- split -------------------------------------------------------------------------------------
 
 
 def test_split_divides_keys_device_and_host_indices_hashes_and_keeps_lock_refs(tree: Any) -> None:
-    [node] = tree.insert("", toks(12), slots(12)).path
-    back_up(tree, node, slots(12, 100))
+    [node] = tree.insert("", toks(12), pages(3)).path
+    back_up(tree, node, pages(3, 25))
     tree.lock(node, +1)
     tree.lock(node, +1)
     hashes = node.hashes
     upper = tree.split(node, 4)
     assert upper.parent is tree.root("") and node.parent is upper
     assert upper.token_ids() == toks(4).tolist() and node.token_ids() == toks(8, start=5).tolist()
-    assert upper.device.tolist() == slots(4).tolist() and node.device.tolist() == slots(8, 4).tolist()
-    assert upper.host.tolist() == slots(4, 100).tolist() and node.host.tolist() == slots(8, 104).tolist()
+    assert upper.device.tolist() == pages(1).tolist() and node.device.tolist() == pages(2, 1).tolist()
+    assert upper.host.tolist() == pages(1, 25).tolist() and node.host.tolist() == pages(2, 26).tolist()
     assert upper.hashes + node.hashes == hashes
     assert len(upper.hashes) == 1 and len(node.hashes) == 2
     assert (upper.lock_ref, node.lock_ref) == (2, 2)
@@ -227,31 +230,31 @@ def test_split_divides_keys_device_and_host_indices_hashes_and_keeps_lock_refs(t
 
 @pytest.mark.parametrize("at", [0, 2, 5, 12, 16])
 def test_split_refuses_a_cut_that_is_not_an_inner_page_boundary(tree: Any, at: int) -> None:
-    [node] = tree.insert("", toks(12), slots(12)).path
+    [node] = tree.insert("", toks(12), pages(3)).path
     with pytest.raises(ValueError, match=f"cannot split .* at {at}"):
         tree.split(node, at)
     assert tree.nodes == 1
 
 
 def test_split_and_insert_keep_exactly_their_part_of_a_larger_buffer(tree: Any) -> None:
-    big_tokens, big_slots = toks(4096), slots(4096)
-    [node] = tree.insert("", big_tokens[:12], big_slots[100:112]).path
-    back_up(tree, node, big_slots[200:212])
+    big_tokens, big_pages = toks(4096), pages(1024)
+    [node] = tree.insert("", big_tokens[:12], big_pages[100:103]).path
+    back_up(tree, node, big_pages[200:203])
     upper = tree.split(node, 8)
     for nd in (upper, node):
         assert len(nd.key) == 8 * nd.tokens, f"{nd} keeps {len(nd.key)} key bytes"
-        assert len(nd.device.to_bytes()) == len(nd.host.to_bytes()) == 8 * nd.tokens  # type: ignore[union-attr]
-    assert (upper.device.tolist(), node.host.tolist()) == (list(range(100, 108)), list(range(208, 212)))  # type: ignore[union-attr]
-    out = tree.insert("", big_tokens[:16], big_slots[300:316])
-    assert [len(i) for i in out.adopted] == [4] and out.adopted[0].tolist() == list(range(312, 316))
+        assert len(nd.device.to_bytes()) == len(nd.host.to_bytes()) == 8 * (nd.tokens // P)  # type: ignore[union-attr]
+    assert (upper.device.tolist(), node.host.tolist()) == ([100, 101], [202])  # type: ignore[union-attr]
+    out = tree.insert("", big_tokens[:16], big_pages[300:304])
+    assert [len(i) for i in out.adopted] == [1] and out.adopted[0].tolist() == [303]
     assert len(out.path[-1].key) == 8 * 4
 
 
-def test_a_node_holding_slots_that_are_not_indices_is_caught_by_the_invariant_check() -> None:
+def test_a_node_holding_pages_that_are_not_indices_is_caught_by_the_invariant_check() -> None:
     tree = RadixTree(P, EvictionPolicy.LRU)
-    [node] = tree.insert("", toks(8), slots(8)).path
-    node.device = torch.arange(8, dtype=torch.int64)  # type: ignore[assignment]
-    with pytest.raises(InvariantError, match="device slots are a Tensor, not Indices"):
+    [node] = tree.insert("", toks(8), pages(2)).path
+    node.device = torch.arange(2, dtype=torch.int64)  # type: ignore[assignment]
+    with pytest.raises(InvariantError, match="device pages are a Tensor, not Indices"):
         tree.check_invariants()
 
 
@@ -259,8 +262,8 @@ def test_a_node_holding_slots_that_are_not_indices_is_caught_by_the_invariant_ch
 
 
 def test_the_same_tokens_in_two_namespaces_make_two_nodes_with_different_hashes(tree: Any) -> None:
-    a = tree.insert("model-a", toks(8), slots(8)).path
-    b = tree.insert("model-b", toks(8), slots(8, 8)).path
+    a = tree.insert("model-a", toks(8), pages(2)).path
+    b = tree.insert("model-b", toks(8), pages(2, 2)).path
     assert a[0] is not b[0]
     assert tree.nodes == 2
     assert set(a[0].hashes).isdisjoint(b[0].hashes)
@@ -270,27 +273,27 @@ def test_the_same_tokens_in_two_namespaces_make_two_nodes_with_different_hashes(
     assert tree.match("model-c", toks(8)) == []
 
 
-def test_an_insert_in_one_namespace_never_reports_anothers_slots_as_present(tree: Any) -> None:
-    tree.insert("model-a", toks(8), slots(8))
-    out = tree.insert("model-b", toks(8), slots(8, 8))
+def test_an_insert_in_one_namespace_never_reports_anothers_pages_as_present(tree: Any) -> None:
+    tree.insert("model-a", toks(8), pages(2))
+    out = tree.insert("model-b", toks(8), pages(2, 2))
     assert (out.present, out.duplicates) == (0, [])
 
 
 def test_the_same_prefix_gets_the_same_page_hashes_in_any_tree(make_tree: Callable[..., Any]) -> None:
     one, two = make_tree(), make_tree()
-    [a] = one.insert("m", toks(12), slots(12)).path
-    two.insert("m", toks(4), slots(4))
-    two.insert("m", toks(8), slots(8))
-    b = two.insert("m", toks(12), slots(12)).path
+    [a] = one.insert("m", toks(12), pages(3)).path
+    two.insert("m", toks(4), pages(1))
+    two.insert("m", toks(8), pages(2))
+    b = two.insert("m", toks(12), pages(3)).path
     assert len(b) == 3
     assert a.hashes == tuple(h for nd in b for h in nd.hashes)
     assert len(set(a.hashes)) == 3
 
 
 def test_a_differing_earlier_page_changes_every_later_page_hash(tree: Any) -> None:
-    [a] = tree.insert("", toks(12), slots(12)).path
+    [a] = tree.insert("", toks(12), pages(3)).path
     other = Tokens.of([1, 999, *range(3, 13)])  # only the first page differs
-    [b] = tree.insert("", other, slots(12, 12)).path
+    [b] = tree.insert("", other, pages(3, 3)).path
     assert all(ha != hb for ha, hb in zip(a.hashes, b.hashes, strict=True))
     assert a.token_ids()[4:] == b.token_ids()[4:]  # same tokens in the later pages
 
@@ -299,9 +302,9 @@ def test_a_differing_earlier_page_changes_every_later_page_hash(tree: Any) -> No
 
 
 def test_a_lock_counts_up_the_whole_path_with_exact_protected_and_evictable_counts(tree: Any) -> None:
-    x, = tree.insert("", toks(8), slots(8)).path
-    _, y = tree.insert("", toks(16), slots(16)).path
-    _, _, z = tree.insert("", toks(24), slots(24)).path
+    x, = tree.insert("", toks(8), pages(2)).path
+    _, y = tree.insert("", toks(16), pages(4)).path
+    _, _, z = tree.insert("", toks(24), pages(6)).path
     tree.lock(z, +1)
     assert [n.lock_ref for n in (x, y, z)] == [1, 1, 1]
     assert (tree.protected_tokens, tree.evictable_tokens) == (24, 0)
@@ -315,16 +318,16 @@ def test_a_lock_counts_up_the_whole_path_with_exact_protected_and_evictable_coun
 
 
 def test_a_lock_on_one_branch_leaves_the_other_branch_evictable(tree: Any) -> None:
-    tree.insert("", toks(8), slots(8))
-    _, left = tree.insert("", cat(toks(8), toks(4, 100)), cat(slots(8), slots(4, 8))).path
-    _, right = tree.insert("", cat(toks(8), toks(4, 200)), cat(slots(8), slots(4, 12))).path
+    tree.insert("", toks(8), pages(2))
+    _, left = tree.insert("", cat(toks(8), toks(4, 100)), cat(pages(2), pages(1, 2))).path
+    _, right = tree.insert("", cat(toks(8), toks(4, 200)), cat(pages(2), pages(1, 3))).path
     tree.lock(left, +1)
     assert (tree.protected_tokens, tree.evictable_tokens) == (12, 4)
     assert right.lock_ref == 0
 
 
 def test_releasing_a_lock_that_is_not_held_is_refused_and_changes_nothing(tree: Any) -> None:
-    [node] = tree.insert("", toks(8), slots(8)).path
+    [node] = tree.insert("", toks(8), pages(2)).path
     with pytest.raises(InvariantError, match=r"lock ref of .* would become -1 \(invariant: lock ref >= 0"):
         tree.lock(node, -1)
     assert node.lock_ref == 0
@@ -336,14 +339,14 @@ def test_releasing_a_lock_that_is_not_held_is_refused_and_changes_nothing(tree: 
 
 
 def test_a_lock_moves_by_one_at_a_time(tree: Any) -> None:
-    [node] = tree.insert("", toks(8), slots(8)).path
+    [node] = tree.insert("", toks(8), pages(2)).path
     with pytest.raises(ValueError, match="lock delta must be \\+1 or -1, got 2"):
         tree.lock(node, 2)
     assert node.lock_ref == 0
 
 
 def test_a_host_pin_below_zero_is_refused(tree: Any) -> None:
-    [node] = tree.insert("", toks(8), slots(8)).path
+    [node] = tree.insert("", toks(8), pages(2)).path
     with pytest.raises(InvariantError, match="host ref of .* would become -1"):
         tree.pin_host(node, -1)
     assert node.host_ref == 0
@@ -355,7 +358,7 @@ def test_a_host_pin_below_zero_is_refused(tree: Any) -> None:
 def _three_leaves(tree: Any, priorities: tuple[int, int, int] = (0, 0, 0)) -> list[Node]:
     """Leaves starting with tokens 1, 101 and 201, inserted in that order."""
     return [
-        tree.insert("", toks(4, start), slots(4, 4 * i), priority=prio).path[0]
+        tree.insert("", toks(4, start), pages(1, i), priority=prio).path[0]
         for i, (start, prio) in enumerate(zip((1, 101, 201), priorities, strict=True))
     ]
 
@@ -381,8 +384,8 @@ def test_lfu_evicts_the_least_frequently_hit_leaf_first(make_tree: Callable[...,
     tree = make_tree(EvictionPolicy.LFU)
     _three_leaves(tree)
     for _ in range(3):
-        tree.insert("", toks(4, 1), slots(4, 0))  # hit count 4
-    tree.insert("", toks(4, 201), slots(4, 8))  # hit count 2
+        tree.insert("", toks(4, 1), pages(1))  # hit count 4
+    tree.insert("", toks(4, 201), pages(1, 2))  # hit count 2
     assert drain_device(tree) == [101, 201, 1]
 
 
@@ -390,7 +393,7 @@ def test_fifo_evicts_in_creation_order_whatever_the_accesses(make_tree: Callable
     tree = make_tree(EvictionPolicy.FIFO)
     _three_leaves(tree)
     tree.match("", toks(4, 1))
-    tree.insert("", toks(4, 1), slots(4, 0))
+    tree.insert("", toks(4, 1), pages(1))
     assert drain_device(tree) == [1, 101, 201]
 
 
@@ -404,8 +407,8 @@ def test_priority_evicts_the_lowest_priority_first(make_tree: Callable[..., Any]
 def test_priority_of_a_node_is_the_highest_any_insert_gave_it(make_tree: Callable[..., Any]) -> None:
     tree = make_tree(EvictionPolicy.PRIORITY)
     _three_leaves(tree, priorities=(1, 2, 3))
-    tree.insert("", toks(4, 1), slots(4, 0), priority=9)
-    tree.insert("", toks(4, 1), slots(4, 0), priority=0)
+    tree.insert("", toks(4, 1), pages(1), priority=9)
+    tree.insert("", toks(4, 1), pages(1), priority=0)
     assert drain_device(tree) == [101, 201, 1]
 
 
@@ -425,17 +428,17 @@ def test_a_node_with_device_resident_children_is_evicted_only_after_them(
     make_tree: Callable[..., Any], policy: EvictionPolicy
 ) -> None:
     tree = make_tree(policy)
-    [parent] = tree.insert("", toks(4), slots(4)).path  # the oldest, least hit, lowest priority
-    tree.insert("", toks(8), slots(8), priority=5)
-    tree.insert("", cat(toks(4), toks(4, 50)), cat(slots(4), slots(4, 8)), priority=5)
+    [parent] = tree.insert("", toks(4), pages(1)).path  # the oldest, least hit, lowest priority
+    tree.insert("", toks(8), pages(2), priority=5)
+    tree.insert("", cat(toks(4), toks(4, 50)), cat(pages(1), pages(1, 2)), priority=5)
     assert parent.resident_children == 2
     order = drain_device(tree)
     assert sorted(order[:2]) == [5, 50] and order[2] == 1
 
 
 def test_a_locked_child_keeps_its_parent_off_the_eviction_list(tree: Any) -> None:
-    tree.insert("", toks(4), slots(4))
-    _, child = tree.insert("", toks(8), slots(8)).path
+    tree.insert("", toks(4), pages(1))
+    _, child = tree.insert("", toks(8), pages(2)).path
     tree.lock(child, +1)
     assert tree.pop_device_victim() is None
     tree.lock(child, -1)
@@ -443,36 +446,60 @@ def test_a_locked_child_keeps_its_parent_off_the_eviction_list(tree: Any) -> Non
 
 
 def test_a_host_only_child_does_not_keep_its_synced_parent_on_the_device(tree: Any) -> None:
-    [parent] = tree.insert("", toks(4), slots(4)).path
-    _, child = tree.insert("", toks(8), slots(8)).path
-    back_up(tree, parent, slots(4, 100))
-    to_host_only(tree, child, slots(4, 104))
+    [parent] = tree.insert("", toks(4), pages(1)).path
+    _, child = tree.insert("", toks(8), pages(2)).path
+    back_up(tree, parent, pages(1, 25))
+    to_host_only(tree, child, pages(1, 26))
     assert tree.pop_device_victim() is parent
 
 
 def test_evicting_a_leaf_makes_its_parent_a_victim(tree: Any) -> None:
-    tree.insert("", toks(4), slots(4))
-    _, child = tree.insert("", toks(8), slots(8)).path
+    tree.insert("", toks(4), pages(1))
+    _, child = tree.insert("", toks(8), pages(2)).path
     assert tree.pop_device_victim() is child
     tree.remove(child)
     assert tree.pop_device_victim().token_ids()[0] == 1
 
 
 def test_writing_and_loading_nodes_are_never_device_victims(tree: Any) -> None:
-    [writing] = tree.insert("", toks(4, 1), slots(4)).path
+    [writing] = tree.insert("", toks(4, 1), pages(1)).path
     tree.set_state(writing, S.WRITING)
-    [loading] = tree.insert("", toks(4, 101), slots(4, 4)).path
-    to_host_only(tree, loading, slots(4, 100))
-    tree.start_load(loading, slots(4, 8))
+    [loading] = tree.insert("", toks(4, 101), pages(1, 1)).path
+    to_host_only(tree, loading, pages(1, 25))
+    tree.start_load(loading, pages(1, 2))
     assert tree.pop_device_victim() is None
 
 
 def test_only_a_leaf_can_be_removed(tree: Any) -> None:
-    [parent] = tree.insert("", toks(4), slots(4)).path
-    tree.insert("", toks(8), slots(8))
+    [parent] = tree.insert("", toks(4), pages(1)).path
+    tree.insert("", toks(8), pages(2))
     with pytest.raises(InvariantError, match="only a leaf can be removed"):
         tree.remove(parent)
     assert tree.nodes == 2
+
+
+# -- pages from storage -------------------------------------------------------------------------------
+
+
+def test_insert_host_takes_one_host_page_per_page_and_leaves_those_the_tree_holds_unused(tree: Any) -> None:
+    [node] = tree.insert("", toks(8), pages(2)).path
+    back_up(tree, node, pages(2, 25))
+    out = tree.insert_host(tree.root(""), toks(16), pages(4, 40))
+    [new] = out.new
+    assert new.parent is node and new.state is S.HOST_ONLY and new.token_ids() == toks(8, start=9).tolist()
+    assert new.host.tolist() == [42, 43]  # type: ignore[union-attr]
+    assert [u.tolist() for u in out.unused] == [[40, 41]]  # the pages of the tokens the tree held
+    assert tree.host_tokens == 16
+    with pytest.raises(ValueError, match="one host page each, got 8 tokens, 8 pages of 4"):
+        tree.insert_host(tree.root(""), toks(8), pages(8, 100))
+
+
+def test_insert_host_takes_no_page_past_a_node_that_is_not_backed_up(tree: Any) -> None:
+    tree.insert("", toks(4), pages(1))
+    out = tree.insert_host(tree.root(""), toks(12), pages(3, 40))
+    assert out.new == []
+    assert [u.tolist() for u in out.unused] == [[40, 41, 42]]
+    assert (tree.nodes, tree.host_tokens) == (1, 0)
 
 
 # -- host eviction -------------------------------------------------------------------------------------
@@ -481,7 +508,7 @@ def test_only_a_leaf_can_be_removed(tree: Any) -> None:
 def test_host_eviction_takes_host_only_leaves_in_policy_order(tree: Any) -> None:
     nodes = _three_leaves(tree)
     for i, nd in enumerate(nodes):
-        to_host_only(tree, nd, slots(4, 100 + 4 * i))
+        to_host_only(tree, nd, pages(1, 25 + i))
     tree.match("", toks(4, 1))  # most recent now
     order = []
     while (victim := tree.pop_host_victim()) is not None:
@@ -492,18 +519,18 @@ def test_host_eviction_takes_host_only_leaves_in_policy_order(tree: Any) -> None
 
 
 def test_host_eviction_skips_device_resident_pinned_locked_and_inner_nodes(tree: Any) -> None:
-    [synced] = tree.insert("", toks(4, 1), slots(4)).path
-    back_up(tree, synced, slots(4, 100))  # host copy, but still on the device
-    [pinned] = tree.insert("", toks(4, 101), slots(4, 4)).path
-    to_host_only(tree, pinned, slots(4, 104))
+    [synced] = tree.insert("", toks(4, 1), pages(1)).path
+    back_up(tree, synced, pages(1, 25))  # host copy, but still on the device
+    [pinned] = tree.insert("", toks(4, 101), pages(1, 1)).path
+    to_host_only(tree, pinned, pages(1, 26))
     tree.pin_host(pinned, +1)
-    [locked] = tree.insert("", toks(4, 201), slots(4, 8)).path
-    to_host_only(tree, locked, slots(4, 108))
+    [locked] = tree.insert("", toks(4, 201), pages(1, 2)).path
+    to_host_only(tree, locked, pages(1, 27))
     tree.lock(locked, +1)
-    [inner] = tree.insert("", toks(4, 301), slots(4, 12)).path
-    _, leaf = tree.insert("", cat(toks(4, 301), toks(4, 401)), cat(slots(4, 12), slots(4, 16))).path
-    back_up(tree, inner, slots(4, 112))  # backups parent first, evictions child first
-    to_host_only(tree, leaf, slots(4, 116))
+    [inner] = tree.insert("", toks(4, 301), pages(1, 3)).path
+    _, leaf = tree.insert("", cat(toks(4, 301), toks(4, 401)), cat(pages(1, 3), pages(1, 4))).path
+    back_up(tree, inner, pages(1, 28))  # backups parent first, evictions child first
+    to_host_only(tree, leaf, pages(1, 29))
     tree.evict_to_host(inner)
 
     assert tree.pop_host_victim() is leaf  # the only host-only leaf with no pin and no lock
@@ -519,9 +546,9 @@ def test_host_eviction_skips_device_resident_pinned_locked_and_inner_nodes(tree:
 
 
 def test_a_host_only_node_is_not_a_device_victim_and_a_device_node_is_not_a_host_victim(tree: Any) -> None:
-    [dev] = tree.insert("", toks(4, 1), slots(4)).path
-    [host] = tree.insert("", toks(4, 101), slots(4, 4)).path
-    to_host_only(tree, host, slots(4, 100))
+    [dev] = tree.insert("", toks(4, 1), pages(1)).path
+    [host] = tree.insert("", toks(4, 101), pages(1, 1)).path
+    to_host_only(tree, host, pages(1, 25))
     assert tree.pop_device_victim() is dev
     assert tree.pop_host_victim() is host
     assert tree.pop_device_victim() is None and tree.pop_host_victim() is None
@@ -531,21 +558,21 @@ def test_a_host_only_node_is_not_a_device_victim_and_a_device_node_is_not_a_host
 
 
 def test_every_legal_lifecycle_move_keeps_the_counters_exact(tree: Any) -> None:
-    [node] = tree.insert("", toks(8), slots(8)).path
+    [node] = tree.insert("", toks(8), pages(2)).path
     tree.set_state(node, S.WRITING)  # DEVICE -> WRITING
     tree.set_state(node, S.DEVICE)  # WRITING -> DEVICE (failed write)
-    back_up(tree, node, slots(8, 100))  # DEVICE -> WRITING -> SYNCED
+    back_up(tree, node, pages(2, 25))  # DEVICE -> WRITING -> SYNCED
     assert (tree.device_tokens, tree.host_tokens) == (8, 8)
     tree.evict_to_host(node)  # SYNCED -> HOST_ONLY
     assert (tree.device_tokens, tree.evictable_tokens) == (0, 0)
-    tree.start_load(node, slots(8, 16))  # HOST_ONLY -> LOADING
+    tree.start_load(node, pages(2, 4))  # HOST_ONLY -> LOADING
     assert (tree.device_tokens, tree.evictable_tokens) == (8, 8)
     tree.fail_load(node)  # LOADING -> HOST_ONLY
     assert node.device is None and tree.device_tokens == 0
-    tree.start_load(node, slots(8, 16))
+    tree.start_load(node, pages(2, 4))
     tree.set_state(node, S.SYNCED)  # LOADING -> SYNCED
     tree.evict_to_host(node)
-    tree.insert("", toks(8), slots(8, 24))  # HOST_ONLY -> SYNCED (revival)
+    tree.insert("", toks(8), pages(2, 6))  # HOST_ONLY -> SYNCED (revival)
     assert node.state is S.SYNCED
     seen = {(S.DEVICE, S.WRITING), (S.WRITING, S.DEVICE), (S.WRITING, S.SYNCED), (S.SYNCED, S.HOST_ONLY),
             (S.HOST_ONLY, S.LOADING), (S.LOADING, S.HOST_ONLY), (S.LOADING, S.SYNCED), (S.HOST_ONLY, S.SYNCED)}
@@ -553,20 +580,20 @@ def test_every_legal_lifecycle_move_keeps_the_counters_exact(tree: Any) -> None:
 
 
 def _node_in(tree: Any, state: NodeState) -> Node:
-    [node] = tree.insert("", toks(8), slots(8)).path
+    [node] = tree.insert("", toks(8), pages(2)).path
     if state is S.DEVICE:
         return node
     tree.set_state(node, S.WRITING)
     if state is S.WRITING:
         return node
-    tree.set_host(node, slots(8, 100))
+    tree.set_host(node, pages(2, 25))
     tree.set_state(node, S.SYNCED)
     if state is S.SYNCED:
         return node
     tree.evict_to_host(node)
     if state is S.HOST_ONLY:
         return node
-    tree.start_load(node, slots(8, 16))
+    tree.start_load(node, pages(2, 4))
     return node
 
 
@@ -590,7 +617,7 @@ def test_an_illegal_lifecycle_move_is_refused_naming_both_states_and_changes_not
 
 
 def test_dropping_the_device_copy_of_a_node_that_is_not_backed_up_is_refused(tree: Any) -> None:
-    [node] = tree.insert("", toks(8), slots(8)).path
+    [node] = tree.insert("", toks(8), pages(2)).path
     with pytest.raises(NodeStateError, match="illegal node transition device -> host_only"):
         tree.evict_to_host(node)
     assert node.device is not None and tree.device_tokens == 8

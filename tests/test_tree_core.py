@@ -6,7 +6,9 @@ until the test completes or fails it (copying the KV bytes with `copy_kv`), and
 the facade's replies are collected. It also plays the scheduler: admit, allocate
 and commit (writing fingerprint KV), finish. After every message and every verb,
 all three cores check their invariants, and the tree's mirror of free host slots
-must equal the host pool's.
+must equal the host pool's. Messages name device and host memory by page numbers,
+as the product does; the Player turns pages into slots only where KV is read or
+written (the copies and the fingerprint oracle).
 
 The seed 003 test (`test_write_ack_unlocks_node_during_pure_decode`) runs at the
 end on the real actors through the `HiCache` facade, on both runtimes.
@@ -17,7 +19,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import pytest
@@ -63,7 +65,7 @@ from hicache.messages import (
 from hicache.runtime import Config, HiCache, Request, WritePolicy
 from hicache.runtime.oracle import FingerprintOracle
 
-from conftest import make_runtime
+from conftest import make_runtime, pages_to_slots
 
 M = TypeVar("M", bound=Message)
 S = NodeState
@@ -82,12 +84,25 @@ class Req:
     namespace: str
     tokens: list[int]
     """Committed tokens (the cached prefix first)."""
-    slots: torch.Tensor
-    """Device slot of every committed or allocated position."""
+    pages: list[int]
+    """Device page of every page of positions with a slot (the cached prefix's first; the last
+    page may be partly allocated)."""
+    allocated: int
+    """Positions with a slot: the cached prefix, then what the request allocated."""
     handle: int
     device_hit: int = 0
     host_hit: int = 0
     host_miss: int = 0
+
+    @property
+    def slots(self) -> torch.Tensor:
+        """Device slot of every position with one: what the engine writes KV into."""
+        return pages_to_slots(self.pages, P)[: self.allocated]
+
+    def device(self) -> Indices:
+        """The pages of the committed tokens (the last maybe partly committed), as a
+        `FinishItem` or `CacheItem` names them."""
+        return Indices.of(self.pages[: -(-len(self.tokens) // P)])
 
 
 class Player:
@@ -95,6 +110,7 @@ class Player:
 
     def __init__(self, config: Config, *, refuse_host: bool = False) -> None:
         ids = itertools.count(1)
+        assert config.page_size == P
         self.config = config
         self.tree = TreeCore(config, lambda: next(ids))
         self.device = DeviceCore(config)
@@ -134,11 +150,11 @@ class Player:
         match m:
             case AllocateLoadSlots(op_id=op, tokens=n):
                 assert to is ActorName.DEVICE
-                got = device.allocate_load(n)
+                got = device.allocate_load_pages(n)
                 if isinstance(got, Insufficient):
                     tree.on_load_slots(op, None, got.shortfall_slots)
                 else:
-                    tree.on_load_slots(op, Indices.from_tensor(got), 0)
+                    tree.on_load_slots(op, got, 0)
             case ReleaseRequests(op_id=op, releases=rs):
                 views = device.release_many([(r.request_id, r.adopt.as_tensor(), r.reason) for r in rs])
                 tree.on_released(op, tuple(
@@ -148,17 +164,17 @@ class Player:
             case SwapRequestPages(op_id=op, request_id=rid, adopt=adopt, free=free):
                 device.swap(rid, adopt.as_tensor(), free.as_tensor())
                 tree.on_swapped(op)
-            case AdoptLoadedSlots(indices=idx):
-                device.adopt_loaded(idx.as_tensor())
-            case FreeDeviceSlots(indices=idx):
-                device.free_tree(idx.as_tensor())
+            case AdoptLoadedSlots(pages=pages):
+                device.adopt_loaded(pages.as_tensor())
+            case FreeDeviceSlots(pages=pages):
+                device.free_tree(pages.as_tensor())
             case AllocateHost(op_id=op, tokens=n):
                 assert to is ActorName.HOST
-                tree.on_host_allocated(op, None if self.refuse_host else host.allocate_indices(n))
-            case SetHostState(indices=idx, state=state):
-                host.transition(idx.as_tensor(), state)
-            case FreeHostSlots(indices=idx):
-                host.free(idx.as_tensor())
+                tree.on_host_allocated(op, None if self.refuse_host else host.allocate_pages(n))
+            case SetHostState(pages=pages, state=state):
+                host.transition(pages.as_tensor(), state)
+            case FreeHostSlots(pages=pages):
+                host.free(pages.as_tensor())
             case WriteKV(op_id=op):
                 assert to is ActorName.WRITE
                 self.writes[op] = m
@@ -179,7 +195,7 @@ class Player:
         if fail:
             self.tree.on_write_failed(op)
         else:
-            copy_kv(self.device.kv, w.device.as_tensor(), self.host.kv, w.host.as_tensor())
+            copy_kv(self.device.kv, pages_to_slots(w.device, P), self.host.kv, pages_to_slots(w.host, P))
             self.tree.on_write_done(op)
         self.pump()
 
@@ -189,7 +205,7 @@ class Player:
             if fail:
                 self.tree.on_load_failed(op)
             else:
-                copy_kv(self.host.kv, load.host.as_tensor(), self.device.kv, load.device.as_tensor())
+                copy_kv(self.host.kv, pages_to_slots(load.host, P), self.device.kv, pages_to_slots(load.device, P))
                 self.tree.on_load_done(op)
             self.pump()
 
@@ -213,19 +229,21 @@ class Player:
         out = []
         for r, a in zip(requests, self._reply(op, Admitted).admissions, strict=True):
             cached = a.device_hit + a.host_hit
-            assert len(a.device) == cached
-            out.append(Req(a.request_id, items[len(out)].namespace, list(r[1])[:cached], a.device.as_tensor(),
-                           a.handle, a.device_hit, a.host_hit, a.host_miss))
+            assert len(a.device) * P == cached  # the cached prefix is whole pages
+            out.append(Req(a.request_id, items[len(out)].namespace, list(r[1])[:cached], a.device.tolist(),
+                           cached, a.handle, a.device_hit, a.host_hit, a.host_miss))
         return out
 
     def extend(self, req: Req, new: Sequence[int], *, extra: int = 0) -> None:
         """Allocate for `new` tokens (and `extra` more), write their KV, commit them."""
-        spare = len(req.slots) - len(req.tokens)
+        spare = req.allocated - len(req.tokens)
         need = max(0, len(new) + extra - spare)
         if need:
-            got = self.device.allocate([(req.rid, need)])
+            got = self.device.allocate_pages([(req.rid, need)])
             assert not isinstance(got, Insufficient), got
-            req.slots = torch.cat([req.slots, got[req.rid]])
+            req.pages = req.pages + got[req.rid].tolist()
+            req.allocated += need
+            assert len(req.pages) == -(-req.allocated // P), "new pages only once the last one is full"
         at = len(req.tokens)
         req.tokens = req.tokens + list(new)
         self.oracle.write(self.device.kv, req.tokens, req.slots[at : at + len(new)], start=at)
@@ -247,22 +265,22 @@ class Player:
 
     @staticmethod
     def _finish_item(r: Req, reason: ReleaseReason) -> FinishItem:
-        return FinishItem(request_id=r.rid, handle=r.handle, tokens=Tokens.of(r.tokens),
-                          device=Indices.from_tensor(r.slots[: len(r.tokens)]), reason=reason)
+        return FinishItem(request_id=r.rid, handle=r.handle, tokens=Tokens.of(r.tokens), device=r.device(),
+                          reason=reason)
 
     def cache(self, *reqs: Req) -> tuple[str, ...]:
         """Cache the requests' committed prefixes; returns the ids the tree refused (then nothing changed)."""
         op = next(self._ops)
-        items = [CacheItem(request_id=r.rid, handle=r.handle, tokens=Tokens.of(r.tokens),
-                           device=Indices.from_tensor(r.slots[: len(r.tokens)])) for r in reqs]
+        items = [CacheItem(request_id=r.rid, handle=r.handle, tokens=Tokens.of(r.tokens), device=r.device())
+                 for r in reqs]
         self.tree.cache_unfinished(op, items)
         self.pump()
         reply = self._reply(op, Cached)
         if reply.refused:
             return reply.refused
         for r, prefix in zip(reqs, reply.prefixes, strict=True):
-            tree_slots = prefix.device.as_tensor()
-            r.slots = torch.cat([tree_slots, r.slots[len(tree_slots):]])
+            tree_pages = prefix.device.tolist()
+            r.pages = tree_pages + r.pages[len(tree_pages):]
             r.handle = prefix.handle
         return ()
 
@@ -305,7 +323,7 @@ class Player:
         """The host copy of `tokens[start:]` (one node) holds their KV."""
         node = self.node(tokens)
         assert node.tokens == len(tokens) - start
-        self.oracle.verify(self.host.kv, tokens, node.host.as_tensor(), start=start)
+        self.oracle.verify(self.host.kv, tokens, pages_to_slots(node.host, P), start=start)
 
     def assert_idle(self) -> None:
         """Nothing live: no lock, nothing protected, every device slot free or the tree's."""
@@ -371,7 +389,7 @@ def test_write_back_backs_up_only_at_eviction_before_the_device_slots_go(play: C
     p.finish(p.run("b", seq(8, 1)))  # a second hit changes nothing under write_back
     assert p.sent_since(0, AllocateHost) == []
     node = p.node(seq(8, 1))
-    slots = node.device
+    pages = node.device
 
     mark = len(p.sent)
     op = p.start_evict_device(8)
@@ -385,7 +403,7 @@ def test_write_back_backs_up_only_at_eviction_before_the_device_slots_go(play: C
     p.complete_writes()
     assert p.evicted(op) == 8  # answered once the slots are free
     [freed] = p.sent_since(mark, FreeDeviceSlots)
-    assert freed.indices.tolist() == slots.tolist()
+    assert freed.pages.tolist() == pages.tolist()
     assert node.state is S.HOST_ONLY
     p.verify_host(seq(8, 1))
     assert p.tree.statistics().evicted_device_tokens == 8
@@ -403,7 +421,7 @@ def test_write_back_evicts_only_as_much_as_was_asked_for(play: Callable[..., Pla
     assert [m.tokens for m in p.sent_since(mark, AllocateHost)] == [8]  # one write-back covers the 8 asked for
     p.complete_writes()
     assert p.evicted(op) == 8
-    assert sum(len(m.indices) for m in p.sent_since(mark, FreeDeviceSlots)) == 8
+    assert sum(len(m.pages) for m in p.sent_since(mark, FreeDeviceSlots)) * P == 8
     assert [p.node(t).state for t in prompts] == [S.HOST_ONLY, S.DEVICE, S.DEVICE]  # least recently used first
     p.assert_idle()
 
@@ -473,10 +491,10 @@ def test_device_eviction_turns_backed_up_nodes_host_only_and_deletes_the_others(
     mark = len(p.sent)
     assert p.evict_device(16) == 16
     assert p.node(backed).state is S.HOST_ONLY
-    assert tuple(plain[:P]) not in p.tree.tree.root("").children
-    assert sorted(len(m.indices) for m in p.sent_since(mark, FreeDeviceSlots)) == [16]
+    assert Tokens.of(plain[:P]).to_bytes() not in p.tree.tree.root("").children
+    assert sorted(len(m.pages) for m in p.sent_since(mark, FreeDeviceSlots)) == [16 // P]
     [moved] = [m for m in p.sent_since(mark, SetHostState) if m.state is HostSlotState.HOST_ONLY]
-    assert len(moved.indices) == 8
+    assert moved.pages == p.node(backed).host
     stats = p.tree.statistics()
     assert (stats.device_tokens, stats.host_tokens, stats.evicted_device_tokens) == (0, 8, 16)
     assert p.device.counts()[PageOwner.FREE] == p.device.capacity_slots
@@ -506,7 +524,7 @@ def test_host_eviction_frees_host_only_leaves_through_the_host_pool(play: Callab
     mark = len(p.sent)
     assert p.evict_host(8) == 8
     [freed] = p.sent_since(mark, FreeHostSlots)
-    assert freed.indices.tolist() == host.tolist()
+    assert freed.pages.tolist() == host.tolist()
     assert p.tree.tree.nodes == 0
     assert p.host.free_slots == p.host.capacity_slots == p.tree.host_free
     p.assert_idle()
@@ -524,8 +542,8 @@ def test_a_backup_evicts_host_only_leaves_first_when_the_mirror_says_the_host_is
     p.finish(p.run("z", z))
     sent = [m for _, m in p.sent[mark:] if isinstance(m, FreeHostSlots | AllocateHost)]
     assert [type(m).__name__ for m in sent] == ["FreeHostSlots", "AllocateHost"]  # evict, then reserve
-    assert sent[0].indices.tolist() == x_host
-    assert tuple(x[:P]) not in p.tree.tree.root("").children  # the least recently used host-only leaf
+    assert sent[0].pages.tolist() == x_host
+    assert Tokens.of(x[:P]).to_bytes() not in p.tree.tree.root("").children  # the least recently used host-only leaf
     assert p.node(y).state is S.HOST_ONLY
     p.complete_writes()
     stats = p.tree.statistics()
@@ -588,7 +606,7 @@ def test_a_host_hit_is_loaded_back_and_reads_the_computed_kv(play: Callable[...,
     mark = len(p.sent)
     p.complete_loads()
     assert node.state is S.SYNCED
-    assert p.sent_since(mark, AdoptLoadedSlots)[0].indices.tolist() == a.slots.tolist()
+    assert p.sent_since(mark, AdoptLoadedSlots)[0].pages.tolist() == a.pages
     p.oracle.verify(p.device.kv, a.tokens, a.slots)
     p.extend(a, [7, 7])
     p.finish(a)
@@ -638,7 +656,7 @@ def test_two_requests_of_one_batch_share_a_load_even_when_the_second_splits_the_
     a, b = p.admit(("a", x + y + [9]), ("b", x + z))
     assert (a.device_hit + a.host_hit, b.device_hit + b.host_hit) == (16, 8)
     assert (a.host_hit, b.host_hit) == (16, 8)  # both wait for the load of this batch
-    assert b.slots.tolist() == a.slots[:8].tolist()
+    assert b.pages == a.pages[: 8 // P]
     assert [m.tokens for m in p.sent_since(0, AllocateLoadSlots)] == [16]
     p.complete_loads()
     p.oracle.verify(p.device.kv, a.tokens, a.slots)
@@ -679,7 +697,7 @@ def test_a_short_device_gives_up_the_loads_after_one_retry(play: Callable[..., P
     [a] = p.admit(("a", x + [5]))
     assert [m.tokens for m in p.sent_since(mark, AllocateLoadSlots)] == [8, 8]
     assert (a.device_hit, a.host_hit, a.host_miss) == (0, 0, 8)
-    assert len(a.slots) == 0 and p.loads == {}
+    assert (a.pages, a.allocated) == ([], 0) and p.loads == {}
     node = p.node(x)
     assert node.state is S.HOST_ONLY and node.lock_ref == 0
     p.finish(r)
@@ -696,7 +714,7 @@ def test_a_given_up_load_also_trims_a_request_that_shared_it(play: Callable[...,
     p.extend(r, [], extra=32)
     a, b = p.admit(("a", x), ("b", x + [3]))
     for req in (a, b):
-        assert (req.device_hit, req.host_hit, req.host_miss, len(req.slots)) == (0, 0, 8, 0)
+        assert (req.device_hit, req.host_hit, req.host_miss, len(req.pages)) == (0, 0, 8, 0)
     assert p.node(x).lock_ref == 0
     p.finish(a, b, r, reason=ReleaseReason.ABORTED)
     p.assert_idle()
@@ -705,7 +723,7 @@ def test_a_given_up_load_also_trims_a_request_that_shared_it(play: Callable[...,
 # == failures ======================================================================================
 
 
-def test_a_failed_write_is_never_marked_done_and_the_tree_frees_its_host_slots(play: Callable[..., Player]) -> None:
+def test_a_failed_write_is_never_marked_done_and_the_tree_frees_its_host_pages(play: Callable[..., Player]) -> None:
     p = play()
     p.finish(p.run("a", seq(8, 1)))
     node = p.node(seq(8, 1))
@@ -713,7 +731,7 @@ def test_a_failed_write_is_never_marked_done_and_the_tree_frees_its_host_slots(p
     mark = len(p.sent)
     p.complete_writes(fail=True)
     [freed] = p.sent_since(mark, FreeHostSlots)
-    assert freed.indices == host
+    assert freed.pages == host
     assert [m.state for m in p.sent_since(mark, SetHostState)] == [HostSlotState.RESERVED]
     assert node.state is S.DEVICE and node.host is None and node.lock_ref == 0
     stats = p.tree.statistics()
@@ -743,7 +761,7 @@ def test_a_failed_load_is_never_marked_done_and_the_request_can_leave(play: Call
     mark = len(p.sent)
     p.complete_loads(fail=True)
     [freed] = p.sent_since(mark, FreeDeviceSlots)
-    assert freed.indices.tolist() == a.slots.tolist()
+    assert freed.pages.tolist() == a.pages
     assert p.sent_since(mark, AdoptLoadedSlots) == []
     assert [m.state for m in p.sent_since(mark, SetHostState)] == [HostSlotState.HOST_ONLY]
     assert node.state is S.HOST_ONLY and node.host is not None
@@ -794,7 +812,7 @@ def test_caching_a_chunk_over_a_failed_load_is_refused_and_changes_nothing(play:
 def test_an_unknown_handle_is_a_handle_error_and_changes_nothing(play: Callable[..., Player]) -> None:
     p = play()
     a = p.run("a", seq(8, 1))
-    ghost = Req("a", "", a.tokens, a.slots, handle=999)
+    ghost = replace(a, handle=999)
     with pytest.raises(HandleError, match="lock handle 999 of request 'a' is unknown or already released"):
         p.finish(ghost)
     p.check()
@@ -812,7 +830,7 @@ def test_another_requests_handle_is_a_handle_error_and_the_whole_batch_is_refuse
     p = play()
     a = p.run("a", seq(8, 1))
     b = p.run("b", seq(8, 1))
-    stolen = Req("b", "", b.tokens, b.slots, handle=a.handle)
+    stolen = replace(b, handle=a.handle)
     with pytest.raises(HandleError, match=f"lock handle {a.handle} belongs to request 'a', not 'b'"):
         p.finish(a, stolen)
     p.check()
@@ -828,10 +846,29 @@ def test_finishing_with_fewer_tokens_than_admitted_is_refused(play: Callable[...
     p = play()
     p.finish(p.run("a", seq(8, 1)))
     [b] = p.admit(("b", seq(8, 1)))
-    short = Req("b", "", b.tokens[:4], b.slots[:4], b.handle)
+    short = replace(b, tokens=b.tokens[:4], pages=b.pages[:1], allocated=4)
     with pytest.raises(ValueError, match="request 'b': 4 committed page-aligned tokens, fewer than the 8"):
         p.finish(short)
     p.finish(b)
+    p.complete_writes()
+    p.assert_idle()
+
+
+def test_an_item_whose_pages_do_not_cover_its_tokens_is_refused_and_changes_nothing(
+    play: Callable[..., Player],
+) -> None:
+    p = play()
+    a = p.run("a", seq(10, 1))  # 10 committed tokens: 3 pages, the last partly committed
+    slots = FinishItem(request_id="a", handle=a.handle, tokens=Tokens.of(a.tokens),
+                       device=Indices.from_tensor(a.slots), reason=ReleaseReason.FINISHED)  # one per token
+    with pytest.raises(ValueError, match="request 'a': 10 tokens need 3 pages of 4, got 10"):
+        p.tree.finish(next(p._ops), [slots])
+    p.check()
+    with pytest.raises(ValueError, match="request 'a': 10 tokens need 3 pages of 4, got 2"):
+        p.cache(replace(a, pages=a.pages[:2]))
+    p.check()
+    assert p.tree.statistics().live_handles == 1 and p.tree.tree.nodes == 0 and p.tree.outbox == []
+    p.finish(a)
     p.complete_writes()
     p.assert_idle()
 
@@ -843,38 +880,39 @@ def test_finish_adopts_new_pages_and_frees_duplicates_tail_and_over_allocation(p
     p = play(write_policy=WritePolicy.WRITE_BACK)
     a, c = p.admit(("a", seq(8, 1)), ("c", seq(8, 1) + seq(6, 30)))  # both compute the same prefix
     p.extend(a, seq(8, 1))
-    p.extend(c, seq(8, 1) + seq(6, 30), extra=7)  # 6 new tokens, then 7 slots never used
+    p.extend(c, seq(8, 1) + seq(6, 30), extra=7)  # 6 new tokens, then 7 slots never used (6 pages in all)
     p.finish(a)
     mark = len(p.sent)
     [entry] = p.finish(c)
     assert (entry.allocated, entry.committed, entry.freed) == (21, 14, 21)
     [release] = p.sent_since(mark, ReleaseRequests)
-    assert release.releases[0].adopt.tolist() == c.slots[8:12].tolist()  # only its one new whole page
+    assert release.releases[0].adopt.tolist() == c.pages[2:3]  # only its one new whole page
     node = p.node(seq(8, 1) + seq(4, 30))
-    assert node.device.tolist() == c.slots[8:12].tolist()
-    assert p.node(seq(8, 1)).device.tolist() == a.slots.tolist()  # a's copy stays, c's duplicate is freed
+    assert node.device.tolist() == c.pages[2:3]
+    assert p.node(seq(8, 1)).device.tolist() == a.pages  # a's copy stays, c's duplicate is freed
     assert p.device.counts()[PageOwner.TREE] == 12
     assert p.device.ledger("c").freed == p.device.ledger("c").allocated
     p.assert_idle()
 
 
-def test_cache_unfinished_swaps_to_the_trees_slots_and_frees_duplicates(play: Callable[..., Player]) -> None:
+def test_cache_unfinished_swaps_to_the_trees_pages_and_frees_duplicates(play: Callable[..., Player]) -> None:
     p = play(write_policy=WritePolicy.WRITE_BACK)
     prompt = seq(14, 1)
     a, b = p.admit(("a", prompt), ("b", prompt))
     p.extend(a, prompt[:6])
     p.extend(b, prompt[:6])
     old_a, old_b = a.handle, b.handle
+    a_page, b_page = a.pages[0], b.pages[0]
     mark = len(p.sent)
     p.cache(a)
     p.cache(b)
     assert a.handle != old_a and b.handle != old_b
     swaps = p.sent_since(mark, SwapRequestPages)
-    assert [(len(s.adopt), len(s.free)) for s in swaps] == [(4, 0), (0, 4)]
-    assert b.slots[:4].tolist() == a.slots[:4].tolist()  # both read the tree's page now
+    assert [(s.adopt.tolist(), s.free.tolist()) for s in swaps] == [([a_page], []), ([], [b_page])]
+    assert b.pages[0] == a.pages[0] == a_page  # both read the tree's page now
     assert p.device.ledger("b").freed == 4
     with pytest.raises(HandleError, match=f"lock handle {old_a} of request 'a' is unknown"):
-        p.finish(Req("a", "", a.tokens, a.slots, old_a))
+        p.finish(replace(a, handle=old_a))
     p.extend(a, prompt[6:])
     p.extend(b, prompt[6:])
     p.oracle.verify(p.device.kv, prompt, a.slots)
