@@ -155,7 +155,7 @@ class HostInsert:
     new: list[Node]
     """Host-only nodes created for them (their pages are the tree's now)."""
     unused: list[Indices]
-    """Slots not taken: pages the tree already held, and pages past a node that is not backed up."""
+    """Pages not taken: those the tree already held, and those past a node that is not backed up."""
 
 
 @dataclass(slots=True)

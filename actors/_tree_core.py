@@ -181,13 +181,13 @@ class _Prefetch:
     started: float
     timeout: float
     host: Indices | None = None
-    """The reserved slots once the host pool granted them."""
+    """The reserved pages once the host pool granted them."""
     host_reply: bool = False
-    """The host pool answered the reservation (with slots or refused)."""
+    """The host pool answered the reservation (with pages or refused)."""
     hit: int = -1
     """Agreed leading pages storage holds (-1: not agreed yet)."""
     read: int = 0
-    """Pages the prefetcher was told to read (their slots are PREFETCHING)."""
+    """Pages the prefetcher was told to read (they are PREFETCHING)."""
     local_pages: int = 0
     local_finished: bool = False
     stopping: bool = False
@@ -727,7 +727,7 @@ class TreeCore:
         self._emit(FACADE, PrefetchesStopped(op_id=t.facade_op, pages=pages))
 
     def settle_prefetches(self, op_id: int, request_ids: Sequence[str], pages: Sequence[int]) -> None:
-        """The one place a prefetch's slots are kept or freed, after the ranks agreed on `pages`."""
+        """The one place a prefetch's pages are kept or freed, after the ranks agreed on `pages`."""
         out = []
         for rid, agreed in zip(request_ids, pages, strict=True):
             op = self._prefetch_of.get(rid)
@@ -736,7 +736,7 @@ class TreeCore:
                 continue
             pf = self._prefetches[op]
             if pf.stopped < 0:
-                raise InvariantError(f"prefetch {op} of {rid!r} settled before its prefetcher stopped (seed 000)")
+                raise InvariantError(f"prefetch {op} of {rid!r} settled before its prefetcher stopped (SGLang #9302: a prefetch's pages are settled once, after the prefetcher stopped)")
             del self._prefetch_of[rid], self._prefetches[op]
             out.append(self._settle(pf, min(agreed, pf.read)))
         self._emit(FACADE, PrefetchesSettled(op_id=op_id, tokens=tuple(out)))

@@ -42,7 +42,7 @@ def cat(*parts: Indices) -> Indices:
 @pytest.fixture
 def make_tree(checked: Callable[[Any], Any]) -> Callable[..., Any]:
     """`make_tree(policy=LRU)`: a RadixTree with pages of 4 tokens, checked after every call."""
-    return lambda policy=EvictionPolicy.LRU: checked(RadixTree(P, policy))
+    return lambda policy=EvictionPolicy.LRU: checked(RadixTree(P, policy, index_tokens=P))
 
 
 @pytest.fixture
@@ -137,13 +137,27 @@ def test_the_differing_pages_are_the_same_whether_compared_as_ints_or_vectorised
 
 
 def test_insert_refuses_partial_pages_and_a_page_count_that_differs(tree: Any) -> None:
-    with pytest.raises(ValueError, match="whole pages with one device page each, got 6 tokens, 2 pages of 4"):
+    with pytest.raises(ValueError, match="whole pages and an index per 4 tokens, got 6 tokens, 2 indices"):
         tree.insert("", toks(6), pages(2))
-    with pytest.raises(ValueError, match="got 8 tokens, 1 pages of 4"):
+    with pytest.raises(ValueError, match="got 8 tokens, 1 indices"):
         tree.insert("", toks(8), pages(1))
-    with pytest.raises(ValueError, match="got 8 tokens, 8 pages of 4"):  # one per token, as slots were
+    with pytest.raises(ValueError, match="got 8 tokens, 8 indices"):  # one per token, as slots are
         tree.insert("", toks(8), pages(8))
     assert tree.nodes == 0
+
+
+def test_a_tree_of_slots_takes_one_index_per_token_and_splits_them_per_token() -> None:
+    """The default tree holds slots (one index per token), as SGLang's radix cache does."""
+    tree = RadixTree(P, EvictionPolicy.LRU)
+    [node] = tree.insert("", toks(8), Indices.from_range(100, 8)).path
+    assert node.device.tolist() == list(range(100, 108))  # type: ignore[union-attr]
+    path = tree.match("", toks(4))
+    assert path[0].device.tolist() == [100, 101, 102, 103] and node.device.tolist() == [104, 105, 106, 107]  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="an index per 1 tokens, got 8 tokens, 2 indices"):
+        tree.insert("", toks(8, start=50), pages(2))
+    with pytest.raises(ValueError, match="index_tokens must be 1 \\(slots\\) or page_size=4 \\(pages\\), got 2"):
+        RadixTree(P, EvictionPolicy.LRU, index_tokens=2)
+    tree.check_invariants()
 
 
 def test_insert_counts_a_hit_on_every_node_it_passes(tree: Any) -> None:
@@ -251,7 +265,7 @@ def test_split_and_insert_keep_exactly_their_part_of_a_larger_buffer(tree: Any) 
 
 
 def test_a_node_holding_pages_that_are_not_indices_is_caught_by_the_invariant_check() -> None:
-    tree = RadixTree(P, EvictionPolicy.LRU)
+    tree = RadixTree(P, EvictionPolicy.LRU, index_tokens=P)
     [node] = tree.insert("", toks(8), pages(2)).path
     node.device = torch.arange(2, dtype=torch.int64)  # type: ignore[assignment]
     with pytest.raises(InvariantError, match="device pages are a Tensor, not Indices"):
@@ -490,7 +504,7 @@ def test_insert_host_takes_one_host_page_per_page_and_leaves_those_the_tree_hold
     assert new.host.tolist() == [42, 43]  # type: ignore[union-attr]
     assert [u.tolist() for u in out.unused] == [[40, 41]]  # the pages of the tokens the tree held
     assert tree.host_tokens == 16
-    with pytest.raises(ValueError, match="one host page each, got 8 tokens, 8 pages of 4"):
+    with pytest.raises(ValueError, match="an index per 4 tokens, got 8 tokens, 8 indices"):
         tree.insert_host(tree.root(""), toks(8), pages(8, 100))
 
 
