@@ -127,12 +127,13 @@ class Interrupts:
         if not self._main:
             return
         _GATE.depth -= 1
-        if _GATE.hit and exc_type is None and not _GATE.depth:
+        if _GATE.hit and not _GATE.depth:
             try:
                 _GATE.deliver()
             except BaseException:
-                for fn in undo:  # the caller never sees this call's result: take its effects back
-                    fn()
+                if exc_type is None:  # the caller never sees this call's result: take its effects back
+                    for fn in undo:
+                        fn()
                 raise
 
     def on_interrupt(self, fn: Callable[[], None]) -> None:

@@ -1,0 +1,348 @@
+"""Misuse of the facade as a new user commits it: malformed arguments, a call from a second
+thread, a call cut short, start after close. Each is one clear error (or, for a call cut
+short, a late reply undone or adopted), nothing reaches an actor malformed, and the next
+call works with nothing leaked.
+"""
+
+from __future__ import annotations
+
+import _thread
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hicache.messages import ActorName
+from hicache.runtime import (
+    CacheHandle,
+    CacheStateError,
+    Config,
+    DeterministicRuntime,
+    HiCache,
+    Request,
+    RequestError,
+    ThreadedRuntime,
+)
+
+from conftest import make_runtime
+
+
+def seq(n: int, start: int = 1) -> list[int]:
+    return list(range(start, start + n))
+
+
+@pytest.fixture
+def cache(runtime_kind: str, make_config: Callable[..., Config]) -> Iterator[HiCache]:
+    with HiCache(make_config(), runtime=make_runtime(runtime_kind)) as hc:
+        yield hc
+        hc.check_invariants()
+
+
+def _quiet(hc: HiCache) -> None:
+    """Nothing live, nothing locked: every device slot is free or the tree's."""
+    hc.quiesce()
+    hc.check_invariants()
+    s = hc.statistics()
+    assert s.tree.live_handles == 0 and s.tree.protected_tokens == 0
+    assert s.device.request_slots == 0 and s.device.live_requests == 0
+
+
+# -- malformed arguments ------------------------------------------------------------------------
+
+BAD_REQUESTS = [
+    (Request("a", seq(8), namespace=None), r"namespace must be a str"),  # type: ignore[arg-type]
+    (Request("a", seq(8), namespace=b"x"), r"namespace must be a str"),  # type: ignore[arg-type]
+    (Request("a", seq(8), namespace=123), r"namespace must be a str"),  # type: ignore[arg-type]
+    (Request(None, seq(8)), r"request_id must be a non-empty str"),  # type: ignore[arg-type]
+    (Request("", seq(8)), r"request_id must be a non-empty str"),
+    (Request("a", [1, 2, 10.7]), r"must be int token ids, got 10\.7 \(float\)"),
+    (Request("a", [1, True, 3]), r"must be int token ids, got True \(bool\)"),
+    (Request("a", [1, "x"]), r"must be int token ids, got 'x' \(str\)"),
+    (Request("a", [1, None]), r"must be int token ids, got None \(NoneType\)"),
+    (Request("a", [1, 2**63]), r"token ids must be ints in 0\.\.9223372036854775807"),
+    (Request("a", [1, -5]), r"token ids must be in 0\.\.9223372036854775807, got -5"),
+    (Request("a", torch.tensor([1.5, 2.0])), r"integer token ids, got a torch\.float32 tensor"),
+    (Request("a", torch.tensor([True, False])), r"integer token ids, got a torch\.bool tensor"),
+    (Request("a", torch.tensor([[1, 2]])), r"one sequence of token ids, got a tensor of shape \(1, 2\)"),
+    (Request("a", torch.tensor([3, -1])), r"token ids must be in 0\.\.\d+, got -1"),
+    (Request("a", "abc"), r"must be a 1-D integer tensor or a sequence of ints, got str"),  # type: ignore[arg-type]
+    (Request("a", 17), r"must be a 1-D integer tensor or a sequence of ints, got int"),  # type: ignore[arg-type]
+]
+
+
+@pytest.mark.parametrize(("request_", "error"), BAD_REQUESTS, ids=lambda x: repr(x)[:40] if isinstance(x, Request) else "")
+def test_a_malformed_request_is_one_request_error_and_reaches_no_actor(
+    cache: HiCache, request_: Request, error: str
+) -> None:
+    before = cache.statistics().tree
+    with pytest.raises(RequestError, match=error):
+        cache.admit([request_])
+    with pytest.raises(RequestError, match=error):
+        cache.prefetch([request_])
+    assert cache.statistics().tree == before
+    [ok] = cache.admit([Request("a", seq(8))])  # the next call works, under the same id
+    cache.finish([ok.handle])
+    _quiet(cache)
+
+
+@pytest.mark.parametrize(("call", "error"), [
+    (lambda hc: hc.evict_device("x"), r"tokens must be an int, got 'x'"),
+    (lambda hc: hc.evict_device(-1), r"tokens must be in 0\.\.\d+, got -1"),
+    (lambda hc: hc.evict_host(None), r"tokens must be an int, got None"),
+    (lambda hc: hc.evict_host(True), r"tokens must be an int, got True"),
+    (lambda hc: hc.evict_host(10**30), r"tokens must be in 0\.\.\d+, got 10{30}"),
+    (lambda hc: hc.allocate({"live": True}), r"demands\['live'\] must be an int, got True"),
+    (lambda hc: hc.allocate({"live": 10**30}), r"demands\['live'\] must be in 0\.\.\d+, got 10{30}"),
+    (lambda hc: hc.allocate({"live": 2.0}), r"demands\['live'\] must be an int, got 2\.0"),
+    (lambda hc: hc.allocate({7: 1}), r"a request id in demands must be a non-empty str, got 7"),
+    (lambda hc: hc.allocate([("live", 1)]), r"demands must be a mapping of request id to count, got list"),
+    (lambda hc: hc.commit({"live": [1.5]}), r"tokens committed for request 'live' must be int token ids"),
+    (lambda hc: hc.commit([1, 2]), r"commit must map request ids to tokens, got list"),
+    (lambda hc: hc.finish(["live"]), r"expected a CacheHandle from admit\(\) or cache_unfinished\(\), got 'live'"),
+    (lambda hc: hc.finish([CacheHandle(["x"], 1)]), r"request_id must be a non-empty str, got \['x'\]"),  # type: ignore[arg-type]
+    (lambda hc: hc.finish("live"), r"requests must be a list, got str"),
+    (lambda hc: hc.ready(None), r"request_ids must be a list, got NoneType"),
+    (lambda hc: hc.ready([3]), r"request_id must be a non-empty str, got 3"),
+    (lambda hc: hc.admit(None), r"requests must be a list, got NoneType"),
+    (lambda hc: hc.admit([("a", [1])]), r"expected a Request, got \('a', \[1\]\)"),
+    (lambda hc: hc.slots(None), r"request_id must be a non-empty str, got None"),
+])
+def test_a_malformed_argument_is_one_request_error_and_the_cache_keeps_working(
+    cache: HiCache, call: Callable[[HiCache], Any], error: str
+) -> None:
+    [live] = cache.admit([Request("live", seq(8))])
+    before = cache.statistics()
+    with pytest.raises(RequestError, match=error):
+        call(cache)
+    after = cache.statistics()
+    assert (after.tree, after.device, after.host) == (before.tree, before.device, before.host)
+    got = cache.allocate({"live": 4})
+    assert isinstance(got, dict) and len(got["live"]) == 4
+    cache.commit({"live": seq(4, 9)})
+    cache.finish([live.handle])
+    _quiet(cache)
+
+
+def test_with_a_delivery_log_a_huge_count_is_refused_at_the_facade_and_the_log_replays(
+    make_config: Callable[..., Config], tmp_path: Path
+) -> None:
+    from hicache.runtime import read_log, replay_log
+
+    log = tmp_path / "misuse.log"
+    with HiCache(make_config(log_path=str(log))) as hc:
+        [a] = hc.admit([Request("a", seq(8))])
+        with pytest.raises(RequestError, match=r"must be in 0\.\.\d+, got 10{30}"):
+            hc.evict_host(10**30)
+        with pytest.raises(RequestError, match=r"must be in 0\.\.\d+, got 10{30}"):
+            hc.allocate({"a": 10**30})
+        hc.allocate({"a": 4})
+        hc.commit({"a": seq(4, 9)})
+        hc.finish([a.handle])
+        hc.quiesce()
+    assert replay_log(read_log(log)).divergence is None
+
+
+# -- lifecycle and threads -------------------------------------------------------------------
+
+
+def test_calls_before_start_and_after_close_are_one_clear_error(make_config: Callable[..., Config]) -> None:
+    hc = HiCache(make_config())
+    with pytest.raises(CacheStateError, match=r"not running: call start\(\)"):
+        hc.admit([Request("a", seq(8))])
+    hc.start()
+    hc.close()
+    with pytest.raises(CacheStateError, match=r"not running: call start\(\)"):
+        hc.admit([Request("a", seq(8))])
+    with pytest.raises(CacheStateError, match=r"not running"):
+        hc.statistics()
+
+
+def test_start_after_close_starts_a_fresh_cache_and_leaves_no_thread(make_config: Callable[..., Config]) -> None:
+    before = set(threading.enumerate())
+    hc = HiCache(make_config())
+    for round_ in range(3):
+        hc.start()
+        [a] = hc.admit([Request("a", seq(8))])
+        assert a.cached_tokens == 0, "a restart is an empty cache"
+        hc.allocate({"a": 8})
+        hc.commit({"a": seq(8)})
+        hc.finish([a.handle])
+        closed = hc.close()
+        assert closed.drained and (closed.writes_dropped, closed.backups_dropped) == (0, 0)
+    deadline = time.monotonic() + 10
+    while set(threading.enumerate()) - before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not (set(threading.enumerate()) - before), "a thread outlived close()"
+    with pytest.raises(CacheStateError, match="already started"):
+        hc.start()
+        hc.start()
+    hc.close()
+
+
+def test_a_call_from_a_second_thread_is_a_clear_error_at_once(make_config: Callable[..., Config]) -> None:
+    cache = HiCache(make_config()).start()
+    errors: list[BaseException] = []
+
+    def other() -> None:
+        try:
+            cache.admit([Request("b", seq(8))])
+        except BaseException as err:  # noqa: BLE001 - the test reports it below
+            errors.append(err)
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    assert len(errors) == 1 and isinstance(errors[0], CacheStateError)
+    assert "called by one thread, the one that started it" in str(errors[0])
+    stats = [None]
+    reader = threading.Thread(target=lambda: stats.__setitem__(0, cache.statistics()))
+    reader.start()
+    reader.join()
+    assert stats[0] is not None, "statistics() may be called from any thread"
+    _quiet(cache)
+    cache.close()
+
+
+def test_a_failed_start_leaves_an_existing_log_as_it_was_and_no_thread(
+    make_config: Callable[..., Config], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log = tmp_path / "kept.log"
+    log.write_text("an earlier run's log\n")
+    before = set(threading.enumerate())
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("no storage here")
+
+    monkeypatch.setattr("hicache.actors._storage.open_backend", broken)
+    hc = HiCache(make_config(log_path=str(log), storage="file", storage_dir=str(tmp_path / "l3")))
+    with pytest.raises(RuntimeError, match="no storage here"):
+        hc.start()
+    assert log.read_text() == "an earlier run's log\n"
+    deadline = time.monotonic() + 10
+    while set(threading.enumerate()) - before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not (set(threading.enumerate()) - before)
+
+
+def test_close_drains_backups_in_flight_so_a_next_instance_finds_every_page(
+    make_config: Callable[..., Config], tmp_path: Path
+) -> None:
+    config = make_config(device_pages=64, host_pages=256, storage="file", storage_dir=str(tmp_path),
+                         prefetch_threshold_pages=1, prefetch_policy="wait_complete")
+    prompts = [seq(40, 1000 * i) for i in range(1, 6)]
+    with HiCache(config) as hc:
+        for i, prompt in enumerate(prompts):
+            [a] = hc.admit([Request(f"r{i}", prompt)])
+            hc.allocate({f"r{i}": len(prompt)})
+            hc.commit({f"r{i}": prompt})
+            hc.finish([a.handle])
+        closed = hc.close()  # no quiesce: close drains
+    assert closed.drained and closed.backups_dropped == 0
+    with HiCache(config) as hc:
+        for i, prompt in enumerate(prompts):
+            assert hc.prefetch([Request(f"q{i}", prompt)]) == {f"q{i}": 40}
+        got = {}
+        deadline = time.monotonic() + 30
+        while len(got) < len(prompts) and time.monotonic() < deadline:
+            got.update(hc.ready([f"q{i}" for i in range(len(prompts)) if f"q{i}" not in got]))
+        assert got == {f"q{i}": 40 for i in range(len(prompts))}
+
+
+# -- calls cut short ---------------------------------------------------------------------------
+
+
+def test_a_call_whose_wait_times_out_has_its_late_reply_adopted_and_the_next_call_works(
+    make_config: Callable[..., Config],
+) -> None:
+    """An allocation that must wait for a write in flight (its node is locked by the write)
+    times out; the write then lands, and the next call applies the late replies: the
+    eviction's and the retried allocation are not lost, nothing leaks."""
+    gate = threading.Event()
+
+    def observe(receiver: ActorName, mail: Any) -> None:
+        if receiver is ActorName.WRITE and type(mail.message).__name__ == "DrainWrites":
+            gate.wait(10)
+
+    config = make_config(device_pages=8, host_pages=32)
+    hc = HiCache(config, runtime=ThreadedRuntime(observe=observe), reply_timeout_s=0.3)
+    with hc:
+        [a] = hc.admit([Request("a", seq(24))])
+        hc.allocate({"a": 24})
+        hc.commit({"a": seq(24)})
+        hc.finish([a.handle])  # its write-through is held at the gate: its node stays locked
+        [b] = hc.admit([Request("b", seq(24, 500))])
+        with pytest.raises(TimeoutError, match=r"no reply to op \d+ within 0\.3s"):
+            hc.allocate({"b": 24})  # needs the locked node's pages: the eviction waits for the write
+        gate.set()
+        hc.quiesce()
+        assert hc.allocated("b") == 0  # the allocation itself was never sent: only the eviction was late
+        got = hc.allocate({"b": 24})
+        assert isinstance(got, dict) and len(got["b"]) == 24
+        hc.commit({"b": seq(24, 500)})
+        hc.finish([b.handle])
+        _quiet(hc)
+
+
+def test_ctrl_c_during_a_call_lands_where_the_call_may_give_up_and_leaks_nothing(
+    make_config: Callable[..., Config],
+) -> None:
+    """SIGINT at random moments of a workload: each lands as KeyboardInterrupt at a point
+    where the facade can give up (never inside an actor's handler), an interrupted admission
+    is taken back, and at the end every slot and lock is accounted for."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("needs the default SIGINT handler on the main thread")
+    config = make_config(device_pages=32, host_pages=128)
+    interrupts = 0
+    rng = __import__("random").Random(5)
+    with HiCache(config) as hc:
+        for i in range(150):
+            timer = threading.Timer(rng.random() * 0.002, _thread.interrupt_main)
+            rid = f"r{i}"
+            try:
+                timer.start()
+                try:
+                    [a] = hc.admit([Request(rid, seq(4 * (1 + i % 5), 100 * (i % 7)))])
+                    hc.allocate({rid: 4})
+                    hc.commit({rid: seq(4, 9000 + i)})
+                    hc.finish([a.handle])
+                finally:
+                    timer.join()  # past this, the interrupt has landed (here, at the latest) or never comes
+            except KeyboardInterrupt:
+                interrupts += 1
+            for live in hc.live_requests:  # the scheduler cleans up what it lost track of
+                hc.retract([hc.handle(live)])
+            hc.check_invariants()
+        _quiet(hc)
+    assert interrupts > 0
+
+
+def test_a_late_admission_is_released_and_its_id_stays_usable(make_config: Callable[..., Config]) -> None:
+    """An admission cut short on the deterministic runtime (its reply held back): the late
+    `Admitted` is undone by the next call, so no lock leaks and the id can be admitted again."""
+    rt = DeterministicRuntime(seed=1)
+    with HiCache(make_config(), runtime=rt, reply_timeout_s=0.5) as hc:
+        [a] = hc.admit([Request("a", seq(16))])
+        hc.allocate({"a": 16})
+        hc.commit({"a": seq(16)})
+        hc.finish([a.handle])
+        real = hc.system.next_reply
+
+        def lose_one(timeout_s: Any, *, block: bool = True) -> Any:  # the reply arrives after the wait gave up
+            hc.system.next_reply = real  # type: ignore[method-assign]
+            rt.run_until_idle()
+            raise KeyboardInterrupt
+
+        hc.system.next_reply = lose_one  # type: ignore[method-assign]
+        with pytest.raises(KeyboardInterrupt):
+            hc.admit([Request("b", seq(16))])
+        assert hc.live_requests == ()
+        hc.check_invariants()  # the late Admitted was undone: no handle without a live request
+        [b] = hc.admit([Request("b", seq(16))])
+        assert b.cached_tokens == 16
+        hc.finish([b.handle])
+        _quiet(hc)
