@@ -35,7 +35,7 @@ from hicache.messages import ActorName, HostSlotState, encode
 from ._actor import HiActor, Mail
 from ._deterministic import DeterministicRuntime
 from ._services import SeededFaults
-from ._facade import HiCache
+from ._facade import CacheHandle, HiCache, Request, RequestError
 from ._mutants import MUTANTS, Mutant, mutant
 from ._scheduler import ReferenceScheduler, SchedulerConfig, ServeRequest
 from ._strategies import PCTStrategy, RandomStrategy, ReplayStrategy, Strategy
@@ -171,6 +171,82 @@ def _storage(rt: DeterministicRuntime, seed: int, mut: Mutant | None) -> None:
             check_quiescent(hc)
 
 
+def _misuse(rt: DeterministicRuntime, seed: int, mut: Mutant | None) -> None:
+    """The standard workload with a bad call after most ticks: each must be one `RequestError`
+    that changes nothing (every actor's statistics are the same after it), and the
+    workload goes on to a quiet end."""
+    rng = random.Random(f"misuse:{seed}")
+    policy = (WritePolicy.WRITE_THROUGH, WritePolicy.WRITE_THROUGH_SELECTIVE, WritePolicy.WRITE_BACK)[seed % 3]
+    cfg = Config(layers=2, kv_heads=1, head_dim=8, page_size=4, device_slots=4 * 24, host_slots=4 * 48,
+                 write_policy=policy, load_back_min_tokens=4, transfer_pages_max=2)
+    with HiCache(cfg, runtime=rt, actor_classes=mut.actor_classes if mut else None) as hc:
+        sched = ReferenceScheduler(hc, SchedulerConfig(
+            max_running=4, prefill_tokens_per_tick=16, chunk_tokens=8, abort_rate=0.04, seed=seed,
+            lookahead_slots=2, device_budget_ratio=2.0,
+        ))
+
+        def tick(s: ReferenceScheduler) -> None:
+            hc.check_invariants()
+            if rng.random() < 0.7:
+                misuse(hc, s, rng)
+                hc.check_invariants()
+
+        sched.submit(synthetic_workload(seed, 12, cfg.page_size))
+        sched.run(on_tick=tick)
+        hc.quiesce()
+        hc.check_invariants()
+        check_quiescent(hc)
+
+
+def _bad_calls(hc: HiCache, sched: ReferenceScheduler) -> list[Callable[[], Any]]:
+    """Calls a scheduler must never make; each one is refused."""
+    live = sorted(hc.live_requests)
+    rid = live[0] if live else "q0"
+    handle = hc.handle(rid) if live else CacheHandle("q0", 1)
+    return [
+        lambda: hc.admit([Request(rid, [1, 2, 3], namespace=None)]),  # type: ignore[arg-type]
+        lambda: hc.admit([Request("x", [1.5, 2.5])]),  # type: ignore[list-item]
+        lambda: hc.admit([Request("x", [1, True])]),
+        lambda: hc.admit([Request("x", [2**63])]),
+        lambda: hc.admit([Request("x", torch.tensor([[1, 2]]))]),
+        lambda: hc.prefetch([Request("x", ["a"])]),  # type: ignore[list-item]
+        lambda: hc.evict_device("x"),  # type: ignore[arg-type]
+        lambda: hc.evict_host(None),  # type: ignore[arg-type]
+        lambda: hc.evict_host(-3),
+        lambda: hc.allocate({rid: True}),
+        lambda: hc.allocate({rid: 10**30}),
+        lambda: hc.allocate({"never-admitted": 4}),
+        lambda: hc.commit({rid: [0.5]}),  # type: ignore[list-item]
+        lambda: hc.commit({rid: list(range(10**4))}),  # more than it allocated
+        lambda: hc.finish([CacheHandle(rid, 10**6)]),  # forged
+        lambda: hc.finish([handle, handle]),
+        lambda: hc.finish(["not-a-handle"]),  # type: ignore[list-item]
+        lambda: hc.abort(["not-prefetching"]),
+        lambda: hc.cache_unfinished([CacheHandle("never-admitted", 1)]),
+        lambda: hc.ready(None),  # type: ignore[arg-type]
+        lambda: hc.admit([Request(rid, [1, 2, 3])]) if live else hc.allocate({"x": -1}),  # admitted twice
+    ]
+
+
+def misuse(hc: HiCache, sched: ReferenceScheduler, rng: random.Random) -> None:
+    """One bad call drawn at random: a `RequestError`, and every actor's statistics unchanged."""
+    calls = _bad_calls(hc, sched)
+    call = calls[rng.randrange(len(calls))]
+    settle = getattr(hc.system.runtime, "run_until_idle", None)
+    if settle is not None:
+        settle()  # what is in flight lands first: only the bad call could change anything below
+    before = hc.statistics()
+    try:
+        call()
+    except RequestError:
+        pass
+    else:
+        raise AssertionError("a bad call was accepted")
+    after = hc.statistics()
+    if (after.tree, after.device, after.host) != (before.tree, before.device, before.host):
+        raise AssertionError(f"a refused call changed the cache: {before} -> {after}")
+
+
 SCENARIOS: dict[str, Scenario] = {
     "standard": Scenario(
         "standard",
@@ -185,6 +261,13 @@ SCENARIOS: dict[str, Scenario] = {
         "abandoned, failed load-backs make the scheduler retract) and 10% of host reservations are "
         "refused as if the pool were full",
         _faults,
+    ),
+    "misuse": Scenario(
+        "misuse",
+        "the standard workload with a bad call after most ticks (malformed tokens, ids, namespaces and "
+        "counts, forged and repeated handles, unknown requests, commits past the allocation): each is one "
+        "RequestError that changes nothing, and the workload ends quiet",
+        _misuse,
     ),
     "storage": Scenario(
         "storage",

@@ -54,6 +54,13 @@ def test_each_mutant_fails_with_the_symptom_of_its_bug(name: str, symptom: str) 
     assert re.search(symptom, found.error or ""), found.error
 
 
+def test_the_misuse_scenario_refuses_every_bad_call_and_ends_quiet() -> None:
+    """Bad calls between the ticks of a workload: each is a RequestError that changes nothing."""
+    report = explore("misuse", strategy="pct", seeds=range(24))
+    assert report.failures == [], report.failures[0].error
+    assert report.deliveries > 24 * 100
+
+
 def test_the_unmutated_storage_scenario_passes_thirty_seeds_on_every_policy() -> None:
     """Seeds rotate the prefetch policy (seed % 3) and the write policy (seed // 3 % 3)."""
     report = explore("storage", strategy="pct", seeds=range(30))
