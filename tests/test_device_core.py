@@ -1,7 +1,9 @@
-"""`DeviceCore`: page-aligned device slots and the per-request ledger (seed 001).
+"""`DeviceCore`: device memory handed out in pages and the per-request ledger.
 
-Every core here is wrapped by the `checked` fixture: its invariants are checked
-after every call, including calls that raised.
+`allocate` answers the slots each request got (what an engine writes KV into);
+every other call names page numbers (`allocate_pages`, `release`, `swap`, loads,
+`free_tree`). Every core here is wrapped by the `checked` fixture: its invariants
+are checked after every call, including calls that raised.
 """
 
 from __future__ import annotations
@@ -124,22 +126,27 @@ def test_a_negative_demand_is_a_ledger_error(core: Any) -> None:
         core.allocate([("a", -1)])
 
 
-def test_allocate_indices_answers_the_indices_a_grant_carries(core: Any) -> None:
-    got = core.allocate_indices([("a", 6), ("b", 1)])
-    assert got == {"a": Indices.of(_slots([0, 1])[:6]), "b": Indices.of([8])}
+def test_allocate_pages_answers_the_new_pages_a_grant_carries(core: Any) -> None:
+    got = core.allocate_pages([("a", 6), ("b", 1)])
+    assert got == {"a": Indices.of([0, 1]), "b": Indices.of([2])}
     assert list(got) == ["a", "b"]  # demand order
-    assert core.allocate([("a", 1)])["a"].tolist() == [6]  # the same slots, as a tensor
+    assert core.allocate_pages([("a", 1)]) == {"a": Indices()}  # slot 6: the rest of page 1, no new page
+    assert core.allocate_pages([("a", 2)]) == {"a": Indices.of([3])}  # slot 7, then page 3's first
+    assert core.ledger("a").allocated == 9
+    assert _owners(core)[REQUEST] == 16
+    assert core.allocate([("a", 3)])["a"].tolist() == [13, 14, 15]  # allocate: the same grants, as slots
 
 
-def test_slots_may_come_in_as_indices(core: Any) -> None:
-    got = core.allocate_indices([("a", 8)])["a"]
+def test_pages_may_come_in_as_indices(core: Any) -> None:
+    got = core.allocate_pages([("a", 8)])["a"]
+    assert got == Indices.of([0, 1])
     core.commit("a", 8)
-    view = core.swap("a", got[:4], Indices())
+    view = core.swap("a", got[:1], Indices())
     assert view == LedgerEntry(request_id="a", allocated=8, committed=8, freed=4)  # the reply's record itself
-    core.release("a", got[4:], ReleaseReason.FINISHED)
-    core.free_tree(Indices.concat([got[4:], got[:4]]))
-    load = core.allocate_load_indices(4)
-    assert load == Indices.of(_slots([1]))
+    core.release("a", got[1:], ReleaseReason.FINISHED)
+    core.free_tree(Indices.concat([got[1:], got[:1]]))
+    load = core.allocate_load_pages(4)
+    assert load == Indices.of([1])
     core.adopt_loaded(load)
     assert _owners(core) == {FREE: 60, REQUEST: 0, TREE: 4, LOADING: 0}
 
@@ -192,9 +199,10 @@ def test_release_frees_every_page_exactly_once(core: Any) -> None:
 
 
 def test_release_moves_adopted_whole_pages_to_the_tree_and_frees_the_rest(core: Any) -> None:
-    got = core.allocate([("a", 11)])["a"]  # pages 0, 1, 2 (2 partly used)
+    got = core.allocate_pages([("a", 11)])["a"]  # pages 0, 1, 2 (2 partly used)
+    assert got == Indices.of([0, 1, 2])
     core.commit("a", 11)
-    view = core.release("a", got[:8], ReleaseReason.FINISHED)
+    view = core.release("a", got[:2], ReleaseReason.FINISHED)
     assert (view.allocated, view.committed, view.freed) == (11, 11, 11)
     assert _owners(core) == {FREE: 56, REQUEST: 0, TREE: 8, LOADING: 0}
     assert core.live_requests() == 0
@@ -203,34 +211,43 @@ def test_release_moves_adopted_whole_pages_to_the_tree_and_frees_the_rest(core: 
 
 
 def test_release_may_adopt_pages_in_any_order(core: Any) -> None:
-    got = core.allocate([("a", 12)])["a"]
-    core.release("a", torch.cat([got[8:12], got[0:4]]), ReleaseReason.FINISHED)
+    got = core.allocate_pages([("a", 12)])["a"].as_tensor()
+    assert got.tolist() == [0, 1, 2]
+    core.release("a", torch.stack([got[2], got[0]]), ReleaseReason.FINISHED)
     assert _owners(core)[TREE] == 8
     assert _owners(core)[FREE] == 56
-    core.free_tree(torch.tensor(_slots([2, 0])))
+    core.free_tree(torch.tensor([2, 0]))
     assert _owners(core)[FREE] == 64
 
 
-def test_adopting_slots_that_are_not_whole_pages_is_refused(core: Any) -> None:
-    got = core.allocate([("a", 8)])["a"]
-    with pytest.raises(ValueError, match="slots adopted from request 'a': 3 slots are not whole pages of 4"):
-        core.release("a", got[:3], ReleaseReason.FINISHED)
+@pytest.mark.parametrize(
+    ("adopt", "foreign"),
+    [(list(range(8)), [2, 3, 4, 5, 6, 7]), ([0, 16], [16]), ([-1], [-1])],
+    ids=["slots-for-pages", "past-the-table", "negative"],
+)
+def test_adopting_numbers_that_are_not_pages_of_the_request_is_refused(
+    core: Any, adopt: list[int], foreign: list[int]
+) -> None:
+    core.allocate([("a", 8)])  # pages 0, 1
+    with pytest.raises(LedgerError, match=rf"request 'a': adopted pages \[{', '.join(map(str, foreign))}\] are not"):
+        core.release("a", torch.tensor(adopt), ReleaseReason.FINISHED)
     assert core.live_requests() == 1
-    assert _owners(core)[REQUEST] == 8
+    assert _owners(core) == {FREE: 56, REQUEST: 8, TREE: 0, LOADING: 0}
 
 
 def test_adopting_pages_of_another_request_is_refused(core: Any) -> None:
     core.allocate([("a", 4), ("b", 4)])
     with pytest.raises(LedgerError, match=r"request 'a': adopted pages \[1\] are not distinct pages of this request"):
-        core.release("a", torch.tensor(_slots([1])), ReleaseReason.FINISHED)
+        core.release("a", torch.tensor([1]), ReleaseReason.FINISHED)
     assert _owners(core) == {FREE: 56, REQUEST: 8, TREE: 0, LOADING: 0}
 
 
 def test_adopting_the_same_page_twice_is_refused(core: Any) -> None:
     core.allocate([("a", 8)])
     with pytest.raises(LedgerError, match="not distinct pages"):
-        core.release("a", torch.tensor(_slots([0, 0])), ReleaseReason.FINISHED)
+        core.release("a", torch.tensor([0, 0]), ReleaseReason.FINISHED)
     assert core.live_requests() == 1
+    assert _owners(core) == {FREE: 56, REQUEST: 8, TREE: 0, LOADING: 0}
 
 
 def test_the_final_ledger_of_a_finished_request_stays_readable(core: Any) -> None:
@@ -280,9 +297,9 @@ def test_released_requests_are_remembered_up_to_a_bound(
 # -- load slots and the tree's pages ------------------------------------------------
 
 
-def test_load_slots_are_whole_pages_owned_by_the_load(core: Any) -> None:
+def test_load_pages_are_owned_by_the_load(core: Any) -> None:
     got = core.allocate_load(5)
-    assert got.tolist() == _slots([0, 1])
+    assert got.tolist() == [0, 1]
     assert _owners(core) == {FREE: 56, REQUEST: 0, TREE: 0, LOADING: 8}
 
 
@@ -290,7 +307,7 @@ def test_a_completed_load_hands_its_pages_to_the_tree(core: Any) -> None:
     got = core.allocate_load(8)
     core.adopt_loaded(got)
     assert _owners(core) == {FREE: 56, REQUEST: 0, TREE: 8, LOADING: 0}
-    with pytest.raises(SlotStateError, match="cannot adopt loaded slots: slots 0..3 owned by tree.*; expected loading"):
+    with pytest.raises(SlotStateError, match="cannot adopt loaded pages: slots 0..3 owned by tree.*; expected loading"):
         core.adopt_loaded(got)
 
 
@@ -309,14 +326,14 @@ def test_load_slots_that_do_not_fit_are_insufficient(core: Any) -> None:
 
 
 def test_free_tree_frees_only_tree_or_loading_pages(core: Any) -> None:
-    got = core.allocate([("a", 8)])["a"]
-    with pytest.raises(SlotStateError, match="cannot free device slots: slots 0..3 owned by request"):
-        core.free_tree(got[:4])
+    got = core.allocate_pages([("a", 8)])["a"]
+    with pytest.raises(SlotStateError, match="cannot free device pages: slots 0..3 owned by request"):
+        core.free_tree(got[:1])
     assert _owners(core)[REQUEST] == 8
 
 
 def test_free_tree_twice_is_a_double_free(core: Any) -> None:
-    got = core.allocate([("a", 8)])["a"]
+    got = core.allocate_pages([("a", 8)])["a"]
     core.release("a", got, ReleaseReason.FINISHED)
     core.free_tree(got)
     with pytest.raises(SlotStateError, match=r"slots 0..3 owned by free.*\(double free\?\)"):
@@ -325,26 +342,27 @@ def test_free_tree_twice_is_a_double_free(core: Any) -> None:
 
 
 def test_free_tree_of_a_page_twice_in_one_call_is_refused(core: Any) -> None:
-    got = core.allocate([("a", 4)])["a"]
+    got = core.allocate_pages([("a", 4)])["a"].as_tensor()
     core.release("a", got, ReleaseReason.FINISHED)
-    with pytest.raises(SlotStateError, match="a page appears twice"):
+    with pytest.raises(SlotStateError, match=r"free device pages: a page appears twice in \[0, 0\]"):
         core.free_tree(torch.cat([got, got]))
     assert _owners(core)[TREE] == 4
 
 
-@pytest.mark.parametrize("slots", [[-4, -3, -2, -1], [64, 65, 66, 67]])
-def test_free_tree_of_slots_outside_the_buffer_is_refused(core: Any, slots: list[int]) -> None:
-    got = core.allocate([("a", 64)])["a"]
+@pytest.mark.parametrize("pages", [[-1], [16], [0, 1, 16]])
+def test_free_tree_of_pages_outside_the_buffer_is_refused(core: Any, pages: list[int]) -> None:
+    got = core.allocate_pages([("a", 64)])["a"]
     core.release("a", got, ReleaseReason.FINISHED)
-    with pytest.raises(SlotStateError, match=r"slot index out of range 0..63"):
-        core.free_tree(torch.tensor(slots))
+    with pytest.raises(SlotStateError, match=r"cannot free device pages: page number out of range 0..15"):
+        core.free_tree(torch.tensor(pages))
     assert _owners(core)[TREE] == 64
 
 
-def test_free_tree_of_a_partial_page_is_refused(core: Any) -> None:
-    core.allocate_load(4)
-    with pytest.raises(ValueError, match="freed device slots: 2 slots are not whole pages"):
+def test_free_tree_of_a_page_it_does_not_hold_frees_nothing(core: Any) -> None:
+    core.allocate_load(4)  # page 0; page 1 is free
+    with pytest.raises(SlotStateError, match=r"slots 4..7 owned by free; expected tree or loading \(double free\?\)"):
         core.free_tree(torch.tensor([0, 1]))
+    assert _owners(core) == {FREE: 60, REQUEST: 0, TREE: 0, LOADING: 4}
 
 
 # -- a whole life -------------------------------------------------------------------
@@ -358,9 +376,18 @@ def test_allocated_stays_at_least_committed_through_a_request_life(core: Any) ->
         assert view.allocated >= view.committed
     got = core.allocate([("a", 0)])["a"]
     assert got.numel() == 0
-    view = core.release("a", torch.tensor(_slots([0, 1, 2])), ReleaseReason.FINISHED)
+    view = core.release("a", torch.tensor([0, 1, 2]), ReleaseReason.FINISHED)
     assert view.freed == view.allocated == 28
     assert _owners(core) == {FREE: 52, REQUEST: 0, TREE: 12, LOADING: 0}
-    core.free_tree(torch.tensor(_slots([0, 1, 2])))
+    core.free_tree(torch.tensor([0, 1, 2]))
     assert _owners(core) == {FREE: 64, REQUEST: 0, TREE: 0, LOADING: 0}
     assert core.checks > 10
+
+
+def test_allocate_after_a_mid_life_swap_answers_the_rest_of_the_last_page(core: Any) -> None:
+    core.allocate([("a", 6)])  # pages 0, 1
+    core.commit("a", 4)
+    core.swap("a", torch.tensor([0]), torch.empty(0, dtype=torch.int64))  # page 0 to the tree
+    assert core.allocate([("a", 3)])["a"].tolist() == [6, 7, 8]  # the rest of page 1, then page 2
+    assert core.ledger("a") == LedgerEntry(request_id="a", allocated=9, committed=4, freed=4)
+    assert _owners(core) == {FREE: 52, REQUEST: 8, TREE: 4, LOADING: 0}

@@ -1,8 +1,9 @@
-"""`HostCore`: page-aligned host slots and the per-slot state machine.
+"""`HostCore`: host memory handed out in pages and the per-page state machine.
 
 The whole 7x7 table of (from, to) moves is tested: every pair in
 `HOST_TRANSITIONS` works, every other pair raises `SlotStateError` naming the
-slot, its state and the state asked for, and leaves every slot as it was.
+page, its state and the state asked for, and leaves every page as it was.
+Calls name page numbers; `counts()` and `free_slots` still count slots.
 """
 
 from __future__ import annotations
@@ -39,27 +40,29 @@ def core(make_config: Callable[..., Config], checked: Callable[[Any], Any]) -> A
 
 
 def _page_in(core: Any, state: HostSlotState) -> torch.Tensor:
-    """The slots of one page brought to `state` along legal moves (FREE: a page never allocated)."""
+    """One page (its number, as a tensor) brought to `state` along legal moves (FREE: a page
+    allocated and freed)."""
     if state is S.FREE:
-        slots = core.allocate(PAGE)
-        core.free(slots)  # a freed page is the one the next allocation takes
-        return slots
-    slots = core.allocate(PAGE)
+        page = core.allocate(PAGE)
+        core.free(page)  # a freed page is the one the next allocation takes
+        return page
+    page = core.allocate(PAGE)
+    assert len(page) == 1
     for step in _PATH_FROM_RESERVED[state]:
-        core.transition(slots, step)
-    assert core.states(slots).tolist() == [int(state)] * PAGE
-    return slots
+        core.transition(page, step)
+    assert core.states(page).tolist() == [int(state)]
+    return page
 
 
-def _move(core: Any, slots: torch.Tensor, frm: HostSlotState, to: HostSlotState) -> None:
+def _move(core: Any, pages: torch.Tensor, frm: HostSlotState, to: HostSlotState) -> None:
     """Ask for the move the way the pool's users do: allocate, free, or transition."""
     if to is S.FREE:
-        core.free(slots)
+        core.free(pages)
     elif frm is S.FREE and to is S.RESERVED:
-        got = core.allocate(PAGE)
-        assert got.tolist() == slots.tolist()
+        got = core.allocate(PAGE * len(pages))
+        assert got.tolist() == pages.tolist()
     else:
-        core.transition(slots, to)
+        core.transition(pages, to)
 
 
 ALL_PAIRS = list(itertools.product(S, S))
@@ -75,79 +78,83 @@ def test_the_table_has_seven_states_and_fifteen_legal_moves() -> None:
 
 @pytest.mark.parametrize(("frm", "to"), LEGAL, ids=lambda s: s.name)
 def test_every_legal_transition_works(core: Any, frm: HostSlotState, to: HostSlotState) -> None:
-    slots = _page_in(core, frm)
-    _move(core, slots, frm, to)
-    assert core.states(slots).tolist() == [int(to)] * PAGE
+    page = _page_in(core, frm)
+    _move(core, page, frm, to)
+    assert core.states(page).tolist() == [int(to)]
     expected_free = 32 if to is S.FREE else 28
     assert core.counts()[S.FREE] == expected_free
     assert core.free_slots == expected_free
 
 
 @pytest.mark.parametrize(("frm", "to"), ILLEGAL, ids=lambda s: s.name)
-def test_every_illegal_transition_raises_naming_slots_and_states(
+def test_every_illegal_transition_raises_naming_pages_and_states(
     core: Any, frm: HostSlotState, to: HostSlotState
 ) -> None:
     other = _page_in(core, S.SYNCED)  # a bystander that must not change
-    slots = _page_in(core, frm)
+    page = _page_in(core, frm)
     before = core.counts()
-    first = int(slots[0])
     with pytest.raises(SlotStateError) as err:
-        _move(core, slots, frm, to)
+        _move(core, page, frm, to)
     message = str(err.value)
     if to is S.FREE and frm is S.FREE:
         assert "double free" in message
-    assert f"to {to.name}" in message
-    assert f"slot {first} is {frm.name}" in message
-    assert core.states(slots).tolist() == [int(frm)] * PAGE
-    assert core.states(other).tolist() == [int(S.SYNCED)] * PAGE
+    assert f"illegal host page transition to {to.name}" in message
+    assert f"page {int(page[0])} is {frm.name}" in message
+    assert core.states(page).tolist() == [int(frm)]
+    assert core.states(other).tolist() == [int(S.SYNCED)]
     assert core.counts() == before
 
 
 def test_transition_to_free_is_refused_in_favour_of_free(core: Any) -> None:
-    slots = _page_in(core, S.SYNCED)
+    page = _page_in(core, S.SYNCED)
     with pytest.raises(SlotStateError, match="freeing goes through free"):
-        core.transition(slots, S.FREE)
-    assert core.states(slots).tolist() == [int(S.SYNCED)] * PAGE
+        core.transition(page, S.FREE)
+    assert core.states(page).tolist() == [int(S.SYNCED)]
 
 
-def test_free_slots_cannot_be_reserved_by_a_transition(core: Any) -> None:
-    slots = _page_in(core, S.FREE)
-    with pytest.raises(SlotStateError, match=r"to RESERVED.*slot \d+ is FREE.*allocate\(\)"):
-        core.transition(slots, S.RESERVED)
+def test_free_pages_cannot_be_reserved_by_a_transition(core: Any) -> None:
+    page = _page_in(core, S.FREE)
+    with pytest.raises(SlotStateError, match=r"to RESERVED.*page \d+ is FREE.*allocate\(\)"):
+        core.transition(page, S.RESERVED)
     assert core.free_slots == 32
 
 
-def test_a_move_with_one_illegal_slot_moves_no_slot(core: Any) -> None:
+def test_a_move_with_one_illegal_page_moves_no_page(core: Any) -> None:
     reserved = _page_in(core, S.RESERVED)
     writing = _page_in(core, S.WRITING)
-    with pytest.raises(SlotStateError, match=r"slot \d+ is WRITING"):
+    with pytest.raises(SlotStateError, match=rf"page {int(writing[0])} is WRITING"):
         core.transition(torch.cat([reserved, writing]), S.WRITING)
-    assert core.states(reserved).tolist() == [int(S.RESERVED)] * PAGE
-    assert core.states(writing).tolist() == [int(S.WRITING)] * PAGE
+    assert core.states(reserved).tolist() == [int(S.RESERVED)]
+    assert core.states(writing).tolist() == [int(S.WRITING)]
 
 
-def test_a_long_list_of_bad_slots_is_abbreviated(core: Any) -> None:
-    slots = torch.cat([_page_in(core, S.RESERVED) for _ in range(3)])
-    with pytest.raises(SlotStateError, match=r"\(and 4 more\)"):
-        core.transition(slots, S.SYNCED)
+def test_a_long_list_of_bad_pages_is_abbreviated(
+    make_config: Callable[..., Config], checked: Callable[[Any], Any]
+) -> None:
+    core = checked(HostCore(make_config(page_size=PAGE, device_pages=4, host_pages=12)))
+    pages = torch.cat([_page_in(core, S.RESERVED) for _ in range(12)])
+    with pytest.raises(SlotStateError, match=r"page 7 is RESERVED \(and 4 more\)$"):
+        core.transition(pages, S.SYNCED)
+    assert core.states(pages).tolist() == [int(S.RESERVED)] * 12
 
 
-def test_a_slot_twice_in_one_move_is_refused(core: Any) -> None:
-    slots = _page_in(core, S.RESERVED)
-    with pytest.raises(SlotStateError, match="a slot appears twice in one call"):
-        core.transition(torch.cat([slots, slots[:1]]), S.WRITING)
+def test_a_page_twice_in_one_move_is_refused(core: Any) -> None:
+    page = _page_in(core, S.RESERVED)
+    with pytest.raises(SlotStateError, match="a page appears twice in one call"):
+        core.transition(torch.cat([page, page]), S.WRITING)
+    assert core.states(page).tolist() == [int(S.RESERVED)]
 
 
-@pytest.mark.parametrize("slot", [-1, 32])
-def test_a_slot_outside_the_buffer_is_refused(core: Any, slot: int) -> None:
-    with pytest.raises(SlotStateError, match=r"slot index out of range 0..31"):
-        core.transition(torch.tensor([slot]), S.WRITING)
+@pytest.mark.parametrize("page", [-1, 8])
+def test_a_page_outside_the_buffer_is_refused(core: Any, page: int) -> None:
+    with pytest.raises(SlotStateError, match=r"page number out of range 0..7"):
+        core.transition(torch.tensor([page]), S.WRITING)
 
 
-def test_a_transition_may_cover_part_of_a_page(core: Any) -> None:
-    slots = _page_in(core, S.RESERVED)
-    core.transition(slots[:2], S.WRITING)
-    assert core.states(slots).tolist() == [int(S.WRITING)] * 2 + [int(S.RESERVED)] * 2
+def test_a_transition_may_cover_some_pages_of_an_allocation(core: Any) -> None:
+    pages = core.allocate(2 * PAGE)
+    core.transition(pages[:1], S.WRITING)
+    assert core.states(pages).tolist() == [int(S.WRITING), int(S.RESERVED)]
 
 
 # -- allocation -----------------------------------------------------------------------
@@ -155,8 +162,8 @@ def test_a_transition_may_cover_part_of_a_page(core: Any) -> None:
 
 def test_allocation_gives_whole_pages_in_state_reserved(core: Any) -> None:
     got = core.allocate(3 * PAGE)
-    assert got.tolist() == list(range(12))
-    assert core.states(got).tolist() == [int(S.RESERVED)] * 12
+    assert got.tolist() == [0, 1, 2]
+    assert core.states(got).tolist() == [int(S.RESERVED)] * 3
     assert core.counts()[S.RESERVED] == 12 and core.free_slots == 20
 
 
@@ -174,14 +181,14 @@ def test_allocation_larger_than_the_free_pages_gives_none_and_reserves_nothing(c
     assert core.allocate(PAGE) is not None
 
 
-def test_allocate_indices_answers_the_indices_a_reply_carries_and_moves_take_indices(core: Any) -> None:
-    got = core.allocate_indices(2 * PAGE)
-    assert got == Indices.of(range(8))
-    core.transition(got[:4], S.WRITING)
-    assert core.states(torch.arange(8)).tolist() == [int(S.WRITING)] * 4 + [int(S.RESERVED)] * 4
-    with pytest.raises(SlotStateError, match="illegal host slot transition to FREE on free: slot 0 is WRITING"):
+def test_allocate_pages_answers_the_indices_a_reply_carries_and_moves_take_indices(core: Any) -> None:
+    got = core.allocate_pages(2 * PAGE)
+    assert got == Indices.of(range(2))
+    core.transition(got[:1], S.WRITING)
+    assert core.states(torch.arange(2)).tolist() == [int(S.WRITING), int(S.RESERVED)]
+    with pytest.raises(SlotStateError, match="illegal host page transition to FREE on free: page 0 is WRITING"):
         core.free(got)
-    core.free(got[4:])
+    core.free(got[1:])
     assert core.free_slots == 28
 
 
@@ -202,37 +209,41 @@ def test_free_returns_pages_for_reuse(core: Any) -> None:
 
 
 def test_a_double_free_is_refused(core: Any) -> None:
-    slots = core.allocate(PAGE)
-    core.free(slots)
-    with pytest.raises(SlotStateError, match=r"illegal host slot transition to FREE on free: slot 0 is FREE.*\(double free\)"):
-        core.free(slots)
+    page = core.allocate(PAGE)
+    core.free(page)
+    with pytest.raises(SlotStateError, match=r"illegal host page transition to FREE on free: page 0 is FREE.*\(double free\)"):
+        core.free(page)
     assert core.free_slots == 32
 
 
 @pytest.mark.parametrize("state", [S.WRITING, S.LOADING, S.PREFETCHING])
 def test_free_while_a_copy_is_in_flight_is_refused(core: Any, state: HostSlotState) -> None:
-    slots = _page_in(core, state)
+    page = _page_in(core, state)
     with pytest.raises(
-        SlotStateError, match=f"slot {int(slots[0])} is {state.name}.*only RESERVED, SYNCED, HOST_ONLY slots may be freed"
+        SlotStateError, match=f"page {int(page[0])} is {state.name}.*only RESERVED, SYNCED, HOST_ONLY pages may be freed"
     ):
-        core.free(slots)
-    assert core.states(slots).tolist() == [int(state)] * PAGE
+        core.free(page)
+    assert core.states(page).tolist() == [int(state)]
     assert core.free_slots == 28
 
 
-def test_free_of_part_of_a_page_is_refused(core: Any) -> None:
-    slots = core.allocate(PAGE)
-    with pytest.raises(ValueError, match="freed host slots: 2 slots are not whole pages of 4"):
-        core.free(slots[:2])
-    assert core.states(slots).tolist() == [int(S.RESERVED)] * PAGE
-
-
-def test_free_of_a_page_with_one_slot_in_flight_frees_nothing(core: Any) -> None:
-    slots = core.allocate(PAGE)
-    core.transition(slots[3:], S.WRITING)
-    with pytest.raises(SlotStateError, match=f"slot {int(slots[3])} is WRITING"):
-        core.free(slots)
+def test_free_of_a_page_twice_in_one_call_is_refused_and_frees_nothing(core: Any) -> None:
+    page = core.allocate(PAGE)
+    with pytest.raises(SlotStateError, match="host free: a page appears twice in one call"):
+        core.free(torch.cat([page, page]))
+    assert core.states(page).tolist() == [int(S.RESERVED)]
     assert core.free_slots == 28
+    core.free(page)
+    assert core.allocate(8 * PAGE).tolist() == list(range(8))  # the free list holds each page once
+
+
+def test_free_of_pages_with_one_in_flight_frees_nothing(core: Any) -> None:
+    pages = core.allocate(2 * PAGE)
+    core.transition(pages[1:], S.WRITING)
+    with pytest.raises(SlotStateError, match=f"page {int(pages[1])} is WRITING"):
+        core.free(pages)
+    assert core.states(pages).tolist() == [int(S.RESERVED), int(S.WRITING)]
+    assert core.free_slots == 24
 
 
 # -- buffers --------------------------------------------------------------------------

@@ -1,8 +1,10 @@
-"""`PagePool` (the free-page stack behind both allocators), `pages_of` and the two forms of `Ints`.
+"""`PagePool` (the free-page stack behind both allocators), the page/slot conversions and
+the two forms of `Ints`.
 
 The pool answers a few pages as Python ints and many as a tensor (`SMALL_SLOTS_MAX`
-counts slots); `as_list` reads either form. tests/test_pool_fast_paths.py checks
-that both forms give the same results.
+counts the pages' slots); `as_list` reads either form. tests/test_pool_fast_paths.py
+checks that both forms give the same results. The cores and messages name pages; slots
+are the pages' `slots_of_pages` (what the KV buffers and the oracle take).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import torch
 
 from hicache.actors import PagePool, pages_of, slots_of_pages
 from hicache.actors._pages import SMALL_SLOTS_MAX, as_list
+
+from conftest import pages_to_slots
 
 # -- PagePool --------------------------------------------------------------------
 
@@ -140,9 +144,18 @@ def test_slots_of_pages_lists_every_slot_of_each_page_in_page_order_and_inverts_
     assert slots_of_pages([], 4) == []
 
 
+@pytest.mark.parametrize("page_size", [1, 2, 4, 16])
+def test_the_tests_pages_to_slots_agrees_with_slots_of_pages(page_size: int) -> None:
+    rng = random.Random(page_size)
+    for n in (0, 1, 3, SMALL_SLOTS_MAX // page_size + 1, 2 * SMALL_SLOTS_MAX):
+        pages = rng.sample(range(4 * SMALL_SLOTS_MAX), n)
+        want = as_list(slots_of_pages(torch.tensor(pages, dtype=torch.int64), page_size))
+        assert pages_to_slots(pages, page_size).tolist() == want == as_list(slots_of_pages(pages, page_size))
+
+
 def test_a_count_that_is_not_whole_pages_is_refused_naming_the_caller() -> None:
-    with pytest.raises(ValueError, match="freed host slots: 3 slots are not whole pages of 4"):
-        pages_of(torch.tensor([0, 1, 2]), 4, "freed host slots")
+    with pytest.raises(ValueError, match="the caller's slots: 3 slots are not whole pages of 4"):
+        pages_of(torch.tensor([0, 1, 2]), 4, "the caller's slots")
 
 
 def test_slots_that_do_not_start_on_a_page_boundary_are_refused() -> None:

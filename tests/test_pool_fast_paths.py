@@ -1,12 +1,12 @@
 """Both forms of `Ints` give the same results, on the calls the pool actors make.
 
-The pools keep a call's slot numbers as Python ints when they are few and as a tensor
-when there are many (`SMALL_SLOTS_MAX`, in `_pages`). Each property here runs one random
-sequence of calls three times: as shipped (sizes on both sides of the limit, so that one
-call may mix the forms), with every call in Python ints, and with every call vectorised.
+The pools keep a call's page (or slot) numbers as Python ints when they are few and as a
+tensor when there are many (`SMALL_SLOTS_MAX`, in `_pages`). Each property here runs one
+random sequence of calls three times: as shipped (sizes on both sides of the limit, so that
+one call may mix the forms), with every call in Python ints, and with every call vectorised.
 What each call returned or raised, and the final owner or state tables, must be equal.
-Slots go in as `Indices`, as the actors pass them, or as tensors, as the other callers do
-(tests/test_small_paths.py does the same on a few slots, with tensors only).
+Pages go in as `Indices`, as the actors pass them, or as tensors, as the other callers do
+(tests/test_small_paths.py does the same on a few pages, with tensors only).
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def test_holds_checks_distinct_positions_in_range_with_allowed_bytes_and_put_wri
 
 _DEVICE_CALLS = st.lists(
     st.tuples(st.sampled_from(["allocate", "allocate2", "commit", "swap", "release", "load", "adopt", "free",
-                               "free_request_slots"]),
+                               "free_request_pages"]),
               st.integers(0, 2), st.integers(0, 90), st.integers(0, 3)),
     max_size=30,
 )
@@ -116,58 +116,64 @@ def test_device_calls_agree_in_every_form(
     def run() -> Any:
         core = DeviceCore(make_config(page_size=page_size, device_pages=pages, host_pages=2 * pages))
         p = page_size
-        mine: dict[str, list[int]] = {}  # each live request's slots not yet handed over, in token order
+        mine: dict[str, list[int]] = {}  # each live request's pages not yet handed over, in token order
         loads: list[list[int]] = []
         tree: list[list[int]] = []
 
-        def slots(values: list[int], k: int) -> Indices | torch.Tensor:
-            """`values` as the actors pass slots (`Indices`, odd `k`) or as the other callers do."""
+        def given_as(values: list[int], k: int) -> Indices | torch.Tensor:
+            """`values` as the actors pass pages (`Indices`, odd `k`) or as the other callers do."""
             tensor = torch.tensor(values, dtype=torch.int64)
             return Indices.from_tensor(tensor) if k % 2 else tensor
+
+        def new_pages(key: str, slots: list[int]) -> list[int]:
+            """The pages `allocate` newly gave a request, from the slots it answered (the rest of
+            the request's last page first, then its new pages' slots)."""
+            return [pg for pg in dict.fromkeys(s // p for s in slots) if pg not in mine.get(key, ())]
 
         def step(what: str, r: int, n: int, k: int) -> Any:
             rid = f"r{r}"
             if what in ("allocate", "allocate2"):
                 demands = [(rid, n)] if what == "allocate" else [(rid, n % 7), (f"r{(r + 1) % 3}", n)]
-                got = core.allocate_indices(demands) if k % 2 else core.allocate(demands)
+                got = core.allocate_pages(demands) if k % 2 else core.allocate(demands)
                 if isinstance(got, dict):
                     got = {key: v.tolist() for key, v in got.items()}
                     for key, v in got.items():
-                        mine.setdefault(key, []).extend(v)
+                        mine.setdefault(key, []).extend(v if k % 2 else new_pages(key, v))
                 return got
             if what == "commit":
                 return core.commit_many([(rid, n % 20)])
             if what == "swap":
                 held = mine.get(rid, [])
-                a, b = (k % 2) * p, (k // 2) * p
-                view = core.swap(rid, slots(held[:a], k), slots(held[a : a + b], k + 1))
+                a, b = k % 2, k // 2
+                view = core.swap(rid, given_as(held[:a], k), given_as(held[a : a + b], k + 1))
                 tree.append(held[:a])
                 mine[rid] = held[a + b :]
                 return view
             if what == "release":
                 held = mine.get(rid, [])
-                adopt = held[: (n % 4) * p]
-                view = core.release(rid, slots(adopt, k), ReleaseReason.FINISHED if k < 3 else ReleaseReason.RETRACTED)
+                adopt = held[: n % 4]
+                view = core.release(rid, given_as(adopt, k),
+                                    ReleaseReason.FINISHED if k < 3 else ReleaseReason.RETRACTED)
                 tree.append(adopt)
                 mine.pop(rid, None)
                 return view
             if what == "load":
-                got = core.allocate_load_indices(n) if k % 2 else core.allocate_load(n)
+                got = core.allocate_load_pages(n) if k % 2 else core.allocate_load(n)
                 if not isinstance(got, device_core_module.Insufficient):
                     got = got.tolist()
                     loads.append(got)
                 return got
             if what == "adopt" and loads:
                 got = loads.pop(n % len(loads))
-                core.adopt_loaded(slots(got, k))
+                core.adopt_loaded(given_as(got, k))
                 tree.append(got)
                 return what
             if what == "free" and (tree or loads):
                 owned = tree if tree and (k % 2 or not loads) else loads
-                core.free_tree(slots(owned.pop(n % len(owned)), k))
+                core.free_tree(given_as(owned.pop(n % len(owned)), k))
                 return what
-            if what == "free_request_slots" and mine.get(rid):  # misuse: the request owns them
-                core.free_tree(slots(mine[rid][: p * (1 + k)], k))
+            if what == "free_request_pages" and mine.get(rid):  # misuse: the request owns them
+                core.free_tree(given_as(mine[rid][: 1 + k], k))
             return None
 
         trail = _played(calls, step, core.check_invariants)
@@ -181,7 +187,7 @@ def test_device_calls_agree_in_every_form(
 
 _HOST_CALLS = st.lists(
     st.tuples(st.sampled_from(["allocate", "transition", "transition", "free", "free_twice"]),
-              st.integers(0, 5), st.sampled_from(list(HostSlotState)), st.integers(0, 40)),
+              st.integers(0, 5), st.sampled_from(list(HostSlotState)), st.integers(0, 80)),
     max_size=30,
 )
 
@@ -191,7 +197,7 @@ _HOST_CALLS = st.lists(
 def test_host_calls_agree_in_every_form(
     make_config: Callable[..., Config], page_size: int, calls: list[tuple[str, int, HostSlotState, int]]
 ) -> None:
-    pages = 200 // page_size
+    pages = 160  # allocations of up to 80 pages: calls on both sides of `SMALL_SLOTS_MAX` pages
 
     def run() -> Any:
         core = HostCore(make_config(page_size=page_size, device_pages=pages // 2, host_pages=pages))
@@ -201,26 +207,26 @@ def test_host_calls_agree_in_every_form(
         def step(what: str, pick: int, state: HostSlotState, n: int) -> Any:
             as_indices = n % 2 == 1
             if what == "allocate":
-                got = core.allocate_indices(n * page_size) if as_indices else core.allocate(n * page_size)
+                got = core.allocate_pages(n * page_size) if as_indices else core.allocate(n * page_size)
                 if got is not None:
                     held.append(got.tolist())
                     return held[-1]
                 return got
             if what == "free_twice" and freed:  # misuse: a double free
-                what, slots = "free", freed[pick % len(freed)]
+                what, some = "free", freed[pick % len(freed)]
             elif held:
-                slots = held[pick % len(held)]
-                slots = slots[: len(slots) - page_size * (n % 2)] if what == "transition" else slots
+                some = held[pick % len(held)]
+                some = some[: len(some) - n % 2] if what == "transition" else some
             else:
                 return None
-            given_as = indices_of(slots) if as_indices else torch.tensor(slots, dtype=torch.int64)
+            given_as = indices_of(some) if as_indices else torch.tensor(some, dtype=torch.int64)
             if what == "transition":
                 core.transition(given_as, state)
             else:
                 core.free(given_as)
-                freed.append(slots)
-                if slots in held:
-                    held.remove(slots)
+                freed.append(some)
+                if some in held:
+                    held.remove(some)
             return what
 
         trail = _played(calls, step, core.check_invariants)

@@ -1,4 +1,4 @@
-"""The Python-int paths the cores take on a few slots do what the vectorised torch paths do.
+"""The Python-int paths the cores take on a few pages do what the vectorised torch paths do.
 
 Each property runs the same calls twice, once as shipped and once with `SMALL_SLOTS_MAX`
 at 0 (every call vectorised), and compares results, final states and error messages.
@@ -77,7 +77,7 @@ _HOST_CALLS = st.lists(st.tuples(st.sampled_from(["allocate", "transition", "fre
 def test_host_moves_agree(make_config: Callable[..., Config], calls: list[tuple[str, int, HostSlotState, int]]) -> None:
     def run() -> Any:
         core = HostCore(make_config(page_size=4, device_pages=4, host_pages=8))
-        held: list[torch.Tensor] = []
+        held: list[torch.Tensor] = []  # pages, as allocations answered them
         trail = []
         for what, pick, state, n in calls:
             try:
@@ -87,15 +87,15 @@ def test_host_moves_agree(make_config: Callable[..., Config], calls: list[tuple[
                         held.append(got)
                     trail.append(None if got is None else got.tolist())
                 elif held:
-                    slots = held[pick % len(held)][: 4 * (1 + n % 2)]
+                    pages = held[pick % len(held)][: 1 + n % 2]
                     if what == "transition":
-                        core.transition(slots, state)
+                        core.transition(pages, state)
                     else:
-                        core.free(slots)
+                        core.free(pages)
                     trail.append(what)
             except (ValueError, RuntimeError) as err:
                 trail.append(str(err))
-        return trail, core.counts(), core.states(torch.arange(32)).tolist()
+        return trail, core.counts(), core.states(torch.arange(8)).tolist()
 
     small, vectorised = _both(run)
     assert small == vectorised
@@ -110,7 +110,7 @@ _DEVICE_CALLS = st.lists(st.tuples(st.sampled_from(["allocate", "commit", "swap"
 def test_device_calls_agree(make_config: Callable[..., Config], calls: list[tuple[str, int, int]]) -> None:
     def run() -> Any:
         core = DeviceCore(make_config(page_size=4, device_pages=16))
-        loads: list[torch.Tensor] = []
+        loads: list[torch.Tensor] = []  # pages of loads
         trail = []
         for what, r, n in calls:
             rid = f"r{r}"
@@ -120,19 +120,19 @@ def test_device_calls_agree(make_config: Callable[..., Config], calls: list[tupl
                     trail.append(got if not isinstance(got, dict) else {k: v.tolist() for k, v in got.items()})
                 elif what == "commit":
                     trail.append(core.commit(rid, n % 5))
-                elif what == "swap":
-                    slots = torch.arange(4 * (n % 3), 4 * (n % 3) + 4)
-                    trail.append(core.swap(rid, slots[: 4 * (n % 2)], slots[4 * (n % 2):]))
+                elif what == "swap":  # one page, adopted or freed
+                    page = torch.tensor([n % 3])
+                    trail.append(core.swap(rid, page[: n % 2], page[n % 2:]))
                 elif what == "release":
-                    trail.append(core.release(rid, torch.arange(4 * (n % 2)), ReleaseReason.FINISHED))
+                    trail.append(core.release(rid, torch.arange(n % 2), ReleaseReason.FINISHED))
                 elif what == "load":
                     got = core.allocate_load(n)
                     if isinstance(got, torch.Tensor):
                         loads.append(got)
                     trail.append(got if not isinstance(got, torch.Tensor) else got.tolist())
                 elif loads:
-                    slots = loads[r % len(loads)]
-                    (core.adopt_loaded if what == "adopt" else core.free_tree)(slots)
+                    pages = loads[r % len(loads)]
+                    (core.adopt_loaded if what == "adopt" else core.free_tree)(pages)
                     trail.append(what)
             except (ValueError, RuntimeError) as err:
                 trail.append(f"{type(err).__name__}: {err}")

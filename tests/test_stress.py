@@ -1,5 +1,5 @@
 """Seeded randomised stress of the device ledger, the host state machine and the
-transfers, against a plain model of who owns which slot.
+transfers, against a plain model of who owns which page.
 
 One random program (`Program`) plays the scheduler and the tree: allocate,
 commit (writing fingerprint KV), release for all three reasons (the tree adopting
@@ -9,7 +9,9 @@ the plain cores directly (thousands of steps per seed) and the actors on threads
 (a shorter run). After every step the cores' invariants are checked and the
 counts by owner / state are compared with the model; every KV byte that moves
 is verified with the oracle; at the end everything is given back and every
-device and host slot must be free.
+device and host slot must be free. As in the messages, both backends name device
+and host memory by page numbers; the program turns pages into slots for the
+oracle and the copies.
 
 A failure names its seed: rerun with the same seed to reproduce it.
 """
@@ -28,6 +30,8 @@ from hicache.messages import ActorName, HostSlotState, Indices, LoadDone, Releas
 from hicache.runtime import Config, FailedTransfers, HostLayout
 from hicache.runtime.oracle import FingerprintOracle
 
+from conftest import pages_to_slots
+
 S = HostSlotState
 FAIL_EVERY = 11
 """Transfers whose op id is a multiple of this fail (injected on both backends)."""
@@ -38,40 +42,44 @@ def _fails(op: int) -> bool:
 
 
 class Backend(Protocol):
+    """Device and host memory named by page numbers (`allocate` answers each request's new pages)."""
+
     device_kv: Any
     host_kv: Any
 
     def allocate(self, demands: list[tuple[str, int]]) -> dict[str, list[int]] | tuple[int, int, int]: ...
     def commit(self, rid: str, n: int) -> tuple[int, int]: ...
     def release(self, rid: str, adopt: list[int], reason: ReleaseReason) -> tuple[int, int]: ...
-    def free_device(self, slots: list[int]) -> None: ...
+    def free_device(self, pages: list[int]) -> None: ...
     def allocate_load(self, n: int) -> list[int] | None: ...
-    def adopt_loaded(self, slots: list[int]) -> None: ...
+    def adopt_loaded(self, pages: list[int]) -> None: ...
     def host_allocate(self, n: int) -> list[int] | None: ...
-    def host_move(self, slots: list[int], state: HostSlotState) -> None: ...
-    def host_free(self, slots: list[int]) -> None: ...
+    def host_move(self, pages: list[int], state: HostSlotState) -> None: ...
+    def host_free(self, pages: list[int]) -> None: ...
     def write(self, op: int, device: list[int], host: list[int]) -> bool: ...
     def load(self, op: int, host: list[int], device: list[int]) -> bool: ...
     def counts(self) -> tuple[dict[PageOwner, int], tuple[int, ...]]: ...
 
 
-def _t(slots: list[int]) -> torch.Tensor:
-    return torch.tensor(slots, dtype=torch.int64)
+def _t(numbers: list[int]) -> torch.Tensor:
+    return torch.tensor(numbers, dtype=torch.int64)
 
 
 class CoreBackend:
-    """The plain cores, called directly; copies are `copy_kv` between their buffers."""
+    """The plain cores, called directly; copies are `copy_kv` between their buffers (on the
+    slots of the pages)."""
 
     def __init__(self, config: Config) -> None:
         self.device = DeviceCore(config)
         self.host = HostCore(config)
         self.device_kv, self.host_kv = self.device.kv, self.host.kv
+        self.p = config.page_size
 
     def allocate(self, demands: list[tuple[str, int]]) -> dict[str, list[int]] | tuple[int, int, int]:
-        got = self.device.allocate(demands)
+        got = self.device.allocate_pages(demands)
         if isinstance(got, Insufficient):
             return (got.requested_slots, got.free_slots, got.shortfall_slots)
-        return {rid: t.tolist() for rid, t in got.items()}
+        return {rid: idx.tolist() for rid, idx in got.items()}
 
     def commit(self, rid: str, n: int) -> tuple[int, int]:
         v = self.device.commit(rid, n)
@@ -81,32 +89,32 @@ class CoreBackend:
         v = self.device.release(rid, _t(adopt), reason)
         return v.allocated, v.freed
 
-    def free_device(self, slots: list[int]) -> None:
-        self.device.free_tree(_t(slots))
+    def free_device(self, pages: list[int]) -> None:
+        self.device.free_tree(_t(pages))
 
     def allocate_load(self, n: int) -> list[int] | None:
         got = self.device.allocate_load(n)
         return None if isinstance(got, Insufficient) else got.tolist()
 
-    def adopt_loaded(self, slots: list[int]) -> None:
-        self.device.adopt_loaded(_t(slots))
+    def adopt_loaded(self, pages: list[int]) -> None:
+        self.device.adopt_loaded(_t(pages))
 
     def host_allocate(self, n: int) -> list[int] | None:
         got = self.host.allocate(n)
         return None if got is None else got.tolist()
 
-    def host_move(self, slots: list[int], state: HostSlotState) -> None:
-        self.host.transition(_t(slots), state)
+    def host_move(self, pages: list[int], state: HostSlotState) -> None:
+        self.host.transition(_t(pages), state)
 
-    def host_free(self, slots: list[int]) -> None:
-        self.host.free(_t(slots))
+    def host_free(self, pages: list[int]) -> None:
+        self.host.free(_t(pages))
 
     def write(self, op: int, device: list[int], host: list[int]) -> bool:
         self.host_move(host, S.WRITING)
         if _fails(op):
             self.host_move(host, S.RESERVED)
             return False
-        copy_kv(self.device_kv, _t(device), self.host_kv, _t(host))
+        copy_kv(self.device_kv, pages_to_slots(device, self.p), self.host_kv, pages_to_slots(host, self.p))
         self.host_move(host, S.SYNCED)
         return True
 
@@ -116,7 +124,8 @@ class CoreBackend:
             self.host_move(host, S.HOST_ONLY)
             return False
         for layer in range(self.device_kv.shape.layers):
-            copy_kv(self.host_kv, _t(host), self.device_kv, _t(device), layer=layer)
+            copy_kv(self.host_kv, pages_to_slots(host, self.p), self.device_kv, pages_to_slots(device, self.p),
+                    layer=layer)
         self.host_move(host, S.SYNCED)
         return True
 
@@ -148,25 +157,25 @@ class ActorBackend:
         e = self.tree.release(rid, Indices.of(adopt), reason)
         return e.allocated, e.freed
 
-    def free_device(self, slots: list[int]) -> None:
-        self.tree.free_device(Indices.of(slots))
+    def free_device(self, pages: list[int]) -> None:
+        self.tree.free_device(Indices.of(pages))
 
     def allocate_load(self, n: int) -> list[int] | None:
         got = self.tree.allocate_load(n)
         return None if got is None else got.tolist()
 
-    def adopt_loaded(self, slots: list[int]) -> None:
-        self.tree.adopt_loaded(Indices.of(slots))
+    def adopt_loaded(self, pages: list[int]) -> None:
+        self.tree.adopt_loaded(Indices.of(pages))
 
     def host_allocate(self, n: int) -> list[int] | None:
         got = self.tree.host_allocate(n)
         return None if got is None else got.tolist()
 
-    def host_move(self, slots: list[int], state: HostSlotState) -> None:
-        self.tree.host_move(Indices.of(slots), state)
+    def host_move(self, pages: list[int], state: HostSlotState) -> None:
+        self.tree.host_move(Indices.of(pages), state)
 
-    def host_free(self, slots: list[int]) -> None:
-        self.tree.host_free(Indices.of(slots))
+    def host_free(self, pages: list[int]) -> None:
+        self.tree.host_free(Indices.of(pages))
 
     def write(self, op: int, device: list[int], host: list[int]) -> bool:
         return isinstance(self.tree.write(Indices.of(device), Indices.of(host), op_id=op), WriteDone)
@@ -189,13 +198,15 @@ class ActorBackend:
 @dataclass
 class _Request:
     tokens: list[int] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)
+    """Its pages in token order (the last one maybe partly allocated)."""
+    allocated: int = 0
     committed: int = 0
 
 
 @dataclass
 class _Block:
-    """A cached prefix the tree keeps: its device copy, its host copy, or both."""
+    """A cached prefix the tree keeps: its device pages, its host pages, or both."""
 
     tokens: list[int]
     device: list[int] | None
@@ -203,7 +214,7 @@ class _Block:
 
 
 class Program:
-    """The random scheduler-and-tree, with the model of every slot's owner."""
+    """The random scheduler-and-tree, with the model of every page's owner."""
 
     def __init__(self, backend: Backend, config: Config, seed: int) -> None:
         self.b = backend
@@ -225,9 +236,10 @@ class Program:
     # -- the model ------------------------------------------------------------------
 
     def expected(self) -> tuple[dict[PageOwner, int], tuple[int, ...]]:
+        """Slots by device owner and by host state (the cores count slots)."""
         p = self.p
-        request = sum(-(-len(r.slots) // p) * p for r in self.live.values())
-        tree = sum(len(b.device) for b in self.blocks if b.device is not None)
+        request = sum(len(r.pages) * p for r in self.live.values())
+        tree = sum(len(b.device) * p for b in self.blocks if b.device is not None)
         device = {
             PageOwner.FREE: self.cfg.device_slots - request - tree,
             PageOwner.REQUEST: request,
@@ -235,9 +247,9 @@ class Program:
             PageOwner.LOADING: 0,
         }
         host = [0] * len(S)
-        host[S.RESERVED] = sum(len(r) for r in self.reserved)
-        host[S.SYNCED] = sum(len(b.host) for b in self.blocks if b.host is not None and b.device is not None)
-        host[S.HOST_ONLY] = sum(len(b.host) for b in self.blocks if b.host is not None and b.device is None)
+        host[S.RESERVED] = sum(len(r) * p for r in self.reserved)
+        host[S.SYNCED] = sum(len(b.host) * p for b in self.blocks if b.host is not None and b.device is not None)
+        host[S.HOST_ONLY] = sum(len(b.host) * p for b in self.blocks if b.host is not None and b.device is None)
         host[S.FREE] = self.cfg.host_slots - sum(host)
         return device, tuple(host)
 
@@ -245,9 +257,16 @@ class Program:
         assert self.b.counts() == self.expected(), f"after {what}"
 
     def _device_owned(self) -> set[int]:
-        owned = {s // self.p for r in self.live.values() for s in r.slots}
-        owned |= {s // self.p for b in self.blocks if b.device is not None for s in b.device}
+        owned = {pg for r in self.live.values() for pg in r.pages}
+        owned |= {pg for b in self.blocks if b.device is not None for pg in b.device}
         return owned
+
+    def _slots(self, pages: list[int]) -> torch.Tensor:
+        return pages_to_slots(pages, self.p)
+
+    def _request_slots(self, req: _Request, start: int, stop: int) -> torch.Tensor:
+        """The slots of the request's tokens `start .. stop`."""
+        return self._slots(req.pages)[start:stop]
 
     def _new_tokens(self, n: int) -> list[int]:
         return [self.rng.randrange(30_000) for _ in range(n)]
@@ -275,10 +294,11 @@ class Program:
                 self.rids += 1
                 rid = f"r{self.rids}"
             demands[rid] = rng.randint(0, 3 * p)
-        need = 0
+        wanted = {}
         for rid, n in demands.items():
-            have = len(self.live[rid].slots) if rid in self.live else 0
-            need += -(-max(0, n - (-have) % p) // p)
+            have = self.live[rid].allocated if rid in self.live else 0
+            wanted[rid] = -(-max(0, n - (-have) % p) // p)  # what the last partial page cannot hold
+        need = sum(wanted.values())
         free_pages = self.expected()[0][PageOwner.FREE] // p
         before = self._device_owned()
         got = self.b.allocate(list(demands.items()))
@@ -290,33 +310,29 @@ class Program:
         for rid, n in demands.items():
             req = self.live.setdefault(rid, _Request())
             self.retracted.discard(rid)
-            slots = got[rid]
-            assert len(slots) == n
-            spare = (-len(req.slots)) % p
-            if spare and n:
-                last = req.slots[-1]
-                assert slots[: min(spare, n)] == list(range(last + 1, last + 1 + min(spare, n)))
-            new_pages |= {s // p for s in slots[spare:]}
-            req.slots += slots
+            assert len(got[rid]) == wanted[rid], "a grant names the request's new pages only"
+            new_pages |= set(got[rid])
+            req.pages += got[rid]
+            req.allocated += n
             req.tokens += self._new_tokens(n)
         assert not new_pages & before, "allocation handed out a page that has an owner"
         assert len(new_pages) == need
 
     def commit(self) -> None:
-        open_ = [rid for rid, r in sorted(self.live.items()) if r.committed < len(r.slots)]
+        open_ = [rid for rid, r in sorted(self.live.items()) if r.committed < r.allocated]
         if not open_:
             return
         rid = self.rng.choice(open_)
         req = self.live[rid]
-        room = len(req.slots) - req.committed
+        room = req.allocated - req.committed
         if self.rng.random() < 0.05:
             with pytest.raises(LedgerError, match=f"request '{rid}': committing {room + 1} more slots"):
                 self.b.commit(rid, room + 1)
             return
         n = self.rng.randint(1, room)
         start = req.committed
-        self.oracle.write(self.b.device_kv, req.tokens, _t(req.slots[start : start + n]), start=start)
-        assert self.b.commit(rid, n) == (len(req.slots), start + n)
+        self.oracle.write(self.b.device_kv, req.tokens, self._request_slots(req, start, start + n), start=start)
+        assert self.b.commit(rid, n) == (req.allocated, start + n)
         req.committed += n
 
     def release(self) -> None:
@@ -327,14 +343,14 @@ class Program:
 
     def _release(self, rid: str, reason: ReleaseReason) -> None:
         req = self.live.pop(rid)
-        k = self.rng.randint(0, req.committed // self.p) * self.p
-        adopt = req.slots[:k]
+        k = self.rng.randint(0, req.committed // self.p)  # whole committed pages the tree adopts
+        adopt = req.pages[:k]
         if k:
-            self.oracle.verify(self.b.device_kv, req.tokens, _t(adopt))
-        assert self.b.release(rid, adopt, reason) == (len(req.slots), len(req.slots))
-        self.done[rid] = len(req.slots)
+            self.oracle.verify(self.b.device_kv, req.tokens, self._slots(adopt))
+        assert self.b.release(rid, adopt, reason) == (req.allocated, req.allocated)
+        self.done[rid] = req.allocated
         if k:
-            self.blocks.append(_Block(req.tokens[:k], adopt, None))
+            self.blocks.append(_Block(req.tokens[: k * self.p], adopt, None))
         (self.retracted if reason is ReleaseReason.RETRACTED else self.final).add(rid)
         if reason is not ReleaseReason.RETRACTED:
             self.retracted.discard(rid)
@@ -359,7 +375,7 @@ class Program:
             self.reserved.append(host)  # RESERVED again: its bytes are not valid
             return
         block.host = host
-        self.oracle.verify(self.b.host_kv, block.tokens, _t(host))
+        self.oracle.verify(self.b.host_kv, block.tokens, self._slots(host))
 
     def evict_device(self) -> None:
         todo = [b for b in self.blocks if b.device is not None]
@@ -392,7 +408,7 @@ class Program:
             return
         self.b.adopt_loaded(device)
         block.device = device
-        self.oracle.verify(self.b.device_kv, block.tokens, _t(device))
+        self.oracle.verify(self.b.device_kv, block.tokens, self._slots(device))
 
     def drop_host(self) -> None:
         todo = [b for b in self.blocks if b.host is not None]
@@ -417,7 +433,7 @@ class Program:
             self.reserved.append(host)
             return
         tokens = self._new_tokens(n)
-        self.oracle.write(self.b.host_kv, tokens, _t(host))
+        self.oracle.write(self.b.host_kv, tokens, self._slots(host))
         self.b.host_move(host, S.HOST_ONLY)
         self.blocks.append(_Block(tokens, None, host))
 
@@ -437,16 +453,16 @@ class Program:
         if free_pages:
             page = self.rng.choice(free_pages)
             with pytest.raises(SlotStateError, match=r"double free\?"):
-                self.b.free_device(list(range(page * self.p, (page + 1) * self.p)))
+                self.b.free_device([page])
 
     def verify_some_block(self) -> None:
         if not self.blocks:
             return
         block = self.rng.choice(self.blocks)
         if block.device is not None:
-            self.oracle.verify(self.b.device_kv, block.tokens, _t(block.device))
+            self.oracle.verify(self.b.device_kv, block.tokens, self._slots(block.device))
         if block.host is not None:
-            self.oracle.verify(self.b.host_kv, block.tokens, _t(block.host))
+            self.oracle.verify(self.b.host_kv, block.tokens, self._slots(block.host))
 
     # -- the run --------------------------------------------------------------------
 
