@@ -49,6 +49,11 @@ def _parser() -> argparse.ArgumentParser:
                     help="print that actor's state where replay stopped")
     rp.add_argument("--json", action="store_true", help="print one JSON object")
 
+    sk = sub.add_parser("soak", help="a long mixed workload with faults and L3, printing memory, threads and fds")
+    sk.add_argument("--minutes", type=float, default=30.0, help="how long to run (default 30)")
+    sk.add_argument("--every-s", type=float, default=60.0, help="seconds between samples (default 60)")
+    sk.add_argument("--seed", type=int, default=0, help="seeds the faults and the policies (default 0)")
+
     bench = sub.add_parser("bench", help="benchmarks, each measured side by side in one run")
     bsub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
     tr = bsub.add_parser("transfer", help="D2H/H2D throughput of the stream actors vs a raw copy")
@@ -93,6 +98,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_demo(requests=args.requests, as_json=args.json, cost=cost, log_path=args.log,
                         storage=args.storage, mooncake_master=args.mooncake_master,
                         mooncake_metadata=args.mooncake_metadata)
+    if args.command == "soak":
+        from ._soak import run_soak
+
+        return run_soak(minutes=args.minutes, every_s=args.every_s, seed=args.seed)
     if args.command == "replay":
         from ._replay_cli import run_replay
 
