@@ -18,7 +18,7 @@ from hicache.messages import ENUM_TYPES, MESSAGE_TYPES
 
 PACKAGES = (hicache.actors, hicache.messages, hicache.runtime)
 
-COMMAND_MODULES = ("_demo", "_bench_", "_explore_cli", "_replay_cli")
+COMMAND_MODULES = ("_demo", "_bench_", "_explore_cli", "_replay_cli", "_soak")
 """Private modules that implement a `hicache` command; reached through `hicache.runtime.cli`."""
 
 INTERNAL = {
