@@ -156,6 +156,8 @@ class HostInsert:
     """Host-only nodes created for them (their pages are the tree's now)."""
     unused: list[Indices]
     """Pages not taken: those the tree already held, and those past a node that is not backed up."""
+    last: Node | None = None
+    """The deepest node the walk reached (the last new one, or the last it went through)."""
 
 
 @dataclass(slots=True)
@@ -516,48 +518,57 @@ class RadixTree:
         return node
 
     def insert_host(
-        self, anchor: Node, tokens: Indices, host: Indices, hashes: tuple[int, ...] | None = None
+        self, anchor: Node, tokens: Indices, host: Indices, hashes: tuple[int, ...] | None = None, *, held: int = 0
     ) -> HostInsert:
-        """Attach pages that arrived from storage below `anchor` (whose end they follow) as
-        host-only nodes. Pages already in the tree are not taken; the walk stops at a node
-        that is not backed up, since a host-only child under it would break backup
-        prefix-closure, and the pages past it are not taken either. `hashes`, when the caller
-        has them (the prefetch's page keys), are those of `tokens`' pages: kept, not recomputed."""
-        p = self.page_size
-        u = self.index_tokens
-        if len(tokens) % p or len(host) * u != len(tokens):
-            raise ValueError(f"insert_host needs whole pages and an index per {u} tokens, got {len(tokens)} "
-                             f"tokens, {len(host)} indices")
+        """Attach pages that arrived from storage below `anchor` (whose end `tokens` follow) as
+        host-only nodes. The first `held` tokens were in device or host memory when the pages
+        were asked for (nothing was read for them; `host` holds the pages of `tokens[held:]`):
+        they must still be in the tree, backed up, for the pages after them to attach. Pages
+        already in the tree are not taken; the walk stops at a node that is not backed up, since
+        a host-only child under it would break backup prefix-closure, and the pages past it are
+        not taken either. `hashes`, when the caller has them (the prefetch's page keys), are
+        those of `tokens`' pages: kept, not recomputed."""
+        p, u = self.page_size, self.index_tokens
+        n = len(tokens)
+        if n % p or held % p or len(host) * u != n - held:
+            raise ValueError(f"insert_host needs whole pages and an index per {u} tokens past the {held} held, "
+                             f"got {n} tokens, {len(host)} indices")
         if not anchor.alive or not (anchor.is_root or anchor.state in BACKED):
             raise InvariantError(f"prefetch anchor {anchor} must be alive and backed up (or a root)")
         self._tick += 1
         out = HostInsert(new=[], unused=[])
         data, step = tokens.to_bytes(), self._page_bytes
-        node, pos, n = anchor, 0, len(tokens)
+        node, pos = anchor, 0
         while pos < n:
             at = 8 * pos
             child = node.children.get(data[at : at + step])
             if child is None:
+                if pos < held:  # a held page is gone: what follows has nowhere to hang
+                    break
                 new = self._new_node(node, data[at:], NodeState.HOST_ONLY, 0)
-                new.host = host[pos // u : n // u]
+                new.host = host[(pos - held) // u :]
                 new.stored = True
                 if hashes is not None:
                     new.chained = hashes[pos // p :]
                 self._attach(new)
                 out.new.append(new)
+                out.last = new
                 return out
             if child.state not in BACKED:
                 break
             same = self._common(child.key, data, at, len(data))
+            if pos < held < pos + same:
+                same = held - pos  # the held part and the read part in separate nodes
             if same < child.tokens:
                 child = self.split(child, same)
             child.last_access = self._tick
             self.offer(child)
-            out.unused.append(host[pos // u : (pos + child.tokens) // u])
+            if pos >= held:
+                out.unused.append(host[(pos - held) // u : (pos - held + child.tokens) // u])
             pos += child.tokens
-            node = child
+            node = out.last = child
         if pos < n:
-            out.unused.append(host[pos // u : n // u])
+            out.unused.append(host[max(0, pos - held) // u :])
         return out
 
     def chain(self, node: Node, tokens: Indices) -> tuple[int, ...]:

@@ -39,6 +39,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Callable, Sequence
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from hicache.messages import (
@@ -91,6 +92,11 @@ DEVICE, HOST, WRITE, LOAD, FACADE = ActorName.DEVICE, ActorName.HOST, ActorName.
 PREFETCH = ActorName.PREFETCH
 
 _THRESHOLD = {WritePolicy.WRITE_THROUGH: 1, WritePolicy.WRITE_THROUGH_SELECTIVE: 2}
+
+SETTLED_HELD_MAX = 4096
+"""Ready requests whose settled prefetch pages are held in host memory for them at once; past
+it, the oldest hold is dropped (a scheduler that never admits a ready request must not pin
+host memory for ever)."""
 
 
 class HandleError(RuntimeError):
@@ -170,12 +176,16 @@ class _Prefetch:
     op: int
     request_id: str
     anchor: Node
-    """A backed-up node (or a root), host-pinned until settled: the pages follow its end."""
+    """A backed-up node (or a root), host-pinned until settled: `tokens` follow its end."""
     tokens: Tokens
-    """Tokens of the prefetched pages (whole pages)."""
+    """From the anchor's end: the `held` tokens the cache had, then the prefetched pages."""
+    held: int
+    """Tokens after the anchor that were in device or host memory: not read from storage (the
+    pages attach after them once they are backed up)."""
     hashes: tuple[int, ...]
-    """Their page hashes (the nodes they become keep them)."""
+    """The page hashes of `tokens` (the nodes they become keep them)."""
     keys: tuple[str, ...]
+    """Storage keys of the prefetched pages only."""
     reserved: int
     """Host tokens reserved for it (counted in the host mirror)."""
     started: float
@@ -188,7 +198,6 @@ class _Prefetch:
     """Agreed leading pages storage holds (-1: not agreed yet)."""
     read: int = 0
     """Pages the prefetcher was told to read (they are PREFETCHING)."""
-    local_pages: int = 0
     local_finished: bool = False
     stopping: bool = False
     stopped: int = -1
@@ -251,6 +260,9 @@ class TreeCore:
         self._terminations: dict[int, _Termination] = {}
         self._termination_of: dict[int, int] = {}
         self._stores: dict[int, Node] = {}
+        self._settled: OrderedDict[str, Node] = OrderedDict()
+        """Per ready request, the deepest node its settled prefetch reached, host-pinned until
+        the request is admitted or leaves (`SETTLED_HELD_MAX` at most)."""
         self._last_reservation = (0, 0)
         """The last prefetch reservation: (reserved, what the shrink-to-fit rule prescribes)."""
 
@@ -274,6 +286,7 @@ class TreeCore:
 
     def _plan_admission(self, items: Sequence[AdmitItem], plans: list[_Plan], quota: int) -> None:
         for item in items:
+            self._release_settled(item.request_id)  # its lock holds what it uses from now on
             path = self.tree.match(item.namespace, item.tokens)
             planned = {nd.id for p in plans for nd in p.load_nodes}  # after this match's splits
             dev = [nd for nd in path if nd.state in RESIDENT or nd.id in planned]
@@ -572,8 +585,9 @@ class TreeCore:
         if n - matched < threshold:
             return 0
         anchor, start = self._anchor(item.namespace, path)
-        # The rate limit, like the host space below: shrink to what it leaves while that is worth it.
-        want = self._reserve(n - start, self._rate_room(), new_from=matched - start)
+        # Only what L1 and L2 miss is read; the rate limit, like the host space below, shrinks it
+        # to what it leaves while that is worth it.
+        want = self._reserve(n - matched, self._rate_room())
         if not want:
             self.n.prefetch_skipped += 1
             return 0
@@ -581,19 +595,20 @@ class TreeCore:
         if self.host_free < want:
             self._evict_host(want - self.host_free)
         free = self.host_free
-        got = self._reserve(want, free, new_from=matched - start)
+        got = self._reserve(want, free)
         fit = free - free % p  # the rule, restated for check_invariants: all, else shrink if worth it
-        self._last_reservation = (got, want if want <= free else fit if fit - (matched - start) >= threshold else 0)
+        self._last_reservation = (got, want if want <= free else fit if fit >= threshold else 0)
         want = got
         if not want:
             self.tree.pin_host(anchor, -1)
             self.n.prefetch_skipped += 1
             return 0
-        op = self._next_id()
-        toks = tokens[start : start + want]
+        self._back_up_held(path, anchor)
+        op, held = self._next_id(), matched - start
+        toks = tokens[start : matched + want]
         hashes = self.tree.chain(anchor, toks)
-        keys = tuple(page_keys(hashes, cfg.tp_rank))
-        pf = _Prefetch(op, item.request_id, anchor, toks, hashes, keys,
+        keys = tuple(page_keys(hashes[held // p :], cfg.tp_rank))
+        pf = _Prefetch(op, item.request_id, anchor, toks, held, hashes, keys,
                        want, self._now(), self._timeout(want))
         self._prefetches[op] = pf
         self._prefetch_of[item.request_id] = op
@@ -603,6 +618,32 @@ class TreeCore:
         self.facts.expect("hit", op)
         self._emit(HOST, AllocateHost(op_id=op, tokens=want))
         return want
+
+    def _back_up_held(self, path: list[Node], anchor: Node) -> None:
+        """Start the backups of the matched nodes after the anchor that are in device memory
+        only: the prefetched pages attach after them once they are backed up (a host-only node
+        never hangs under one that is not)."""
+        if not self.config.host_tier:
+            return
+        after = anchor.is_root
+        for nd in path:
+            if after and nd.state is NodeState.DEVICE and not nd.op and not self._start_backup(nd, evict_after=False):
+                return
+            after = after or nd is anchor
+
+    def _hold_settled(self, request_id: str, node: Node) -> None:
+        """Keep what a settled prefetch brought (and the path to it) in host memory until its
+        request is admitted or leaves: host eviction must not undo the read before it is used."""
+        self._release_settled(request_id)
+        self.tree.pin_host(node, +1)
+        self._settled[request_id] = node
+        while len(self._settled) > SETTLED_HELD_MAX:  # a request never admitted must not pin forever
+            self.tree.pin_host(self._settled.popitem(last=False)[1], -1)
+
+    def _release_settled(self, request_id: str) -> None:
+        node = self._settled.pop(request_id, None)
+        if node is not None:
+            self.tree.pin_host(node, -1)
 
     def _anchor(self, namespace: str, path: list[Node]) -> tuple[Node, int]:
         """The deepest backed-up node of the match (eviction can never delete it), or the root;
@@ -619,14 +660,14 @@ class TreeCore:
         cfg = self.config
         return int(cfg.prefetch_rate_fraction * cfg.host_slots) - self._prefetch_tokens
 
-    def _reserve(self, want: int, room: int, *, new_from: int) -> int:
+    def _reserve(self, want: int, room: int) -> int:
         """Tokens to reserve for a prefetch of `want` within `room` (free host space, or what the
-        rate limit leaves; 0: none): all of it if it fits, else the page-aligned room if its pages
-        past `new_from` still meet the threshold (seed 002: shrink rather than give up)."""
+        rate limit leaves; 0: none): all of it if it fits, else the page-aligned room if that
+        still meets the threshold (SGLang's prefetch shrink-to-fit: shrink rather than give up)."""
         if want <= room:
             return want
         fit = room - room % self.page_size
-        return fit if fit - new_from >= self.config.prefetch_threshold_pages * self.page_size else 0
+        return fit if fit >= self.config.prefetch_threshold_pages * self.page_size else 0
 
     def _timeout(self, tokens: int) -> float:
         cfg = self.config
@@ -667,7 +708,7 @@ class TreeCore:
     def on_prefetch_progress(self, op: int, pages: int, finished: bool) -> None:
         pf = self._prefetches.get(op)
         if pf is not None:
-            pf.local_pages, pf.local_finished = pages, finished
+            pf.local_finished = finished
 
     def prefetch_states(self, request_ids: Sequence[str]) -> tuple[bool, ...]:
         """Per request: may its prefetch terminate now by this rank's view (no prefetch: yes)?"""
@@ -693,6 +734,7 @@ class TreeCore:
             op = self._prefetch_of.get(rid, 0)
             t.ops.append(op)
             if not op:
+                self._release_settled(rid)  # a ready request that leaves before admission
                 continue
             pf = self._prefetches[op]
             if pf.stopping:
@@ -748,13 +790,17 @@ class TreeCore:
         kept = 0
         if pf.host is not None:
             if keep:
-                res = self.tree.insert_host(pf.anchor, pf.tokens[:keep], pf.host[:pages], pf.hashes[:pages])
+                held = pf.held
+                res = self.tree.insert_host(pf.anchor, pf.tokens[: held + keep], pf.host[:pages],
+                                            pf.hashes[: (held + keep) // p], held=held)
                 for nd in res.new:
                     kept += nd.tokens
                 new = _cat([nd.host for nd in res.new])
                 if len(new):
                     self._emit(HOST, SetHostState(pages=new, state=HostSlotState.HOST_ONLY))
                 unused.extend(res.unused)
+                if res.last is not None and kept and pf.reason not in (PrefetchEnd.ABORTED, PrefetchEnd.RETRACTED):
+                    self._hold_settled(pf.request_id, res.last)  # for the admission that follows
             read = pf.host[pages : pf.read]  # read (or being read) and not kept
             if len(read):
                 unused.append(read)
@@ -1078,7 +1124,7 @@ class TreeCore:
         """No handle held and nothing in flight."""
         return not (self._handles or self._writes or self._loads or self._admissions
                     or self._finishes or self._swaps or self._evictions or self._prefetches
-                    or self._stores or self._terminations or self.facts.pending())
+                    or self._stores or self._terminations or self._settled or self.facts.pending())
 
     def digest(self, op_id: int) -> None:
         """A digest of the logical state: nodes (pages, state, locks, pins, storage), in-flight
@@ -1148,7 +1194,10 @@ class TreeCore:
         for handle, h in self._handles.items():
             if h.node is not None and (not h.node.alive or h.node.lock_ref <= 0):
                 raise InvariantError(f"tree: handle {handle} of {h.request_id!r} holds {h.node}, not alive and locked")
-        if not self._prefetches and not self._stores:
+        for rid, node in self._settled.items():
+            if not node.alive or node.host_ref <= 0:
+                raise InvariantError(f"tree: what the prefetch of {rid!r} settled into ({node}) must be alive and pinned")
+        if not self._prefetches and not self._stores and not self._settled:
             pinned = [nd for nd in self.tree.walk() if nd.host_ref]
             if pinned:
                 raise InvariantError(f"tree: no prefetch and no backup to storage in flight, yet {pinned[:3]} are "

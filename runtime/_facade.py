@@ -367,7 +367,8 @@ class HiCache:
 
     def _settled(self, ids: list[str], tokens: Sequence[int], reason: PrefetchEnd) -> dict[str, int]:
         for rid, n in zip(ids, tokens, strict=True):
-            del self._prefetching[rid]
+            self._prefetching.pop(rid, None)
+            self._stored.pop(rid, None)
             if reason is PrefetchEnd.ABORTED:
                 self._end(rid, ReleaseReason.ABORTED)
             elif reason is PrefetchEnd.BEST_EFFORT and n:
@@ -533,9 +534,9 @@ class HiCache:
             # Only abort and retract take ids (of prefetching requests); finish needs handles.
             queued = [r for r in items if isinstance(r, str)] if reason is not ReleaseReason.FINISHED else []
             for rid in queued:
-                if rid not in self._prefetching:
-                    raise RequestError(f"request {rid!r} has no prefetch in flight; pass the CacheHandle of an "
-                                       "admitted request instead of its id")
+                if rid not in self._prefetching and rid not in self._stored:
+                    raise RequestError(f"request {rid!r} has no prefetch in flight or settled for it; pass the "
+                                       "CacheHandle of an admitted request instead of its id")
             if len(set(queued)) != len(queued):
                 raise RequestError(f"a request appears twice in one call: {queued}")
             hs = self._check_handles([r for r in items if not isinstance(r, str) or reason is ReleaseReason.FINISHED])

@@ -247,7 +247,7 @@ class _PrefetcherFrees(StoragePrefetcherActor):
 
 
 class _GiveUpCore(TreeCore):
-    def _reserve(self, want: int, free: int, *, new_from: int) -> int:
+    def _reserve(self, want: int, free: int) -> int:
         return want if want <= free else 0
 
 

@@ -610,7 +610,7 @@ def test_abort_or_retract_mid_prefetch_releases_it_through_the_one_settle_path(
     assert b.hc.prefetch([Request("q", PROMPT)]) == {"q": 40}
     statistics_when(b.raw, lambda s: s.prefetch.pages_read == 2, "the first read step")
     assert b.hc.ready(["q"]) == {}  # still reading
-    with pytest.raises(RequestError, match="request 'nope' has no prefetch in flight"):
+    with pytest.raises(RequestError, match="request 'nope' has no prefetch in flight or settled for it"):
         getattr(b.hc, leave)(["nope"])
     with pytest.raises(RequestError, match="expected a CacheHandle"):
         b.hc.finish(["q"])
@@ -977,15 +977,51 @@ def test_a_prefetch_pins_its_anchor_until_settled_and_its_pages_load_back_exactl
     assert p.tree.prefetch_states(["q"]) == (True,)
     assert p.stopped(p.terminate(["q"])) == (8,)
     assert p.settle(["q"], [8]) == (32,)
-    assert anchor.host_ref == 0
     node = p.node(PROMPT)
     assert (node.state, node.parent, node.tokens, node.stored) == (NodeState.HOST_ONLY, anchor, 32, True)
+    assert (anchor.host_ref, node.host_ref) == (1, 1)  # the settled pages are held for q's admission
+    assert p.evict_host(1000) == 0
 
     [q] = p.admit(("q", PROMPT))
+    assert (anchor.host_ref, node.host_ref) == (0, 0)  # from here on q's lock holds what it uses
     assert (q.device_hit, q.host_hit) == (0, 40)
     p.complete_loads()
     p.oracle.verify(p.device.kv, PROMPT, q.slots)
     p.finish(q)
+    p.assert_idle()
+
+
+def test_a_prefetch_reads_only_pages_missing_from_l1_and_l2_and_attaches_them_once_the_rest_is_backed_up(
+    storage_player: Callable[..., StoragePlayer],
+) -> None:
+    p = storage_player(write_policy="write_through_selective")  # a node is backed up on its second hit
+    p.stored.update(p.keys_of(PROMPT))
+    for rid in ("a", "a2"):
+        p.finish(p.run(rid, PROMPT[:8]))
+    p.complete_writes()
+    p.land_backups()
+    p.finish(p.run("b", PROMPT[:16]))  # one hit: pages 2-3 are in device memory only
+    anchor, held = p.node(PROMPT[:8]), p.node(PROMPT[:16])
+    assert (anchor.state, held.state) == (NodeState.SYNCED, NodeState.DEVICE)
+
+    mark = len(p.sent)
+    assert p.prefetch("q", PROMPT) == 24  # the six pages L1 and L2 miss, not the two in device memory
+    [op] = p.keys
+    assert list(p.keys[op]) == p.keys_of(PROMPT)[4:]
+    assert held.state is NodeState.WRITING  # backed up now, so that the read pages can hang under it
+    assert [m.tokens for m in p.sent_since(mark, AllocateHost)] == [8, 24]
+    p.complete_writes()
+    p.read(op, 6, PROMPT, 16)
+    assert p.stopped(p.terminate(["q"])) == (6,)
+    assert p.settle(["q"], [6]) == (24,)
+    node = p.node(PROMPT)
+    assert (node.state, node.parent, node.tokens) == (NodeState.HOST_ONLY, held, 24)
+    [q] = p.admit(("q", PROMPT))
+    assert (q.device_hit, q.host_hit) == (16, 24)
+    p.complete_loads()
+    p.oracle.verify(p.device.kv, PROMPT, q.slots)
+    p.finish(q)
+    p.land_backups()
     p.assert_idle()
 
 
@@ -1058,6 +1094,9 @@ def test_overlapping_prefetches_keep_each_page_once_and_free_the_duplicates(
     p.complete_loads()
     p.oracle.verify(p.device.kv, other, r.slots)
     p.finish(r)
+    assert not p.tree.idle()  # q's settled pages are held for its admission...
+    assert p.stopped(p.terminate(["q"])) == (0,)  # ...until it leaves without one
+    assert p.settle(["q"], [0]) == (0,)
     p.assert_idle()
 
 

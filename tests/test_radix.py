@@ -504,8 +504,24 @@ def test_insert_host_takes_one_host_page_per_page_and_leaves_those_the_tree_hold
     assert new.host.tolist() == [42, 43]  # type: ignore[union-attr]
     assert [u.tolist() for u in out.unused] == [[40, 41]]  # the pages of the tokens the tree held
     assert tree.host_tokens == 16
-    with pytest.raises(ValueError, match="an index per 4 tokens, got 8 tokens, 8 indices"):
+    with pytest.raises(ValueError, match="an index per 4 tokens past the 0 held, got 8 tokens, 8 indices"):
         tree.insert_host(tree.root(""), toks(8), pages(8, 100))
+
+
+def test_insert_host_walks_the_held_tokens_without_pages_and_attaches_the_read_ones_after(tree: Any) -> None:
+    [node] = tree.insert("", toks(8), pages(2)).path
+    back_up(tree, node, pages(2, 25))
+    out = tree.insert_host(tree.root(""), toks(16), pages(2, 40), held=8)  # pages only for tokens 8..15
+    [new] = out.new
+    assert new.parent is node and new.host.tolist() == [40, 41] and out.unused == []  # type: ignore[union-attr]
+    assert out.last is new
+    # a held part the tree lost, or one that is not backed up: nothing after it attaches
+    [lone] = tree.insert("", toks(4, start=200), pages(1, 60)).path  # device only
+    out = tree.insert_host(tree.root(""), toks(12, start=200), pages(2, 70), held=4)
+    assert out.new == [] and [u.tolist() for u in out.unused] == [[70, 71]] and lone.children == {}
+    out = tree.insert_host(tree.root(""), toks(12, start=500), pages(2, 80), held=4)
+    assert out.new == [] and [u.tolist() for u in out.unused] == [[80, 81]]
+    tree.check_invariants()
 
 
 def test_insert_host_takes_no_page_past_a_node_that_is_not_backed_up(tree: Any) -> None:
