@@ -90,7 +90,7 @@ class HostCore:
         pages = self._pool.alloc(n // self.page_size)
         if pages is None:
             return None
-        self._move(pages, HostSlotState.RESERVED, "allocate")
+        self._move(pages, HostSlotState.RESERVED, "allocate", fresh=True)
         return indices_of(pages)
 
     def transition(self, pages: Slots, to: HostSlotState) -> None:
@@ -128,17 +128,24 @@ class HostCore:
             if bool((self._state[free_pages] != HostSlotState.FREE).any()) or len(torch.unique(free_pages)) != len(free_pages):
                 raise InvariantError("host: the free list holds a page that is not FREE, or a page twice")
 
-    def _move(self, pages: Ints, to: HostSlotState, what: str, rules: _Rules = _LEGAL) -> None:
+    def _move(self, pages: Ints, to: HostSlotState, what: str, rules: _Rules = _LEGAL, *, fresh: bool = False) -> None:
+        """Move `pages` to `to` if every move is legal, else change nothing and say why.
+        `fresh`: pages the free list just handed out (distinct and in range by its invariant)."""
         if isinstance(pages, list):
             if holds(self._state_bytes, pages, rules.sources[to]):
                 put(self._state_bytes, self._state, pages, to)
                 return
             pages = as_tensor(pages)  # refused: the check below names why
-        if not within(pages, self._pages):
+        if not fresh and not within(pages, self._pages):
             raise SlotStateError(f"host {what}: page number out of range 0..{self._pages - 1}")
-        if not self._distinct(pages):
+        if not fresh and not self._distinct(pages):
             raise SlotStateError(f"host {what}: a page appears twice in one call")
-        have = self._state.index_select(0, pages).to(torch.int64)
+        have = self._state.index_select(0, pages)
+        low, high = (int(x) for x in torch.aminmax(have)) if len(have) else (0, 0)
+        if low == high and (not len(have) or low in rules.sources[to]):  # pages moved together: one state
+            put(self._state_bytes, self._state, pages, to)
+            return
+        have = have.to(torch.int64)
         legal = rules.table[have, int(to)]
         if not bool(legal.all()):
             bad = (~legal).nonzero().flatten()

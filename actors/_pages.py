@@ -95,8 +95,11 @@ def put(table: bytearray | array, view: torch.Tensor, at: Ints, value: int) -> N
 
 
 def within(at: torch.Tensor, size: int) -> bool:
-    """Whether every number of `at` is a position of a table of `size` (two reductions)."""
-    return not len(at) or (int(at.min()) >= 0 and int(at.max()) < size)
+    """Whether every number of `at` is a position of a table of `size` (one reduction)."""
+    if not len(at):
+        return True
+    low, high = torch.aminmax(at)
+    return int(low) >= 0 and int(high) < size
 
 
 class Distinct:
