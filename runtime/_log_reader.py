@@ -137,6 +137,10 @@ class Blobs(Mapping[int, bytes]):
         self._data[number] = data
         self._held_bytes += len(data)
 
+    @property
+    def held_bytes(self) -> int:
+        return self._held_bytes
+
     def trim(self) -> None:
         data = self._data
         while self._held_bytes > self._held_bytes_max:
@@ -210,7 +214,7 @@ class LogReader:
         except OSError as err:
             raise ReplayLogError(f"{self.path}: cannot read: {err.strerror}") from None
         self.bytes_read += len(raw)
-        if not raw.strip():
+        if not raw:
             raise self._error(1, "the log is empty")
         if not raw.endswith(b"\n"):
             if len(raw) > HEADER_BYTES_MAX:
