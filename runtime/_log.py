@@ -29,8 +29,8 @@ Line kinds (the `event` field):
   were given out. A log without it was not closed: its run crashed, or is running.
 
 Every line starts with its number `n` (the header is 1) and ends with `crc`, the
-CRC-32 of the line's text before `,"crc":` as eight hex digits: a reader tells a
-changed, lost or reordered line from a log that is merely cut short.
+CRC-32 of the line's text before `,"crc":`, in lowercase hex without leading zeros:
+a reader tells a changed, lost or reordered line from a log that is merely cut short.
 
 Everything a run depends on from outside the actors is in the log: the calls of
 the facade are deliveries from `facade`, their results are deliveries to it or
@@ -81,9 +81,7 @@ log (stopping the System) writes them all; a process killed hard (SIGKILL, a cra
 code) loses at most this much of the end of its log."""
 
 SEAL = b',"crc":"'
-"""What comes between a line's fields and its checksum."""
-SEAL_BYTES = len(SEAL) + 8 + 2
-"""The checksum's bytes at the end of a line (newline aside): `,"crc":"` 8 hex digits `"}`."""
+"""What comes between a line's fields and its checksum: `,"crc":"` 1 to 8 lowercase hex digits `"}`."""
 
 log = structlog.get_logger("hicache.log")
 
@@ -173,7 +171,7 @@ class _LineWriter:
             if self.closed:
                 return
             if last is not None:
-                self.seal_locked((last[1:-1],))
+                self.seal_locked([b"", last[1:-1]])
             self.closed = True
             try:
                 self._file.close()
@@ -189,27 +187,35 @@ class _LineWriter:
                 except OSError as err:
                     self._failed(err)
 
-    def seal_locked(self, fields: Sequence[bytes]) -> None:
-        """Write one line: `{"n":N,` then `fields` (a JSON object's members, `"key":value,...`, in
-        pieces: a blob line's tens of kilobytes are not joined into one more copy), then its
-        checksum. The caller holds `lock`."""
+    def seal_locked(self, parts: list[bytes]) -> None:
+        """Write one line: `{"n":N,` (into `parts[0]`), then the rest of `parts` (a JSON object's
+        members, `"key":value,...`), then its checksum. The caller holds `lock`."""
+        if self.closed or self.error is not None:
+            return
+        self.lines += 1
+        parts[0] = b'{"n":%d,' % self.lines
+        line = b"".join(parts)
+        try:
+            self._file.write(line)
+            self._file.write(b',"crc":"%x"}\n' % crc32(line))
+        except OSError as err:
+            self._failed(err)
+
+    def seal_parts_locked(self, parts: Sequence[bytes]) -> None:
+        """`seal_locked` of the fields in pieces, each written as it is (a blob line's tens of
+        kilobytes are not joined into one more copy)."""
         if self.closed or self.error is not None:
             return
         self.lines += 1
         head = b'{"n":%d,' % self.lines
+        crc = crc32(head)
         try:
-            if len(fields) == 1 or sum(map(len, fields)) < BLOB_BYTES_MIN:
-                line = b"".join((head, *fields))
-                self._file.write(line)
-                self._file.write(b'%s%08x"}\n' % (SEAL, crc32(line)))
-                return
-            crc = crc32(head)
             write = self._file.write
             write(head)
-            for part in fields:
+            for part in parts:
                 crc = crc32(part, crc)
                 write(part)
-            write(b'%s%08x"}\n' % (SEAL, crc))
+            write(b',"crc":"%x"}\n' % crc)
         except OSError as err:
             self._failed(err)
 
@@ -221,7 +227,7 @@ class _LineWriter:
 
     def msg(self, message: bytes) -> None:
         with self.lock:
-            self.seal_locked((message[1:-1],))
+            self.seal_locked([b"", message[1:-1]])
 
     info = msg
 
@@ -260,7 +266,7 @@ class _Blobs:
                 return n
         n = self._next
         self._next += 1
-        self._out.seal_locked((b'"blob":%d,"data":"' % n, _b64(data), b'","event":"blob"'))
+        self._out.seal_parts_locked((b'"blob":%d,"data":"' % n, _b64(data), b'","event":"blob"'))
         same.append((data, n))
         self._order.append((key, data))
         self._held_bytes += len(data)
@@ -326,26 +332,36 @@ class DeliveryLog:
                 "receiver": receiver.value, "sender": sender.value, "type": type(message).__name__, "ask": ask,
             })[1:-1]
         err = _dumps(error_text(error)) if error is not None else _NULL
-        head = (b'"seq":', b"%d" % seq, b',"t":', _dumps(t), b",", middle)
         out = self._out
         with out.lock:
             if seq > self._seq_top:
                 self._seq_top = seq
             try:
                 body = _b64(encode(message, self._blobs))
+                answer = _b64(encode(reply, self._blobs)) if ask and reply is not None else None
             except CodecError as failed:
-                out.seal_locked(_unencodable(head, None, err, "body", failed))
+                parts = self._unencodable(seq, t, middle, err, message, failed)
             else:
-                if not ask or reply is None:
-                    out.seal_locked((*head, b',"body":"', body, b'","reply":null,"error":', err, _END))
+                if answer is None:
+                    parts = [b"", b'"seq":', b"%d" % seq, b',"t":', _dumps(t), b",", middle, b',"body":"', body,
+                             b'","reply":null,"error":', err, _END]
                 else:
-                    try:
-                        answer = _b64(encode(reply, self._blobs))
-                    except CodecError as failed:
-                        out.seal_locked(_unencodable(head, body, err, "reply", failed))
-                    else:
-                        out.seal_locked((*head, b',"body":"', body, b'","reply":"', answer, b'","error":', err, _END))
+                    parts = [b"", b'"seq":', b"%d" % seq, b',"t":', _dumps(t), b",", middle, b',"body":"', body,
+                             b'","reply":"', answer, b'","error":', err, _END]
+            out.seal_locked(parts)
             self._blobs.trim()
+
+    def _unencodable(self, seq: int, t: float, middle: bytes, err: bytes, message: Message,
+                     failed: CodecError) -> list[bytes]:
+        """The parts of a delivery line whose message (or reply) the codec refused: that part
+        `null` and `unencodable` saying which and why."""
+        try:
+            body = b'"%b"' % _b64(encode(message, self._blobs))
+            why = _dumps(f"reply: {error_text(failed)}")
+        except CodecError as body_failed:
+            body, why = _NULL, _dumps(f"body: {error_text(body_failed)}")
+        return [b"", b'"seq":', b"%d" % seq, b',"t":', _dumps(t), b",", middle, b',"body":', body,
+                b',"reply":null,"error":', err, b',"unencodable":', why, _END]
 
     def fault(self, actor: str, hook: str, value: Any) -> None:
         try:
@@ -365,15 +381,6 @@ class DeliveryLog:
         self._out.close(_dumps({"deliveries": issued, "event": "end"}))
 
 
-def _unencodable(head: Sequence[bytes], body: bytes | None, err: bytes, part: str,
-                 failed: CodecError) -> tuple[bytes, ...]:
-    """The fields of a delivery line whose body (or reply) the codec refused: that part `null`
-    and `unencodable` saying which and why."""
-    why = _dumps(f"{part}: {error_text(failed)}")
-    shown = (b',"body":"', body, b'"') if body is not None else (b',"body":null',)
-    return (*head, *shown, b',"reply":null,"error":', err, b',"unencodable":', why, _END)
-
-
 def rewrite_log(src: str | Path, dst: str | Path, edit: Callable[[dict[str, Any]], dict[str, Any] | None]) -> int:
     """Write the log `src` to `dst` with each line's record (a dict without `n` and `crc`)
     passed through `edit`, which returns it (changed or not) or None to leave it out; the
@@ -390,7 +397,7 @@ def rewrite_log(src: str | Path, dst: str | Path, edit: Callable[[dict[str, Any]
             rec.pop("crc", None)
             kept = edit(rec)
             if kept is not None:
-                out.seal_locked((_dumps(kept)[1:-1],))
+                out.seal_locked([b"", _dumps(kept)[1:-1]])
     out.close()
     if out.error is not None:
         raise out.error

@@ -35,7 +35,7 @@ from typing import Any, BinaryIO
 
 from hicache.messages import ActorName, CodecError, Message, decode, encode
 
-from ._log import LOG_VERSION, SEAL, SEAL_BYTES, crc32, loads_line, unbase64
+from ._log import LOG_VERSION, SEAL, crc32, loads_line, unbase64
 from .config import Config, ConfigError, DeviceKind
 
 HEADER_BYTES_MAX = 1 << 20
@@ -255,9 +255,10 @@ class LogReader:
 
     def _unseal(self, n: int, raw: bytes) -> None:
         """Check line `n`'s checksum and number."""
-        if len(raw) < SEAL_BYTES or raw[-SEAL_BYTES:-10] != SEAL or raw[-2:] != b'"}':
+        at = raw.rfind(SEAL)
+        if at < 0 or not raw.endswith(b'"}') or not 1 <= len(raw) - at - len(SEAL) - 2 <= 8:
             raise self._error(n, "the line has no checksum at its end (damaged, or not written by hicache)")
-        if b"%08x" % crc32(raw[:-SEAL_BYTES]) != raw[-10:-2]:
+        if b"%x" % crc32(raw[:at]) != raw[at + len(SEAL):-2]:
             raise self._error(n, "checksum mismatch: the line was changed or damaged")
         if not raw.startswith(b'{"n":%d,' % n):
             found = self._json(n, raw).get("n")
@@ -347,7 +348,7 @@ class LogReader:
         for its end line (checking every line), which makes the gap damage; without one the
         log stops before the gap."""
         for m, raw in lines:
-            if raw.endswith(b'"event":"end"' + raw[-SEAL_BYTES:]):
+            if b'"event":"end","crc":"' in raw[-40:]:
                 first = min(held)
                 raise self._error(first[2].line, f"delivery {first[0]} is here but delivery {nxt} is missing from "
                                                  f"the log (it is not within {REORDER_BYTES_MAX} bytes of lines "
