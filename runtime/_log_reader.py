@@ -117,8 +117,8 @@ class Blobs(Mapping[int, bytes]):
 
     def __init__(self, held_bytes_max: int) -> None:
         self._data: dict[int, bytes] = {}
-        self._held_bytes = 0
-        self._held_bytes_max = held_bytes_max
+        self.held_bytes = 0
+        self.held_bytes_max = held_bytes_max
         self._next = 0
         self.lookups = 0
         self.looked_up_bytes = 0
@@ -135,16 +135,12 @@ class Blobs(Mapping[int, bytes]):
             raise ReplayLogError(f"{where}: blob number {number!r} where {self._next} was next")
         self._next += 1
         self._data[number] = data
-        self._held_bytes += len(data)
-
-    @property
-    def held_bytes(self) -> int:
-        return self._held_bytes
+        self.held_bytes += len(data)
 
     def trim(self) -> None:
         data = self._data
-        while self._held_bytes > self._held_bytes_max:
-            self._held_bytes -= len(data.pop(next(iter(data))))
+        while self.held_bytes > self.held_bytes_max:
+            self.held_bytes -= len(data.pop(next(iter(data))))
 
     def __getitem__(self, number: int) -> bytes:
         data = self._data[number]
@@ -160,13 +156,6 @@ class Blobs(Mapping[int, bytes]):
 
 
 _ACTORS = {a.value: a for a in ActorName}
-
-
-def _actor(name: Any) -> ActorName:
-    try:
-        return _ACTORS[name]
-    except (KeyError, TypeError):
-        raise ValueError(f"{name!r} is not an actor name") from None
 
 
 class LogReader:
@@ -230,6 +219,7 @@ class LogReader:
             raise self._error(1, f"log version {version!r} is not supported (this hicache reads version "
                                  f"{LOG_VERSION}; replay it with the hicache that wrote it, {wrote})")
         self._unseal(1, raw[:-1])
+        self._numbered(1, header)
         bound = header.get("blobs_held_bytes_max")
         if not isinstance(bound, int) or isinstance(bound, bool) or bound < 0:
             raise self._error(1, f"header field blobs_held_bytes_max must be a byte count, got {bound!r}")
@@ -254,30 +244,32 @@ class LogReader:
         return rec
 
     def _unseal(self, n: int, raw: bytes) -> None:
-        """Check line `n`'s checksum and number."""
-        at = raw.rfind(SEAL)
-        if at < 0 or not raw.endswith(b'"}') or not 1 <= len(raw) - at - len(SEAL) - 2 <= 8:
+        """Check line `n`'s checksum (its number is checked once it is parsed: `_numbered`)."""
+        at = raw.rfind(SEAL, len(raw) - len(SEAL) - 10)
+        if at < 0 or not raw.endswith(b'"}'):
             raise self._error(n, "the line has no checksum at its end (damaged, or not written by hicache)")
         if b"%x" % crc32(raw[:at]) != raw[at + len(SEAL):-2]:
             raise self._error(n, "checksum mismatch: the line was changed or damaged")
-        if not raw.startswith(b'{"n":%d,' % n):
-            found = self._json(n, raw).get("n")
+
+    def _numbered(self, n: int, rec: dict[str, Any]) -> None:
+        """Line `n`, parsed as `rec`, carries its number."""
+        found = rec.get("n")
+        if found != n or type(found) is not int:
             if isinstance(found, int) and found > n:
                 raise self._error(n, f"the line is numbered {found}: {found - n} line(s) before it are missing")
             raise self._error(n, f"the line is numbered {found!r}: it is repeated or out of place")
 
-    def _lines(self) -> Iterator[tuple[int, bytes]]:
-        """Each whole line after the header, checked, with its number; a last line with no end
-        is left out (`self._cut` is its number)."""
-        readline, n = self._file.readline, 1
+    def _lines(self, n: int) -> Iterator[tuple[int, dict[str, Any]]]:
+        """Each line from line `n` on, checked and parsed, with its number; a last line with no
+        line end is left out (`self._cut` is its number)."""
+        readline, unseal = self._file.readline, self._unseal
         while True:
             try:
                 raw = readline(LINE_BYTES_MAX + 1)
             except OSError as err:
-                raise ReplayLogError(f"{self.path}: line {n + 1}: cannot read: {err.strerror}") from None
+                raise self._error(n, f"cannot read: {err.strerror}") from None
             if not raw:
                 return
-            n += 1
             self.bytes_read += len(raw)
             if raw[-1] != 0x0A:
                 if len(raw) > LINE_BYTES_MAX:
@@ -285,8 +277,15 @@ class LogReader:
                 self._cut = n
                 return
             raw = raw[:-1]
-            self._unseal(n, raw)
-            yield n, raw
+            unseal(n, raw)
+            try:
+                rec = loads_line(raw)
+            except (ValueError, UnicodeDecodeError) as err:
+                raise self._error(n, f"not a JSON object ({err})") from None
+            if type(rec) is not dict or rec.get("n") != n:
+                self._numbered(n, self._json(n, raw))
+            yield n, rec
+            n += 1
 
     # -- deliveries ----------------------------------------------------------------------------
 
@@ -302,20 +301,27 @@ class LogReader:
         held_bytes = 0
         lines_of: dict[int, int] = {}  # seq -> line, of the held deliveries
         faults: dict[str, list[tuple[str, Any]]] = defaultdict(list)
+        blobs = self._blobs
         nxt = 1
-        lines = self._lines()
-        for n, raw in lines:
-            rec = self._json(n, raw)
+        lines = self._lines(2)
+        for n, rec in lines:
             event = rec.get("event")
             if event == "delivery":
-                before = self._blobs.looked_up_bytes
-                d = self._delivery(n, rec, tuple(faults.pop(rec.get("receiver"), ())))
-                cost = len(raw) + self._blobs.looked_up_bytes - before + DELIVERY_BYTES
-                self._blobs.trim()
+                before = blobs.looked_up_bytes
+                decided = faults.pop(rec.get("receiver"), None) if faults else None  # type: ignore[arg-type]
+                d = self._delivery(n, rec, tuple(decided) if decided else ())
+                if blobs.held_bytes > blobs.held_bytes_max:
+                    blobs.trim()
+                if d.seq == nxt and not held:  # in order: most lines
+                    nxt += 1
+                    yield d
+                    continue
                 if d.seq < nxt or d.seq in lines_of:
                     first = lines_of.get(d.seq)
                     raise self._error(n, f"sequence number {d.seq} appears twice"
                                          + (f" (line {first})" if first else " (given already)"))
+                cost = len(rec["body"] or "") + len(rec["reply"] or "") + blobs.looked_up_bytes - before \
+                    + DELIVERY_BYTES
                 heapq.heappush(held, (d.seq, cost, d))
                 lines_of[d.seq] = n
                 held_bytes += cost
@@ -326,10 +332,10 @@ class LogReader:
                     nxt += 1
                     yield d
                 if held_bytes > REORDER_BYTES_MAX:
-                    self._missing(lines, nxt, held, n)
+                    self._missing(lines, nxt, held)
                     return
             elif event == "blob":
-                self._blobs.add(f"{self.path}: line {n}", rec)
+                blobs.add(f"{self.path}: line {n}", rec)
             elif event == "fault":
                 actor, hook = rec.get("actor"), rec.get("hook")
                 if actor not in _ACTORS or not isinstance(hook, str) or "value" not in rec:
@@ -342,13 +348,13 @@ class LogReader:
                 raise self._error(n, f"unknown event {event!r}")
         self.end = self._cut_log(nxt, held)
 
-    def _missing(self, lines: Iterator[tuple[int, bytes]], nxt: int, held: list[tuple[int, int, Delivery]],
-                 n: int) -> None:
+    def _missing(self, lines: Iterator[tuple[int, dict[str, Any]]], nxt: int,
+                 held: list[tuple[int, int, Delivery]]) -> None:
         """Later deliveries have filled the reorder bound and `nxt` has not come: read the rest
         for its end line (checking every line), which makes the gap damage; without one the
         log stops before the gap."""
-        for m, raw in lines:
-            if b'"event":"end","crc":"' in raw[-40:]:
+        for m, rec in lines:
+            if rec.get("event") == "end":
                 first = min(held)
                 raise self._error(first[2].line, f"delivery {first[0]} is here but delivery {nxt} is missing from "
                                                  f"the log (it is not within {REORDER_BYTES_MAX} bytes of lines "
@@ -356,7 +362,7 @@ class LogReader:
         self.end = self._cut_log(nxt, held)
 
     def _closed_log(self, n: int, rec: dict[str, Any], nxt: int, held: list[tuple[int, int, Delivery]],
-                    faults: dict[str, list[tuple[str, Any]]], lines: Iterator[tuple[int, bytes]]) -> None:
+                    faults: dict[str, list[tuple[str, Any]]], lines: Iterator[tuple[int, dict[str, Any]]]) -> None:
         for m, _ in lines:
             raise self._error(m, f"a line after the end line (line {n})")
         if self._cut:
@@ -385,11 +391,14 @@ class LogReader:
         try:
             seq, ask, error, unencodable = rec["seq"], rec["ask"], rec["error"], rec.get("unencodable")
             type_name = rec["type"]
-            if not isinstance(seq, int) or isinstance(seq, bool) or seq < 1:
+            if type(seq) is not int or seq < 1:
                 raise ValueError(f"seq {seq!r} is not a positive integer")
-            if not isinstance(ask, bool) or not isinstance(type_name, str) or not isinstance(error, str | None) \
-                    or not isinstance(unencodable, str | None):
+            if type(ask) is not bool or type(type_name) is not str or not (error is None or type(error) is str) \
+                    or not (unencodable is None or type(unencodable) is str):
                 raise ValueError("ask, type, error or unencodable has the wrong type")
+            receiver, sender = _ACTORS.get(rec["receiver"]), _ACTORS.get(rec["sender"])
+            if receiver is None or sender is None:
+                raise ValueError(f"{rec['receiver']!r} or {rec['sender']!r} is not an actor name")
             message = answer = reply = None
             body = b""
             if rec["body"] is not None or unencodable is None or not unencodable.startswith("body"):
@@ -406,8 +415,8 @@ class LogReader:
                 answer = decode(reply, blobs)
                 if blobs.lookups != before:
                     reply = encode(answer)
-            return Delivery(seq, float(rec["t"]), _actor(rec["receiver"]), _actor(rec["sender"]), message, ask,
-                            reply, error, n, body, answer, faults, unencodable, type_name)
+            return Delivery(seq, float(rec["t"]), receiver, sender, message, ask, reply, error, n, body, answer,
+                            faults, unencodable, type_name)
         except KeyError as err:
             raise self._error(n, f"delivery without field {err}") from None
         except (CodecError, binascii.Error, ValueError, TypeError) as err:

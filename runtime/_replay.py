@@ -78,6 +78,8 @@ class _Sends:
         self.before: deque[Delivery] = deque(maxlen=5)
         self.recording = True
         """False once a divergence is found: later sends are dropped (memory stays bounded)."""
+        self.context: tuple[Delivery, ...] | None = None
+        """`before` as it is while the delivery `cause` is handled (taken at its first send)."""
 
 
 class _Capture:
@@ -93,7 +95,9 @@ class _Capture:
     def tell(self, mail: Mail) -> None:
         sends = self._sends
         if sends is not None and sends.recording:
-            self._out.append((sends.cause, mail.message, tuple(sends.before)))  # type: ignore[union-attr]
+            if sends.context is None:
+                sends.context = tuple(sends.before)
+            self._out.append((sends.cause, mail.message, sends.context))  # type: ignore[union-attr]
 
     def is_alive(self) -> bool:
         return True
@@ -105,28 +109,35 @@ class _ReplayFaults(NoFaults):
 
     def __init__(self) -> None:
         self._logged: tuple[tuple[str, Any], ...] = ()
-        self._left: deque[tuple[str, Any]] = deque()
-        self._asked: list[str] = []
+        self._asked: list[str] | None = None
+        self._lined_up = True
+        """Every hook asked so far was the one the run asked at that point."""
 
     def start(self, decisions: tuple[tuple[str, Any], ...]) -> None:
         self._logged = decisions
-        self._left = deque(decisions)
-        self._asked = []
+        self._asked = None
+        self._lined_up = True
 
     def problem(self) -> tuple[str, str] | None:
         """(what the run asked, what the replayed actor asked) during this delivery, if they differ."""
+        if self._asked is None and not self._logged:  # most deliveries
+            return None
+        asked = self._asked or []
         run = [hook for hook, _ in self._logged]
-        if run == self._asked:
+        if run == asked:
             return None
         return (f"fault plan asked: {', '.join(run) or 'nothing'}",
-                f"fault plan asked: {', '.join(self._asked) or 'nothing'}")
+                f"fault plan asked: {', '.join(asked) or 'nothing'}")
 
     def _next(self, hook: str) -> Any:
+        if self._asked is None:
+            self._asked = []
+        at = len(self._asked)
         self._asked.append(hook)
-        if not self._left or self._left[0][0] != hook:
-            self._left.clear()  # the rest no longer lines up: `problem` reports the difference
-            return None
-        return self._left.popleft()[1]
+        if self._lined_up and at < len(self._logged) and self._logged[at][0] == hook:
+            return self._logged[at][1]
+        self._lined_up = False  # the rest no longer lines up: `problem` reports the difference
+        return None
 
     def transfer_fault(self, stream: ActorName, op_ids: tuple[int, ...]) -> str | None:
         value = self._next("transfer_fault")
@@ -262,7 +273,7 @@ class _Replay:
         actor = self.actors.get(d.receiver)
         if actor is not None:
             self.count += 1
-            sends.cause = d.seq
+            sends.cause, sends.context = d.seq, None
             problem = _deliver(self.rebuilt, actor, d)
             if problem is not None and self.first is None:
                 self._diverged(problem)
