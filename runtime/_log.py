@@ -163,6 +163,8 @@ class _LineWriter:
         """Lines written (or being written): the number of the last one."""
         self.closed = False
         self.error: OSError | None = None
+        self._writing = True
+        """Neither closed nor stopped by an error: lines are written."""
 
     def close(self, last: bytes | None = None) -> None:
         """Write `last` (a rendered line, the end line), what is buffered, and close the file;
@@ -173,6 +175,7 @@ class _LineWriter:
             if last is not None:
                 self.seal_locked([b"", last[1:-1]])
             self.closed = True
+            self._writing = False
             try:
                 self._file.close()
             except OSError as err:
@@ -190,21 +193,20 @@ class _LineWriter:
     def seal_locked(self, parts: list[bytes]) -> None:
         """Write one line: `{"n":N,` (into `parts[0]`), then the rest of `parts` (a JSON object's
         members, `"key":value,...`), then its checksum. The caller holds `lock`."""
-        if self.closed or self.error is not None:
+        if not self._writing:
             return
         self.lines += 1
         parts[0] = b'{"n":%d,' % self.lines
         line = b"".join(parts)
         try:
-            self._file.write(line)
-            self._file.write(b',"crc":"%x"}\n' % crc32(line))
+            self._file.write(b'%b,"crc":"%x"}\n' % (line, crc32(line)))
         except OSError as err:
             self._failed(err)
 
     def seal_parts_locked(self, parts: Sequence[bytes]) -> None:
         """`seal_locked` of the fields in pieces, each written as it is (a blob line's tens of
         kilobytes are not joined into one more copy)."""
-        if self.closed or self.error is not None:
+        if not self._writing:
             return
         self.lines += 1
         head = b'{"n":%d,' % self.lines
@@ -220,6 +222,7 @@ class _LineWriter:
             self._failed(err)
 
     def _failed(self, err: OSError) -> None:
+        self._writing = False
         if self.error is None:
             self.error = err
             log.warning("delivery log write failed; the log ends here", path=str(self.path), line=self.lines,
@@ -252,8 +255,8 @@ class _Blobs:
         self._held: dict[_BlobKey, list[tuple[bytes, int]]] = {}
         self._order: deque[tuple[_BlobKey, bytes]] = deque()
         """The held payloads, oldest first: the first forgotten past `held_bytes_max`."""
-        self._held_bytes = 0
-        self._held_bytes_max = held_bytes_max
+        self.held_bytes = 0
+        self.held_bytes_max = held_bytes_max
         self._next = 0
 
     def refer(self, data: bytes) -> int | None:
@@ -269,17 +272,17 @@ class _Blobs:
         self._out.seal_parts_locked((b'"blob":%d,"data":"' % n, _b64(data), b'","event":"blob"'))
         same.append((data, n))
         self._order.append((key, data))
-        self._held_bytes += len(data)
+        self.held_bytes += len(data)
         return n
 
     def trim(self) -> None:
-        while self._held_bytes > self._held_bytes_max:
+        while self.held_bytes > self.held_bytes_max:
             key, data = self._order.popleft()
             same = self._held[key]
             same[:] = [(held, n) for held, n in same if held is not data]
             if not same:
                 del self._held[key]
-            self._held_bytes -= len(data)
+            self.held_bytes -= len(data)
 
 
 class DeliveryLog:
@@ -349,7 +352,9 @@ class DeliveryLog:
                     parts = [b"", b'"seq":', b"%d" % seq, b',"t":', _dumps(t), b",", middle, b',"body":"', body,
                              b'","reply":"', answer, b'","error":', err, _END]
             out.seal_locked(parts)
-            self._blobs.trim()
+            blobs = self._blobs
+            if blobs.held_bytes > blobs.held_bytes_max:
+                blobs.trim()
 
     def _unencodable(self, seq: int, t: float, middle: bytes, err: bytes, message: Message,
                      failed: CodecError) -> list[bytes]:
