@@ -29,8 +29,8 @@ Line kinds (the `event` field):
   were given out. A log without it was not closed: its run crashed, or is running.
 
 Every line starts with its number `n` (the header is 1) and ends with `crc`, the
-CRC-32 of the line's text before `,"crc":`, in lowercase hex without leading zeros:
-a reader tells a changed, lost or reordered line from a log that is merely cut short.
+CRC-32 of the line's text before `,"crc":`, as 8 lowercase hex digits: a reader
+tells a changed, lost or reordered line from a log that is merely cut short.
 
 Everything a run depends on from outside the actors is in the log: the calls of
 the facade are deliveries from `facade`, their results are deliveries to it or
@@ -80,8 +80,8 @@ LOG_BUFFER_BYTES = 1 << 20
 log (stopping the System) writes them all; a process killed hard (SIGKILL, a crash in native
 code) loses at most this much of the end of its log."""
 
-SEAL = b',"crc":"'
-"""What comes between a line's fields and its checksum: `,"crc":"` 1 to 8 lowercase hex digits `"}`."""
+SEAL_BYTES = len(b',"crc":"12345678"}')
+"""A line's checksum at its end: `,"crc":"`, 8 lowercase hex digits, `"}` (the line end aside)."""
 
 log = structlog.get_logger("hicache.log")
 
@@ -199,7 +199,7 @@ class _LineWriter:
         parts[0] = b'{"n":%d,' % self.lines
         line = b"".join(parts)
         try:
-            self._file.write(b'%b,"crc":"%x"}\n' % (line, crc32(line)))
+            self._file.write(b'%b,"crc":"%08x"}\n' % (line, crc32(line)))
         except OSError as err:
             self._failed(err)
 
@@ -217,7 +217,7 @@ class _LineWriter:
             for part in parts:
                 crc = crc32(part, crc)
                 write(part)
-            write(b',"crc":"%x"}\n' % crc)
+            write(b',"crc":"%08x"}\n' % crc)
         except OSError as err:
             self._failed(err)
 

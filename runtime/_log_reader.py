@@ -35,7 +35,7 @@ from typing import Any, BinaryIO
 
 from hicache.messages import ActorName, CodecError, Message, decode, encode
 
-from ._log import LOG_VERSION, SEAL, crc32, loads_line, unbase64
+from ._log import LOG_VERSION, SEAL_BYTES, crc32, loads_line, unbase64
 from .config import Config, ConfigError, DeviceKind
 
 HEADER_BYTES_MAX = 1 << 20
@@ -245,10 +245,10 @@ class LogReader:
 
     def _unseal(self, n: int, raw: bytes) -> None:
         """Check line `n`'s checksum (its number is checked once it is parsed: `_numbered`)."""
-        at = raw.rfind(SEAL, len(raw) - len(SEAL) - 10)
-        if at < 0 or not raw.endswith(b'"}'):
-            raise self._error(n, "the line has no checksum at its end (damaged, or not written by hicache)")
-        if b"%x" % crc32(raw[:at]) != raw[at + len(SEAL):-2]:
+        at = len(raw) - SEAL_BYTES
+        if b',"crc":"%08x"}' % crc32(raw[:at]) != raw[at:]:
+            if raw[at:at + 8] != b',"crc":"' or raw[-2:] != b'"}':
+                raise self._error(n, "the line has no checksum at its end (damaged, or not written by hicache)")
             raise self._error(n, "checksum mismatch: the line was changed or damaged")
 
     def _numbered(self, n: int, rec: dict[str, Any]) -> None:

@@ -134,7 +134,7 @@ def _structlog_lines(args: tuple, dumps, numbering: _Numbering) -> list[bytes]:
 def _sealed(event: dict, n: int, dumps) -> bytes:
     """structlog's rendering of `event` as log line `n`: numbered first, its CRC-32 last."""
     line = structlog.processors.JSONRenderer(serializer=dumps)(None, "info", {"n": n, **event})[:-1]
-    return line + b',"crc":"%x"}' % zlib.crc32(line)
+    return line + b',"crc":"%08x"}' % zlib.crc32(line)
 
 
 def _b64_str(data: bytes) -> str:

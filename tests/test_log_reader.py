@@ -244,7 +244,7 @@ def test_lines_after_the_end_line_are_damage(threaded_log: Path, tmp_path: Path,
     rewrite_log(threaded_log, bad, lambda r: r)
     with bad.open("ab") as f:
         body = _log._dumps({"n": len(lines) + 1, **extra})[:-1]
-        f.write(body + b',"crc":"%x"}\n' % _log.crc32(body))
+        f.write(body + b',"crc":"%08x"}\n' % _log.crc32(body))
     _refused(bad, capsys, rf"line {len(lines) + 1}: a line after the end line \(line {len(lines)}\)")
 
 
