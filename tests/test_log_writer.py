@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from hicache.messages import ActorName, EvictHost, Evicted, FreeHostSlots, Indices, WriteDone
-from hicache.runtime import Config, DeterministicRuntime, HiCache, Request, ThreadedRuntime, read_log
+from hicache.runtime import Config, DeterministicRuntime, HiCache, LogReader, Request, ThreadedRuntime, read_log
 from hicache.runtime import _log
 from hicache.runtime.cli import main
 
@@ -65,14 +65,12 @@ def test_a_reply_the_codec_cannot_encode_keeps_the_body_and_says_why(tmp_path: P
     log.delivery(1, 0.5, ActorName.TREE, ActorName.WRITE, WriteDone(op_id=3, slots=4), True,
                  WriteDone(op_id=2**64, slots=4), None)
     log.close()
-    [d] = read_log_deliveries(path)
+    [d] = _deliveries_of(path)
     assert d.message == WriteDone(op_id=3, slots=4) and d.reply is None
     assert d.unencodable is not None and d.unencodable.startswith("reply: CodecError: integer 18446744073709551616")
 
 
-def read_log_deliveries(path: Path) -> list[Any]:
-    from hicache.runtime import LogReader
-
+def _deliveries_of(path: Path) -> list[Any]:
     with LogReader(path) as reader:
         return list(reader)
 
@@ -88,7 +86,7 @@ def test_an_exception_whose_text_cannot_be_taken_is_logged_by_its_type(tmp_path:
     log.delivery(2, 0.0, ActorName.TREE, ActorName.WRITE, WriteDone(op_id=2, slots=4), False, None,
                  ValueError("lone \ud800 surrogate"))
     log.close()
-    first, second = read_log_deliveries(path)
+    first, second = _deliveries_of(path)
     assert first.error == "Unprintable: <str() raised RuntimeError>"
     assert second.error == "ValueError: lone \\ud800 surrogate"
 
@@ -100,7 +98,7 @@ def test_a_fault_value_json_cannot_carry_is_logged_as_its_text(tmp_path: Path) -
     log.fault("host", "host_exhausted", 10**30)
     log.delivery(1, 0.0, ActorName.HOST, ActorName.TREE, FreeHostSlots(indices=Indices.of([1])), False, None, None)
     log.close()
-    [d] = read_log_deliveries(path)
+    [d] = _deliveries_of(path)
     assert d.faults == (("host_exhausted", "{1, 2}"), ("host_exhausted", str(10**30)))
 
 
