@@ -29,9 +29,10 @@ from ._facade import (
     Request,
     RequestError,
 )
-from ._log import LOG_VERSION, DeliveryLog
+from ._log import LOG_VERSION, DeliveryLog, rewrite_log
 from ._mooncake_master import MasterStartError, MooncakeMaster
-from ._replay import Delivery, Divergence, ParsedLog, ReplayLogError, ReplayResult, read_log, replay_log
+from ._log_reader import Delivery, LogEnd, LogReader, ParsedLog, ReplayLogError, RunHeader, read_log
+from ._replay import Divergence, ReplayResult, replay_log
 from ._group import Group, RankDivergenceError, SingleGroup, TorchGroup
 from ._layers import LayerDoneRing, LayerWaiter, LoadFailedError, StaleWaiterError
 from ._strategies import PCTStrategy, RandomStrategy, ReplayStrategy, ScheduleDivergedError, Strategy
@@ -56,11 +57,15 @@ __all__ = [
     "Delivery",
     "DeliveryLog",
     "Divergence",
+    "LogEnd",
+    "LogReader",
     "ParsedLog",
     "ReplayLogError",
     "ReplayResult",
+    "RunHeader",
     "read_log",
     "replay_log",
+    "rewrite_log",
     "MUTANTS",
     "FakeModel",
     "Mutant",

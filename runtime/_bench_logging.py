@@ -51,7 +51,7 @@ from ._bench_replay import log_scheduler_run
 from ._bench_transfer import _machine
 from ._facade import HiCache
 from ._log import ORJSON, PYBASE64, DeliveryLog
-from ._replay import Blobs, Delivery, ReplayLogError, _delivery, _json, read_log
+from ._log_reader import Delivery, LogReader, ReplayLogError, read_log
 from ._system import ThreadedRuntime
 from .config import DeviceKind
 
@@ -170,25 +170,27 @@ def _per_delivery(args: list[Args], passes: int, reps: int, tmp: Path, step: Cal
 
 
 def _tick_deliveries(path: Path, start: int, end: int) -> list[Delivery]:
-    """The deliveries logged between two offsets of a log (whole lines only), with the blobs
-    logged before `end` that they refer to."""
-    with path.open("rb") as f:
-        raw = f.read(end)
-    blobs = Blobs()
-    out = []
-    offset = 0
-    for n, line in enumerate(raw.split(b"\n")[:-1], start=1):
-        at, offset = offset, offset + len(line) + 1
-        if n == 1 or (at < start and not line.endswith(b'"event":"blob"}')):
-            continue  # the header, and deliveries and faults before the tick
-        rec = _json(path, n, line)
-        if rec.get("event") == "blob":
-            blobs.add(path, n, rec)
-        elif rec.get("event") == "delivery":
-            out.append(_delivery(path, n, rec, blobs))
+    """The deliveries logged between two offsets of a log (whole lines only), read with the
+    blobs logged before them."""
+    first, last = _lines_before(path, start) + 1, _lines_before(path, end)
+    with LogReader(path) as log:
+        out = [d for d in log if first <= d.line <= last]
     if not out:
         raise ReplayLogError(f"{path}: no delivery between offsets {start} and {end}")
     return out
+
+
+def _lines_before(path: Path, offset: int) -> int:
+    """How many lines of the file end before `offset`."""
+    count = 0
+    with path.open("rb") as f:
+        while offset > 0:
+            chunk = f.read(min(offset, 1 << 20))
+            if not chunk:
+                break
+            count += chunk.count(b"\n")
+            offset -= len(chunk)
+    return count
 
 
 # -- logging on and off ----------------------------------------------------------

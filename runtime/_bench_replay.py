@@ -40,12 +40,13 @@ from rich.table import Table
 
 from hicache.messages import ActorName
 
-from ._actor import HiActor, Mail
+from ._actor import HiActor
 from ._bench_cli import progress_bar, report
 from ._bench_transfer import _machine
 from ._deterministic import DeterministicRuntime
 from ._facade import HiCache
-from ._replay import Delivery, ParsedLog, _build_actors, _LoggedClock, read_log, replay_log
+from ._log_reader import Delivery, ParsedLog, read_log
+from ._replay import Rebuilt, replay_log
 from ._scheduler import ReferenceScheduler, SchedulerConfig
 from .config import Config, DeviceKind
 from .explore import synthetic_workload
@@ -86,34 +87,33 @@ def log_scheduler_run(path: Path, requests: int, seed: int = 0) -> int:
 
 def handle_only(log: ParsedLog) -> int:
     """Hand every logged delivery to a fresh actor of its receiver, comparing nothing; how many."""
-    clock = _LoggedClock()
-    return _hand(_build_actors(log, None, clock), clock, log.deliveries)
+    rebuilt = Rebuilt(log.run, None)
+    return _hand(rebuilt, rebuilt.actors, log.deliveries)
 
 
 def handle_per_actor(log: ParsedLog) -> dict[str, tuple[int, float]]:
     """Each replayed actor handed its own logged inbox alone (each depends only on its inbox),
     one after another: its deliveries and the seconds it took."""
-    clock = _LoggedClock()
+    rebuilt = Rebuilt(log.run, None)
     out = {}
-    for name, actor in _build_actors(log, None, clock).items():
+    for name, actor in rebuilt.actors.items():
         mine = [d for d in log.deliveries if d.receiver is name]
         gc.collect()
         t0 = time.perf_counter()
-        n = _hand({name: actor}, clock, mine)
+        n = _hand(rebuilt, {name: actor}, mine)
         out[name.value] = (n, time.perf_counter() - t0)
     return out
 
 
-def _hand(actors: dict[ActorName, HiActor], clock: _LoggedClock, deliveries: list[Delivery]) -> int:
+def _hand(rebuilt: Rebuilt, actors: dict[ActorName, HiActor], deliveries: list[Delivery]) -> int:
     count = 0
     for d in deliveries:
         actor = actors.get(d.receiver)
         if actor is None:
             continue
         count += 1
-        clock.t = d.t
         try:
-            actor.on_receive(Mail(d.sender, d.message, ask=d.ask))
+            rebuilt.hand(actor, d)
         except Exception:  # noqa: BLE001, S110 - a logged handler error happens again; replay compares it
             pass
     return count

@@ -3,27 +3,31 @@
 Each actor is deterministic given the order of its inbox (it takes ids, time and
 faults from its services, and the faults it saw are in the log). So replay needs
 no threads and no scheduler: for every actor it builds a fresh instance from the
-logged `Config`, hands it the mail logged for it, one delivery after another, and
-records what it sends. Mail from one actor to another arrives in the order it was
-sent, so an actor's sends to each receiver must equal, in order, the deliveries
-the log has from it to that receiver; an ask's reply must equal the logged reply.
-The first delivery (lowest `seq`) where that fails is the divergence.
+logged `Config`, hands it the mail logged for it, one delivery after another in
+`seq` order, with the fault decisions its run took for that delivery, and
+records what it sends.
 
-This replays logs recorded on threads as well as in the deterministic runtime.
-`read_log` resolves the log's blob references (large `Indices` written once, as
-`blob` lines), so each delivery's `body` and `reply` are the whole msgpack, as
-`encode` writes them. A replayed message matches a logged one when it equals it
-(messages are frozen dataclasses: the same type and equal fields, `Indices` by
-their bytes) or, failing that, when it encodes to the same bytes (a NaN field
-is not equal to itself); only a message that fails both is a divergence.
+A message an actor sends is delivered after the delivery during which it was
+sent began (sequence numbers are taken when handling starts). So by the time
+replay reaches a logged delivery from a replayed actor, the replayed actor has
+sent it: it must be the oldest message that actor has sent to that receiver and
+the log has not delivered yet. Replay checks each logged delivery from a
+replayed actor so, as it comes, and each ask's reply and each handler's error;
+the first one that fails is the divergence. A message the replayed actor sent
+and the log never delivers is found only at the end of a closed log.
+
+The log is read as a stream (`LogReader`), so memory does not grow with its
+length; `read_log` holds a whole log for repeated replays. A replayed message
+matches a logged one when it equals it (messages are frozen dataclasses: the
+same type and equal fields, `Indices` by their bytes) or, failing that, when it
+encodes to the same bytes (a NaN field is not equal to itself); only a message
+that fails both is a divergence.
 """
 
 from __future__ import annotations
 
-import binascii
-from bisect import bisect_right
-from collections import defaultdict, deque
-from collections.abc import Callable, Iterator, Mapping
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,41 +36,10 @@ from hicache.messages import ActorName, CodecError, Message, decode, encode
 
 from ._actor import Directory, HiActor, Mail
 from ._layers import LayerDoneRing
-from ._log import LOG_VERSION, loads_line, unbase64
+from ._log import error_text
+from ._log_reader import Delivery, LogReader, ParsedLog, ReplayLogError, RunHeader
 from ._services import Failures, IdSource, NoFaults, Services
 from ._system import actor_specs
-from .config import Config, ConfigError
-
-
-
-class ReplayLogError(ValueError):
-    """The log cannot be replayed: the message names the line and what is wrong."""
-
-
-@dataclass(frozen=True, slots=True)
-class Delivery:
-    seq: int
-    t: float
-    receiver: ActorName
-    sender: ActorName
-    message: Message
-    ask: bool
-    reply: bytes | None
-    """The reply's msgpack bytes (`encode(reply)`), for an ask that returned one."""
-    error: str | None
-    line: int
-    body: bytes = b""
-    """The message's msgpack bytes (`encode(message)`; empty for a delivery not read from a log)."""
-    answer: Message | None = None
-    """The reply, decoded (None where `reply` is)."""
-
-
-@dataclass(slots=True)
-class ParsedLog:
-    header: dict[str, Any]
-    config: Config
-    deliveries: list[Delivery]
-    faults: dict[str, list[tuple[str, Any]]]
 
 
 @dataclass(slots=True)
@@ -83,139 +56,30 @@ class ReplayResult:
     deliveries: int
     divergence: Divergence | None
     actors: dict[str, HiActor]
+    last_seq: int = 0
+    """The last delivery replay reached (handed to its actor or checked as a send)."""
+    stopped: str | None = None
+    """Why replay stopped before the run's last delivery, on one line: the log has no end line
+    (its run crashed), or a delivery its run could not encode. None when it replayed the whole
+    log (or up to `until`)."""
 
 
-# -- reading -----------------------------------------------------------------------------------
-
-
-def read_log(path: str | Path) -> ParsedLog:
-    p = Path(path)
-    try:
-        text = p.read_bytes()
-    except OSError as err:
-        raise ReplayLogError(f"{p}: cannot read: {err.strerror}") from None
-    lines = text.split(b"\n")
-    if not text.strip():
-        raise ReplayLogError(f"{p}: line 1: the log is empty")
-    if not text.endswith(b"\n"):
-        raise ReplayLogError(f"{p}: line {len(lines)}: the log is truncated (its last line is incomplete)")
-    header = _json(p, 1, lines[0])
-    if header.get("event") != "header":
-        raise ReplayLogError(f"{p}: line 1: expected the header line, found {header.get('event')!r}")
-    if header.get("version") != LOG_VERSION:
-        raise ReplayLogError(
-            f"{p}: line 1: log version {header.get('version')!r} is not supported (this hicache reads "
-            f"version {LOG_VERSION}; replay it with the hicache that wrote it, "
-            f"{header.get('versions', {}).get('hicache', 'unknown')})"
-        )
-    try:
-        config = Config.from_mapping({**header["config"], "log_path": ""})
-    except (KeyError, ConfigError, TypeError) as err:
-        raise ReplayLogError(f"{p}: line 1: the logged config is not valid: {err}") from None
-    deliveries: list[Delivery] = []
-    faults: dict[str, list[tuple[str, Any]]] = defaultdict(list)
-    blobs = Blobs()
-    for n, raw in enumerate(lines[1:-1], start=2):
-        rec = _json(p, n, raw)
-        event = rec.get("event")
-        if event == "delivery":
-            deliveries.append(_delivery(p, n, rec, blobs))
-        elif event == "blob":
-            blobs.add(p, n, rec)
-        elif event == "fault":
-            faults[str(rec.get("actor"))].append((str(rec.get("hook")), rec.get("value")))
-        else:
-            raise ReplayLogError(f"{p}: line {n}: unknown event {event!r}")
-    deliveries.sort(key=lambda d: d.seq)
-    for a, b in zip(deliveries, deliveries[1:]):
-        if a.seq == b.seq:
-            raise ReplayLogError(f"{p}: line {b.line}: sequence number {b.seq} appears twice (line {a.line})")
-    return ParsedLog(header, config, deliveries, dict(faults))
-
-
-def _json(p: Path, n: int, raw: bytes) -> dict[str, Any]:
-    try:
-        rec = loads_line(raw)
-    except (ValueError, UnicodeDecodeError) as err:
-        raise ReplayLogError(f"{p}: line {n}: not a JSON object ({err})") from None
-    if not isinstance(rec, dict):
-        raise ReplayLogError(f"{p}: line {n}: not a JSON object")
-    return rec
-
-
-class Blobs(Mapping[int, bytes]):
-    """The `blob` lines of a log read so far, by number. It counts the lookups the codec makes,
-    so that a body that referred to a blob is known (and re-encoded whole for comparisons)."""
-
-    def __init__(self) -> None:
-        self._data: dict[int, bytes] = {}
-        self.lookups = 0
-
-    def add(self, p: Path, n: int, rec: dict[str, Any]) -> None:
-        """Hold the blob of log line `n`, `rec`."""
-        try:
-            number, data = rec["blob"], unbase64(rec["data"])
-        except KeyError as err:
-            raise ReplayLogError(f"{p}: line {n}: blob without field {err}") from None
-        except (binascii.Error, ValueError, TypeError) as err:
-            raise ReplayLogError(f"{p}: line {n}: corrupt blob: {err}") from None
-        if not isinstance(number, int) or number in self._data:
-            raise ReplayLogError(f"{p}: line {n}: blob number {number!r} is not a new integer")
-        self._data[number] = data
-
-    def __getitem__(self, number: int) -> bytes:
-        self.lookups += 1
-        return self._data[number]
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._data)
-
-    def __len__(self) -> int:
-        return len(self._data)
-
-
-def _delivery(p: Path, n: int, rec: dict[str, Any], blobs: Blobs) -> Delivery:
-    try:
-        before = blobs.lookups
-        body = unbase64(rec["body"])
-        message = decode(body, blobs)
-        if blobs.lookups != before:
-            body = encode(message)
-        reply = answer = None
-        if rec.get("reply"):
-            before = blobs.lookups
-            reply = unbase64(rec["reply"])
-            answer = decode(reply, blobs)
-            if blobs.lookups != before:
-                reply = encode(answer)
-        return Delivery(int(rec["seq"]), float(rec["t"]), _actor(rec["receiver"]), _actor(rec["sender"]),
-                        message, bool(rec["ask"]), reply, rec.get("error"), n, body, answer)
-    except KeyError as err:
-        raise ReplayLogError(f"{p}: line {n}: delivery without field {err}") from None
-    except (CodecError, binascii.Error, ValueError, TypeError) as err:
-        raise ReplayLogError(f"{p}: line {n}: corrupt delivery: {err}") from None
-
-
-_ACTORS = {a.value: a for a in ActorName}
-
-
-def _actor(name: Any) -> ActorName:
-    try:
-        return _ACTORS[name]
-    except (KeyError, TypeError):
-        raise ValueError(f"{name!r} is not an actor name") from None
-
-
-# -- replaying -----------------------------------------------------------------------------------
+# -- the rebuilt actors ------------------------------------------------------------------------
 
 
 class _Sends:
-    """What the replayed actors sent: per (sender, receiver), in order, each message with the
-    `seq` of the delivery being handled when it was sent (`cause`; replay is sequential)."""
+    """What the replayed actors sent and the log has not delivered yet: per (sender, receiver),
+    in order, each message with the `seq` of the delivery being handled when it was sent
+    (`cause`) and the deliveries just before that one (`before`, for a report)."""
 
     def __init__(self) -> None:
-        self.by_pair: dict[tuple[ActorName, ActorName], list[tuple[int, Message]]] = {}
+        self.by_pair: dict[tuple[ActorName, ActorName], deque[tuple[int, Message, tuple[Delivery, ...]]]] = {}
         self.cause = 0
+        self.before: deque[Delivery] = deque(maxlen=5)
+        self.recording = True
+        """False once a divergence is found: later sends are dropped (memory stays bounded)."""
+        self.context: tuple[Delivery, ...] | None = None
+        """`before` as it is while the delivery `cause` is handled (taken at its first send)."""
 
 
 class _Capture:
@@ -226,64 +90,69 @@ class _Capture:
 
     def __init__(self, sends: _Sends | None, sender: ActorName, receiver: ActorName) -> None:
         self._sends = sends
-        self._out = None if sends is None else sends.by_pair.setdefault((sender, receiver), [])
+        self._out = None if sends is None else sends.by_pair.setdefault((sender, receiver), deque())
 
     def tell(self, mail: Mail) -> None:
-        if self._out is not None:
-            self._out.append((self._sends.cause, mail.message))  # type: ignore[union-attr]
+        sends = self._sends
+        if sends is not None and sends.recording:
+            if sends.context is None:
+                sends.context = tuple(sends.before)
+            self._out.append((sends.cause, mail.message, sends.context))  # type: ignore[union-attr]
 
     def is_alive(self) -> bool:
         return True
 
 
 class _ReplayFaults(NoFaults):
-    """Gives each actor the fault decisions the log recorded for it, in order."""
+    """Answers the actor being handed a delivery with the decisions its run took for that
+    delivery, in order, and notes where the replayed actor asks otherwise."""
 
-    def __init__(self, faults: dict[str, list[tuple[str, Any]]]) -> None:
-        self._left = {actor: deque(items) for actor, items in faults.items()}
+    def __init__(self) -> None:
+        self._logged: tuple[tuple[str, Any], ...] = ()
+        self._asked: list[str] | None = None
+        self._lined_up = True
+        """Every hook asked so far was the one the run asked at that point."""
 
-    def _next(self, actor: str, hook: str) -> Any:
-        q = self._left.get(actor)
-        if not q:
+    def start(self, decisions: tuple[tuple[str, Any], ...]) -> None:
+        self._logged = decisions
+        self._asked = None
+        self._lined_up = True
+
+    def problem(self) -> tuple[str, str] | None:
+        """(what the run asked, what the replayed actor asked) during this delivery, if they differ."""
+        if self._asked is None and not self._logged:  # most deliveries
             return None
-        logged_hook, value = q.popleft()
-        if logged_hook != hook:
-            raise ReplayLogError(f"the {actor} actor asked the fault plan {hook}, the log has {logged_hook}")
-        return value
+        asked = self._asked or []
+        run = [hook for hook, _ in self._logged]
+        if run == asked:
+            return None
+        return (f"fault plan asked: {', '.join(run) or 'nothing'}",
+                f"fault plan asked: {', '.join(asked) or 'nothing'}")
+
+    def _next(self, hook: str) -> Any:
+        if self._asked is None:
+            self._asked = []
+        at = len(self._asked)
+        self._asked.append(hook)
+        if self._lined_up and at < len(self._logged) and self._logged[at][0] == hook:
+            return self._logged[at][1]
+        self._lined_up = False  # the rest no longer lines up: `problem` reports the difference
+        return None
 
     def transfer_fault(self, stream: ActorName, op_ids: tuple[int, ...]) -> str | None:
-        return self._next(stream.value, "transfer_fault")  # type: ignore[no-any-return]
+        value = self._next("transfer_fault")
+        return value if isinstance(value, str) else None
 
     def host_exhausted(self, tokens: int) -> bool:
-        return bool(self._next(ActorName.HOST.value, "host_exhausted"))
+        return bool(self._next("host_exhausted"))
 
     def storage_fault(self, op_id: int, call: str) -> str | None:
-        return self._next(ActorName.PREFETCH.value, "storage_fault")  # type: ignore[no-any-return]
+        value = self._next("storage_fault")
+        return value if isinstance(value, str) else None
 
     def storage_delay(self, op_id: int) -> float:
-        return float(self._next(ActorName.PREFETCH.value, "storage_delay") or 0.0)
-
-
-def _build_actors(log: ParsedLog, sends: _Sends | None, clock: _LoggedClock) -> dict[ActorName, HiActor]:
-    """Fresh, unstarted actors of the logged system, their sends recorded in `sends` (None:
-    dropped), their time read from `clock`."""
-    cfg = log.config
-    stood_in = set(log.header.get("stand_ins", []))
-    faults = _ReplayFaults(log.faults)
-    specs, _, _ = actor_specs(cfg, LayerDoneRing(cfg.load_ring_size, cfg.layers), storage=False)
-    out: dict[ActorName, HiActor] = {}
-    for cls, kwargs in specs:
-        name = cls.name
-        if name.value in stood_in:
-            continue
-        services = Services(clock=clock, ids=IdSource(), seed=int(log.header.get("seed", 0)), faults=faults,
-                            failures=Failures(), observe=lambda r, m: None, new_layer_ring=LayerDoneRing,
-                            call_later=lambda delay, receiver, ref, mail: ref.tell(mail))
-        directory = Directory()
-        for other in ActorName:
-            directory.register(other, _Capture(sends, name, other))  # type: ignore[arg-type]
-        out[name] = cls(**kwargs, services=services, directory=directory)
-    return out
+        value = self._next("storage_delay")
+        return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
 
 
 class _LoggedClock:
@@ -295,110 +164,186 @@ class _LoggedClock:
         return self.t
 
 
+class Rebuilt:
+    """Fresh, unstarted actors of a logged run, their sends recorded in `sends` (None: dropped),
+    with one clock and one fault plan that `hand` sets for each delivery."""
+
+    def __init__(self, run: RunHeader, sends: _Sends | None) -> None:
+        cfg = run.config
+        self.clock = _LoggedClock()
+        self.faults = _ReplayFaults()
+        try:
+            specs, _, _ = actor_specs(cfg, LayerDoneRing(cfg.load_ring_size, cfg.layers), storage=False)
+        except (MemoryError, RuntimeError, TypeError, ValueError, OverflowError) as err:  # torch's, for the buffers
+            first = str(err).splitlines()[0] if str(err) else ""
+            raise ReplayLogError(f"{run.where}: the logged config cannot be rebuilt here: {type(err).__name__}: "
+                                 f"{first}") from None
+        self.actors: dict[ActorName, HiActor] = {}
+        for cls, kwargs in specs:
+            name = cls.name
+            if name not in run.replayed:
+                continue
+            services = Services(clock=self.clock, ids=IdSource(), seed=run.seed, faults=self.faults,
+                                failures=Failures(), observe=lambda r, m: None, new_layer_ring=LayerDoneRing,
+                                call_later=lambda delay, receiver, ref, mail: ref.tell(mail))
+            directory = Directory()
+            for other in ActorName:
+                directory.register(other, _Capture(sends, name, other))  # type: ignore[arg-type]
+            self.actors[name] = cls(**kwargs, services=services, directory=directory)
+
+    def hand(self, actor: HiActor, d: Delivery) -> Message | None:
+        """Hand `actor` the logged delivery `d` at its logged time, with its logged faults."""
+        self.clock.t = d.t
+        self.faults.start(d.faults)
+        return actor.on_receive(Mail(d.sender, d.message, ask=d.ask))  # type: ignore[no-any-return]
+
+
+# -- replaying -----------------------------------------------------------------------------------
+
+
 def replay_log(
-    log: ParsedLog,
+    log: ParsedLog | LogReader | str | Path,
     *,
     until: int | None = None,
     only: ActorName | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> ReplayResult:
-    sends, clock = _Sends(), _LoggedClock()
-    actors = _build_actors(log, sends, clock)
-    if only is not None:
-        actors = {only: actors[only]} if only in actors else {}
-    deliveries = log.deliveries if until is None else log.deliveries[: bisect_right(log.deliveries, until, key=_seq)]
-    logged: dict[tuple[ActorName, ActorName], list[Delivery]] = defaultdict(list)
-    first: Divergence | None = None
-    count = 0
-    receiver_of = actors.get
-    for d in deliveries:
-        logged[(d.sender, d.receiver)].append(d)
-        actor = receiver_of(d.receiver)
-        if actor is None:
-            continue
-        count += 1
-        sends.cause, clock.t = d.seq, d.t
-        problem = _deliver(actor, d)
-        if problem is not None and first is None:
-            first = problem
-        if progress is not None and count % 1000 == 0:
-            progress(count)
-    for (sender, receiver), emitted in sends.by_pair.items():
-        if sender not in actors:
-            continue
-        expected = logged.get((sender, receiver), [])
-        for i, (cause, msg) in enumerate(emitted):
-            want = expected[i] if i < len(expected) else None
-            if want is None:
-                if until is None:
-                    div = Divergence(cause, sender.value, f"(no more deliveries from {sender.value} to {receiver.value})",
-                                     f"delivery {cause} made {sender.value} send {msg!r}")
-                    first = _earlier(first, div)
+    """Replay `log` (a path or a `LogReader`: streamed; a `ParsedLog`: from memory) up to
+    delivery `until` (all: None), rebuilding every actor the run had or `only` that one;
+    `progress(n)` every 1000 deliveries replayed. `ReplayLogError` if the log is damaged."""
+    if isinstance(log, str | Path):
+        with LogReader(log) as reader:
+            return replay_log(reader, until=until, only=only, progress=progress)
+    return _Replay(log.run, only).run(log, until, progress)
+
+
+class _Replay:
+    def __init__(self, run: RunHeader, only: ActorName | None) -> None:
+        self.sends = _Sends()
+        rebuilt = Rebuilt(run, self.sends)
+        self.rebuilt = rebuilt
+        self.actors = rebuilt.actors if only is None else {n: a for n, a in rebuilt.actors.items() if n is only}
+        self.first: Divergence | None = None
+        self.count = 0
+        self.last_seq = 0
+
+    def run(self, log: ParsedLog | LogReader, until: int | None,
+            progress: Callable[[int], None] | None) -> ReplayResult:
+        stopped: str | None = None
+        for d in log.deliveries if isinstance(log, ParsedLog) else log:
+            if until is not None and d.seq > until:  # `until` < 1
                 break
-            if not _same(msg, want.message, want.body):
-                div = Divergence(want.seq, sender.value, f"{want.message!r}",
-                                 f"{msg!r} (sent while handling delivery {cause})")
-                first = _earlier(first, div)
+            if d.message is None:  # its run could not encode it: nothing to hand on
+                stopped = (f"delivery {d.seq} ({d.sender.value} -> {d.receiver.value}, {d.type_name}) could not be "
+                           f"logged ({d.unencodable}): replay stops before it")
+                break
+            self._step(d)
+            if progress is not None and self.count % 1000 == 0 and self.count:
+                progress(self.count)
+            if until is not None and d.seq >= until:  # read no further: the log past it is not checked
                 break
         else:
-            if until is None and len(expected) > len(emitted):
-                missing = expected[len(emitted)]
-                div = Divergence(missing.seq, sender.value, f"{missing.message!r}",
-                                 f"(the replayed {sender.value} never sent it)")
-                first = _earlier(first, div)
-    gap = _first_gap(log.deliveries, until)
-    if gap is not None and (gap <= first.seq if first is not None else only is None):
-        # A delivery is missing from the log: that, not its consequence, is the divergence (with
-        # one actor replayed, only when that actor diverges after it: the rest were not checked).
-        first = Divergence(gap, first.actor if first else "log",
-                           f"(delivery {gap} is missing from the log)",
-                           first.actual if first else "(no actor diverged because of it)")
-    if first is not None:
-        first.context = [_describe(d) for d in log.deliveries if first.seq - 5 <= d.seq < first.seq]
-    return ReplayResult(count, first, {n.value: a for n, a in actors.items()})
+            assert log.end is not None
+            if not log.end.complete:
+                stopped = log.end.note
+            elif until is None:
+                self._extra_sends()
+        return ReplayResult(self.count, self.first, {n.value: a for n, a in self.actors.items()}, self.last_seq,
+                            stopped)
+
+    def _step(self, d: Delivery) -> None:
+        """Check logged delivery `d` as a send of its sender (if replayed), hand it to its receiver
+        (if replayed). After the first divergence, deliveries are still handed on (a dump shows
+        the run's inputs applied to this code) and only pair up with earlier sends."""
+        self.last_seq = d.seq
+        sends = self.sends
+        if d.sender in self.actors:
+            sent = sends.by_pair[(d.sender, d.receiver)]
+            if self.first is not None:
+                if sent:
+                    sent.popleft()
+            elif not sent:
+                self._diverged(Divergence(d.seq, d.sender.value, f"{d.message!r}",
+                                          f"(the replayed {d.sender.value} never sent it)"))
+            else:
+                cause, msg, _ = sent.popleft()
+                if not _same(msg, d.message, d.body):
+                    self._diverged(Divergence(d.seq, d.sender.value, f"{d.message!r}",
+                                              f"{msg!r} (sent while handling delivery {cause})"))
+        actor = self.actors.get(d.receiver)
+        if actor is not None:
+            self.count += 1
+            sends.cause, sends.context = d.seq, None
+            problem = _deliver(self.rebuilt, actor, d)
+            if problem is not None and self.first is None:
+                self._diverged(problem)
+        sends.before.append(d)
+
+    def _diverged(self, div: Divergence) -> None:
+        div.context = [_describe(x) for x in self.sends.before if x.seq < div.seq]
+        self.first = div
+        self.sends.recording = False  # what is sent from now on cannot make an earlier divergence
+
+    def _extra_sends(self) -> None:
+        """At the end of a closed log: a message a replayed actor sent that the log never
+        delivered. Sent before the first divergence found, it is an earlier one."""
+        for (sender, receiver), sent in self.sends.by_pair.items():
+            if sender not in self.actors or not sent:
+                continue
+            cause, msg, before = sent[0]
+            if self.first is None or cause < self.first.seq:
+                div = Divergence(cause, sender.value, f"(no more deliveries from {sender.value} to {receiver.value})",
+                                 f"delivery {cause} made {sender.value} send {msg!r}",
+                                 [_describe(x) for x in before if x.seq < cause])
+                self.first = div
 
 
-def _deliver(actor: HiActor, d: Delivery) -> Divergence | None:
+def _deliver(rebuilt: Rebuilt, actor: HiActor, d: Delivery) -> Divergence | None:
     try:
-        reply = actor.on_receive(Mail(d.sender, d.message, ask=d.ask))
+        reply = rebuilt.hand(actor, d)
     except Exception as err:  # noqa: BLE001 - a handler error is compared with the logged one
-        got = f"{type(err).__name__}: {err}"
+        faults = rebuilt.faults.problem()
+        if faults is not None:
+            return Divergence(d.seq, actor.name.value, *faults)
+        got = error_text(err)
         if d.error != got:
             return Divergence(d.seq, actor.name.value, d.error or "no error", got)
         return None
+    faults = rebuilt.faults.problem()
+    if faults is not None:
+        return Divergence(d.seq, actor.name.value, *faults)
     if d.error is not None:
         return Divergence(d.seq, actor.name.value, d.error, "no error")
     if d.ask:
-        want = d.answer if d.answer is not None or not d.reply else decode(d.reply)
-        if (reply is None) != (want is None) or (reply is not None and not _same(reply, want, d.reply)):
-            return Divergence(d.seq, actor.name.value, f"reply {want!r}", f"reply {reply!r}")
+        return _check_reply(actor, d, reply)
     return None
 
 
-def _same(got: Message, want: Message, want_bytes: bytes | None) -> bool:
+def _check_reply(actor: HiActor, d: Delivery, reply: Message | None) -> Divergence | None:
+    if d.unencodable is not None:  # the run's reply could not be encoded: the replayed one must fail alike
+        try:
+            got = f"reply {encode(reply)!r}" if reply is not None else "reply None"  # type: ignore[arg-type]
+        except CodecError as err:
+            got = f"reply: {error_text(err)}"
+        if got != d.unencodable:
+            return Divergence(d.seq, actor.name.value, f"{d.unencodable} (the run's reply)", got)
+        return None
+    want = d.answer if d.answer is not None or not d.reply else decode(d.reply)
+    if (reply is None) != (want is None) or (reply is not None and not _same(reply, want, d.reply)):
+        return Divergence(d.seq, actor.name.value, f"reply {want!r}", f"reply {reply!r}")
+    return None
+
+
+def _same(got: Message, want: Message | None, want_bytes: bytes | None) -> bool:
     """`got` matches the logged `want`: equal, or (failing that) the same msgpack bytes."""
-    return got == want or encode(got) == (want_bytes or encode(want))
-
-
-def _seq(d: Delivery) -> int:
-    return d.seq
-
-
-def _first_gap(ds: list[Delivery], until: int | None) -> int | None:
-    """The first sequence number missing between 1 and the last logged one."""
-    expect = 1
-    for d in ds:
-        if until is not None and d.seq > until:
-            break
-        if d.seq != expect:
-            return expect
-        expect += 1
-    return None
-
-
-def _earlier(a: Divergence | None, b: Divergence) -> Divergence:
-    return b if a is None or b.seq < a.seq else a
+    if got == want:
+        return True
+    try:
+        return encode(got) == (want_bytes or encode(want))  # type: ignore[arg-type]
+    except CodecError:  # a replayed message the codec refuses matches no logged one
+        return False
 
 
 def _describe(d: Delivery) -> str:
-    return f"#{d.seq} {d.sender.value} -> {d.receiver.value}: {d.message!r}"[:300]
+    shown = repr(d.message) if d.message is not None else f"(not logged: {d.unencodable})"
+    return f"#{d.seq} {d.sender.value} -> {d.receiver.value}: {shown}"[:300]

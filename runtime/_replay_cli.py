@@ -12,53 +12,69 @@ from rich.progress import Progress
 
 from hicache.messages import ActorName, HostSlotState
 
-from ._replay import ReplayLogError, read_log, replay_log
+from ._log_reader import REPLAYED, LogReader, ReplayLogError
+from ._replay import ReplayResult, replay_log
 
 DUMPS = ("tree", "device", "host", "ledger")
 
 
 def run_replay(path: Path, *, until: int | None, actor: str | None, dump: str | None, as_json: bool) -> int:
-    err = Console(stderr=True)
-    try:
-        log = read_log(path)
-    except ReplayLogError as e:
-        print(f"hicache replay: {e}", file=sys.stderr)
-        return 2
-    replayable = ("tree", "device", "host", "write", "load")
+    """Replay the log at `path`, streamed; print the outcome. 0: no divergence (up to where the log
+    or `until` stops), 1: a divergence, 2: the log cannot be replayed (one line on stderr)."""
+    replayable = tuple(a.value for a in REPLAYED)
     if actor is not None and actor not in replayable:
-        print(f"hicache replay: --actor {actor!r} cannot be replayed; use one of {', '.join(replayable)}",
-              file=sys.stderr)
-        return 2
-    only = ActorName(actor) if actor else None
+        return _refuse(f"--actor {actor!r} cannot be replayed; use one of {', '.join(replayable)}")
     try:
-        with Progress(console=err, transient=True, disable=not err.is_terminal) as bar:
-            task = bar.add_task("replaying", total=len(log.deliveries))
-            result = replay_log(log, until=until, only=only, progress=lambda n: bar.update(task, completed=n))
+        with LogReader(path) as log:
+            run = log.run
+            only = ActorName(actor) if actor else None
+            if only is not None and only not in run.replayed:
+                return _refuse(f"--actor {actor}: that actor was a stand-in in the logged run (its header's "
+                               f"stand_ins); replay one of {', '.join(a.value for a in run.replayed)}")
+            result = _replay(log, until, only)
     except ReplayLogError as e:
-        print(f"hicache replay: {e}", file=sys.stderr)
-        return 2
-    dumped = _dump(result.actors, dump) if dump else None
+        return _refuse(str(e))
+    _print(result, _dump(result.actors, dump) if dump else None, as_json)
+    return 0 if result.divergence is None else 1
+
+
+def _refuse(what: str) -> int:
+    print(f"hicache replay: {what}", file=sys.stderr)
+    return 2
+
+
+def _replay(log: LogReader, until: int | None, only: ActorName | None) -> ReplayResult:
+    err = Console(stderr=True)
+    with Progress(console=err, transient=True, disable=not err.is_terminal) as bar:
+        total = log.path.stat().st_size if log.path.is_file() else None
+        task = bar.add_task("replaying", total=total)
+        return replay_log(log, until=until, only=only, progress=lambda n: bar.update(task, completed=log.bytes_read))
+
+
+def _print(result: ReplayResult, dumped: str | None, as_json: bool) -> None:
     div = result.divergence
     if as_json:
-        out: dict[str, Any] = {"deliveries": result.deliveries, "divergence": None, "dump": dumped}
+        out: dict[str, Any] = {"deliveries": result.deliveries, "last_seq": result.last_seq,
+                               "stopped": result.stopped, "divergence": None, "dump": dumped}
         if div is not None:
             out["divergence"] = {"seq": div.seq, "actor": div.actor, "expected": div.expected,
                                  "actual": div.actual, "context": div.context}
         print(json.dumps(out))
-    else:  # plain print: outlines and messages must not be wrapped
-        if dumped is not None:
-            print(dumped)
-        if div is None:
-            print(f"replayed {result.deliveries} deliveries, no divergence")
-        else:
-            print(f"divergence at delivery {div.seq} ({div.actor}):")
-            print(f"  expected: {div.expected}")
-            print(f"  actual:   {div.actual}")
-            if div.context:
-                print("  before it:")
-                for line in div.context:
-                    print(f"    {line}")
-    return 0 if div is None else 1
+        return
+    # plain print: outlines and messages must not be wrapped
+    if dumped is not None:
+        print(dumped)
+    if div is None:
+        where = f", up to delivery {result.last_seq}: {result.stopped}" if result.stopped else ""
+        print(f"replayed {result.deliveries} deliveries, no divergence{where}")
+        return
+    print(f"divergence at delivery {div.seq} ({div.actor}):")
+    print(f"  expected: {div.expected}")
+    print(f"  actual:   {div.actual}")
+    if div.context:
+        print("  before it:")
+        for line in div.context:
+            print(f"    {line}")
 
 
 def _dump(actors: dict[str, Any], what: str) -> str:

@@ -218,7 +218,7 @@ class System:
     Use as a context manager, or call `start()` and `stop()`. `stand_ins` starts
     test `Probe` actors in place of real ones (the tree, to drive the pools by hand).
     A probe always stands under the `facade` name: replies to what the caller told
-    the actors arrive there (`System.await_reply`).
+    the actors arrive there (`System.next_reply`).
     """
 
     def __init__(
