@@ -145,9 +145,9 @@ class PoolCache(Cache):
         if not 0 <= start < len(tokens) or len(slots) != len(tokens):
             raise ModelRunnerError(f"a pass computes positions start..{len(tokens) - 1} with a slot for each of "
                                    f"the {len(tokens)}; got start={start} and {len(slots)} slots")
-        every = kv.index(slots)
-        new = SlotIndex(every.tensor[start:], every.distinct, every.pool)
-        p = _Pass(kv, tokens, start, every, new, waiter, observer)
+        # The new slots are distinct; the cached ones may meet them only when a load-back
+        # failed and its pages were granted again, and then `wait_layer` raises before any write.
+        p = _Pass(kv, tokens, start, kv.index(slots, distinct=False), kv.index(slots[start:]), waiter, observer)
         super().__init__(layers=[_PoolLayer(p, i) for i in range(kv.layers)])
 
 

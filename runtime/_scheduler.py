@@ -113,6 +113,8 @@ class Outcome:
     aborted: bool = False
     finished: bool = False
     first_tick: int = -1
+    output_tokens: list[int] = field(default_factory=list)
+    """The tokens it produced, in order (kept across a retraction)."""
 
 
 @dataclass(slots=True)
@@ -404,6 +406,7 @@ class ReferenceScheduler:
                 to_cache.append(run)  # a chunk done, more of the sequence to compute
                 continue
             run.seq.append(nxt[run.spec.request_id])
+            self.outcomes[run.spec.request_id].output_tokens.append(run.seq[-1])
             run.outputs += 1
             if run.outputs >= run.spec.output_tokens:
                 to_finish.append(run)
