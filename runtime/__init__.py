@@ -16,6 +16,7 @@ from ._deterministic import (
     VirtualClock,
     replay_choices,
 )
+from ._engine_kv import DeviceKV, KVArgumentError, SlotIndex
 from ._executor import SerialExecutor
 from ._facade import (
     AdmitResult,
@@ -68,6 +69,17 @@ __all__ = [
     "rewrite_log",
     "MUTANTS",
     "FakeModel",
+    "ForwardStep",
+    "Generation",
+    "KVObserver",
+    "ModelRunner",
+    "ModelRunnerError",
+    "PoolCache",
+    "StepModel",
+    "tiny_llama",
+    "DeviceKV",
+    "KVArgumentError",
+    "SlotIndex",
     "Mutant",
     "Outcome",
     "ReferenceScheduler",
@@ -136,12 +148,21 @@ __all__ = [
 ]
 
 
-# These import the actors, which import this package: loaded on first use (PEP 562).
+# These import the actors, which import this package, or transformers (the `model` extra):
+# loaded on first use (PEP 562).
 _LAZY = {
     "MUTANTS": "_mutants",
     "Mutant": "_mutants",
     "mutant": "_mutants",
     "FakeModel": "_scheduler",
+    "ForwardStep": "_scheduler",
+    "StepModel": "_scheduler",
+    "Generation": "_model_runner",
+    "KVObserver": "_model_runner",
+    "ModelRunner": "_model_runner",
+    "ModelRunnerError": "_model_runner",
+    "PoolCache": "_model_runner",
+    "tiny_llama": "_tiny_model",
     "Outcome": "_scheduler",
     "ReferenceScheduler": "_scheduler",
     "SchedulerConfig": "_scheduler",

@@ -82,6 +82,7 @@ from hicache.messages import (
 from . import _facade_types as check
 from ._actor import HiActor
 from ._calls import Interrupts, Pending
+from ._engine_kv import DeviceKV
 from ._facade_types import (
     AdmitResult,
     CacheHandle,
@@ -174,6 +175,7 @@ class HiCache:
         self._ops = self.system.services.ids
         self._interrupts = Interrupts(on_enter=self._collect)
         self._caller = 0
+        self._kv: DeviceKV | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -231,8 +233,17 @@ class HiCache:
         self.close(drain=exc[0] is None)
 
     @property
+    def kv(self) -> DeviceKV:
+        """The device KV pool per layer, as the forward pass reads and writes it: K/V views in the
+        shapes attention kernels take, `write` of new tokens, `gather` of a request (see `DeviceKV`)."""
+        system = self._started()
+        if self._kv is None or self._kv.buffer is not system.device_kv:
+            self._kv = DeviceKV(system.device_kv)
+        return self._kv
+
+    @property
     def device_kv(self) -> Any:
-        """The device KV buffer (`KVBuffer`; `.tensor` is `[2, layers, slots, heads, head_dim]`)."""
+        """The device KV buffer as the pools hold it (`KVBuffer`); an engine uses `kv`."""
         return self._started().device_kv
 
     @property

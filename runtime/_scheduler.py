@@ -14,9 +14,11 @@ Each `tick()`:
    when the pool is short even after eviction, it retracts the most recently
    admitted decoding request (it goes back to the head of the queue) and tries
    again;
-3. runs the fake model: it waits for each layer's load and checks, layer by layer,
-   the KV of every prefix the cache supplied (fingerprint oracle), then writes
-   fingerprint KV for the tokens it computes;
+3. runs the model over every step (`StepModel.forward`): by default the fake model,
+   which waits for each layer's load and checks, layer by layer, the KV of every
+   prefix the cache supplied (fingerprint oracle), then writes fingerprint KV for
+   the tokens it computes; or a real one (`ModelRunner`), whose greedy tokens are the
+   outputs;
 4. commits what was computed: a request that goes on decoding commits with the next
    tick's allocation (so a decode tick is one call), the others at once; caches
    requests that finished a prefill chunk but not the prompt (`cache_unfinished`),
@@ -37,6 +39,7 @@ import random
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -110,6 +113,8 @@ class Outcome:
     aborted: bool = False
     finished: bool = False
     first_tick: int = -1
+    output_tokens: list[int] = field(default_factory=list)
+    """The tokens it produced, in order (kept across a retraction)."""
 
 
 @dataclass(slots=True)
@@ -122,38 +127,62 @@ class _Running:
     verify_from: int
     verify_to: int
     """Cache-supplied positions not yet checked by the model."""
-    hash_base: int
-    """Oracle prefix hash of position `computed - 1`."""
+    hash_base: int | None
+    """Fake model's prefix hash of position `computed - 1` (None: not worked out yet)."""
     outputs: int
     admitted_at: int
     since_cache: int = 0
 
 
 @dataclass(slots=True)
-class _Step:
+class ForwardStep:
+    """One request's share of a tick's forward pass: compute positions `start .. start + count - 1`
+    of `tokens`; every position up to there has its slot in `slots` (the ones before `start`
+    hold cached or earlier-computed KV)."""
+
     run: _Running
     start: int
     count: int
     slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    """The slot of each position `0 .. start + count - 1`."""
+
+    @property
+    def request_id(self) -> str:
+        return self.run.spec.request_id
+
+    @property
+    def tokens(self) -> list[int]:
+        """The request's sequence so far (longer than `start + count` during a chunked prefill)."""
+        return self.run.seq
+
+
+class StepModel(Protocol):
+    """What the scheduler runs each tick (`FakeModel`, or `ModelRunner` for a transformers model)."""
+
+    def forward(self, steps: list[ForwardStep], waiter: LayerWaiter | None) -> dict[str, int]:
+        """Compute every step, waiting per layer on `waiter`'s loads; return the next token of each
+        request whose step reached the end of its sequence."""
+        ...
 
 
 class FakeModel:
-    """Writes fingerprint KV for computed tokens; checks cached KV after each layer's load."""
+    """Writes fingerprint KV for computed tokens; checks cached KV after each layer's load.
+    Its output tokens are a hash of the request id and the output's index."""
 
-    def __init__(self, hc: HiCache) -> None:
+    def __init__(self, hc: HiCache, verify: bool = True) -> None:
         self.hc = hc
+        self.verify = verify
         self.oracle = FingerprintOracle(KVShape.of(hc.config))
         self.verified_tokens = 0
         self.written_tokens = 0
 
-    def forward(self, steps: list[_Step], waiter: LayerWaiter | None, verify: bool) -> None:
+    def forward(self, steps: list[ForwardStep], waiter: LayerWaiter | None) -> dict[str, int]:
         checks = []
         for st in steps:
             run = st.run
-            if verify and run.verify_to > run.verify_from:
+            if self.verify and run.verify_to > run.verify_from:
                 lo, hi = run.verify_from, run.verify_to
-                slots = self.hc.slots(run.spec.request_id)[lo:hi]
-                checks.append((run, slots, self.oracle.expected(run.seq[:hi], lo, hi)))
+                checks.append((run, st.slots[lo:hi], self.oracle.expected(run.seq[:hi], lo, hi)))
         for layer in range(self.hc.config.layers):
             if waiter is not None:
                 waiter.wait_layer(layer)
@@ -163,19 +192,28 @@ class FakeModel:
         for run, _, _ in checks:
             self.verified_tokens += run.verify_to - run.verify_from
             run.verify_from = run.verify_to
+        nxt = {}
         for st in steps:
             run = st.run
             end = st.start + st.count
-            self.oracle.write(self.hc.device_kv, run.seq[:end], st.slots, start=st.start, base=run.hash_base)
+            if run.hash_base is None:
+                run.hash_base = self.oracle.hash_at(run.seq, st.start - 1)
+            self.oracle.write(self.hc.device_kv, run.seq[:end], st.slots[st.start :], start=st.start,
+                              base=run.hash_base)
             run.hash_base = self.oracle.hash_at(run.seq, end - 1, base=run.hash_base, start=st.start)
             self.written_tokens += st.count
+            if end == len(run.seq):
+                nxt[st.request_id] = _output_token(st.request_id, run.outputs)
+        return nxt
 
 
 class ReferenceScheduler:
-    def __init__(self, hc: HiCache, config: SchedulerConfig | None = None) -> None:
+    """Serves submitted requests over `hc`, running `model` (the fake model by default)."""
+
+    def __init__(self, hc: HiCache, config: SchedulerConfig | None = None, model: StepModel | None = None) -> None:
         self.hc = hc
         self.config = config or SchedulerConfig()
-        self.model = FakeModel(hc)
+        self.model: StepModel = model if model is not None else FakeModel(hc, self.config.verify)
         self._rng = random.Random(f"scheduler:{self.config.seed}")
         self.waiting: deque[ServeRequest | _Running] = deque()
         self.running: dict[str, _Running] = {}
@@ -213,9 +251,10 @@ class ReferenceScheduler:
         waiter = self._admit()
         steps = self._plan()
         loaded = True
+        nxt: dict[str, int] = {}
         try:
             if steps:
-                self.model.forward(steps, waiter, self.config.verify)
+                nxt = self.model.forward(steps, waiter)
             elif waiter is not None:  # nothing computes this tick, but the loads' outcome must be known
                 waiter.wait_all()
         except LoadFailedError:
@@ -227,12 +266,12 @@ class ReferenceScheduler:
             return
         if steps:
             self._commit(steps)
-        self._advance(steps)
+        self._advance(steps, nxt)
         advance = getattr(self.hc.system.runtime, "advance", None)
         if advance is not None and self.config.tick_s:
             advance(self.config.tick_s)
 
-    def _commit(self, steps: list[_Step]) -> None:
+    def _commit(self, steps: list[ForwardStep]) -> None:
         """Commit what this tick computed. A request that goes on decoding commits with the
         next tick's allocation (one round trip per decode tick); one that finishes or caches
         a chunk now, since those calls read its committed tokens."""
@@ -307,8 +346,7 @@ class ReferenceScheduler:
             seq = spec.prompt.tolist() if isinstance(item, ServeRequest) else item.seq
             outputs = 0 if isinstance(item, ServeRequest) else item.outputs
             cached = res.cached_tokens
-            run = _Running(spec, res.handle, seq, cached, 0, cached,
-                           self.model.oracle.hash_at(seq, cached - 1), outputs, self.ticks)
+            run = _Running(spec, res.handle, seq, cached, 0, cached, None, outputs, self.ticks)
             self.running[spec.request_id] = run
             out = self.outcomes[spec.request_id]
             if out.first_tick < 0:
@@ -320,7 +358,7 @@ class ReferenceScheduler:
 
     # -- one tick of work --------------------------------------------------------------------
 
-    def _plan(self) -> list[_Step]:
+    def _plan(self) -> list[ForwardStep]:
         """A step per running request: the rest of its sequence up to a chunk (prefill, or a
         re-prefill after retraction) or its last token (decode); then slots for all of it."""
         budget = self.config.prefill_tokens_per_tick
@@ -332,7 +370,7 @@ class ReferenceScheduler:
                 continue
             if left > 1:
                 budget -= n
-            steps.append(_Step(run, run.computed, n))
+            steps.append(ForwardStep(run, run.computed, n))
         while steps:
             ahead = self.config.lookahead_slots
             want = {}
@@ -343,7 +381,7 @@ class ReferenceScheduler:
             got = self.hc.allocate(want, commit=commit)
             if not isinstance(got, Insufficient):
                 for st in steps:
-                    st.slots = self.hc.slots(st.run.spec.request_id)[st.start : st.start + st.count]
+                    st.slots = self.hc.slots(st.request_id)[: st.start + st.count]
                 return steps
             victim = self._retraction_victim()
             if victim is None or (len(self.running) == 1 and not self.waiting and len(steps) == 1):
@@ -355,7 +393,7 @@ class ReferenceScheduler:
             self._retract(victim)
         return steps
 
-    def _advance(self, steps: list[_Step]) -> None:
+    def _advance(self, steps: list[ForwardStep], nxt: dict[str, int]) -> None:
         to_finish: list[_Running] = []
         to_cache: list[_Running] = []
         for st in steps:
@@ -367,7 +405,8 @@ class ReferenceScheduler:
             if run.computed < len(run.seq):
                 to_cache.append(run)  # a chunk done, more of the sequence to compute
                 continue
-            run.seq.append(_output_token(run.spec.request_id, run.outputs))
+            run.seq.append(nxt[run.spec.request_id])
+            self.outcomes[run.spec.request_id].output_tokens.append(run.seq[-1])
             run.outputs += 1
             if run.outputs >= run.spec.output_tokens:
                 to_finish.append(run)
@@ -406,7 +445,7 @@ class ReferenceScheduler:
         self.outcomes[run.spec.request_id].retractions += 1
         self.waiting.appendleft(run)
 
-    def _retract_after_failed_load(self, steps: list[_Step]) -> None:
+    def _retract_after_failed_load(self, steps: list[ForwardStep]) -> None:
         """A load-back failed, so this tick's forward pass did not run: every request of
         it is retracted (its allocations go back) and recomputes from what is cached. So is
         every request admitted this tick without a step (the prefill budget ran out): its

@@ -29,6 +29,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="with --storage mooncake: the master's RPC address (default 127.0.0.1:50051)")
     demo.add_argument("--mooncake-metadata", default=None, metavar="URL",
                       help="with --storage mooncake: the HTTP metadata server (default http://127.0.0.1:8080/metadata)")
+    demo.add_argument("--model", default=None, metavar="tiny|PATH",
+                      help="serve a real transformer instead of the trace: 'tiny' (a small random Llama on CPU) or "
+                           "a local transformers model directory; prints measured TTFT per tier beside the modelled")
 
     ex = sub.add_parser("explore", help="explore schedules deterministically; find and replay failures")
     ex.add_argument("--scenario", default="standard", help="scenario to run (default: standard)")
@@ -95,6 +98,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         given = {"prefill_tokens_per_s": args.prefill_tps, "l2_gbps": args.l2_gbps, "l3_gbps": args.l3_gbps,
                  "kv_bytes_per_token": args.kv_bytes_per_token}
         cost = CostModel(**{k: v for k, v in given.items() if v is not None})
+        if args.model is not None:
+            from ._demo_model import run_model_demo
+
+            return run_model_demo(args.model, as_json=args.json, cost=cost)
         return run_demo(requests=args.requests, as_json=args.json, cost=cost, log_path=args.log,
                         storage=args.storage, mooncake_master=args.mooncake_master,
                         mooncake_metadata=args.mooncake_metadata)

@@ -1,0 +1,172 @@
+"""`DeviceKV`: the device KV pool as an engine's forward pass reads and writes it.
+
+Layouts (the device's is fixed; the host's is `Config.host_layout`):
+
+- device (L1): layer-first `[2, layers, slots, kv_heads, head_dim]` whatever `host_layout`
+  says; index 0 is K, 1 is V. Slot `s` is offset `s % page_size` of page `s // page_size`,
+  so one layer's K (or V) is `[slots, kv_heads, head_dim]` and, page by page,
+  `[pages, page_size, kv_heads, head_dim]`: the paged cache that FlashInfer (NHD) and
+  flash-attn (`k_cache` with a block table) take, without a copy.
+- host (L2): `layer_first` as the device, or `page_first` `[pages, 2, layers, page_size,
+  kv_heads, head_dim]` (one page contiguous across layers, as storage reads and writes it).
+  An engine never touches the host buffer: load-back copies its pages into device slots,
+  layer by layer, and the forward pass waits per layer (`LayerWaiter.wait_layer`).
+
+A request's positions lie in the slots the facade gives (`AdmitResult.device_indices`,
+`allocate()`, `slots(rid)`): position `i` in slot `slots[i]`, whole pages in position
+order, so `page_table(slots)` is its row of a block table.
+
+Every tensor stays on the pool's device: on CUDA, `write` and `gather` are device
+kernels on the caller's current stream (which `wait_layer` has ordered after the
+layer's load), and no KV passes through host memory. Slot numbers are checked (in
+range; distinct for a write) before any kernel runs: a bad slot would corrupt another
+request's KV, or, on CUDA, abort the device context. `index(slots)` checks them and
+moves them to the device once, for all the layers of a forward pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from hicache.actors import KVBuffer
+
+_INDEX_DTYPES = frozenset({torch.int32, torch.int64})
+
+
+class KVArgumentError(ValueError):
+    """A call on the device KV named a layer, slots or K/V tensors it cannot take."""
+
+
+@dataclass(frozen=True, slots=True)
+class SlotIndex:
+    """Slots checked against one pool (in range, and `distinct` if so), on the pool's device."""
+
+    tensor: torch.Tensor
+    """int64, 1-D, on the pool's device."""
+    distinct: bool
+    pool: int
+    """`id` of the pool tensor they were checked against."""
+
+    def __len__(self) -> int:
+        return self.tensor.shape[0]
+
+
+class DeviceKV:
+    """The device (L1) KV pool of a started `HiCache`, per layer (see the module docstring)."""
+
+    def __init__(self, buffer: KVBuffer) -> None:
+        self._buffer = buffer
+        self._t = buffer.tensor
+        s = buffer.shape
+        self.layers, self.kv_heads, self.head_dim, self.page_size = s.layers, s.heads, s.head_dim, s.page_size
+        self.slots = buffer.slots
+        self.pages = buffer.slots // s.page_size
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._t.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._t.device
+
+    @property
+    def buffer(self) -> KVBuffer:
+        return self._buffer
+
+    # -- views -----------------------------------------------------------------------
+
+    def k(self, layer: int) -> torch.Tensor:
+        """Layer `layer`'s K of every slot, `[slots, kv_heads, head_dim]` (a view)."""
+        return self._t[0, self._layer(layer)]
+
+    def v(self, layer: int) -> torch.Tensor:
+        """Layer `layer`'s V of every slot, `[slots, kv_heads, head_dim]` (a view)."""
+        return self._t[1, self._layer(layer)]
+
+    def k_pages(self, layer: int) -> torch.Tensor:
+        """Layer `layer`'s K page by page, `[pages, page_size, kv_heads, head_dim]` (a view)."""
+        return self.k(layer).view(self.pages, self.page_size, self.kv_heads, self.head_dim)
+
+    def v_pages(self, layer: int) -> torch.Tensor:
+        """Layer `layer`'s V page by page, `[pages, page_size, kv_heads, head_dim]` (a view)."""
+        return self.v(layer).view(self.pages, self.page_size, self.kv_heads, self.head_dim)
+
+    # -- a forward pass ------------------------------------------------------------------
+
+    def index(self, slots: torch.Tensor | SlotIndex, *, distinct: bool = True) -> SlotIndex:
+        """`slots` checked once (in range; with `distinct`, no slot twice) and put on the pool's
+        device, for every layer's `write` or `gather` of a forward pass."""
+        if isinstance(slots, SlotIndex):
+            if slots.pool != id(self._t):
+                raise KVArgumentError("these slots were checked against another cache's pool: index them again")
+            if distinct and not slots.distinct:
+                raise KVArgumentError("slots indexed with distinct=False cannot be written: index them with distinct=True")
+            return slots
+        if not isinstance(slots, torch.Tensor) or slots.dim() != 1 or slots.dtype not in _INDEX_DTYPES:
+            got = f"a {slots.dtype} tensor of shape {tuple(slots.shape)}" if isinstance(slots, torch.Tensor) \
+                else type(slots).__name__
+            raise KVArgumentError(f"slots must be a 1-D int64 (or int32) tensor, as the facade gives them; got {got}")
+        if len(slots):
+            lo, hi = (int(x) for x in torch.aminmax(slots))
+            if lo < 0 or hi >= self.slots:
+                raise KVArgumentError(f"slot {lo if lo < 0 else hi} is outside the pool's 0..{self.slots - 1}")
+            if distinct and len(slots) > 1:
+                ordered = slots.sort().values
+                if bool((ordered[1:] == ordered[:-1]).any()):
+                    raise KVArgumentError("a write names a slot twice: each new token needs a slot of its own")
+        return SlotIndex(slots.to(self.device, torch.int64, non_blocking=True), distinct, id(self._t))
+
+    def write(self, layer: int, slots: torch.Tensor | SlotIndex, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write layer `layer`'s K and V of new tokens (`[n, kv_heads, head_dim]` each, on the
+        pool's device, in its dtype) into their `n` slots."""
+        layer = self._layer(layer)
+        idx = self.index(slots)
+        n = len(idx)
+        for name, x in (("k", k), ("v", v)):
+            self._check_kv(name, x, n)
+        self._t[0, layer].index_copy_(0, idx.tensor, k)
+        self._t[1, layer].index_copy_(0, idx.tensor, v)
+
+    def gather(self, layer: int, slots: torch.Tensor | SlotIndex) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s K and V of `slots`, in their order: two `[n, kv_heads, head_dim]`
+        tensors on the pool's device (a copy: attention without a paged kernel reads these)."""
+        layer = self._layer(layer)
+        idx = self.index(slots, distinct=False)
+        both = self._t[:, layer].index_select(1, idx.tensor)
+        return both[0], both[1]
+
+    def page_table(self, slots: torch.Tensor) -> torch.Tensor:
+        """The page of each page of positions of a request whose positions lie in `slots`
+        (as the facade gives them): its block-table row, int64 on CPU."""
+        idx = self.index(slots, distinct=False).tensor.cpu()
+        p = self.page_size
+        pages = idx[::p] // p
+        expect = pages.repeat_interleave(p)[: len(idx)] * p + torch.arange(len(idx)) % p
+        if not torch.equal(expect, idx):
+            raise KVArgumentError("these slots are not whole pages in position order (slot i at offset i % "
+                                  "page_size of its page): pass a request's slots as the facade gives them")
+        return pages
+
+    # -- checks ----------------------------------------------------------------------
+
+    def _layer(self, layer: int) -> int:
+        if type(layer) is not int or not 0 <= layer < self.layers:
+            raise KVArgumentError(f"layer must be an int in 0..{self.layers - 1}, got {layer!r}")
+        return layer
+
+    def _check_kv(self, name: str, x: torch.Tensor, n: int) -> None:
+        want = (n, self.kv_heads, self.head_dim)
+        if not isinstance(x, torch.Tensor) or tuple(x.shape) != want:
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise KVArgumentError(f"{name} must be [tokens, kv_heads, head_dim] = {list(want)}, got {got}")
+        if x.dtype != self.dtype:
+            raise KVArgumentError(f"{name} is {x.dtype} but the pool holds {self.dtype}: compute K/V in the "
+                                  "cache's dtype (Config.dtype)")
+        if x.device != self.device:
+            raise KVArgumentError(f"{name} is on {x.device} but the pool is on {self.device}: compute K/V on the "
+                                  "pool's device (the cache never stages KV through another memory)")
