@@ -34,6 +34,9 @@ from ._mooncake_master import MasterStartError, MooncakeMaster
 from ._replay import Delivery, Divergence, ParsedLog, ReplayLogError, ReplayResult, read_log, replay_log
 from ._group import Group, RankDivergenceError, SingleGroup, TorchGroup
 from ._layers import LayerDoneRing, LayerWaiter, LoadFailedError, StaleWaiterError
+from ._metrics import start_metrics_exporter
+from ._facade_types import TierStatistics
+from ._timings import TimedLayerWaiter
 from ._strategies import PCTStrategy, RandomStrategy, ReplayStrategy, ScheduleDivergedError, Strategy
 from ._services import FailedTransfers, FaultPlan, IdSource, NoFaults, SeededFaults, Services
 from ._system import DEFAULT_ASK_TIMEOUT_S, ActorFailedError, System, ThreadedRuntime
@@ -77,6 +80,9 @@ __all__ = [
     "HiCache",
     "HiCacheStatistics",
     "Insufficient",
+    "TierStatistics",
+    "TimedLayerWaiter",
+    "start_metrics_exporter",
     "Request",
     "RequestError",
     "BlockingGetError",

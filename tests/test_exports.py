@@ -63,6 +63,7 @@ INTERNAL = {
     "hicache.runtime._config_values.Host": "a Config field's rule (a host name or address)",
     "hicache.runtime._config_values.HostPort": "a Config field's rule (host:port)",
     "hicache.runtime._config_values.HttpUrl": "a Config field's rule (an http:// URL)",
+    "hicache.runtime._config_values.Name": "a Config field's rule (a short label value)",
     "hicache.runtime._config_values.refuse": "the ConfigError of a value a rule refuses, for the rules and for_model",
     "hicache.runtime._model_shape.ModelShape": "Config.for_model's reading of a model config",
     "hicache.runtime._model_shape.model_shape": "Config.for_model's reading of a model config",
@@ -72,6 +73,10 @@ INTERNAL = {
     "hicache.runtime._config_doc.field_table": "makes docs/configuration.md's field table (a test keeps it current)",
     "hicache.runtime._config_doc.with_table": "makes docs/configuration.md's field table (a test keeps it current)",
     "hicache.runtime._config_doc.main": "the command that rewrites docs/configuration.md's field table",
+    "hicache.runtime._metrics.track": "HiCache.start's registration of an instance with metrics on",
+    "hicache.runtime._metrics.untrack": "HiCache.close's end of an instance's metrics",
+    "hicache.runtime._timings.FacadeTimings": "HiCache's call and load-wait histograms, made only with metrics on",
+    "hicache.runtime._statistics.cache_statistics": "HiCache.statistics' assembly of the tiers from the actors' records",
 }
 """Public-looking names of private modules that are deliberately not exported.
 Each entry needs a reason; a stale entry (the name is gone, or now exported) fails."""
