@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -195,9 +196,10 @@ def run_simulate(*, trace: list[SimRequest], sweep: Sweep, no_kv: bool, cost: Co
     if as_json:
         print(json.dumps(body))
     else:
-        Console().print(_table(outcomes, body))
+        out = Console(width=None if sys.stdout.isatty() else 160)  # a file or pipe gets the whole table
+        out.print(_table(outcomes, body))
         if plot is not None:
-            Console().print(f"plot: {plot}")
+            out.print(f"plot: {plot}")
     return 0
 
 
@@ -251,8 +253,11 @@ def _run_actors(trace: list[SimRequest], point: Point, page: int, cost: CostMode
 
 
 def _table(outcomes: list[Outcome], body: dict[str, Any]) -> Table:
+    c = body["cost_model"]
     t = Table(title=f"hicache simulate: {body['trace']} ({body['engine']}, page {body['page_size']})",
-              caption=f"TTFT modelled: {body['cost_model']}")
+              caption=f"capacities in tokens; hit rates of the input tokens; TTFT modelled: recomputed tokens at "
+                      f"{c['prefill_tokens_per_s']:,.0f} tokens/s, L2 hits at {c['l2_gbps']} GB/s, L3 hits at "
+                      f"{c['l3_gbps']} GB/s then as L2, {c['kv_bytes_per_token']:,} KV bytes per token")
     for col in ("L1", "L2", "L3", "write", "eviction", "prefetch", "reqs", "hit L1", "hit L2", "hit L3", "hit",
                 "TTFT p50", "TTFT p99"):
         t.add_column(col, justify="right")
