@@ -6,6 +6,7 @@ _warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 from ._device import DeviceAllocatorActor
 from ._device_core import RELEASED_REMEMBERED_MAX, DeviceCore, Insufficient, PageOwner
+from ._durations import DURATION_BOUNDS_S, DurationHistogram
 from ._errors import InvariantError, LedgerError, SlotStateError
 from ._host import HostPoolActor
 from ._host_core import HostCore
@@ -44,6 +45,7 @@ from ._transfer_core import Piece, TransferOp, TransferQueue
 
 __all__ = [
     "BACKED",
+    "DURATION_BOUNDS_S",
     "NODE_TRANSITIONS",
     "RELEASED_REMEMBERED_MAX",
     "RESIDENT",
@@ -51,6 +53,7 @@ __all__ = [
     "CopyPlan",
     "DeviceAllocatorActor",
     "DeviceCore",
+    "DurationHistogram",
     "FileBackend",
     "Facts",
     "HandleError",

@@ -50,4 +50,4 @@ class HostPoolActor(HiActor):
         self.core.check_invariants()
 
     def statistics(self) -> HostStatistics:
-        return HostStatistics(capacity_slots=self.core.capacity_slots, slots_by_state=self.core.counts())
+        return HostStatistics.of(self.core.capacity_slots, self.core.counts())

@@ -19,7 +19,7 @@ operating condition: a miss or a failed backup, never a failed actor.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -43,6 +43,7 @@ from hicache.runtime._actor import Directory, HiActor
 from hicache.runtime._services import Services
 from hicache.runtime.config import Config
 
+from ._durations import DurationHistogram
 from ._errors import InvariantError
 from ._kv import KVBuffer
 from ._pages import as_tensor, slots_of_pages
@@ -57,6 +58,8 @@ class _Read:
     keys: tuple[str, ...]
     host: torch.Tensor
     hit: int
+    started_s: float
+    """When the prefetch arrived (runtime clock)."""
     target: int = 0
     """Pages the tree asked to read (its agreed hit)."""
     done: int = 0
@@ -75,6 +78,8 @@ class _Counters:
     pages_written: int = 0
     bytes_written: int = 0
     errors: int = 0
+    prefetch_s: DurationHistogram = field(default_factory=DurationHistogram)
+    backup_s: DurationHistogram = field(default_factory=DurationHistogram)
 
 
 class StoragePrefetcherActor(HiActor):
@@ -131,7 +136,7 @@ class StoragePrefetcherActor(HiActor):
             self._n.errors += 1
         elif self._backend is not None:
             hit = self._backend.exists(keys)
-        self._reads[op] = _Read(keys, host, hit)
+        self._reads[op] = _Read(keys, host, hit, self._services.clock.now_s())
         return hit
 
     def _schedule(self, op: int, r: _Read) -> None:
@@ -156,6 +161,7 @@ class StoragePrefetcherActor(HiActor):
                 self.send_later(STOP_RECHECK_S, self.name, ContinuePrefetch(op_id=op))
             return None
         del self._reads[op]
+        self._n.prefetch_s.observe(self._services.clock.now_s() - r.started_s)
         return PrefetchStopped(op_id=op, pages=r.done)
 
     def _step(self, op: int) -> Message | None:
@@ -196,7 +202,9 @@ class StoragePrefetcherActor(HiActor):
         if error or self._backend is None:
             self._n.errors += 1
             return PagesStored(op_id=op, pages=0, written=0, error=error or "no storage backend configured")
+        started_s = self._services.clock.now_s()
         io = self._backend.write(keys, self._host, host)
+        self._n.backup_s.observe(self._services.clock.now_s() - started_s)
         self._n.pages_written += io.written
         self._n.bytes_written += io.bytes
         self._n.errors += bool(io.error)
@@ -220,6 +228,7 @@ class StoragePrefetcherActor(HiActor):
             pages_read=n.pages_read, bytes_read=n.bytes_read, pages_written=n.pages_written,
             bytes_written=n.bytes_written, errors=n.errors, stored_bytes=usage.stored_bytes,
             evicted_pages=usage.evicted_pages, io_errors=usage.io_errors,
+            prefetch_durations=n.prefetch_s.snapshot(), backup_durations=n.backup_s.snapshot(),
         )
 
     def on_stop(self) -> None:

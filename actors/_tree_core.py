@@ -66,6 +66,7 @@ from hicache.messages import (
     Message,
     Prefetch,
     PrefetchEnd,
+    PrefetchEndCounts,
     PrefetchesSettled,
     PrefetchesStarted,
     PrefetchesStopped,
@@ -215,6 +216,7 @@ class _Termination:
 
 @dataclass(slots=True)
 class _Counters:
+    looked_up_tokens: int = 0
     device_hit_tokens: int = 0
     host_hit_tokens: int = 0
     evicted_device_tokens: int = 0
@@ -223,7 +225,7 @@ class _Counters:
     backups_failed: int = 0
     prefetches_started: int = 0
     prefetch_skipped: int = 0
-    prefetch_ends: list[int] = field(default_factory=lambda: [0] * len(PrefetchEnd))
+    prefetch_ends: dict[PrefetchEnd, int] = field(default_factory=lambda: dict.fromkeys(PrefetchEnd, 0))
     storage_hit_tokens: int = 0
     stored_tokens: int = 0
 
@@ -825,7 +827,7 @@ class TreeCore:
             end = PrefetchEnd.FAILED
         else:
             end = PrefetchEnd.BEST_EFFORT
-        self.n.prefetch_ends[list(PrefetchEnd).index(end)] += 1
+        self.n.prefetch_ends[end] += 1
         self.n.storage_hit_tokens += keep
         return keep
 
@@ -993,6 +995,7 @@ class TreeCore:
             nodes = p.device_nodes + p.load_nodes
             dev_hit = sum(nd.tokens for nd in nodes if nd.id not in loading)
             host_hit = sum(nd.tokens for nd in nodes if nd.id in loading)
+            self.n.looked_up_tokens += len(p.item.tokens)
             self.n.device_hit_tokens += dev_hit
             self.n.host_hit_tokens += host_hit
             admissions.append(Admission(
@@ -1110,11 +1113,13 @@ class TreeCore:
             nodes=t.nodes, device_tokens=t.device_tokens, host_tokens=t.host_tokens,
             protected_tokens=t.protected_tokens, evictable_tokens=t.evictable_tokens,
             live_handles=len(self._handles), writes_in_flight=len(self._writes), loads_in_flight=len(self._loads),
+            looked_up_tokens=self.n.looked_up_tokens,
             device_hit_tokens=self.n.device_hit_tokens, host_hit_tokens=self.n.host_hit_tokens,
             evicted_device_tokens=self.n.evicted_device_tokens, evicted_host_tokens=self.n.evicted_host_tokens,
             backups_done=self.n.backups_done, backups_failed=self.n.backups_failed,
             prefetches_started=self.n.prefetches_started, prefetches_in_flight=len(self._prefetches),
-            prefetch_skipped=self.n.prefetch_skipped, prefetch_ends=tuple(self.n.prefetch_ends),
+            prefetch_skipped=self.n.prefetch_skipped,
+            prefetch_ends=PrefetchEndCounts(**{e.value: n for e, n in self.n.prefetch_ends.items()}),
             storage_hit_tokens=self.n.storage_hit_tokens, stored_tokens=self.n.stored_tokens,
             backups_in_flight=len(self._stores),
             facts_pending=self.facts.pending(), facts_unknown=self.facts.pending() - sum(self.facts.known()),

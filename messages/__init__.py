@@ -8,7 +8,7 @@ _warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 from ._codec import CodecError, decode, encode
 from ._index import EMPTY, Indices, Tokens
 from ._registry import ENUM_TYPES, MESSAGE_TYPES, Message, field_names, message, wire_enum
-from .common import ActorName, CheckInvariants, GetStatistics, InvariantsHeld
+from .common import ActorName, CheckInvariants, Durations, GetStatistics, InvariantsHeld
 from .device import (
     AdoptLoadedSlots,
     AllocateLoadSlots,
@@ -44,6 +44,7 @@ from .storage import (
     PagesStored,
     Prefetch,
     PrefetchEnd,
+    PrefetchEndCounts,
     PrefetcherStatistics,
     PrefetchHit,
     PrefetchProgress,
@@ -124,6 +125,7 @@ __all__ = [
     "DeviceStatistics",
     "DigestTree",
     "DrainWrites",
+    "Durations",
     "EvictDevice",
     "EvictHost",
     "Evicted",
@@ -150,6 +152,7 @@ __all__ = [
     "PagesStored",
     "Prefetch",
     "PrefetchEnd",
+    "PrefetchEndCounts",
     "PrefetchHit",
     "PrefetchProgress",
     "PrefetchReadiness",

@@ -37,3 +37,21 @@ class InvariantsHeld(Message):
 @message(3)
 class GetStatistics(Message):
     """Ask an actor for its statistics record."""
+
+
+@message(4)
+class Durations(Message):
+    """A histogram of durations (seconds) since start, as statistics carry it."""
+
+    bounds_s: tuple[float, ...]
+    """Upper bounds of the buckets, increasing; the last bucket has none."""
+    bucket_counts: tuple[int, ...]
+    """Durations per bucket, one more than `bounds_s`: bucket `i` holds those above `bounds_s[i - 1]`
+    and at most `bounds_s[i]`; the last holds those above every bound."""
+    sum_s: float
+    """The sum of every duration."""
+
+    @property
+    def count(self) -> int:
+        """How many durations were observed."""
+        return sum(self.bucket_counts)

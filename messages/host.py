@@ -111,5 +111,27 @@ class HostStatistics(Message):
 
     capacity_slots: int
     """All slots of the host buffer."""
-    slots_by_state: tuple[int, ...]
-    """Number of slots in each `HostSlotState`, indexed by its value."""
+    free_slots: int
+    """Slots in state `FREE`."""
+    reserved_slots: int
+    """Slots in state `RESERVED`."""
+    writing_slots: int
+    """Slots in state `WRITING`."""
+    synced_slots: int
+    """Slots in state `SYNCED`."""
+    host_only_slots: int
+    """Slots in state `HOST_ONLY`."""
+    loading_slots: int
+    """Slots in state `LOADING`."""
+    prefetching_slots: int
+    """Slots in state `PREFETCHING`."""
+
+    @classmethod
+    def of(cls, capacity_slots: int, counts: tuple[int, ...]) -> HostStatistics:
+        """From the slot count of each state, indexed by its value."""
+        return cls(capacity_slots=capacity_slots,
+                   **{f"{s.name.lower()}_slots": counts[s] for s in HostSlotState})
+
+    def slots_in(self, state: HostSlotState) -> int:
+        """Slots in `state`."""
+        return int(getattr(self, f"{state.name.lower()}_slots"))

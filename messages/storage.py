@@ -21,6 +21,7 @@ import enum
 
 from ._index import Indices
 from ._registry import Message, message, wire_enum
+from .common import Durations
 
 
 @wire_enum(500)
@@ -42,6 +43,30 @@ class PrefetchEnd(enum.Enum):
     """The request was aborted while its prefetch was in flight."""
     RETRACTED = "retracted"
     """The request was retracted while its prefetch was in flight."""
+
+
+@message(510)
+class PrefetchEndCounts(Message):
+    """Settled prefetches by why they ended: one field per `PrefetchEnd` member, named by its value."""
+
+    complete: int
+    """Every page storage had arrived."""
+    miss: int
+    """Storage held none of the pages."""
+    failed: int
+    """A read failed before every page arrived (`wait_complete` policy)."""
+    best_effort: int
+    """The request ran with what had arrived (`best_effort` policy)."""
+    timeout: int
+    """It ended short under the `timeout` policy."""
+    aborted: int
+    """The request was aborted while its prefetch was in flight."""
+    retracted: int
+    """The request was retracted while its prefetch was in flight."""
+
+    def of(self, end: PrefetchEnd) -> int:
+        """Settled prefetches that ended for `end`."""
+        return int(getattr(self, end.value))
 
 
 @message(500)
@@ -160,6 +185,10 @@ class PrefetcherStatistics(Message):
     """Pages the backend evicted to stay within `storage_max_bytes`."""
     io_errors: int = 0
     """OS or client errors the backend met (each logged once, with its path or key)."""
+    prefetch_durations: Durations
+    """Seconds from a prefetch's arrival to its `PrefetchStopped` (runtime clock)."""
+    backup_durations: Durations
+    """Seconds one backup's write to storage took (runtime clock)."""
 
 
 @message(509)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from ._index import Indices, Tokens
 from ._registry import Message, message
 from .device import LedgerEntry, ReleaseReason
-from .storage import PrefetchEnd
+from .storage import PrefetchEnd, PrefetchEndCounts
 
 
 @message(400)
@@ -199,6 +199,8 @@ class TreeStatistics(Message):
     """Write-throughs not yet acknowledged."""
     loads_in_flight: int
     """Load-backs not yet acknowledged."""
+    looked_up_tokens: int
+    """Prompt tokens admissions matched against the cache (hit or not)."""
     device_hit_tokens: int
     """Tokens matched in device memory by admissions."""
     host_hit_tokens: int
@@ -217,8 +219,8 @@ class TreeStatistics(Message):
     """Storage prefetches not yet settled."""
     prefetch_skipped: int
     """Prefetches not started for the rate limit or for want of host memory."""
-    prefetch_ends: tuple[int, ...]
-    """Settled prefetches per `PrefetchEnd`, in its member order."""
+    prefetch_ends: PrefetchEndCounts
+    """Settled prefetches by why they ended."""
     storage_hit_tokens: int
     """Tokens of the pages settled prefetches agreed on: storage held them and they were read
     into host memory (pages the tree already held by then count too; their copies are freed).

@@ -1,179 +1,66 @@
-"""Configuration, the actor base and runtimes, the system wiring, and public tools."""
+"""Configuration, the actor base and runtimes, the system wiring, and public tools.
 
+Every name below is imported from its module on first use (PEP 562), so that importing a
+module of this package (the command line's parser, say) loads nothing else: torch and
+the actors come in with the first name that needs them.
+"""
+
+import importlib as _importlib
 import warnings as _warnings
 
 # torch warns at import when numpy is absent; hicache does not use numpy.
 _warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
-from ._actor import Directory, HiActor, Mail, WrongSenderError
-from ._deterministic import (
-    BlockingGetError,
-    DeadlockError,
-    DeterministicFuture,
-    DeterministicRuntime,
-    LivelockError,
-    Step,
-    VirtualClock,
-    replay_choices,
-)
-from ._engine_kv import DeviceKV, KVArgumentError, SlotIndex
-from ._executor import SerialExecutor
-from ._facade import (
-    AdmitResult,
-    CacheHandle,
-    CacheStateError,
-    Closed,
-    ExpiredHandleError,
-    HiCache,
-    HiCacheStatistics,
-    Insufficient,
-    Request,
-    RequestError,
-)
-from ._log import LOG_VERSION, DeliveryLog, rewrite_log
-from ._mooncake_master import MasterStartError, MooncakeMaster
-from ._log_reader import Delivery, LogEnd, LogReader, ParsedLog, ReplayLogError, RunHeader, read_log
-from ._replay import Divergence, ReplayResult, replay_log
-from ._group import Group, RankDivergenceError, SingleGroup, TorchGroup
-from ._layers import LayerDoneRing, LayerWaiter, LoadFailedError, StaleWaiterError
-from ._strategies import PCTStrategy, RandomStrategy, ReplayStrategy, ScheduleDivergedError, Strategy
-from ._services import FailedTransfers, FaultPlan, IdSource, NoFaults, SeededFaults, Services
-from ._system import DEFAULT_ASK_TIMEOUT_S, ActorFailedError, System, ThreadedRuntime
-from .config import (
-    DTYPES,
-    Available,
-    Config,
-    ConfigError,
-    DeviceKind,
-    EvictionPolicy,
-    HostLayout,
-    PrefetchPolicy,
-    StorageKind,
-    WritePolicy,
-    check_resources,
-)
-
-__all__ = [
-    "LOG_VERSION",
-    "Delivery",
-    "DeliveryLog",
-    "Divergence",
-    "LogEnd",
-    "LogReader",
-    "ParsedLog",
-    "ReplayLogError",
-    "ReplayResult",
-    "RunHeader",
-    "read_log",
-    "replay_log",
-    "rewrite_log",
-    "MUTANTS",
-    "FakeModel",
-    "ForwardStep",
-    "Generation",
-    "KVObserver",
-    "ModelRunner",
-    "ModelRunnerError",
-    "PoolCache",
-    "StepModel",
-    "tiny_llama",
-    "DeviceKV",
-    "KVArgumentError",
-    "SlotIndex",
-    "Mutant",
-    "Outcome",
-    "ReferenceScheduler",
-    "SchedulerConfig",
-    "ServeRequest",
-    "mutant",
-    "AdmitResult",
-    "CacheHandle",
-    "CacheStateError",
-    "Closed",
-    "ExpiredHandleError",
-    "HiCache",
-    "HiCacheStatistics",
-    "Insufficient",
-    "Request",
-    "RequestError",
-    "BlockingGetError",
-    "DeadlockError",
-    "DeterministicFuture",
-    "DeterministicRuntime",
-    "LivelockError",
-    "PCTStrategy",
-    "RandomStrategy",
-    "ReplayStrategy",
-    "ScheduleDivergedError",
-    "Step",
-    "Strategy",
-    "VirtualClock",
-    "replay_choices",
-    "DEFAULT_ASK_TIMEOUT_S",
-    "DTYPES",
-    "ActorFailedError",
-    "Available",
-    "check_resources",
-    "Config",
-    "ConfigError",
-    "DeviceKind",
-    "Directory",
-    "EvictionPolicy",
-    "FailedTransfers",
-    "FaultPlan",
-    "Group",
-    "HiActor",
-    "HostLayout",
-    "IdSource",
-    "LayerDoneRing",
-    "LayerWaiter",
-    "LoadFailedError",
-    "Mail",
-    "MasterStartError",
-    "MooncakeMaster",
-    "NoFaults",
-    "PrefetchPolicy",
-    "RankDivergenceError",
-    "StorageKind",
-    "SeededFaults",
-    "SingleGroup",
-    "SerialExecutor",
-    "Services",
-    "StaleWaiterError",
-    "System",
-    "ThreadedRuntime",
-    "TorchGroup",
-    "WritePolicy",
-    "WrongSenderError",
-]
-
-
-# These import the actors, which import this package, or transformers (the `model` extra):
-# loaded on first use (PEP 562).
-_LAZY = {
-    "MUTANTS": "_mutants",
-    "Mutant": "_mutants",
-    "mutant": "_mutants",
-    "FakeModel": "_scheduler",
-    "ForwardStep": "_scheduler",
-    "StepModel": "_scheduler",
-    "Generation": "_model_runner",
-    "KVObserver": "_model_runner",
-    "ModelRunner": "_model_runner",
-    "ModelRunnerError": "_model_runner",
-    "PoolCache": "_model_runner",
-    "tiny_llama": "_tiny_model",
-    "Outcome": "_scheduler",
-    "ReferenceScheduler": "_scheduler",
-    "SchedulerConfig": "_scheduler",
-    "ServeRequest": "_scheduler",
+_EXPORTS: dict[str, tuple[str, ...]] = {
+    "_actor": ("Directory", "HiActor", "Mail", "WrongSenderError"),
+    "_deterministic": (
+        "BlockingGetError", "DeadlockError", "DeterministicFuture", "DeterministicRuntime", "LivelockError",
+        "Step", "VirtualClock", "replay_choices"
+    ),
+    "_executor": ("SerialExecutor",),
+    "_facade": (
+        "AdmitResult", "CacheHandle", "CacheStateError", "Closed", "ExpiredHandleError", "HiCache",
+        "HiCacheStatistics", "Insufficient", "Request", "RequestError"
+    ),
+    "_log": ("LOG_VERSION", "DeliveryLog", "rewrite_log"),
+    "_log_reader": ("Delivery", "LogEnd", "LogReader", "ParsedLog", "ReplayLogError", "RunHeader", "read_log"),
+    "_engine_kv": ("DeviceKV", "KVArgumentError", "SlotIndex"),
+    "_model_runner": ("Generation", "KVObserver", "ModelRunner", "ModelRunnerError", "PoolCache"),
+    "_tiny_model": ("tiny_llama",),
+    "_mooncake_master": ("MasterStartError", "MooncakeMaster"),
+    "_replay": ("Divergence", "ReplayResult", "replay_log"),
+    "_group": ("Group", "RankDivergenceError", "SingleGroup", "TorchGroup"),
+    "_layers": ("LayerDoneRing", "LayerWaiter", "LoadFailedError", "StaleWaiterError"),
+    "_metrics": ("start_metrics_exporter",),
+    "_facade_types": ("TierStatistics",),
+    "_timings": ("TimedLayerWaiter",),
+    "_strategies": ("PCTStrategy", "RandomStrategy", "ReplayStrategy", "ScheduleDivergedError", "Strategy"),
+    "_services": ("FailedTransfers", "FaultPlan", "IdSource", "NoFaults", "SeededFaults", "Services"),
+    "_system": ("DEFAULT_ASK_TIMEOUT_S", "ActorFailedError", "System", "ThreadedRuntime"),
+    "config": (
+        "DTYPES", "Available", "Config", "ConfigError", "DeviceKind", "EvictionPolicy", "HostLayout",
+        "PrefetchPolicy", "StorageKind", "WritePolicy", "check_resources"
+    ),
+    "_mutants": ("MUTANTS", "Mutant", "mutant"),
+    "_scheduler": (
+        "FakeModel", "ForwardStep", "Outcome", "ReferenceScheduler", "SchedulerConfig", "ServeRequest", "StepModel"
+    ),
 }
+"""Each private module, and the public names it defines."""
+
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+
+__all__ = sorted(_MODULE_OF)
 
 
 def __getattr__(name: str) -> object:
-    module = _LAZY.get(name)
+    module = _MODULE_OF.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
+    value = getattr(_importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
 
-    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

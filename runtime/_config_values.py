@@ -289,5 +289,23 @@ class HttpUrl:
         return text
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Name:
+    """A short name that labels what an instance reports: letters, digits, `_`, `-` and `.`."""
+
+    @property
+    def allowed(self) -> str:
+        return "1 to 64 letters, digits, '_', '-' or '.'"
+
+    def parse(self, name: str, value: Any) -> str:
+        text = value.strip() if isinstance(value, str) else ""
+        if not _NAME.fullmatch(text):
+            raise refuse(name, value, self.allowed)
+        return text
+
+
+_NAME: Final = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
 def _port_ok(port: str) -> bool:
     return _INTEGER.fullmatch(port) is not None and port[0] not in "+-" and 1 <= int(port) <= 65535

@@ -21,18 +21,21 @@ cost model produced them.
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
-from rich.progress import Progress
 from rich.table import Table
 
 from ._facade import HiCache
+from ._progress import progress
 from ._scheduler import ReferenceScheduler, SchedulerConfig, ServeRequest
+from ._usage import UsageError
 from .config import Config, PrefetchPolicy
-from .trace import TraceRequest, load_trace
+from .trace import TRACE_RECORDS, TraceRequest, load_trace
 
 DEMO_REQUESTS = 600
 DEMO_OUTPUT_TOKENS_MAX = 16
@@ -60,11 +63,31 @@ class CostModel:
                 + storage_hit * moved / self.l3_gbps)
 
 
+DEMO_DEVICE_SLOTS = 65536
+DEMO_HOST_SLOTS = 16 * DEMO_DEVICE_SLOTS
+"""L1 holds the prefixes a conversation's next turn reuses; L2 some of those an earlier
+conversation left, further back; L3 (storage, unbounded) the rest: with the default 600
+requests each tier serves part of the hits."""
+
+
 def demo_config(host_tier: bool = True, **storage: object) -> Config:
     """A small KV shape (the bytes are fingerprints, not a model's) and tiers sized so
     the trace's working set fits in neither L1 nor L2."""
     return Config(layers=2, kv_heads=1, head_dim=16, dtype="float16", page_size=16,
-                  device_slots=16 * 4096, host_slots=16 * 32768, host_tier=host_tier, **storage)  # type: ignore[arg-type]
+                  device_slots=DEMO_DEVICE_SLOTS, host_slots=DEMO_HOST_SLOTS, host_tier=host_tier,
+                  **storage)  # type: ignore[arg-type]
+
+
+def check_demo_arguments(requests: int, log_path: Path | None) -> None:
+    """Refuse what cannot run, before anything is served."""
+    if not 1 <= requests <= TRACE_RECORDS:
+        raise UsageError(f"--requests {requests}: the embedded trace has {TRACE_RECORDS:,} requests; "
+                         f"give 1..{TRACE_RECORDS}")
+    if log_path is not None:
+        folder = log_path.parent if str(log_path.parent) else Path(".")
+        if not folder.is_dir() or not os.access(folder, os.W_OK):
+            raise UsageError(f"--log {log_path}: the folder {folder} does not exist or is not writable; "
+                             "create it or give another path")
 
 
 def run_demo(
@@ -77,11 +100,9 @@ def run_demo(
     mooncake_metadata: str | None = None,
 ) -> int:
     n = DEMO_REQUESTS if requests is None else requests
-    if n <= 0:
-        raise SystemExit(f"hicache demo: --requests must be > 0, got {n}")
+    check_demo_arguments(n, log_path)
     cost = cost or CostModel()
     trace = [r for r in load_trace(n)]
-    err = Console(stderr=True)
     with tempfile.TemporaryDirectory(prefix="hicache-demo-l3-") as tmp:
         fields: dict[str, object] = {"storage": storage, "prefetch_policy": DEMO_PREFETCH_POLICY}
         if storage == "file":
@@ -92,13 +113,14 @@ def run_demo(
             fields["mooncake_metadata"] = mooncake_metadata
         cfg = demo_config(**fields)
         served = [r for r in trace if r.input_length <= cfg.device_slots // 2]
-        with Progress(console=err, transient=True) as bar:
+        with progress() as bar:
             label = "L1 + L2 + L3" if storage != "none" else "L1 + L2"
             hier = _serve(served, cfg.replace(log_path=str(log_path)) if log_path else cfg, bar, label)
             l2 = _serve(served, demo_config(), bar, "L1 + L2") if storage != "none" else hier
             l1 = _serve(served, demo_config(host_tier=False), bar, "L1 only")
     infinite = _infinite_hits(served, cfg.page_size)
     figures = _figures(served, len(trace) - len(served), hier, l2, l1, infinite, cost, cfg)
+    figures["evicted_tokens_l1"], figures["evicted_tokens_l2"] = hier.evicted_l1, hier.evicted_l2
     if as_json:
         print(json.dumps(figures))
     else:
@@ -120,9 +142,11 @@ class _Run:
     verified: int
     retractions: int
     ticks: int
+    evicted_l1: int = 0
+    evicted_l2: int = 0
 
 
-def _serve(trace: list[TraceRequest], cfg: Config, bar: Progress, label: str) -> _Run:
+def _serve(trace: list[TraceRequest], cfg: Config, bar: Any, label: str) -> _Run:
     reqs = [ServeRequest(f"r{r.index}", r.tokens(), max(1, min(r.output_length, DEMO_OUTPUT_TOKENS_MAX)))
             for r in trace]
     task = bar.add_task(f"serving {len(reqs)} trace requests, {label}", total=len(reqs))
@@ -149,6 +173,7 @@ def _serve(trace: list[TraceRequest], cfg: Config, bar: Progress, label: str) ->
         d2h_bytes=stats.write.bytes_copied, h2d_bytes=stats.load.bytes_copied,
         storage_read_bytes=stats.prefetch.bytes_read, storage_written_bytes=stats.prefetch.bytes_written,
         verified=sched.model.verified_tokens, retractions=sum(o.retractions for o in outs), ticks=sched.ticks,
+        evicted_l1=stats.l1.evicted_tokens, evicted_l2=stats.l2.evicted_tokens if stats.l2 else 0,
     )
 
 
@@ -242,6 +267,8 @@ def _table(f: dict[str, object]) -> None:
     t.add_row("bytes host -> device", f"{f['h2d_bytes']:,}", "", "", "")
     t.add_row("bytes read from storage", f"{f['storage_read_bytes']:,}", "", "", "")
     t.add_row("bytes written to storage", f"{f['storage_written_bytes']:,}", "", "", "")
+    t.add_row("tokens evicted from L1", f"{f['evicted_tokens_l1']:,}", "", "", "")
+    t.add_row("tokens evicted from L2", f"{f['evicted_tokens_l2']:,}", "", "", "")
     t.add_row("retractions", f"{f['retractions']:,}", "", "", "")
     t.add_row("cached KV tokens verified", f"{f['verified_tokens']:,}", "", "", "")
     console = Console()
@@ -255,3 +282,9 @@ def _table(f: dict[str, object]) -> None:
         f"L1 {f['device_slots']:,} slots, L2 {f['host_slots']:,} slots; {f['skipped_longer_than_half_device']} "
         "requests longer than half of L1 skipped."
     )
+    if f["hit_rate_infinite"] and f["hit_rate_l1_only"] >= f["hit_rate_infinite"]:
+        console.print(
+            "Every prefix these requests repeat was still in L1 (an infinite cache hits no more): at the start of "
+            "the trace a turn reuses only the turn before it. Serve more requests (--requests 300 or more) to see "
+            "L2 and L3 hit prefixes from further back."
+        )

@@ -9,13 +9,14 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import Progress
 from rich.table import Table
 
 from hicache.messages import ActorName, DrainWrites, Message
 
 from ._actor import Directory, HiActor, Mail
 from ._deterministic import DeterministicRuntime
+from ._progress import progress
+from ._usage import UsageError
 from .explore import (
     SCENARIOS,
     MutantResult,
@@ -38,12 +39,12 @@ def run_explore(
     if replay_path is not None:
         return _replay(replay_path, as_json, err)
     if mutants:
-        return _mutants(scenario, as_json, err)
+        return _mutants(scenario, as_json)
     if scenario not in SCENARIOS:
-        raise SystemExit(f"hicache explore: unknown scenario {scenario!r}; known: {', '.join(SCENARIOS)}")
-    if seeds <= 0:
-        raise SystemExit(f"hicache explore: --seeds must be > 0, got {seeds}")
-    with Progress(console=err, transient=True) as bar:
+        raise UsageError(f"unknown scenario {scenario!r}; known: {', '.join(SCENARIOS)}")
+    if seeds <= 0 or depth <= 0:
+        raise UsageError(f"--seeds ({seeds}) and --depth ({depth}) must be > 0")
+    with progress() as bar:
         task = bar.add_task(f"{scenario}: {strategy} schedules", total=seeds)
         report = explore(scenario, strategy, range(first_seed, first_seed + seeds), depth,
                          on_schedule=lambda r: bar.advance(task))
@@ -87,8 +88,10 @@ def _print_failure(r: dict[str, Any], console: Console) -> None:
 def _replay(path: Path, as_json: bool, err: Console) -> int:
     try:
         res = replay(path)
-    except (ValueError, KeyError) as e:
-        raise SystemExit(f"hicache explore --replay: {e}") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise UsageError(f"--replay {path} is not a schedule trace written by hicache explore ({_first_line(e)}); "
+                         "a delivery log (hicache demo --log, Config.log_path) is replayed with `hicache replay LOG`"
+                         ) from None
     if as_json:
         print(json.dumps({"trace": str(path), "failed": res.failed, "error": res.error,
                           "deliveries": res.deliveries, "digest": res.digest}))
@@ -100,8 +103,14 @@ def _replay(path: Path, as_json: bool, err: Console) -> int:
     return 1 if res.failed else 0
 
 
-def _mutants(scenario: str, as_json: bool, err: Console) -> int:
-    with Progress(console=err, transient=True) as bar:
+def _first_line(e: BaseException) -> str:
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
+def _mutants(scenario: str, as_json: bool) -> int:
+    if scenario not in SCENARIOS:
+        raise UsageError(f"unknown scenario {scenario!r}; known: {', '.join(SCENARIOS)}")
+    with progress() as bar:
         task = bar.add_task("hunting mutants with PCT", total=None)
 
         def done(m: MutantResult) -> None:
@@ -171,11 +180,10 @@ def run_bench_explore(*, as_json: bool, quick: bool) -> int:
     """Schedules and delivered messages per second for the standard scenario, and the bare
     runtime's messages per second (two actors bouncing one message) for comparison."""
     seeds = 3 if quick else 30
-    err = Console(stderr=True)
     run_schedule("standard", 0, "pct")  # warm-up
     deliveries = 0
     t0 = time.perf_counter()
-    with Progress(console=err, transient=True) as bar:
+    with progress() as bar:
         task = bar.add_task("standard scenario, PCT schedules", total=seeds)
         for seed in range(seeds):
             deliveries += run_schedule("standard", seed, "pct").deliveries

@@ -96,6 +96,9 @@ from ._facade_types import (
 )
 from ._group import Group, SingleGroup
 from ._layers import LayerWaiter
+from ._metrics import track, untrack
+from ._statistics import cache_statistics
+from ._timings import FacadeTimings
 from ._system import DEFAULT_ASK_TIMEOUT_S, Runtime, System
 from .config import Config
 
@@ -106,6 +109,9 @@ CLOSE_DRAIN_TIMEOUT_S = 30.0
 """How long `close()` waits for writes and backups in flight by default."""
 
 log = logger("hicache.facade")
+
+_NO_TIMINGS = FacadeTimings()
+"""Empty histograms, for the statistics of an instance without metrics."""
 
 __all__ = [
     "AdmitResult", "CacheHandle", "CacheStateError", "Closed", "ExpiredHandleError", "HiCache",
@@ -176,6 +182,10 @@ class HiCache:
         self._interrupts = Interrupts(on_enter=self._collect)
         self._caller = 0
         self._kv: DeviceKV | None = None
+        self._timings: FacadeTimings | None = None
+        if self.config.metrics:  # decided once: without metrics, the calls are the class's own
+            self._timings = FacadeTimings()
+            self._timings.instrument(self)
         self._reset()
 
     def _reset(self) -> None:
@@ -187,6 +197,8 @@ class HiCache:
         self._ended: OrderedDict[str, str] = OrderedDict()
         self._pending: dict[int, Pending] = {}
         """Calls whose reply has not been applied (abandoned ones until their late reply comes)."""
+        self._storage_hit_tokens = 0
+        """Tokens admissions loaded back that a storage prefetch had brought (L3 hits)."""
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -194,8 +206,14 @@ class HiCache:
         """Start the actors (again after `close`: a fresh, empty L1 and L2; L3 persists)."""
         if self.system.started:
             raise CacheStateError("the cache is already started")
+        if self.config.metrics:  # first: a clash with another exporting instance leaves nothing started
+            track(self)
         self._reset()
-        self.system.start()
+        try:
+            self.system.start()
+        except BaseException:
+            untrack(self)
+            raise
         self._caller = threading.get_ident()
         self._interrupts.start()
         return self
@@ -221,6 +239,7 @@ class HiCache:
             drained = False
         self.system.stop()
         self._interrupts.stop()
+        untrack(self)
         if writes or backups:
             drained = False
             log.warning("closed with work in flight", writes_dropped=writes, backups_dropped=backups)
@@ -268,6 +287,7 @@ class HiCache:
         rid = item.request_id
         cached = adm.device_hit + adm.host_hit
         storage = min(self._stored.pop(rid, 0), adm.host_hit)
+        self._storage_hit_tokens += storage
         handle = CacheHandle(rid, adm.handle)
         live = _Live(handle, item.namespace, [item.tokens.to_bytes()[: 8 * cached]], cached, [], cached, -1)
         live.add_pages(adm.device)
@@ -644,10 +664,11 @@ class HiCache:
             return self._ask(ActorName.TREE, message, Evicted).host_tokens
 
     def statistics(self) -> HiCacheStatistics:
-        """The actors' statistics (any thread may call this)."""
-        s = self._started().statistics()
-        return HiCacheStatistics(tree=s[ActorName.TREE], device=s[ActorName.DEVICE], host=s[ActorName.HOST],
-                                 write=s[ActorName.WRITE], load=s[ActorName.LOAD], prefetch=s[ActorName.PREFETCH])
+        """Per tier (tokens looked up, hit and evicted; capacity used), and each actor's record
+        (any thread may call this)."""
+        t = self._timings or _NO_TIMINGS
+        return cache_statistics(self.config, self._started().statistics(), self._storage_hit_tokens,
+                                t.load_back_wait, t.calls if self._timings else {})
 
     def check_invariants(self) -> None:
         """Every actor checks its core; the facade checks its own view against the tree's."""

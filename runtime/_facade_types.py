@@ -7,6 +7,8 @@ and the value, and the actors never see it.
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import operator
 from array import array
 from collections.abc import Mapping, Sequence
@@ -17,6 +19,7 @@ import torch
 
 from hicache.messages import (
     DeviceStatistics,
+    Durations,
     Tokens,
     HostStatistics,
     PrefetcherStatistics,
@@ -111,13 +114,95 @@ class Closed:
 
 
 @dataclass(frozen=True, slots=True)
+class TierStatistics:
+    """One tier's numbers: tokens since start, capacity now.
+
+    A tier is asked for the tokens every tier above it missed: L1 for every token looked
+    up, L2 for those L1 missed, L3 for those L1 and L2 missed."""
+
+    tier: str
+    """`L1` (device memory), `L2` (host memory) or `L3` (storage)."""
+    requested_tokens: int
+    """Prompt tokens looked up in this tier (the ones the tiers above it missed)."""
+    hit_tokens: int
+    """Of those, the tokens this tier served (L3: read by a prefetch, then loaded back)."""
+    evicted_tokens: int
+    """Tokens evicted from this tier (L3: pages the file backend evicted, in tokens)."""
+    used_tokens: int | None
+    """Token slots in use now (None for L3, which counts bytes)."""
+    capacity_tokens: int | None
+    """Token slots of the tier (None for L3)."""
+    used_bytes: int
+    """KV bytes in use now (L3: bytes the storage takes for this KV shape; 0 for Mooncake)."""
+    capacity_bytes: int | None
+    """KV bytes the tier holds at most (L3: `storage_max_bytes`; None when unbounded)."""
+
+    @property
+    def hit_rate(self) -> float:
+        """`hit_tokens / requested_tokens` (0.0 before any request)."""
+        return self.hit_tokens / self.requested_tokens if self.requested_tokens else 0.0
+
+
+@dataclass(frozen=True, slots=True)
 class HiCacheStatistics:
+    """What `HiCache.statistics()` returns: per tier, then each actor's own record."""
+
+    looked_up_tokens: int
+    """Prompt tokens admissions looked up (hit or not)."""
+    l1: TierStatistics
+    l2: TierStatistics | None
+    """None without a host tier."""
+    l3: TierStatistics | None
+    """None without storage."""
     tree: TreeStatistics
     device: DeviceStatistics
     host: HostStatistics
     write: StreamStatistics
     load: StreamStatistics
     prefetch: PrefetcherStatistics
+    load_back_wait: Durations
+    """Seconds the forward pass waited for each loaded layer (`LayerWaiter.wait_layer` of a
+    batch that loads); counted only with `Config.metrics`."""
+    facade_calls: Mapping[str, Durations]
+    """Seconds of each facade call, by method name; counted only with `Config.metrics`."""
+
+    @property
+    def tiers(self) -> tuple[TierStatistics, ...]:
+        """The configured tiers, top down."""
+        return tuple(t for t in (self.l1, self.l2, self.l3) if t is not None)
+
+    @property
+    def hit_tokens(self) -> int:
+        """Tokens served by any tier."""
+        return sum(t.hit_tokens for t in self.tiers)
+
+    @property
+    def hit_rate(self) -> float:
+        """`hit_tokens / looked_up_tokens` (0.0 before any request)."""
+        return self.hit_tokens / self.looked_up_tokens if self.looked_up_tokens else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain values for JSON: every field, nested records as objects, and the hit rates."""
+        out = {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        for name in ("l1", "l2", "l3"):
+            tier = getattr(self, name)
+            if tier is not None:
+                out[name]["hit_rate"] = tier.hit_rate
+        out["hit_tokens"], out["hit_rate"] = self.hit_tokens, self.hit_rate
+        return out
+
+
+def _plain(value: Any) -> Any:
+    """A statistics value as JSON takes it (records become objects, enums their values)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, enum.Enum):
+        return value.value
+    return value
 
 
 # -- argument checks ---------------------------------------------------------------------

@@ -34,6 +34,7 @@ from ._config_values import (
     HostLayout,
     HostPort,
     HttpUrl,
+    Name,
     Number,
     PrefetchPolicy,
     Rule,
@@ -155,6 +156,20 @@ class Config:
     log_path: str = _field("", FilePath(),
                            "Write every delivery to this JSON-lines file (`hicache replay` reads it); empty: no log.")
 
+    # -- metrics -------------------------------------------------------------
+    metrics: bool = _field(False, Switch(),
+                           "Export this instance's numbers as Prometheus metrics (read from `statistics()` "
+                           "when scraped) and time its facade calls; see docs/metrics.md.")
+    metrics_port: int = _field(0, Count(0, 65535),
+                               "With `metrics`: serve every exporting instance's metrics over HTTP on this port "
+                               "from `start()` on; 0: no server of its own (the process's default registry "
+                               "holds them).")
+    metrics_host: str = _field("127.0.0.1", Host(),
+                               "Address the metrics server listens on (`0.0.0.0`: every interface).")
+    metrics_name: str = _field("hicache", Name(),
+                               "The `cache` label of this instance's metrics: instances exporting in one process "
+                               "need distinct names or ranks.")
+
     # -- transfer bounds -----------------------------------------------------
     transfer_pages_max: int = _field(64, Count(1, 1 << 16),
                                      "Most pages one copy batch moves; larger operations are split, smaller merged.")
@@ -187,6 +202,8 @@ class Config:
             raise ConfigError(f"tp_rank={self.tp_rank} must be below tp_size={self.tp_size}")
         if self.storage is StorageKind.FILE and not self.storage_dir:
             raise ConfigError("storage='file' needs storage_dir: the directory that holds the pages")
+        if self.metrics_port and not self.metrics:
+            raise ConfigError(f"metrics_port={self.metrics_port} needs metrics=true (or set metrics_port=0)")
         if self.storage is not StorageKind.NONE and not self.host_tier:
             raise ConfigError(f"storage={self.storage.value!r} needs host_tier=true: pages move between "
                               "storage and host memory (or set storage='none')")

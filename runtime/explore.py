@@ -297,7 +297,7 @@ def check_quiescent(hc: HiCache) -> None:
                         f"{s.device.loading_slots} loading, {s.device.live_requests} ledgers live")
     if s.device.tree_slots != s.tree.device_tokens or s.device.free_slots + s.device.tree_slots != cfg.device_slots:
         problems.append(f"device: {s.device.tree_slots} tree-owned slots but the tree holds {s.tree.device_tokens}")
-    held = cfg.host_slots - s.host.slots_by_state[HostSlotState.FREE]
+    held = cfg.host_slots - s.host.slots_in(HostSlotState.FREE)
     if held != s.tree.host_tokens:
         problems.append(f"host: {held} slots held but the tree holds {s.tree.host_tokens}")
     if problems:

@@ -26,6 +26,9 @@ VOCAB_SIZE = 32000
 
 TRACE_RECORDS = 12031
 
+TOKEN_ID_BOUND = 2**63
+"""Token ids travel as int64: a prompt's ids lie in 0..TOKEN_ID_BOUND - 1."""
+
 _MIX_A = -7046029254386353131
 _MIX_B = 0x2545F4914F6CDD1D
 
@@ -51,9 +54,9 @@ class TraceRequest:
         return torch.cat(blocks)[: self.input_length]
 
 
-def block_tokens(hash_id: int) -> torch.Tensor:
-    """The 512 tokens of one trace block: a pure function of its hash id."""
-    i = torch.arange(BLOCK_TOKENS, dtype=torch.int64) + _wrap64((hash_id + 1) * _MIX_B)
+def block_tokens(hash_id: int, size: int = BLOCK_TOKENS) -> torch.Tensor:
+    """The `size` tokens of one trace block: a pure function of its hash id (and size)."""
+    i = torch.arange(size, dtype=torch.int64) + _wrap64((hash_id + 1) * _MIX_B)
     x = i * _MIX_A
     x = (x ^ (x >> 31)) * _MIX_B
     x = x ^ (x >> 29)

@@ -114,7 +114,7 @@ def serve(group: Any, rank: int, size: int, storage_dir: str, write: str, prefet
         outcomes = list(sched.outcomes.values())
         return {
             "rank": rank, "ticks": [first, second], "digest_checks": checks, "evicted": evicted,
-            "prefetches_started": s.tree.prefetches_started, "prefetch_ends": list(s.tree.prefetch_ends),
+            "prefetches_started": s.tree.prefetches_started, "prefetch_ends": s.as_dict()["tree"]["prefetch_ends"],
             "storage_hit_tokens": s.tree.storage_hit_tokens, "stored_tokens": s.tree.stored_tokens,
             "scheduler_storage_hit": sum(o.storage_hit for o in outcomes),
             "pages_read": s.prefetch.pages_read, "pages_written": s.prefetch.pages_written,

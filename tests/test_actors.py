@@ -140,7 +140,7 @@ def test_kv_bytes_round_trip_device_to_host_to_device_with_merged_and_split_tran
     dev, hst = tree.statistics(DEVICE), tree.statistics(HOST)
     assert isinstance(dev, DeviceStatistics) and isinstance(hst, HostStatistics)
     assert dev.free_slots == dev.capacity_slots == cfg.device_slots and dev.live_requests == 0
-    assert hst.slots_by_state[S.FREE] == hst.capacity_slots == cfg.host_slots
+    assert hst.slots_in(S.FREE) == hst.capacity_slots == cfg.host_slots
 
 
 def test_a_write_longer_than_the_batch_bound_is_split_and_arrives_whole(
@@ -416,5 +416,5 @@ def test_replies_to_tells_go_back_to_the_sender(
     reply = tree.expect(HostAllocated)
     assert reply.op_id == 42 and reply.pages.tolist() == [0, 1]  # 8 slots: two pages of 4
     hst = tree.statistics(HOST)
-    assert hst.slots_by_state[S.RESERVED] == 8
+    assert hst.slots_in(S.RESERVED) == 8
     tree.host_free(reply.pages)

@@ -79,7 +79,7 @@ def test_freeing_host_pages_while_a_write_is_in_flight_is_refused(tree: Any) -> 
     with pytest.raises(SlotStateError, match="page 0 is WRITING.*only RESERVED, SYNCED, HOST_ONLY pages may be freed"):
         tree.ask(HOST, FreeHostSlots(pages=pages))
     _still_running(tree, HOST)
-    assert tree.statistics(HOST).slots_by_state[S.WRITING] == 4
+    assert tree.statistics(HOST).slots_in(S.WRITING) == 4
 
 
 # -- wrong senders -----------------------------------------------------------------
@@ -92,7 +92,7 @@ def test_a_host_free_not_from_the_tree_is_refused(tree: Any) -> None:
     ):
         tree.system.ask(HOST, FreeHostSlots(pages=pages), sender=WRITE)
     _still_running(tree, HOST)
-    assert tree.statistics(HOST).slots_by_state[S.RESERVED] == 4
+    assert tree.statistics(HOST).slots_in(S.RESERVED) == 4
     tree.host_free(pages)  # the tree may
 
 
@@ -158,7 +158,7 @@ def test_an_illegal_host_page_transition_names_pages_and_states(tree: Any) -> No
     ):
         tree.ask(HOST, SetHostState(pages=pages, state=S.SYNCED))
     _still_running(tree, HOST)
-    assert tree.statistics(HOST).slots_by_state[S.RESERVED] == 8
+    assert tree.statistics(HOST).slots_in(S.RESERVED) == 8
 
 
 def test_reserving_free_host_pages_by_a_state_change_is_refused(tree: Any) -> None:
@@ -183,7 +183,7 @@ def test_a_host_move_naming_a_page_twice_or_past_the_pool_is_refused(
     with pytest.raises(SlotStateError, match=error):
         tree.ask(HOST, SetHostState(pages=pages(got.tolist()), state=S.WRITING))
     _still_running(tree, HOST)
-    assert tree.statistics(HOST).slots_by_state[S.RESERVED] == 8  # nothing moved
+    assert tree.statistics(HOST).slots_in(S.RESERVED) == 8  # nothing moved
     tree.host_move(got, S.WRITING)
 
 

@@ -167,10 +167,10 @@ def test_each_integer_takes_the_smallest_msgpack_form(value: int) -> None:
 
 
 def test_strings_bytes_and_arrays_at_each_length_boundary_are_msgpacks_own() -> None:
-    from hicache.messages import HostStatistics
+    from hicache.messages import PrefetchesStarted
 
     for n in (0, 15, 16, 31, 32, 255, 256, 65535, 65536):
-        for msg in (SlotDemand(request_id="x" * n, tokens=1), HostStatistics(capacity_slots=1, slots_by_state=(7,) * n),
+        for msg in (SlotDemand(request_id="x" * n, tokens=1), PrefetchesStarted(op_id=1, tokens=(7,) * n),
                     SetHostState(pages=Indices(bytes(8 * n)), state=HostSlotState.SYNCED)):
             assert encode(msg) == _msgpack_reference(msg), (type(msg).__name__, n)
 

@@ -27,7 +27,7 @@ def test_demo_serves_a_trace_prefix_through_l1_and_l2_and_reports_every_figure(c
 
 
 def test_demo_hits_storage_once_the_host_tier_has_evicted_what_later_requests_reuse(capsys) -> None:
-    """Past the first hundred requests the trace reuses prefixes that L2 (eight times L1) no longer
+    """Past the first hundred requests the trace reuses prefixes that L2 (sixteen times L1) no longer
     holds: with the file L3 they come back from storage, and the hit rate beats L1 + L2."""
     assert main(["demo", "--requests", "150", "--json"]) == 0
     f = json.loads(capsys.readouterr().out)
@@ -43,9 +43,21 @@ def test_demo_without_storage_serves_l1_and_l2_only(capsys) -> None:
     assert f["hit_rate"] == f["hit_rate_l1_l2"]
 
 
-def test_demo_rejects_a_non_positive_request_count() -> None:
-    with pytest.raises(SystemExit, match="--requests must be > 0"):
+def test_demo_rejects_a_request_count_outside_the_trace_in_one_line(capsys) -> None:
+    with pytest.raises(SystemExit) as refused:
         main(["demo", "--requests", "0"])
+    assert refused.value.code == 2
+    assert capsys.readouterr().err == "hicache demo: argument --requests: 0 must be >= 1 (see hicache demo --help)\n"
+    assert main(["demo", "--requests", "999999"]) == 2
+    assert capsys.readouterr().err == ("hicache demo: --requests 999999: the embedded trace has 12,031 requests; "
+                                       "give 1..12031\n")
+
+
+def test_demo_shows_progress_lines_off_a_terminal(capsys) -> None:
+    assert main(["demo", "--requests", "10", "--json", "--storage", "none"]) == 0
+    lines = capsys.readouterr().err.splitlines()
+    assert any(line.startswith("serving 10 trace requests, L1 + L2: 100% (10/10)") for line in lines), lines
+    assert any(line.startswith("serving 10 trace requests, L1 only: 100% (10/10)") for line in lines), lines
 
 
 def test_demo_states_its_cost_model_in_the_json(capsys) -> None:

@@ -18,8 +18,9 @@ from hicache.messages import ENUM_TYPES, MESSAGE_TYPES
 
 PACKAGES = (hicache.actors, hicache.messages, hicache.runtime)
 
-COMMAND_MODULES = ("_demo", "_bench_", "_explore_cli", "_replay_cli", "_soak")
-"""Private modules that implement a `hicache` command; reached through `hicache.runtime.cli`."""
+COMMAND_MODULES = ("_demo", "_bench_", "_explore_cli", "_replay_cli", "_soak", "_simulate", "_progress", "_usage")
+"""Private modules that implement a `hicache` command (or its progress and usage errors); reached
+through `hicache.runtime.cli`."""
 
 INTERNAL = {
     "hicache.actors._transfer_core.batch_indices": "stream actors' helper over a TransferQueue batch",
@@ -65,6 +66,7 @@ INTERNAL = {
     "hicache.runtime._config_values.Host": "a Config field's rule (a host name or address)",
     "hicache.runtime._config_values.HostPort": "a Config field's rule (host:port)",
     "hicache.runtime._config_values.HttpUrl": "a Config field's rule (an http:// URL)",
+    "hicache.runtime._config_values.Name": "a Config field's rule (a short label value)",
     "hicache.runtime._config_values.refuse": "the ConfigError of a value a rule refuses, for the rules and for_model",
     "hicache.runtime._model_shape.ModelShape": "Config.for_model's reading of a model config",
     "hicache.runtime._model_shape.model_shape": "Config.for_model's reading of a model config",
@@ -77,6 +79,10 @@ INTERNAL = {
     "hicache.runtime._tiny_model.incremental_drift": "the measurement behind the model tests' logit tolerance",
     "hicache.runtime._tiny_model.measure_drift": "the measurement behind the model tests' logit tolerance",
     "hicache.runtime._tiny_model.main": "the command that prints the measurement behind the logit tolerance",
+    "hicache.runtime._metrics.track": "HiCache.start's registration of an instance with metrics on",
+    "hicache.runtime._metrics.untrack": "HiCache.close's end of an instance's metrics",
+    "hicache.runtime._timings.FacadeTimings": "HiCache's call and load-wait histograms, made only with metrics on",
+    "hicache.runtime._statistics.cache_statistics": "HiCache.statistics' assembly of the tiers from the actors' records",
 }
 """Public-looking names of private modules that are deliberately not exported.
 Each entry needs a reason; a stale entry (the name is gone, or now exported) fails."""

@@ -189,7 +189,7 @@ def assert_conserved(hc: HiCache, timeout_s: float = 10.0) -> None:
             rt.run_until_idle()
         s = hc.statistics()
         _, used = hc.tree_digest()
-        by, cap = s.host.slots_by_state, s.host.capacity_slots
+        by, cap = [s.host.slots_in(x) for x in S], s.host.capacity_slots
         held = by[S.WRITING] + by[S.SYNCED] + by[S.HOST_ONLY] + by[S.LOADING]
         if by[S.FREE] == cap - used and held == s.tree.host_tokens:
             assert sum(by) == cap
@@ -207,7 +207,7 @@ def assert_drained(hc: HiCache) -> None:
     assert hc.live_requests == () and hc.prefetching == ()
     s = statistics_when(hc, quiet, "in flight at the end")
     assert (s.tree.live_handles, s.tree.protected_tokens) == (0, 0)
-    by = s.host.slots_by_state
+    by = [s.host.slots_in(x) for x in S]
     assert (by[S.RESERVED], by[S.PREFETCHING], by[S.WRITING], by[S.LOADING]) == (0, 0, 0, 0)
     assert s.host.capacity_slots - by[S.FREE] == s.tree.host_tokens
     assert_conserved(hc)
@@ -216,14 +216,14 @@ def assert_drained(hc: HiCache) -> None:
     hc.evict_host(cfg.host_slots)
     s = statistics_when(hc, quiet, "in flight after eviction")
     assert (s.tree.nodes, s.tree.device_tokens, s.tree.host_tokens) == (0, 0, 0), "a lock or a host pin was left"
-    assert s.host.slots_by_state[S.FREE] == cfg.host_slots
+    assert s.host.slots_in(S.FREE) == cfg.host_slots
     assert s.device.free_slots == cfg.device_slots
     hc.check_invariants()
 
 
 def ends(s: Any) -> dict[str, int]:
     """Settled prefetches by `PrefetchEnd` (only the reasons that occurred)."""
-    return {e.value: n for e, n in zip(PrefetchEnd, s.tree.prefetch_ends, strict=True) if n}
+    return {e.value: s.tree.prefetch_ends.of(e) for e in PrefetchEnd if s.tree.prefetch_ends.of(e)}
 
 
 _UNCHECKED = frozenset({"check_invariants", "statistics", "tree_digest", "committed_tokens", "slots", "allocated",
@@ -545,7 +545,7 @@ def test_a_prefetch_shrinks_to_the_free_host_space_when_that_still_meets_the_thr
     b.serve("head", PROMPT[:8])  # the prompt's first two pages: SYNCED, the prefetch's anchor
     b.serve("fill", seq(56, 5000))  # SYNCED too: host eviction cannot take device-resident nodes
     s = statistics_when(b.raw, quiet, "write-throughs")
-    assert s.host.slots_by_state[S.FREE] == 16
+    assert s.host.slots_in(S.FREE) == 16
     assert s.tree.host_tokens == 64
 
     assert b.hc.prefetch([Request("q", PROMPT)]) == {"q": 16}  # wanted 32 after the anchor: got the free 16
@@ -567,7 +567,7 @@ def test_no_prefetch_starts_when_the_free_host_space_is_below_the_threshold(serv
     b.serve("head", PROMPT[:8])
     b.serve("fill", seq(56, 5000))
     s = statistics_when(b.raw, quiet, "write-throughs")
-    assert s.host.slots_by_state[S.FREE] == 4  # one page: below the two-page threshold
+    assert s.host.slots_in(S.FREE) == 4  # one page: below the two-page threshold
 
     assert b.hc.prefetch([Request("q", PROMPT)]) == {"q": 0}
     s = b.stats()
@@ -1041,7 +1041,7 @@ def test_a_stop_that_overtakes_the_host_reservation_reaches_storage_once_and_fre
     assert [type(m) for m in sent] == [Prefetch, StopPrefetch]  # never told to read
     assert p.stopped(op) == (0,)
     assert p.settle(["q"], [0]) == (0,)
-    assert p.tree.statistics().prefetch_ends[list(PrefetchEnd).index(PrefetchEnd.ABORTED)] == 1
+    assert p.tree.statistics().prefetch_ends.aborted == 1
     assert p.host.free_slots == p.config.host_slots == p.tree.host_free
     assert p.tree.idle()
 
@@ -1056,7 +1056,7 @@ def test_a_refused_host_reservation_ends_the_prefetch_with_nothing_to_free(
     assert p.stopped(p.terminate(["q"])) == (0,)
     assert p.settle(["q"], [0]) == (0,)
     s = p.tree.statistics()
-    assert s.prefetch_ends[list(PrefetchEnd).index(PrefetchEnd.MISS)] == 1
+    assert s.prefetch_ends.miss == 1
     assert p.host.free_slots == p.config.host_slots == p.tree.host_free
     assert p.tree.idle()
 

@@ -71,10 +71,10 @@ def test_a_randomised_workload_keeps_every_invariant_and_ends_with_nothing_held(
     assert s.device.request_slots == 0 and s.device.loading_slots == 0 and s.device.live_requests == 0
     assert s.device.free_slots + s.device.tree_slots == cfg.device_slots
     assert s.device.tree_slots == s.tree.device_tokens
-    held = cfg.host_slots - s.host.slots_by_state[HostSlotState.FREE]
+    held = cfg.host_slots - s.host.slots_in(HostSlotState.FREE)
     assert held == s.tree.host_tokens
     busy = (HostSlotState.RESERVED, HostSlotState.WRITING, HostSlotState.LOADING, HostSlotState.PREFETCHING)
-    assert all(s.host.slots_by_state[st] == 0 for st in busy)
+    assert all(s.host.slots_in(st) == 0 for st in busy)
 
 
 def test_the_same_seed_serves_the_same_way_on_the_deterministic_runtime() -> None:

@@ -192,7 +192,7 @@ class ActorBackend:
             PageOwner.TREE: d.tree_slots,
             PageOwner.LOADING: d.loading_slots,
         }
-        return owners, h.slots_by_state
+        return owners, tuple(h.slots_in(s) for s in HostSlotState)
 
 
 @dataclass

@@ -108,8 +108,7 @@ def test_ranks_with_different_faults_keep_identical_trees_after_every_tick(
     for key in ("ticks", "prefetches_started", "prefetch_ends", "storage_hit_tokens", "scheduler_storage_hit",
                 "backups_failed", "load_failures", "host_hit_tokens", "device_hit_tokens", "finished", "aborted"):
         assert r0[key] == r1[key], (key, r0[key], r1[key])
-    complete = list(PrefetchEnd).index(PrefetchEnd.COMPLETE)
-    assert r0["prefetch_ends"][complete] > 0, r0
+    assert r0["prefetch_ends"][PrefetchEnd.COMPLETE.value] > 0, r0
 
 
 @pytest.mark.timeout(PARENT_DEADLINE_S + 30)

@@ -1,0 +1,197 @@
+"""Named statistics per tier, and the Prometheus metrics scraped over HTTP after a known workload."""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from hicache.actors import DURATION_BOUNDS_S, DurationHistogram, KVShape
+from hicache.messages import HostSlotState, PrefetchEnd
+from hicache.runtime import CacheStateError, Config, ConfigError, HiCache, Request, start_metrics_exporter
+from hicache.runtime._timings import TIMED_CALLS
+from hicache.runtime.oracle import FingerprintOracle
+
+PROMPT = list(range(100, 112))  # three pages of 4
+LONGER = PROMPT + [7, 7, 7, 7]
+
+
+def _config(**changes: object) -> Config:
+    return Config(layers=2, kv_heads=1, head_dim=8, page_size=4, device_slots=64, host_slots=256, **changes)  # type: ignore[arg-type]
+
+
+def serve(cache: HiCache, request: Request) -> tuple[int, int, int]:
+    """One request as an engine serves it; its (device, host, storage) hits."""
+    model = FingerprintOracle(KVShape.of(cache.config))
+    [admitted] = cache.admit([request])
+    cache.start_loads().wait_all()
+    rid, tokens, cached = request.request_id, list(request.tokens), admitted.cached_tokens
+    slots = cache.allocate({rid: len(tokens) - cached})[rid]  # type: ignore[index]
+    model.write(cache.device_kv, tokens, slots, start=cached)
+    cache.commit({rid: tokens[cached:]})
+    model.verify(cache.device_kv, tokens, cache.slots(rid))
+    cache.finish([admitted.handle])
+    cache.check_invariants()
+    return admitted.device_hit, admitted.host_hit, admitted.storage_hit
+
+
+def known_workload(cache: HiCache) -> None:
+    """12 tokens missed; 16 looked up, 12 hit in L1; then, L1 evicted, 16 loaded back from L2."""
+    assert serve(cache, Request("a", PROMPT)) == (0, 0, 0)
+    assert serve(cache, Request("b", LONGER)) == (12, 0, 0)
+    cache.quiesce()  # the write-throughs landed: the prefix is backed up in host memory
+    assert cache.evict_device(64) == 16
+    assert serve(cache, Request("c", LONGER)) == (0, 16, 0)
+    cache.quiesce()
+
+
+def test_statistics_name_each_tier_and_each_state() -> None:
+    with HiCache(_config()) as cache:
+        known_workload(cache)
+        s = cache.statistics()
+        cache.check_invariants()
+    assert s.looked_up_tokens == 12 + 16 + 16
+    assert (s.l1.tier, s.l1.requested_tokens, s.l1.hit_tokens, s.l1.evicted_tokens) == ("L1", 44, 12, 16)
+    assert s.l2 is not None and (s.l2.requested_tokens, s.l2.hit_tokens) == (32, 16)
+    assert s.l3 is None and [t.tier for t in s.tiers] == ["L1", "L2"]
+    assert s.l1.hit_rate == pytest.approx(12 / 44) and s.l2.hit_rate == pytest.approx(0.5)
+    assert s.hit_tokens == 28 and s.hit_rate == pytest.approx(28 / 44)
+    assert s.l1.capacity_tokens == 64 and s.l1.capacity_bytes == 64 * _config().bytes_per_slot
+    assert s.l1.used_tokens == s.device.capacity_slots - s.device.free_slots == 16
+    assert s.l2.used_tokens == 16 and s.l2.used_bytes == 16 * _config().bytes_per_slot
+    assert s.host.slots_in(HostSlotState.SYNCED) == s.host.synced_slots == 16
+    assert sum(s.host.slots_in(st) for st in HostSlotState) == s.host.capacity_slots
+    assert s.tree.prefetch_ends.of(PrefetchEnd.COMPLETE) == s.tree.prefetch_ends.complete == 0
+    assert s.facade_calls == {} and s.load_back_wait.count == 0  # counted only with metrics
+
+
+def test_as_dict_is_json_with_the_hit_rates() -> None:
+    with HiCache(_config()) as cache:
+        known_workload(cache)
+        d = json.loads(json.dumps(cache.statistics().as_dict()))
+    assert d["looked_up_tokens"] == 44 and d["hit_tokens"] == 28 and d["hit_rate"] == pytest.approx(28 / 44)
+    assert d["l1"]["hit_rate"] == pytest.approx(12 / 44) and d["l2"]["hit_tokens"] == 16 and d["l3"] is None
+    assert d["host"]["synced_slots"] == 16 and d["tree"]["prefetch_ends"]["miss"] == 0
+    assert d["prefetch"]["backup_durations"]["bucket_counts"] == [0] * (len(DURATION_BOUNDS_S) + 1)
+
+
+def test_storage_hits_count_as_l3_and_not_as_l2(tmp_path: Path) -> None:
+    config = _config(storage="file", storage_dir=str(tmp_path), prefetch_policy="wait_complete",
+                     prefetch_threshold_pages=1)
+    with HiCache(config) as cache:
+        serve(cache, Request("a", PROMPT))
+        cache.quiesce()  # backed up to storage
+    with HiCache(config) as cache:
+        request = Request("b", LONGER)
+        assert cache.prefetch([request]) == {"b": 16}
+        while not cache.ready(["b"]):
+            pass
+        assert serve(cache, request) == (0, 12, 12)
+        s = cache.statistics()
+    assert s.l2 is not None and s.l3 is not None
+    assert (s.l1.requested_tokens, s.l1.hit_tokens) == (16, 0)
+    assert (s.l2.requested_tokens, s.l2.hit_tokens) == (16, 0)
+    assert (s.l3.requested_tokens, s.l3.hit_tokens) == (16, 12)
+    assert s.l3.used_tokens is None and s.l3.used_bytes > 0 and s.l3.capacity_bytes is None
+    assert s.tree.prefetch_ends.complete == 1
+    assert s.prefetch.prefetch_durations.count == 1
+
+
+def _scrape(port: int) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+    """`{sample name: {sorted labels: value}}` of the exporter's page."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as page:
+        text = page.read().decode()
+    out: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
+    return out
+
+
+def _at(samples: dict[str, dict[tuple[tuple[str, str], ...], float]], name: str, cache: str, **labels: str) -> float:
+    return samples[name][tuple(sorted({"cache": cache, "rank": "0", **labels}.items()))]
+
+
+def test_a_scrape_after_a_known_workload_has_each_family_and_value() -> None:
+    port = start_metrics_exporter(0)
+    with HiCache(_config(metrics=True, metrics_name="scraped")) as cache:
+        known_workload(cache)
+        s = cache.statistics()
+        m = _scrape(port)
+    c = "scraped"
+    for tier, requested, hit in (("L1", 44, 12), ("L2", 32, 16)):
+        assert _at(m, "hicache_requested_tokens_total", c, tier=tier) == requested
+        assert _at(m, "hicache_hit_tokens_total", c, tier=tier) == hit
+    assert _at(m, "hicache_evicted_tokens_total", c, tier="L1") == 16
+    assert _at(m, "hicache_capacity_tokens", c, tier="L1") == 64
+    assert _at(m, "hicache_capacity_tokens", c, tier="L2") == 256
+    assert _at(m, "hicache_used_tokens", c, tier="L2") == 16
+    assert _at(m, "hicache_transferred_tokens_total", c, operation="load_back") == 16
+    assert _at(m, "hicache_transferred_bytes_total", c, operation="load_back") == 16 * _config().bytes_per_slot
+    assert _at(m, "hicache_transferred_tokens_total", c, operation="write_through") == s.write.slots_copied > 0
+    assert _at(m, "hicache_prefetches_total", c, outcome="complete") == 0
+    assert _at(m, "hicache_live_requests", c) == 0
+    # one admit per request, each timed; the one load-back batch waited for both of its layers
+    assert _at(m, "hicache_facade_call_seconds_count", c, call="admit") == 3
+    assert _at(m, "hicache_facade_call_seconds_count", c, call="finish") == 3
+    assert _at(m, "hicache_facade_call_seconds_bucket", c, call="admit", le="+Inf") == 3
+    assert _at(m, "hicache_load_back_wait_seconds_count", c) == 2
+    assert _at(m, "hicache_backup_duration_seconds_count", c) == 0
+    assert not any(labels for labels in m.get("hicache_requested_tokens_total", {})
+                   if dict(labels).get("tier") == "L3")  # no storage: no L3 series
+
+
+def test_a_closed_cache_leaves_the_scrape() -> None:
+    port = start_metrics_exporter(0)
+    with HiCache(_config(metrics=True, metrics_name="closed-one")):
+        pass
+    m = _scrape(port)
+    assert not any(dict(labels).get("cache") == "closed-one" for labels in m.get("hicache_live_requests", {}))
+
+
+def test_the_config_port_starts_the_exporter() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with HiCache(_config(metrics=True, metrics_port=port, metrics_name="by-port")) as cache:
+        serve(cache, Request("a", PROMPT))
+        m = _scrape(port)
+    assert _at(m, "hicache_requested_tokens_total", "by-port", tier="L1") == 12
+
+
+def test_two_exporting_instances_need_distinct_names() -> None:
+    with HiCache(_config(metrics=True, metrics_name="twin")):
+        second = HiCache(_config(metrics=True, metrics_name="twin"))
+        with pytest.raises(CacheStateError, match="exports metrics as cache='twin' rank=0"):
+            second.start()
+        assert not second.system.started
+        with HiCache(_config(metrics=True, metrics_name="twin-2")):
+            pass
+
+
+def test_without_metrics_the_calls_are_the_class_own() -> None:
+    with HiCache(_config()) as cache:
+        assert not set(TIMED_CALLS) & set(vars(cache))
+    with HiCache(_config(metrics=True, metrics_name="timed")) as cache:
+        assert set(TIMED_CALLS) <= set(vars(cache))
+
+
+def test_metrics_port_without_metrics_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="metrics_port=9400 needs metrics=true"):
+        _config(metrics_port=9400)
+    with pytest.raises(ConfigError, match="metrics_name"):
+        _config(metrics_name="has space")
+
+
+def test_a_histogram_puts_a_duration_on_a_bound_in_that_bucket() -> None:
+    h = DurationHistogram()
+    for seconds in (0.0, DURATION_BOUNDS_S[0], DURATION_BOUNDS_S[0] * 1.01, 1e9):
+        h.observe(seconds)
+    d = h.snapshot()
+    assert d.bucket_counts[:2] == (2, 1) and d.bucket_counts[-1] == 1 and d.count == 4
+    with pytest.raises(ValueError, match="a duration must be >= 0 seconds"):
+        h.observe(-1.0)
