@@ -13,12 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import structlog
 import torch
 
 from hicache.actors import FileBackend, KVBuffer, KVShape, PageFormat, StorageIO
 from hicache.actors import _file_backend
 from hicache.runtime import Config, HostLayout
+
+from _storage_logs import storage_logs
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -194,7 +195,7 @@ def test_a_read_error_is_a_counted_miss_logged_once_with_its_path(tmp_path: Path
         raise OSError(5, "Input/output error")
 
     monkeypatch.setattr(_file_backend.os, "preadv", failing)
-    with structlog.testing.capture_logs() as logs:
+    with storage_logs() as logs:
         got = backend.read(_keys("eio", 2), dst, _slots([0, 1]))
     monkeypatch.undo()
 
@@ -232,7 +233,7 @@ def test_a_corrupt_page_that_cannot_be_removed_is_a_miss_and_the_backend_goes_on
         f.write(b"\xff\xfe")
     immutable(path, tmp_path)
     try:
-        with structlog.testing.capture_logs() as logs:
+        with storage_logs() as logs:
             got = a.read(ks, dst, _slots([0, 1, 2]))
         assert got.pages == 1 and "checksum mismatch" in got.error
         errors = [e for e in logs if e["log_level"] == "error"]

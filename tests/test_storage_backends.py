@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import structlog
 import torch
 from mooncake.store import MooncakeDistributedStore
 
@@ -37,6 +36,8 @@ from hicache.runtime import Config, HostLayout, MooncakeMaster
 from hicache.actors._mooncake import SETUP_RETRIES
 from hicache.actors._stored_page import checksum
 from hicache.runtime._mooncake_master import master_binary
+
+from _storage_logs import storage_logs
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -280,7 +281,7 @@ def _damaged_read(pair: Any, keys: Any, raw_client: Any, damage: Callable[[bytes
 
     for reader in (a, b):  # the writer, whose index holds the page, and another instance
         dst = _host(HostLayout.PAGE_FIRST)
-        with structlog.testing.capture_logs() as logs:
+        with storage_logs() as logs:
             got = reader.read(ks, dst, _slots([0, 1, 2]))
         assert got.pages == 1 and ks[1] in got.error, got
         assert "unusable" in got.error or "not in storage" in got.error, got
@@ -433,7 +434,7 @@ def test_a_mooncake_master_killed_mid_run_gives_misses_and_errors_within_the_tim
             assert time.monotonic() - started < timeout_s + 0.5
             return out
 
-        with structlog.testing.capture_logs() as logs:
+        with storage_logs() as logs:
             assert timed(lambda: backend.exists(ks)) == 0
             read = timed(lambda: backend.read(ks[:2], dst, _slots([0, 1])))
             wrote = timed(lambda: backend.write(ks[2:], src, _slots([2, 3])))
@@ -448,6 +449,6 @@ def test_a_mooncake_master_killed_mid_run_gives_misses_and_errors_within_the_tim
         deadline = time.monotonic() + 15
         while backend.pending and time.monotonic() < deadline:
             time.sleep(0.05)
-        with structlog.testing.capture_logs() as logs:
+        with storage_logs() as logs:
             backend.close()
         assert not logs, "close left the client open although the master answers"
