@@ -49,7 +49,6 @@ from ._stored_page import (
     StorageIO,
     StorageUsage,
     check_keys,
-    checksum,
     log,
     page_starts,
 )
@@ -179,20 +178,16 @@ class FileBackend:
         """Read adjacent records `first ..` of `seg` into the host pages of `keys` and verify
         them there; (leading good pages, error)."""
         received, expected = self._received, self._expected
-        blocks = [pages.blocks(s) for s in starts]
-        bufs: list[memoryview] = []
-        for header, runs in zip(received.views, blocks):
-            bufs.append(header)
-            bufs += runs
+        payloads = pages.payloads(starts)
         try:
-            got = preadv_all(self._fd(seg), bufs, first * seg.record)
+            got = preadv_all(self._fd(seg), pages.records(received.views, payloads), first * seg.record)
         except OSError as e:
             self._forget_segment_if_gone(seg, e)
             return 0, f"page {keys[0]}: " + self._error("reading", seg.path, e, keys[0])
         n = len(keys)
         whole = min(n, got // seg.record)
-        sums = [checksum(b) for b in blocks[:whole]]
-        expected.fill(keys[:whole], sums)
+        sums = pages.checksums(payloads[:whole] if whole < n else payloads)
+        expected.fill(keys[:whole] if whole < n else keys, sums)
         if whole == n and received.same(expected, n):
             self._index.touch(keys)
             return n, ""
@@ -213,7 +208,7 @@ class FileBackend:
         index = self._index
         if index.leading(keys) < len(keys):
             self._refresh(listing=self._directory_changed())  # another instance may have stored some
-        todo = [i for i, key in enumerate(keys) if key not in index]
+        todo = index.missing(keys)
         if len({keys[i] for i in todo}) < len(todo):  # a key twice in one call is written once
             seen: set[str] = set()
             todo = [i for i in todo if not (keys[i] in seen or seen.add(keys[i]))]
@@ -230,13 +225,9 @@ class FileBackend:
 
     def _append(self, keys: list[str], starts: list[int], pages: HostPages) -> str:
         """Append the records of these pages to this writer's segment in one `pwritev`."""
-        sent = self._sent
-        blocks = [pages.blocks(s) for s in starts]
-        sent.fill(keys, [checksum(b) for b in blocks])
-        bufs: list[memoryview] = []
-        for header, runs in zip(sent.views, blocks):
-            bufs.append(header)
-            bufs += runs
+        payloads = pages.payloads(starts)
+        self._sent.fill(keys, pages.checksums(payloads))
+        bufs = pages.records(self._sent.views, payloads)
         need = len(keys) * self.fmt.stored_bytes
         self._make_room(need)
         seg, error = self._writable(need)

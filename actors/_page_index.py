@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Final
 
@@ -111,14 +111,17 @@ class PageIndex:
         self._where[key] = seg.id << _SHIFT | record
         return True
 
-    def append(self, seg: Segment, keys: Iterable[str]) -> None:
+    def missing(self, keys: Sequence[str]) -> list[int]:
+        """The positions of the keys the index does not hold."""
+        where = self._where
+        return [i for i, key in enumerate(keys) if key not in where]
+
+    def append(self, seg: Segment, keys: Sequence[str]) -> None:
         """Index keys not yet indexed, written as the next records of `seg`."""
-        where, base = self._where, seg.id << _SHIFT
-        first = len(seg.keys)
-        for i, key in enumerate(keys, start=first):
-            where[key] = base | i
-            seg.keys.append(key)
-        seg.live += len(seg.keys) - first
+        first = seg.id << _SHIFT | len(seg.keys)
+        self._where.update(zip(keys, range(first, first + len(keys))))
+        seg.keys += keys
+        seg.live += len(keys)
 
     def touch(self, keys: Sequence[str]) -> None:
         """Make `keys` the most recently used, in order."""

@@ -28,9 +28,12 @@ import ctypes
 import functools
 import re
 import struct
+from array import array
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Final
+from itertools import chain, repeat
+from typing import Any, Final
 
 import torch
 import xxhash
@@ -41,7 +44,7 @@ from ._logging import logger
 KEY_CHARS_MAX: Final = 80
 """Longest page key, in characters."""
 _KEY = re.compile(rf"[0-9A-Za-z_-]{{1,{KEY_CHARS_MAX}}}")
-_KEYS = re.compile(rf"{_KEY.pattern}(?:\n{_KEY.pattern})*")
+_KEY_BYTES: Final = b"0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_-"
 
 log = logger("hicache.storage")
 
@@ -92,11 +95,12 @@ def page_keys(hashes: Sequence[int], rank: int, per_rank: bool = True) -> list[s
 def check_keys(keys: Sequence[str]) -> None:
     """Raise ValueError for a key a backend must not accept (it becomes part of a file record
     or a Mooncake object key as it is)."""
-    try:
-        joined = "\n".join(keys)  # one regex over the batch; the loop below only names the bad key
-    except TypeError:
+    try:  # the whole batch at once; the loop below only names the bad key
+        joined = "\n".join(keys).encode("ascii")
+    except (TypeError, UnicodeEncodeError):
         joined = None
-    if joined is not None and (not keys or (_KEYS.fullmatch(joined) and joined.count("\n") == len(keys) - 1)):
+    if not keys or (joined is not None and joined.translate(None, _KEY_BYTES) == b"\n" * (len(keys) - 1)
+                    and 0 < min(map(len, keys)) and max(map(len, keys)) <= KEY_CHARS_MAX):
         return
     for key in keys:
         if not isinstance(key, str) or _KEY.fullmatch(key) is None:
@@ -236,6 +240,8 @@ class Headers:
         self.views = [self.memory[i * h : (i + 1) * h] for i in range(self.capacity)]
         """Each header's bytes, for `preadv`/`pwritev` and Mooncake's buffers."""
         self._words = self.memory[: self.capacity * h].cast("Q")
+        self._signed = [v[: h - 8] for v in self.views]
+        """What each header's own checksum covers."""
         for v in self.views:
             v[:6] = fmt.lead
 
@@ -245,14 +251,15 @@ class Headers:
 
     def fill(self, keys: Sequence[str], sums: Sequence[int]) -> None:
         """Header `i` becomes the header of `keys[i]` with payload checksum `sums[i]`."""
-        fmt, h = self.fmt, self.fmt.header_bytes
-        pack, length, shape, m, words = fmt._PAGE_FIELDS.pack_into, fmt.payload_bytes, fmt.shape_region, self.memory, self._words
-        own = (h - 8) // 8
-        for i, (key, s) in enumerate(zip(keys, sums, strict=True)):
-            raw = key.encode()
-            at = i * h
-            pack(m, at + 6, len(raw), length, s, shape, raw)
-            words[i * (h // 8) + own] = xxhash.xxh3_64_intdigest(m[at : at + h - 8])
+        n, fmt = len(keys), self.fmt
+        if n != len(sums) or n > self.capacity:
+            raise ValueError(f"{n} keys, {len(sums)} checksums, room for {self.capacity} headers")
+        h, raw = fmt.header_bytes, list(map(str.encode, keys))
+        # One pack per header and one XXH3-64 per header, each a map over the batch (no Python loop).
+        deque(map(fmt._PAGE_FIELDS.pack_into, repeat(self.memory), range(6, 6 + n * h, h), map(len, raw),
+                  repeat(fmt.payload_bytes), sums, repeat(fmt.shape_region), raw), maxlen=0)
+        own, step = (h - 8) // 8, h // 8
+        self._words[own : own + n * step : step] = array("Q", map(xxhash.xxh3_64_intdigest, self._signed[:n]))
 
     def same(self, other: Headers, n: int) -> bool:
         """The first `n` headers of both are byte for byte equal."""
@@ -325,9 +332,31 @@ class HostPages:
     def blocks(self, start: int) -> list[memoryview]:
         """The runs of the page whose first slot is `start`, as writable views of the buffer."""
         m, base = self._memory, start * self._slot_step
-        if len(self._runs) == 1:
-            return [m[base : base + self._page_bytes]]
         return [m[base + off : base + off + n] for off, n in self._runs]
+
+    def payloads(self, starts: Sequence[int]) -> list[Any]:
+        """The payload of each page whose first slot is in `starts`: a writable view of the
+        buffer (one run a page), or a list of them (`blocks`)."""
+        m, step = self._memory, self._slot_step
+        if self.runs_per_page == 1:
+            size = self._page_bytes
+            return [m[a : a + size] for a in map(step.__mul__, starts)]
+        runs = self._runs
+        return [[m[b + off : b + off + n] for off, n in runs] for b in map(step.__mul__, starts)]
+
+    def records(self, headers: Sequence[memoryview], payloads: list[Any]) -> list[memoryview]:
+        """The buffers of the pages' records in file order: each header, then its payload's runs."""
+        if self.runs_per_page == 1:
+            return list(chain.from_iterable(zip(headers, payloads)))
+        bufs: list[memoryview] = []
+        for header, runs in zip(headers, payloads):
+            bufs.append(header)
+            bufs += runs
+        return bufs
+
+    def checksums(self, payloads: list[Any]) -> list[int]:
+        """XXH3-64 of each of `payloads`."""
+        return list(map(xxhash.xxh3_64_intdigest if self.runs_per_page == 1 else checksum, payloads))
 
 
 _SLOTS_BY_LIST_MAX: Final = 256
@@ -350,15 +379,17 @@ def page_starts(keys: Sequence[str], host: KVBuffer, slots: torch.Tensor) -> lis
         listed = slots.tolist()
         first = listed[0]
         if listed == list(range(first, first + n * p)):  # one run of pages, as a fresh allocation often is
-            starts, whole = list(range(first, first + n * p, p)), True
+            starts, whole = list(range(first, first + n * p, p)), first % p == 0
         else:
             starts = listed[::p]
-            whole = listed == [s + i for s in starts for i in range(p)]
+            whole = listed == [s + i for s in starts for i in range(p)] and not any(s % p for s in starts)
+    elif torch.equal(slots, torch.arange(first := int(slots[0]), first + n * p)):  # one run, in a few tensor ops
+        starts, whole = list(range(first, first + n * p, p)), first % p == 0
     else:
         pages = slots.view(n, p)
         starts = pages[:, 0].tolist()
-        whole = torch.equal(pages, pages[:, :1] + _offsets(p))
-    if not whole or any(s % p for s in starts):
+        whole = torch.equal(pages, pages[:, :1] + _offsets(p)) and not any(s % p for s in starts)
+    if not whole:
         raise ValueError(f"slots must be whole pages: each key's {p} slots run page_start .. page_start + {p}")
     if min(starts) < 0 or max(starts) + p > host.slots:
         raise ValueError(f"slots must lie within the host buffer's {host.slots} slots")
