@@ -78,6 +78,8 @@ def _parser() -> argparse.ArgumentParser:
     st = bsub.add_parser("storage", help="reading pages from each storage backend into host memory vs a raw read")
     st.add_argument("--json", action="store_true", help="print one JSON object with `results`")
     st.add_argument("--mib", type=int, default=256, help="MiB of pages written and read per backend (default 256)")
+    st.add_argument("--write-pages", type=int, default=256,
+                    help="pages per backend.write call, a backup's size (default 256)")
     return p
 
 
@@ -134,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "bench" and args.bench == "storage":
         from ._bench_storage import run_bench_storage
 
-        return run_bench_storage(as_json=args.json, mib=args.mib)
+        return run_bench_storage(as_json=args.json, mib=args.mib, write_pages=args.write_pages)
     raise AssertionError(f"unhandled command {args}")  # argparse rejects unknown commands
 
 

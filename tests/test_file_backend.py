@@ -17,6 +17,7 @@ import torch
 
 from hicache.actors import FileBackend, KVBuffer, KVShape, PageFormat, StorageIO
 from hicache.actors import _file_backend
+from hicache.actors._segments import Segment
 from hicache.runtime import Config, HostLayout
 
 from _storage_logs import storage_logs
@@ -61,7 +62,7 @@ def _du(root: Path) -> int:
 
 @pytest.fixture
 def opened(tmp_path: Path) -> Iterator[Any]:
-    """`opened(**changes)`: a FileBackend over `tmp_path`, closed at teardown."""
+    """`opened(**changes)`: a FileBackend over `tmp_path`; its index checked and closed at teardown."""
     backends: list[FileBackend] = []
 
     def open_one(**changes: Any) -> FileBackend:
@@ -70,6 +71,7 @@ def opened(tmp_path: Path) -> Iterator[Any]:
 
     yield open_one
     for b in backends:
+        b.check_invariants()
         b.close()
 
 
@@ -181,6 +183,29 @@ def test_the_least_recently_read_pages_are_evicted_first(tmp_path: Path, opened:
     assert backend.exists(old) == 0
     assert backend.read(hot, dst, _slots(list(range(8)))).pages == 8
     assert _same(dst, list(range(8)), src, list(range(8)))
+
+
+def test_evicting_small_pages_one_by_one_frees_the_blocks_they_shared() -> None:
+    size, block = 2216, 4096  # 2 KiB pages with their header: records straddle the blocks
+    seg = Segment(0, "seg-1-0-000000.hkv", Path("unused"), record=size, shaped=True, scanned=8 * size,
+                  keys=[f"k{i}" for i in range(8)], live=8)
+    holes = []
+    for r in range(4):  # evicted oldest first, as the bound does
+        seg.keys[r] = None
+        holes.append(seg.hole(r, block))
+
+    assert holes[0] == (0, size)  # block 0 still holds record 1
+    assert holes[1] == (0, 2 * size)  # now block 0 is dead: the hole starts at it
+    freed = set().union(*(range(-(-a // block), b // block) for a, b in holes))
+    assert freed == {0, 1}  # every block wholly in records 0-3 (4 x 2216 = 8864 bytes)
+    assert all(b <= 4 * size for _, b in holes), "a hole reached into a live record"
+
+
+def test_a_hole_never_reaches_past_the_scanned_end() -> None:
+    seg = Segment(0, "seg-1-0-000000.hkv", Path("unused"), record=3000, shaped=True, scanned=3000,
+                  keys=["k0"], live=1)
+    seg.keys[0] = None
+    assert seg.hole(0, 4096) == (0, 3000)  # the rest of the block may be a record being appended
 
 
 # -- faults ----------------------------------------------------------------------------------------
