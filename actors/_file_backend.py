@@ -338,6 +338,7 @@ class FileBackend:
             if st.st_size >= seg.scanned + self.fmt.header_bytes:
                 index = self._index
                 scan(seg, fd, st.st_size, self.fmt, lambda key, record: index.take(key, seg, record))
+                index.end_scan()
         except OSError as e:
             self._forget_segment_if_gone(seg, e)
             if self._index.segment(seg.name) is seg:
