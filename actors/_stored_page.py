@@ -378,22 +378,25 @@ def page_starts(keys: Sequence[str], host: KVBuffer, slots: torch.Tensor) -> lis
     if n * p <= _SLOTS_BY_LIST_MAX:
         listed = slots.tolist()
         first = listed[0]
-        if listed == list(range(first, first + n * p)):  # one run of pages, as a fresh allocation often is
-            starts, whole = list(range(first, first + n * p, p)), first % p == 0
-        else:
-            starts = listed[::p]
-            whole = listed == [s + i for s in starts for i in range(p)] and not any(s % p for s in starts)
-    elif torch.equal(slots, torch.arange(first := int(slots[0]), first + n * p)):  # one run, in a few tensor ops
-        starts, whole = list(range(first, first + n * p, p)), first % p == 0
+        run = listed == list(range(first, first + n * p))  # one run of pages, as a fresh allocation often is
     else:
+        run = torch.equal(slots, torch.arange(first := int(slots[0]), first + n * p))  # a few tensor ops
+    if run:
+        whole, low, high = first % p == 0, first, first + n * p
+    elif n * p <= _SLOTS_BY_LIST_MAX:
+        starts = listed[::p]
+        whole = not any(s % p for s in starts) and listed == [s + i for s in starts for i in range(p)]
+        low, high = min(starts), max(starts) + p
+    else:
+        starts = slots[::p].tolist()
         pages = slots.view(n, p)
-        starts = pages[:, 0].tolist()
-        whole = torch.equal(pages, pages[:, :1] + _offsets(p)) and not any(s % p for s in starts)
+        whole = not any(s % p for s in starts) and torch.equal(pages - pages[:, :1], _offsets(p).expand(n, p))
+        low, high = min(starts), max(starts) + p
     if not whole:
         raise ValueError(f"slots must be whole pages: each key's {p} slots run page_start .. page_start + {p}")
-    if min(starts) < 0 or max(starts) + p > host.slots:
+    if low < 0 or high > host.slots:
         raise ValueError(f"slots must lie within the host buffer's {host.slots} slots")
-    return starts
+    return list(range(first, first + n * p, p)) if run else starts
 
 
 @functools.cache
