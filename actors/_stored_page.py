@@ -17,8 +17,9 @@ error is an operating condition: counted, logged once with its path or key, a mi
 
 The checksum is XXH3-64 (the `xxhash` wheel): it only has to catch torn or flipped
 bytes, not an adversary (whoever can write the storage can write a valid checksum
-too), and it streams over the runs of a layer_first page without copying them
-(figures in docs/benchmarks.md). The backends are in `_file_backend.py` and
+too), and it streams over the runs of a layer_first page without copying them (a
+small page's runs are joined first: one call instead of one per run). A batch's
+headers are built and checked as one block (`Headers`). The backends are in `_file_backend.py` and
 `_mooncake.py`; their protocol and `open_backend` in `_storage.py`.
 """
 
@@ -131,9 +132,8 @@ class PageFormat:
     MAGIC: Final = b"HKVP"
     VERSION: Final = 2
     HEADER: Final = struct.Struct(f"<4sHHQQ16sIIII24s{KEY_CHARS_MAX}sQ")
-    _PAGE_FIELDS: Final = struct.Struct(f"<HQQ56s{KEY_CHARS_MAX}s")
-    """What follows magic and version, up to the header's own checksum: key length, payload
-    length, payload checksum, the KV shape as stored, the key (see `Headers.fill`)."""
+    _SIGNED: Final = struct.Struct(f"<4sHHQQ56s{KEY_CHARS_MAX}s")
+    """The header up to its own checksum, with the KV shape as stored bytes (`Headers.fill`)."""
 
     def __init__(self, shape: KVShape) -> None:
         self.shape = shape
@@ -146,8 +146,6 @@ class PageFormat:
         template = bytearray(self.HEADER.size)
         self.HEADER.pack_into(template, 0, self.MAGIC, self.VERSION, 0, self.payload_bytes, 0, *self._shape_fields,
                               b"", 0)
-        self.lead = bytes(template[:6])
-        """Magic and version, as stored."""
         self.shape_region = bytes(template[24:80])
         """The dtype, dims and payload layout, as stored."""
         self.tag = f"{xxhash.xxh3_64_intdigest(repr((self.VERSION, self._shape_fields)).encode()) & 0xFFFFFFFF:08x}"
@@ -242,8 +240,6 @@ class Headers:
         self._words = self.memory[: self.capacity * h].cast("Q")
         self._signed = [v[: h - 8] for v in self.views]
         """What each header's own checksum covers."""
-        for v in self.views:
-            v[:6] = fmt.lead
 
     @classmethod
     def allocate(cls, fmt: PageFormat, capacity: int) -> Headers:
@@ -256,8 +252,9 @@ class Headers:
             raise ValueError(f"{n} keys, {len(sums)} checksums, room for {self.capacity} headers")
         h, raw = fmt.header_bytes, list(map(str.encode, keys))
         # One pack per header and one XXH3-64 per header, each a map over the batch (no Python loop).
-        deque(map(fmt._PAGE_FIELDS.pack_into, repeat(self.memory), range(6, 6 + n * h, h), map(len, raw),
-                  repeat(fmt.payload_bytes), sums, repeat(fmt.shape_region), raw), maxlen=0)
+        deque(map(fmt._SIGNED.pack_into, repeat(self.memory), range(0, n * h, h), repeat(fmt.MAGIC),
+                  repeat(fmt.VERSION), map(len, raw), repeat(fmt.payload_bytes), sums, repeat(fmt.shape_region),
+                  raw), maxlen=0)
         own, step = (h - 8) // 8, h // 8
         self._words[own : own + n * step : step] = array("Q", map(xxhash.xxh3_64_intdigest, self._signed[:n]))
 

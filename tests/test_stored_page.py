@@ -63,6 +63,7 @@ def test_headers_filled_for_a_batch_are_the_headers_pack_makes_one_by_one() -> N
     keys = [f"{i:016x}-r{i % 3}" for i in range(40)] + ["k"]
     sums = [i * 0x9E3779B97F4A7C15 % (1 << 64) for i in range(len(keys))]
     batch = Headers.allocate(fmt, 64)
+    batch.memory[:] = b"\xff" * len(batch.memory)  # what a get of a damaged object may have left there
     batch.fill(keys, sums)
     for i, (key, s) in enumerate(zip(keys, sums, strict=True)):
         one = bytearray(fmt.header_bytes)
