@@ -38,7 +38,6 @@ Three client calls hold the interpreter lock, so no timeout of ours can bound th
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 import queue
@@ -84,10 +83,6 @@ _NOT_FOUND: Final = -704
 _ALREADY_EXISTS: Final = -705
 _TRANSFER_FAILED: Final = -800
 
-GET_BYTES_MAX: Final = 8 << 20
-"""Most bytes one get of a read brings in: its pages are checksummed while the next get
-runs, and while they are still in the CPU's cache."""
-_GET: Final = "batch_get_into_multi_buffers"
 SETUP_RETRIES: Final = 3
 """Attempts of the client's `setup` (each up to `storage_timeout_s`)."""
 
@@ -142,21 +137,12 @@ class _BoundedCalls:
     def run(self, what: str, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` on the client thread; raises _CallFailed when it takes longer than
         the timeout (or the thread is still busy); re-raises what `fn` raised."""
-        return self.wait(what, self.submit(what, fn, *args))
-
-    def submit(self, what: str, fn: Callable[..., T], *args: Any) -> Future[T]:
-        """Start `fn(*args)` on the client thread (`wait` gives its result); raises _CallFailed
-        while an earlier call still runs."""
         still = self.busy()
         if still:
             raise _CallFailed(still)
         future: Future[T] = Future()
         self._pending = (what, future)
         self._jobs.put((future, fn, args))
-        return future
-
-    def wait(self, what: str, future: Future[T]) -> T:
-        """The result of a submitted call, waiting at most the timeout."""
         try:
             return future.result(timeout=self.timeout_s)
         except TimeoutError:
@@ -304,60 +290,32 @@ class MooncakeBackend:
         return StorageIO(pages=done, bytes=done * self.fmt.payload_bytes, error=error)
 
     def _read_batch(self, keys: Sequence[str], starts: Sequence[int], pages: HostPages) -> tuple[int, str]:
-        """Get `keys` straight into their host pages and verify them there, a piece of at most
-        `GET_BYTES_MAX` at a time, the next piece's get running while this one is verified;
-        (leading good pages, error)."""
+        """Get `keys` straight into their host pages and verify them there; (leading good pages, error)."""
         ptrs, sizes = self._buffers(pages, starts)
-        objects = [self.object_key(k) for k in keys]
-        per = max(1, GET_BYTES_MAX // self.fmt.stored_bytes)
-        get = self._store.batch_get_into_multi_buffers
         try:
-            ahead: Future[list[int]] | None = self._calls.submit(_GET, get, objects[:per], ptrs[:per], sizes[:per])
+            got = self._calls.run("batch_get_into_multi_buffers", self._store.batch_get_into_multi_buffers,
+                                  [self.object_key(k) for k in keys], ptrs, sizes)
         except _CallFailed as e:
-            self._failed(_GET, keys[0], str(e))
+            self._failed("batch_get_into_multi_buffers", keys[0], str(e))
             return 0, f"page {keys[0]}: {e}"
-        for a in range(0, len(keys), per):
-            b = min(a + per, len(keys))
-            try:
-                got = self._calls.wait(_GET, ahead)
-            except _CallFailed as e:
-                self._failed(_GET, keys[a], str(e))
-                return a, f"page {keys[a]}: {e}"
-            ahead = None
-            if b < len(keys) and min(got) >= 0:
-                with contextlib.suppress(_CallFailed):
-                    ahead = self._calls.submit(_GET, get, objects[b : b + per], ptrs[b : b + per], sizes[b : b + per])
-            good, error, unusable = self._verify(keys[a:b], starts[a:b], got, pages, at=a)
-            if error:
-                if ahead is not None:  # it writes host slots past the error: let it land first
-                    with contextlib.suppress(_CallFailed):
-                        self._calls.wait(_GET, ahead)
-                if unusable:
-                    self._drop(keys[a + good], unusable)
-                return a + good, error
-        return len(keys), ""
-
-    def _verify(self, keys: Sequence[str], starts: Sequence[int], got: list[int], pages: HostPages,
-                at: int) -> tuple[int, str, str]:
-        """Check the pages a get brought into header slots `at ..` and their host pages:
-        (leading good pages, error, why the first bad page is unusable: "" when it is a miss
-        or a failed call rather than a page to drop)."""
         n = next((i for i, code in enumerate(got) if code < 0), len(keys))
         sums = pages.checksums(pages.payloads(starts[:n]))
-        self._expected.fill(keys[:n], sums, at)
-        if not self._moved.same(self._expected, n, at):
-            bad, problem = self._moved.first_bad(self._expected, keys[:n], sums, at)
-            return bad, f"page {keys[bad]} is unusable ({problem}); dropped it", problem
+        self._expected.fill(keys[:n], sums)
+        if not self._moved.same(self._expected, n):
+            bad, problem = self._moved.first_bad(self._expected, keys[:n], sums)
+            self._drop(keys[bad], problem)
+            return bad, f"page {keys[bad]} is unusable ({problem}); dropped it"
         if n == len(keys):
-            return n, "", ""
+            return n, ""
         key, code = keys[n], got[n]
         if code == _NOT_FOUND:
-            return n, f"page {key} is not in storage", ""
+            return n, f"page {key} is not in storage"
         problem = self._misfit(key) if code in (_INVALID_PARAMS, _TRANSFER_FAILED) else ""
         if problem:
-            return n, f"page {key} is unusable ({problem}); dropped it", problem
-        self._failed(_GET, key, _describe(code))
-        return n, f"page {key}: Mooncake get failed ({_describe(code)})", ""
+            self._drop(key, problem)
+            return n, f"page {key} is unusable ({problem}); dropped it"
+        self._failed("batch_get_into_multi_buffers", key, _describe(code))
+        return n, f"page {key}: Mooncake get failed ({_describe(code)})"
 
     def _misfit(self, key: str) -> str:
         """Why a get of `key` failed when the object is not the size of a page (the client says

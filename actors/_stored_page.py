@@ -245,32 +245,30 @@ class Headers:
     def allocate(cls, fmt: PageFormat, capacity: int) -> Headers:
         return cls(fmt, memoryview(bytearray(capacity * fmt.header_bytes)))
 
-    def fill(self, keys: Sequence[str], sums: Sequence[int], at: int = 0) -> None:
-        """Header `at + i` becomes the header of `keys[i]` with payload checksum `sums[i]`."""
+    def fill(self, keys: Sequence[str], sums: Sequence[int]) -> None:
+        """Header `i` becomes the header of `keys[i]` with payload checksum `sums[i]`."""
         n, fmt = len(keys), self.fmt
-        if n != len(sums) or at + n > self.capacity:
-            raise ValueError(f"{n} keys, {len(sums)} checksums at header {at}, room for {self.capacity} headers")
+        if n != len(sums) or n > self.capacity:
+            raise ValueError(f"{n} keys, {len(sums)} checksums, room for {self.capacity} headers")
         h, raw = fmt.header_bytes, list(map(str.encode, keys))
         # One pack per header and one XXH3-64 per header, each a map over the batch (no Python loop).
-        deque(map(fmt._SIGNED.pack_into, repeat(self.memory), range(at * h, (at + n) * h, h), repeat(fmt.MAGIC),
+        deque(map(fmt._SIGNED.pack_into, repeat(self.memory), range(0, n * h, h), repeat(fmt.MAGIC),
                   repeat(fmt.VERSION), map(len, raw), repeat(fmt.payload_bytes), sums, repeat(fmt.shape_region),
                   raw), maxlen=0)
         own, step = (h - 8) // 8, h // 8
-        self._words[own + at * step : own + (at + n) * step : step] = array(
-            "Q", map(xxhash.xxh3_64_intdigest, self._signed[at : at + n]))
+        self._words[own : own + n * step : step] = array("Q", map(xxhash.xxh3_64_intdigest, self._signed[:n]))
 
-    def same(self, other: Headers, n: int, at: int = 0) -> bool:
-        """Headers `at .. at + n` of both are byte for byte equal."""
-        h = self.fmt.header_bytes
-        return self.memory[at * h : (at + n) * h].tobytes() == other.memory[at * h : (at + n) * h].tobytes()
+    def same(self, other: Headers, n: int) -> bool:
+        """The first `n` headers of both are byte for byte equal."""
+        k = n * self.fmt.header_bytes
+        return self.memory[:k].tobytes() == other.memory[:k].tobytes()
 
-    def first_bad(self, expected: Headers, keys: Sequence[str], sums: Sequence[int], at: int = 0) -> tuple[int, str]:
-        """(i, why) of the first received header `at + i` that is not `expected`'s; (len(keys), "")
-        when all are. `expected` holds the headers of `keys` and `sums` there (`fill`)."""
+    def first_bad(self, expected: Headers, keys: Sequence[str], sums: Sequence[int]) -> tuple[int, str]:
+        """(index, why) of the first of these received headers that is not `expected`'s; (len(keys), "")
+        when all are. `expected` holds the headers of `keys` and `sums` (`fill`)."""
         for i, key in enumerate(keys):
-            mine, theirs = self.views[at + i], expected.views[at + i]
-            if mine.tobytes() != theirs.tobytes():
-                return i, self.fmt.problem(key, mine, sums[i]) or "the header differs from the expected one"
+            if self.views[i].tobytes() != expected.views[i].tobytes():
+                return i, self.fmt.problem(key, self.views[i], sums[i]) or "the header differs from the expected one"
         return len(keys), ""
 
 
