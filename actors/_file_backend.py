@@ -32,7 +32,7 @@ import itertools
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import torch
 
@@ -57,7 +57,8 @@ SEGMENT_BYTES_MAX: Final = 64 << 20
 """A writer starts a new segment once its current one would pass this (or an eighth of
 `storage_max_bytes`, when that is smaller): the unit the size bound may overshoot by."""
 READ_RUN_BYTES: Final = 1 << 20
-"""Most bytes one `preadv` of adjacent records reads (a larger page is read alone)."""
+"""Most bytes one `preadv` reads (a larger page is read alone): what it brought in is
+checksummed before the next one, while it is still in the CPU's cache."""
 FDS_OPEN_MAX: Final = 256
 """Segment files kept open for reading; past this the cache of open files is emptied."""
 _PAGES_PER_CALL_MAX: Final = IOV_MAX // 2
@@ -160,9 +161,8 @@ class FileBackend:
         pages = self._host_pages(host)
         if self._index.leading(keys) < len(keys):
             self._refresh(listing=True)
-        per_run = max(1, min(READ_RUN_BYTES // self.fmt.stored_bytes, IOV_MAX // (1 + pages.runs_per_page)))
         done = 0
-        for seg, first, n in self._index.runs(keys, per_run):
+        for seg, first, n in self._index.runs(keys, _PAGES_PER_CALL_MAX):
             good, error = self._read_run(seg, first, keys[done : done + n], starts[done : done + n], pages)
             done += good
             if error:
@@ -180,13 +180,11 @@ class FileBackend:
         received, expected = self._received, self._expected
         payloads = pages.payloads(starts)
         try:
-            got = preadv_all(self._fd(seg), pages.records(received.views, payloads), first * seg.record)
+            sums = self._read_checksummed(seg, first, pages, pages.records(received.views, payloads), payloads)
         except OSError as e:
             self._forget_segment_if_gone(seg, e)
             return 0, f"page {keys[0]}: " + self._error("reading", seg.path, e, keys[0])
-        n = len(keys)
-        whole = min(n, got // seg.record)
-        sums = pages.checksums(payloads[:whole] if whole < n else payloads)
+        n, whole = len(keys), len(sums)
         expected.fill(keys[:whole] if whole < n else keys, sums)
         if whole == n and received.same(expected, n):
             self._index.touch(keys)
@@ -198,6 +196,23 @@ class FileBackend:
                     path=str(seg.path))
         self._release(*self._index.remove(keys[bad]), keys[bad])
         return bad, f"page {keys[bad]} is unusable ({problem}); dropped it"
+
+    def _read_checksummed(
+        self, seg: Segment, first: int, pages: HostPages, bufs: list[memoryview], payloads: list[Any]
+    ) -> list[int]:
+        """Read the records into `bufs`, `READ_RUN_BYTES` at a time (a larger page alone), each
+        piece checksummed while it is still in the CPU's cache; the checksums of the whole
+        records read (fewer than the pages when the segment ends early)."""
+        fd, record, per_page = self._fd(seg), seg.record, 1 + pages.runs_per_page
+        per_read = max(1, min(READ_RUN_BYTES // record, IOV_MAX // per_page))
+        sums: list[int] = []
+        for a in range(0, len(payloads), per_read):
+            b = min(a + per_read, len(payloads))
+            whole = preadv_all(fd, bufs[a * per_page : b * per_page], (first + a) * record) // record
+            sums += pages.checksums(payloads[a : a + whole])
+            if a + whole < b:
+                break
+        return sums
 
     # -- write -----------------------------------------------------------------------------
 

@@ -88,6 +88,21 @@ def test_a_backup_of_many_small_pages_goes_to_one_segment_file(tmp_path: Path, o
     backend.close()
 
 
+@pytest.mark.parametrize("layout", [HostLayout.LAYER_FIRST, HostLayout.PAGE_FIRST], ids=lambda x: x.value)
+def test_a_call_of_more_pages_than_one_system_call_takes_moves_them_all(tmp_path: Path, opened: Any, layout) -> None:
+    pages = 1500  # layer_first: 5 buffers a record, so past IOV_MAX (1024) in one call
+    config = _config(tmp_path, layers=2, kv_heads=1, head_dim=32, page_size=8, host_slots=pages * 8)
+    backend = opened(layers=2, kv_heads=1, head_dim=32, page_size=8, host_slots=pages * 8)
+    src = KVBuffer.allocate(KVShape.of(config), pages * 8, layout, "cpu")
+    src.tensor.view(torch.uint8).random_(generator=torch.Generator().manual_seed(11))
+    dst = KVBuffer.allocate(KVShape.of(config), pages * 8, layout, "cpu")
+    keys, slots = _keys("many", pages), torch.arange(pages * 8)
+
+    assert backend.write(keys, src, slots).written == pages
+    assert backend.read(keys, dst, slots) == StorageIO(pages=pages, bytes=pages * backend.fmt.payload_bytes)
+    assert torch.equal(dst.tensor.view(torch.uint8), src.tensor.view(torch.uint8))
+
+
 def test_a_page_another_process_writes_after_this_one_opened_is_found(tmp_path: Path, opened: Any) -> None:
     reader = opened()
     assert reader.exists(["late-0"]) == 0
