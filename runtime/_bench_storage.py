@@ -15,15 +15,15 @@ smaller shapes), it times:
   call; the reference scheduler's 4096-token prefill chunks make nodes of up to 256
   pages of 16 tokens);
 - **raw write**: the same number of stored bytes, from the same host buffer as one
-  region, in one sequential write to a new file in the same directory (file), or a
-  `batch_put_from` per batch under new keys (Mooncake).
+  region, in one sequential write appended to a file in the same directory (file), or
+  a `batch_put_from` per batch under new keys (Mooncake).
 Sides are interleaved rep by rep after a warm-up; the median of each counts; every rate
 is payload bytes over time, so a ratio is the raw time over the backend's. File I/O goes
 through the page cache (no fsync on either side): this measures the backend's own cost,
 not a disk's. So that neither write side waits for the disk to take the other's dirty
-pages, the file system is synced before each timed write and each side's pages are
-removed after it (the file backend's stay in their segments). A backend that cannot run
-(no master) is an error row.
+pages, the file system is synced before each timed write; both sides append fresh bytes
+to files (the backend to its segments, the raw side to a file of its own), and Mooncake
+objects are removed after each side. A backend that cannot run (no master) is an error row.
 
 This is not actor code: it reads `time.perf_counter` and runs the backends directly.
 """
@@ -124,7 +124,8 @@ def _whole(host: KVBuffer) -> memoryview:
 
 class RawFile:
     """The same stored bytes as one region of the host buffer: read per run of adjacent
-    records, written as one sequential file."""
+    records, written by appending them to one file of its own in one sequential write (the
+    backend appends to its segments too)."""
 
     def __init__(self, backend: FileBackend, keys: list[str], host: KVBuffer) -> None:
         self.memory = _whole(host)
@@ -137,7 +138,7 @@ class RawFile:
             else:
                 self.runs.append((str(path), offset, stored))
         self.nbytes = len(keys) * stored
-        self.root = backend.root
+        self.fd, self.path = tempfile.mkstemp(prefix="raw-", suffix=".bin", dir=backend.root)
 
     def read(self) -> None:
         view, at = self.memory, 0
@@ -151,16 +152,16 @@ class RawFile:
             at += n
 
     def write(self, rep: int) -> None:
-        fd = os.open(self.root / f"raw-{rep}.bin", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            view, done = self.memory[: self.nbytes], 0
-            while done < self.nbytes:
-                done += os.write(fd, view[done:])
-        finally:
-            os.close(fd)
+        view, done = self.memory[: self.nbytes], 0
+        while done < self.nbytes:
+            done += os.write(self.fd, view[done:])
 
     def forget(self, rep: int) -> None:
-        (self.root / f"raw-{rep}.bin").unlink()
+        """The appended bytes stay, as the backend's do."""
+
+    def close(self) -> None:
+        os.close(self.fd)
+        os.unlink(self.path)
 
 
 class RawMooncake:
@@ -195,6 +196,9 @@ class RawMooncake:
     def forget(self, rep: int) -> None:
         self.client.batch_remove([f"raw{rep}-{k}" for k in self.objects], True)
 
+    def close(self) -> None:
+        """Nothing to release: each rep's objects were removed after it."""
+
 
 # -- one backend -------------------------------------------------------------------------------
 
@@ -215,7 +219,8 @@ def _batched(call: Callable[..., Any], keys: list[str], host: KVBuffer, slots: t
 
 
 def _forget(backend: StorageBackend, keys: list[str]) -> None:
-    """Remove pages a write rep stored, so the next rep writes them anew (Mooncake: bounded memory)."""
+    """Remove pages a write rep or a cell stored (Mooncake: its memory is bounded; the file
+    backend's pages stay in their segments, as the raw side's bytes do in its file)."""
     if isinstance(backend, MooncakeBackend):
         backend.client.batch_remove([backend.object_key(k) for k in keys], True)
 
@@ -255,6 +260,8 @@ def _measure(backend: StorageBackend, config: Config, layout: HostLayout, page: 
                 times[k].append(v)
         step()
     _batched(backend.read, keys, dst, slots, BATCH_PAGES)
+    raw.close()
+    _forget(backend, keys)
     if not torch.equal(dst.read(slots).view(torch.uint8), src.read(slots).view(torch.uint8)):  # bits: NaNs too
         raise StorageError("bench storage: the pages read back differ from those written")
     m = {k: statistics.median(v) for k, v in times.items()}
