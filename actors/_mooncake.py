@@ -54,13 +54,13 @@ from hicache.runtime.config import Config
 
 from ._kv import KVBuffer, KVShape
 from ._stored_page import (
+    Headers,
     HostPages,
     PageFormat,
     StorageError,
     StorageIO,
     StorageUsage,
     check_keys,
-    checksum,
     log,
     page_starts,
 )
@@ -183,7 +183,9 @@ class MooncakeBackend:
         self.fmt = PageFormat(KVShape.of(config))
         self._batch = config.storage_batch_pages
         self._headers = torch.zeros(self._batch * self.fmt.header_bytes, dtype=torch.uint8)
-        self._header_views = _byte_views(self._headers, self.fmt.header_bytes)
+        self._moved = Headers(self.fmt, _bytes_of(self._headers))
+        """The headers a get receives into or a put sends from (registered with the client)."""
+        self._expected = Headers.allocate(self.fmt, self._batch)
         self._store = store_class()
         self._keep: list[object] = [self._headers, self._store]
         self._hosts: dict[int, HostPages] = {}
@@ -296,18 +298,24 @@ class MooncakeBackend:
         except _CallFailed as e:
             self._failed("batch_get_into_multi_buffers", keys[0], str(e))
             return 0, f"page {keys[0]}: {e}"
-        for i, (key, n) in enumerate(zip(keys, got, strict=True)):
-            if n == _NOT_FOUND:
-                return i, f"page {key} is not in storage"
-            problem = self._misfit(key) if n in (_INVALID_PARAMS, _TRANSFER_FAILED) else ""
-            if not problem and n < 0:
-                self._failed("batch_get_into_multi_buffers", key, _describe(n))
-                return i, f"page {key}: Mooncake get failed ({_describe(n)})"
-            problem = problem or self.fmt.problem(key, self._header_views[i], checksum(pages.blocks(starts[i])))
-            if problem:
-                self._drop(key, problem)
-                return i, f"page {key} is unusable ({problem}); dropped it"
-        return len(keys), ""
+        n = next((i for i, code in enumerate(got) if code < 0), len(keys))
+        sums = pages.checksums(pages.payloads(starts[:n]))
+        self._expected.fill(keys[:n], sums)
+        if not self._moved.same(self._expected, n):
+            bad, problem = self._moved.first_bad(self._expected, keys[:n], sums)
+            self._drop(keys[bad], problem)
+            return bad, f"page {keys[bad]} is unusable ({problem}); dropped it"
+        if n == len(keys):
+            return n, ""
+        key, code = keys[n], got[n]
+        if code == _NOT_FOUND:
+            return n, f"page {key} is not in storage"
+        problem = self._misfit(key) if code in (_INVALID_PARAMS, _TRANSFER_FAILED) else ""
+        if problem:
+            self._drop(key, problem)
+            return n, f"page {key} is unusable ({problem}); dropped it"
+        self._failed("batch_get_into_multi_buffers", key, _describe(code))
+        return n, f"page {key}: Mooncake get failed ({_describe(code)})"
 
     def _misfit(self, key: str) -> str:
         """Why a get of `key` failed when the object is not the size of a page (the client says
@@ -359,8 +367,7 @@ class MooncakeBackend:
             if not todo:
                 return len(keys), 0, ""
             ptrs, sizes = self._buffers(pages, [starts[i] for i in todo])
-            for j, i in enumerate(todo):
-                self.fmt.pack(self._header_views[j], keys[i], checksum(pages.blocks(starts[i])))
+            self._moved.fill([keys[i] for i in todo], pages.checksums(pages.payloads([starts[i] for i in todo])))
             codes = self._calls.run("batch_put_from_multi_buffers", self._store.batch_put_from_multi_buffers,
                                     [objects[i] for i in todo], ptrs, sizes)
         except _CallFailed as e:
@@ -398,10 +405,9 @@ class MooncakeBackend:
         self._calls.stop()
 
 
-def _byte_views(buffer: torch.Tensor, size: int) -> list[Any]:
-    """`buffer` (uint8, CPU) cut into consecutive writable byte views of `size` bytes."""
-    return [memoryview((ctypes.c_char * size).from_address(buffer.data_ptr() + i * size)).cast("B")
-            for i in range(buffer.numel() // size)]
+def _bytes_of(buffer: torch.Tensor) -> memoryview:
+    """The memory of `buffer` (uint8, CPU) as a writable byte view."""
+    return memoryview((ctypes.c_char * buffer.numel()).from_address(buffer.data_ptr())).cast("B")
 
 
 def _client_env(config: Config) -> dict[str, str]:

@@ -17,19 +17,24 @@ error is an operating condition: counted, logged once with its path or key, a mi
 
 The checksum is XXH3-64 (the `xxhash` wheel): it only has to catch torn or flipped
 bytes, not an adversary (whoever can write the storage can write a valid checksum
-too), and it streams over the runs of a layer_first page without copying them
-(figures in docs/benchmarks.md). The backends are in `_file_backend.py` and
+too), and it streams over the runs of a layer_first page without copying them (a
+small page's runs are joined first: one call instead of one per run). A batch's
+headers are built and checked as one block (`Headers`). The backends are in `_file_backend.py` and
 `_mooncake.py`; their protocol and `open_backend` in `_storage.py`.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import re
 import struct
+from array import array
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Final
+from itertools import chain, repeat
+from typing import Any, Final
 
 import torch
 import xxhash
@@ -40,6 +45,7 @@ from ._logging import logger
 KEY_CHARS_MAX: Final = 80
 """Longest page key, in characters."""
 _KEY = re.compile(rf"[0-9A-Za-z_-]{{1,{KEY_CHARS_MAX}}}")
+_KEY_BYTES: Final = b"0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_-"
 
 log = logger("hicache.storage")
 
@@ -90,6 +96,13 @@ def page_keys(hashes: Sequence[int], rank: int, per_rank: bool = True) -> list[s
 def check_keys(keys: Sequence[str]) -> None:
     """Raise ValueError for a key a backend must not accept (it becomes part of a file record
     or a Mooncake object key as it is)."""
+    try:  # the whole batch at once; the loop below only names the bad key
+        joined = "\n".join(keys).encode("ascii")
+    except (TypeError, UnicodeEncodeError):
+        joined = None
+    if not keys or (joined is not None and joined.translate(None, _KEY_BYTES) == b"\n" * (len(keys) - 1)
+                    and 0 < min(map(len, keys)) and max(map(len, keys)) <= KEY_CHARS_MAX):
+        return
     for key in keys:
         if not isinstance(key, str) or _KEY.fullmatch(key) is None:
             raise ValueError(
@@ -119,6 +132,8 @@ class PageFormat:
     MAGIC: Final = b"HKVP"
     VERSION: Final = 2
     HEADER: Final = struct.Struct(f"<4sHHQQ16sIIII24s{KEY_CHARS_MAX}sQ")
+    _SIGNED: Final = struct.Struct(f"<4sHHQQ56s{KEY_CHARS_MAX}s")
+    """The header up to its own checksum, with the KV shape as stored bytes (`Headers.fill`)."""
 
     def __init__(self, shape: KVShape) -> None:
         self.shape = shape
@@ -131,10 +146,8 @@ class PageFormat:
         template = bytearray(self.HEADER.size)
         self.HEADER.pack_into(template, 0, self.MAGIC, self.VERSION, 0, self.payload_bytes, 0, *self._shape_fields,
                               b"", 0)
-        self._lead = bytes(template[:6])
-        """Magic and version, as stored."""
-        self._shape_region = bytes(template[24:80])
-        """The dtype, dims and payload layout, as stored (see `_intact`)."""
+        self.shape_region = bytes(template[24:80])
+        """The dtype, dims and payload layout, as stored."""
         self.tag = f"{xxhash.xxh3_64_intdigest(repr((self.VERSION, self._shape_fields)).encode()) & 0xFFFFFFFF:08x}"
         """8 hex digits naming the format version and the KV shape, for backends that keep
         pages of different shapes apart by name (Mooncake object keys)."""
@@ -179,8 +192,6 @@ class PageFormat:
     def problem(self, key: str, header: memoryview | bytes, payload_checksum: int) -> str:
         """Why a header and the checksum of the payload read with it are not a valid page of
         `key`; "" when they are."""
-        if self._intact(key, header, payload_checksum):
-            return ""
         found = self.unpack(header)
         if found.problem:
             return found.problem
@@ -188,20 +199,11 @@ class PageFormat:
             return f"holds the page of key {found.key!r}"
         if found.checksum != payload_checksum:
             return "checksum mismatch: the payload is corrupt"
+        expected = bytearray(self.header_bytes)
+        self.pack(memoryview(expected), key, payload_checksum)
+        if bytes(header[: self.header_bytes]) != expected:
+            return "the header differs from the one its key and payload give (stray bytes in its padding)"
         return ""
-
-
-    def _intact(self, key: str, header: memoryview | bytes, payload_checksum: int) -> bool:
-        """The common case of `problem`, by comparing stored bytes with what they must be (a page
-        read costs a few microseconds of Python; this is most of them)."""
-        h = self.HEADER.size
-        if len(header) < h or header[:6] != self._lead or header[24:80] != self._shape_region:
-            return False
-        raw = key.encode()
-        key_len, length, stored_sum = struct.unpack_from("<HQQ", header, 6)
-        return (key_len == len(raw) and length == self.payload_bytes and stored_sum == payload_checksum
-                and header[80 : 80 + len(raw)] == raw
-                and xxhash.xxh3_64_intdigest(header[: h - 8]) == struct.unpack_from("<Q", header, h - 8)[0])
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,14 +220,73 @@ class Header:
     """Why it is not a page of this format and KV shape ("" when it is)."""
 
 
+class Headers:
+    """Room for the headers of a batch of pages, one after another in `memory`.
+
+    A write fills them from the keys and the payload checksums and sends them out; a
+    read receives the stored headers into one block and fills another from the keys and
+    the checksums of the payloads it received: the pages are intact exactly when the two
+    blocks are equal, which one comparison of the batch tells (`same`). Filling is the
+    per-page work of both: one pack of the page's fields and the header's own XXH3-64.
+    """
+
+    def __init__(self, fmt: PageFormat, memory: memoryview) -> None:
+        h = fmt.header_bytes
+        self.fmt = fmt
+        self.memory = memory.cast("B")
+        self.capacity = len(self.memory) // h
+        self.views = [self.memory[i * h : (i + 1) * h] for i in range(self.capacity)]
+        """Each header's bytes, for `preadv`/`pwritev` and Mooncake's buffers."""
+        self._words = self.memory[: self.capacity * h].cast("Q")
+        self._signed = [v[: h - 8] for v in self.views]
+        """What each header's own checksum covers."""
+
+    @classmethod
+    def allocate(cls, fmt: PageFormat, capacity: int) -> Headers:
+        return cls(fmt, memoryview(bytearray(capacity * fmt.header_bytes)))
+
+    def fill(self, keys: Sequence[str], sums: Sequence[int]) -> None:
+        """Header `i` becomes the header of `keys[i]` with payload checksum `sums[i]`."""
+        n, fmt = len(keys), self.fmt
+        if n != len(sums) or n > self.capacity:
+            raise ValueError(f"{n} keys, {len(sums)} checksums, room for {self.capacity} headers")
+        h, raw = fmt.header_bytes, list(map(str.encode, keys))
+        # One pack per header and one XXH3-64 per header, each a map over the batch (no Python loop).
+        deque(map(fmt._SIGNED.pack_into, repeat(self.memory), range(0, n * h, h), repeat(fmt.MAGIC),
+                  repeat(fmt.VERSION), map(len, raw), repeat(fmt.payload_bytes), sums, repeat(fmt.shape_region),
+                  raw), maxlen=0)
+        own, step = (h - 8) // 8, h // 8
+        self._words[own : own + n * step : step] = array("Q", map(xxhash.xxh3_64_intdigest, self._signed[:n]))
+
+    def same(self, other: Headers, n: int) -> bool:
+        """The first `n` headers of both are byte for byte equal."""
+        k = n * self.fmt.header_bytes
+        return self.memory[:k].tobytes() == other.memory[:k].tobytes()
+
+    def first_bad(self, expected: Headers, keys: Sequence[str], sums: Sequence[int]) -> tuple[int, str]:
+        """(index, why) of the first of these received headers that is not `expected`'s; (len(keys), "")
+        when all are. `expected` holds the headers of `keys` and `sums` (`fill`)."""
+        for i, key in enumerate(keys):
+            if self.views[i].tobytes() != expected.views[i].tobytes():
+                return i, self.fmt.problem(key, self.views[i], sums[i]) or "the header differs from the expected one"
+        return len(keys), ""
+
+
 def checksum(blocks: Sequence[memoryview]) -> int:
     """XXH3-64 of the bytes of `blocks`, one after the other (a page's payload)."""
     if len(blocks) == 1:
         return xxhash.xxh3_64_intdigest(blocks[0])
+    if sum(map(len, blocks)) <= _JOIN_BYTES_MAX:
+        return xxhash.xxh3_64_intdigest(b"".join(blocks))
     h = xxhash.xxh3_64()
     for b in blocks:
         h.update(b)
     return h.intdigest()
+
+
+_JOIN_BYTES_MAX: Final = 16 << 10
+"""A page of several runs up to this size is hashed as one joined copy (one call instead of a
+call per run); a larger one is streamed run by run, without a copy."""
 
 
 # -- host pages as stored bytes ------------------------------------------------------------
@@ -267,12 +328,36 @@ class HostPages:
 
     def blocks(self, start: int) -> list[memoryview]:
         """The runs of the page whose first slot is `start`, as writable views of the buffer."""
-        m = self._memory
-        return [m[off : off + n] for off, n in self.spans(start)]
+        m, base = self._memory, start * self._slot_step
+        return [m[base + off : base + off + n] for off, n in self._runs]
+
+    def payloads(self, starts: Sequence[int]) -> list[Any]:
+        """The payload of each page whose first slot is in `starts`: a writable view of the
+        buffer (one run a page), or a list of them (`blocks`)."""
+        m, step = self._memory, self._slot_step
+        if self.runs_per_page == 1:
+            size = self._page_bytes
+            return [m[a : a + size] for a in map(step.__mul__, starts)]
+        runs = self._runs
+        return [[m[b + off : b + off + n] for off, n in runs] for b in map(step.__mul__, starts)]
+
+    def records(self, headers: Sequence[memoryview], payloads: list[Any]) -> list[memoryview]:
+        """The buffers of the pages' records in file order: each header, then its payload's runs."""
+        if self.runs_per_page == 1:
+            return list(chain.from_iterable(zip(headers, payloads)))
+        bufs: list[memoryview] = []
+        for header, runs in zip(headers, payloads):
+            bufs.append(header)
+            bufs += runs
+        return bufs
+
+    def checksums(self, payloads: list[Any]) -> list[int]:
+        """XXH3-64 of each of `payloads`."""
+        return list(map(xxhash.xxh3_64_intdigest if self.runs_per_page == 1 else checksum, payloads))
 
 
-_SLOTS_BY_LIST_MAX = 4096
-"""`page_starts` checks up to this many slots with Python ints (cheaper than torch ops on few)."""
+_SLOTS_BY_LIST_MAX: Final = 256
+"""`page_starts` checks up to this many slots as Python ints; more with one tensor comparison."""
 
 
 def page_starts(keys: Sequence[str], host: KVBuffer, slots: torch.Tensor) -> list[int]:
@@ -280,12 +365,6 @@ def page_starts(keys: Sequence[str], host: KVBuffer, slots: torch.Tensor) -> lis
     pages of `host`, one per key, in key order."""
     p = host.shape.page_size
     n = len(keys)
-    if slots.dim() == 1 and slots.dtype == torch.int64 and len(slots) == n * p and n * p <= _SLOTS_BY_LIST_MAX:
-        listed = slots.tolist()
-        starts = listed[::p]
-        if listed == [s + i for s in starts for i in range(p)] and all(s % p == 0 and 0 <= s <= host.slots - p
-                                                                       for s in starts):
-            return starts  # whole pages in range: the checks below, without a tensor op per call
     if slots.dim() != 1 or slots.dtype != torch.int64 or len(slots) != n * p:
         raise ValueError(
             f"slots must be a 1-D int64 tensor of {n} keys x page_size {p} = {n * p} host slots, "
@@ -293,10 +372,30 @@ def page_starts(keys: Sequence[str], host: KVBuffer, slots: torch.Tensor) -> lis
         )
     if n == 0:
         return []
-    pages = slots.view(n, p)
-    starts = pages[:, 0]
-    if bool((starts % p).any()) or not torch.equal(pages, starts[:, None] + torch.arange(p)):
+    if n * p <= _SLOTS_BY_LIST_MAX:
+        listed = slots.tolist()
+        first = listed[0]
+        run = listed == list(range(first, first + n * p))  # one run of pages, as a fresh allocation often is
+    else:
+        run = torch.equal(slots, torch.arange(first := int(slots[0]), first + n * p))  # a few tensor ops
+    if run:
+        whole, low, high = first % p == 0, first, first + n * p
+    elif n * p <= _SLOTS_BY_LIST_MAX:
+        starts = listed[::p]
+        whole = not any(s % p for s in starts) and listed == [s + i for s in starts for i in range(p)]
+        low, high = min(starts), max(starts) + p
+    else:
+        starts = slots[::p].tolist()
+        pages = slots.view(n, p)
+        whole = not any(s % p for s in starts) and torch.equal(pages - pages[:, :1], _offsets(p).expand(n, p))
+        low, high = min(starts), max(starts) + p
+    if not whole:
         raise ValueError(f"slots must be whole pages: each key's {p} slots run page_start .. page_start + {p}")
-    if int(starts.min()) < 0 or int(starts.max()) + p > host.slots:
+    if low < 0 or high > host.slots:
         raise ValueError(f"slots must lie within the host buffer's {host.slots} slots")
-    return starts.tolist()
+    return list(range(first, first + n * p, p)) if run else starts
+
+
+@functools.cache
+def _offsets(page_size: int) -> torch.Tensor:
+    return torch.arange(page_size)

@@ -10,14 +10,20 @@ smaller shapes), it times:
 - **raw read**: the same stored bytes read into the same host buffer, one contiguous
   region, unchecked: a `preadv` per run of adjacent records (file), a `batch_get_into`
   per batch through the same client (Mooncake);
-- **write**: `backend.write` of all pages under new keys, one call per batch;
+- **write**: `backend.write` of all pages under new keys, one call per backup of
+  `write_pages` pages (the prefetcher hands the backend one backup, a node's pages, per
+  call; the reference scheduler's 4096-token prefill chunks make nodes of up to 256
+  pages of 16 tokens);
 - **raw write**: the same number of stored bytes, from the same host buffer as one
-  region, in one sequential write to a new file in the same directory (file), or a
-  `batch_put_from` per batch under new keys (Mooncake).
+  region, in one sequential write appended to a file in the same directory (file), or
+  a `batch_put_from` per batch under new keys (Mooncake).
 Sides are interleaved rep by rep after a warm-up; the median of each counts; every rate
 is payload bytes over time, so a ratio is the raw time over the backend's. File I/O goes
 through the page cache (no fsync on either side): this measures the backend's own cost,
-not a disk. A backend that cannot run (no master) is an error row.
+not a disk's. So that neither write side waits for the disk to take the other's dirty
+pages, the file system is synced before each timed write; both sides append fresh bytes
+to files (the backend to its segments, the raw side to a file of its own), and Mooncake
+objects are removed after each side. A backend that cannot run (no master) is an error row.
 
 This is not actor code: it reads `time.perf_counter` and runs the backends directly.
 """
@@ -64,6 +70,9 @@ SHAPES: dict[str, dict[str, Any]] = {
 SMALL_MIB_MAX = 16
 """Small pages move at most this much (a page costs a fixed few microseconds)."""
 BATCH_PAGES = 16
+"""Pages per read call (`storage_batch_pages`' default) and per raw Mooncake call."""
+WRITE_PAGES = 256
+"""Pages per write call by default: a backup of a 4096-token prefill chunk of 16-token pages."""
 WARMUP = 1
 REPS = 5
 DEFAULT_MIB = 256
@@ -115,7 +124,8 @@ def _whole(host: KVBuffer) -> memoryview:
 
 class RawFile:
     """The same stored bytes as one region of the host buffer: read per run of adjacent
-    records, written as one sequential file."""
+    records, written by appending them to one file of its own in one sequential write (the
+    backend appends to its segments too)."""
 
     def __init__(self, backend: FileBackend, keys: list[str], host: KVBuffer) -> None:
         self.memory = _whole(host)
@@ -128,7 +138,7 @@ class RawFile:
             else:
                 self.runs.append((str(path), offset, stored))
         self.nbytes = len(keys) * stored
-        self.root = backend.root
+        self.fd, self.path = tempfile.mkstemp(prefix="raw-", suffix=".bin", dir=backend.root)
 
     def read(self) -> None:
         view, at = self.memory, 0
@@ -142,16 +152,16 @@ class RawFile:
             at += n
 
     def write(self, rep: int) -> None:
-        fd = os.open(self.root / f"raw-{rep}.bin", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            view, done = self.memory[: self.nbytes], 0
-            while done < self.nbytes:
-                done += os.write(fd, view[done:])
-        finally:
-            os.close(fd)
+        view, done = self.memory[: self.nbytes], 0
+        while done < self.nbytes:
+            done += os.write(self.fd, view[done:])
 
     def forget(self, rep: int) -> None:
-        (self.root / f"raw-{rep}.bin").unlink()
+        """The appended bytes stay, as the backend's do."""
+
+    def close(self) -> None:
+        os.close(self.fd)
+        os.unlink(self.path)
 
 
 class RawMooncake:
@@ -186,6 +196,9 @@ class RawMooncake:
     def forget(self, rep: int) -> None:
         self.client.batch_remove([f"raw{rep}-{k}" for k in self.objects], True)
 
+    def close(self) -> None:
+        """Nothing to release: each rep's objects were removed after it."""
+
 
 # -- one backend -------------------------------------------------------------------------------
 
@@ -196,23 +209,30 @@ def _timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
-def _batched(call: Callable[..., Any], keys: list[str], host: KVBuffer, slots: torch.Tensor) -> None:
-    """`backend.read` or `backend.write`, one batch of pages at a time, as the prefetcher calls them."""
+def _batched(call: Callable[..., Any], keys: list[str], host: KVBuffer, slots: torch.Tensor, per_call: int) -> None:
+    """`backend.read` or `backend.write`, `per_call` pages at a time."""
     p = host.shape.page_size
-    for b in range(0, len(keys), BATCH_PAGES):
-        io = call(keys[b : b + BATCH_PAGES], host, slots[b * p : (b + BATCH_PAGES) * p])
-        if io.error or io.pages != len(keys[b : b + BATCH_PAGES]):
+    for b in range(0, len(keys), per_call):
+        io = call(keys[b : b + per_call], host, slots[b * p : (b + per_call) * p])
+        if io.error or io.pages != len(keys[b : b + per_call]):
             raise StorageError(f"bench storage: {io}")
 
 
 def _forget(backend: StorageBackend, keys: list[str]) -> None:
-    """Remove pages a write rep stored, so the next rep writes them anew (Mooncake: bounded memory)."""
+    """Remove pages a write rep or a cell stored (Mooncake: its memory is bounded; the file
+    backend's pages stay in their segments, as the raw side's bytes do in its file)."""
     if isinstance(backend, MooncakeBackend):
         backend.client.batch_remove([backend.object_key(k) for k in keys], True)
 
 
+def _before_write(backend: StorageBackend) -> None:
+    """Start a timed write with no dirty pages of earlier reps waiting for the disk."""
+    if isinstance(backend, FileBackend):
+        os.sync()
+
+
 def _measure(backend: StorageBackend, config: Config, layout: HostLayout, page: str, pages: int, seed: int,
-             step: Callable[[], None]) -> Result:
+             write_pages: int, step: Callable[[], None]) -> Result:
     shape = KVShape.of(config)
     p = shape.page_size
     slots = torch.arange(pages * p)
@@ -220,24 +240,28 @@ def _measure(backend: StorageBackend, config: Config, layout: HostLayout, page: 
     src.tensor.view(torch.uint8).random_(generator=torch.Generator().manual_seed(seed))
     dst = KVBuffer.allocate(shape, config.host_slots, layout, "cpu")
     keys = page_keys(range(seed << 40, (seed << 40) + pages), rank=0)
-    _batched(backend.write, keys, src, slots)
+    _batched(backend.write, keys, src, slots, write_pages)
     raw = RawFile(backend, keys, dst) if isinstance(backend, FileBackend) else RawMooncake(backend, keys, dst)
     times: dict[str, list[float]] = {"read": [], "raw_read": [], "write": [], "raw_write": []}
     for rep in range(WARMUP + REPS):
         fresh = page_keys(range((seed << 40) + (rep + 1) * pages, (seed << 40) + (rep + 2) * pages), rank=0)
         sample = {
-            "read": _timed(lambda: _batched(backend.read, keys, dst, slots)),
+            "read": _timed(lambda: _batched(backend.read, keys, dst, slots, BATCH_PAGES)),
             "raw_read": _timed(raw.read),
-            "write": _timed(lambda: _batched(backend.write, fresh, src, slots)),
-            "raw_write": _timed(lambda: raw.write(rep)),
         }
+        _before_write(backend)
+        sample["write"] = _timed(lambda: _batched(backend.write, fresh, src, slots, write_pages))
         _forget(backend, fresh)
+        _before_write(backend)
+        sample["raw_write"] = _timed(lambda: raw.write(rep))
         raw.forget(rep)
         if rep >= WARMUP:
             for k, v in sample.items():
                 times[k].append(v)
         step()
-    _batched(backend.read, keys, dst, slots)
+    _batched(backend.read, keys, dst, slots, BATCH_PAGES)
+    raw.close()
+    _forget(backend, keys)
     if not torch.equal(dst.read(slots).view(torch.uint8), src.read(slots).view(torch.uint8)):  # bits: NaNs too
         raise StorageError("bench storage: the pages read back differ from those written")
     m = {k: statistics.median(v) for k, v in times.items()}
@@ -260,7 +284,7 @@ def _storage_fields(kind: str, mib: int, stack: ExitStack) -> dict[str, Any]:
             **master.config_fields()}
 
 
-def _run_backend(kind: str, mib: int, step: Callable[[], None]) -> list[Result]:
+def _run_backend(kind: str, mib: int, write_pages: int, step: Callable[[], None]) -> list[Result]:
     """Every layout and page size on one backend; error rows for what could not run."""
     results: list[Result] = []
     cells = [(layout, page) for page in SHAPES for layout in LAYOUTS]
@@ -274,7 +298,8 @@ def _run_backend(kind: str, mib: int, step: Callable[[], None]) -> list[Result]:
                 try:
                     for j, layout in enumerate(LAYOUTS):
                         seed = 1 + i * len(LAYOUTS) + j
-                        results.append(_measure(backend, config, layout, page, _pages(page, mib), seed, step))
+                        results.append(_measure(backend, config, layout, page, _pages(page, mib), seed,
+                                                write_pages, step))
                 finally:
                     backend.close()
     except (MasterStartError, StorageError) as e:
@@ -286,10 +311,10 @@ def _run_backend(kind: str, mib: int, step: Callable[[], None]) -> list[Result]:
 # -- the command -----------------------------------------------------------------------------
 
 
-def _table(results: list[Result], mib: int, machine: dict[str, object]) -> Table:
+def _table(results: list[Result], mib: int, write_pages: int, machine: dict[str, object]) -> Table:
     t = Table(
-        title=f"storage: {mib} MiB of 2 MiB pages ({min(mib, SMALL_MIB_MAX)} MiB of smaller ones) in batches of "
-              f"{BATCH_PAGES}, median of {REPS}",
+        title=f"storage: {mib} MiB of 2 MiB pages ({min(mib, SMALL_MIB_MAX)} MiB of smaller ones), reads of "
+              f"{BATCH_PAGES} and writes of {write_pages} pages a call, median of {REPS}",
         caption=(f"{machine['cpu_count']} x {machine['cpu_model']}, {machine['memory_gib']} GiB, "
                  f"torch {machine['torch']}; raw: the same stored bytes, unchecked, one host region"),
     )
@@ -303,9 +328,11 @@ def _table(results: list[Result], mib: int, machine: dict[str, object]) -> Table
     return t
 
 
-def run_bench_storage(*, as_json: bool, mib: int) -> int:
+def run_bench_storage(*, as_json: bool, mib: int, write_pages: int = WRITE_PAGES) -> int:
     if mib < 2:
         raise SystemExit("hicache bench storage: --mib must be at least 2 (one 2 MiB page)")
+    if write_pages < 1:
+        raise SystemExit("hicache bench storage: --write-pages must be at least 1")
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # Mooncake's client logs every step at INFO
     progress = progress_bar(as_json)
     results: list[Result] = []
@@ -313,13 +340,13 @@ def run_bench_storage(*, as_json: bool, mib: int) -> int:
         task = progress.add_task("storage", total=len(BACKENDS) * len(LAYOUTS) * len(SHAPES) * (WARMUP + REPS))
         for kind in BACKENDS:
             progress.update(task, description=kind)
-            results += _run_backend(kind, mib, lambda: progress.advance(task))
+            results += _run_backend(kind, mib, write_pages, lambda: progress.advance(task))
     machine = _machine(DeviceKind.CPU)
     body = {
         "machine": machine,
         "workload": {"shapes": SHAPES, "mib": mib, "small_mib": min(mib, SMALL_MIB_MAX),
                      "pages": {page: _pages(page, mib) for page in SHAPES},
-                     "batch_pages": BATCH_PAGES, "warmup": WARMUP, "reps": REPS},
+                     "batch_pages": BATCH_PAGES, "write_pages": write_pages, "warmup": WARMUP, "reps": REPS},
         "results": [r.to_json() for r in results],
     }
-    return report(_table(results, mib, machine), body, as_json=as_json)
+    return report(_table(results, mib, write_pages, machine), body, as_json=as_json)

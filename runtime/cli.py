@@ -185,6 +185,7 @@ def _bench_args(bench: argparse.ArgumentParser) -> None:
     st = bsub.add_parser("storage", help="reading pages from each storage backend into host memory vs a raw read")
     st.add_argument("--json", action="store_true", help="print one JSON object with `results`")
     st.add_argument("--mib", type=_count, default=256, help="MiB of pages written and read per backend")
+    st.add_argument("--write-pages", type=_count, default=256, help="pages per backend write call, a backup's size")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -290,7 +291,7 @@ def _bench(args: argparse.Namespace) -> int:
     module, function = _BENCHES[args.bench]
     run = getattr(importlib.import_module(f"{__package__}.{module}"), function)
     if args.bench == "storage":
-        return int(run(as_json=args.json, mib=args.mib))
+        return int(run(as_json=args.json, mib=args.mib, write_pages=args.write_pages))
     if args.bench == "trace":
         return int(run(as_json=args.json, quick=args.quick, requests=args.requests))
     return int(run(as_json=args.json, quick=args.quick))

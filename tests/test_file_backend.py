@@ -23,6 +23,7 @@ from hicache.actors import (
     _file_backend,
 )
 from hicache.runtime import Config, HostLayout
+from hicache.actors._segments import Segment
 from hicache.runtime.testing import capture_logs
 
 pytestmark = pytest.mark.timeout(60)
@@ -65,7 +66,7 @@ def _du(root: Path) -> int:
 
 @pytest.fixture
 def opened(tmp_path: Path) -> Iterator[Any]:
-    """`opened(**changes)`: a FileBackend over `tmp_path`, closed at teardown."""
+    """`opened(**changes)`: a FileBackend over `tmp_path`; its index checked and closed at teardown."""
     backends: list[FileBackend] = []
 
     def open_one(**changes: Any) -> FileBackend:
@@ -74,6 +75,7 @@ def opened(tmp_path: Path) -> Iterator[Any]:
 
     yield open_one
     for b in backends:
+        b.check_invariants()
         b.close()
 
 
@@ -88,6 +90,21 @@ def test_a_backup_of_many_small_pages_goes_to_one_segment_file(tmp_path: Path, o
     assert backend.write(_keys("small", 512), host, slots).written == 512
     assert [p.name for p in tmp_path.iterdir()] == [backend.locate("small-0")[0].name]
     backend.close()
+
+
+@pytest.mark.parametrize("layout", [HostLayout.LAYER_FIRST, HostLayout.PAGE_FIRST], ids=lambda x: x.value)
+def test_a_call_of_more_pages_than_one_system_call_takes_moves_them_all(tmp_path: Path, opened: Any, layout) -> None:
+    pages = 1500  # layer_first: 5 buffers a record, so past IOV_MAX (1024) in one call
+    config = _config(tmp_path, layers=2, kv_heads=1, head_dim=32, page_size=8, host_slots=pages * 8)
+    backend = opened(layers=2, kv_heads=1, head_dim=32, page_size=8, host_slots=pages * 8)
+    src = KVBuffer.allocate(KVShape.of(config), pages * 8, layout, "cpu")
+    src.tensor.view(torch.uint8).random_(generator=torch.Generator().manual_seed(11))
+    dst = KVBuffer.allocate(KVShape.of(config), pages * 8, layout, "cpu")
+    keys, slots = _keys("many", pages), torch.arange(pages * 8)
+
+    assert backend.write(keys, src, slots).written == pages
+    assert backend.read(keys, dst, slots) == StorageIO(pages=pages, bytes=pages * backend.fmt.payload_bytes)
+    assert torch.equal(dst.tensor.view(torch.uint8), src.tensor.view(torch.uint8))
 
 
 def test_a_page_another_process_writes_after_this_one_opened_is_found(tmp_path: Path, opened: Any) -> None:
@@ -185,6 +202,29 @@ def test_the_least_recently_read_pages_are_evicted_first(tmp_path: Path, opened:
     assert backend.exists(old) == 0
     assert backend.read(hot, dst, _slots(list(range(8)))).pages == 8
     assert _same(dst, list(range(8)), src, list(range(8)))
+
+
+def test_evicting_small_pages_one_by_one_frees_the_blocks_they_shared() -> None:
+    size, block = 2216, 4096  # 2 KiB pages with their header: records straddle the blocks
+    seg = Segment(0, "seg-1-0-000000.hkv", Path("unused"), record=size, shaped=True, scanned=8 * size,
+                  keys=[f"k{i}" for i in range(8)], live=8)
+    holes = []
+    for r in range(4):  # evicted oldest first, as the bound does
+        seg.keys[r] = None
+        holes.append(seg.hole(r, block))
+
+    assert holes[0] == (0, size)  # block 0 still holds record 1
+    assert holes[1] == (0, 2 * size)  # now block 0 is dead: the hole starts at it
+    freed = set().union(*(range(-(-a // block), b // block) for a, b in holes))
+    assert freed == {0, 1}  # every block wholly in records 0-3 (4 x 2216 = 8864 bytes)
+    assert all(b <= 4 * size for _, b in holes), "a hole reached into a live record"
+
+
+def test_a_hole_never_reaches_past_the_scanned_end() -> None:
+    seg = Segment(0, "seg-1-0-000000.hkv", Path("unused"), record=3000, shaped=True, scanned=3000,
+                  keys=["k0"], live=1)
+    seg.keys[0] = None
+    assert seg.hole(0, 4096) == (0, 3000)  # the rest of the block may be a record being appended
 
 
 # -- faults ----------------------------------------------------------------------------------------

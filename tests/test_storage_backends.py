@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+import xxhash
 from hicache.actors import (
     FileBackend,
     KVBuffer,
@@ -253,12 +255,23 @@ def _overwrite(backend: Any, raw_client: Any, key: str, stored: bytes) -> None:
         assert raw_client.put(backend.object_key(key), stored) == 0
 
 
+def _stray_padding(stored: bytes) -> bytes:
+    """A byte after the key where the header has zeros, with the header's own checksum redone:
+    every field still says the right thing, but it is not the header a writer makes."""
+    header = bytearray(stored[: FORMAT.header_bytes])
+    (key_len,) = struct.unpack_from("<H", header, 6)
+    header[80 + key_len] = ord("x")
+    struct.pack_into("<Q", header, FORMAT.header_bytes - 8, xxhash.xxh3_64_intdigest(bytes(header[:-8])))
+    return bytes(header) + stored[FORMAT.header_bytes :]
+
+
 DAMAGES: dict[str, Callable[[bytes], bytes]] = {
     "flipped payload byte": lambda b: b[:-7] + bytes([b[-7] ^ 0x40]) + b[-6:],
     "flipped header byte": lambda b: b[:12] + bytes([b[12] ^ 1]) + b[13:],
     "flipped key byte": lambda b: b[:80] + bytes([b[80] ^ 1]) + b[81:],
     "zeroed": lambda b: bytes(len(b)),
     "bad magic": lambda b: b"XXXX" + b[4:],
+    "stray byte in the key's padding": _stray_padding,
 }
 """Damage in place, as a file record (same size) or a Mooncake object can suffer it."""
 SIZE_DAMAGES: dict[str, Callable[[bytes], bytes]] = {
@@ -324,10 +337,9 @@ def test_a_page_written_by_a_backend_is_exactly_the_documented_record(pair, keys
     assert _stored(a, raw_client, key) == _envelope(key, src, 5)
 
 
-def test_the_page_checksum_is_xxh3_64_of_the_runs_one_after_the_other() -> None:
-    import xxhash
-
-    data = bytes(range(256)) * 4099
+@pytest.mark.parametrize("size", [4096, 1 << 20], ids=["small page", "large page"])
+def test_the_page_checksum_is_xxh3_64_of_the_runs_one_after_the_other(size: int) -> None:
+    data = (bytes(range(256)) * (size // 256 + 1))[:size]
     runs = [memoryview(data)[i : i + 1000] for i in range(0, len(data), 1000)]
     assert checksum(runs) == checksum([memoryview(data)]) == xxhash.xxh3_64_intdigest(data)
 

@@ -1,0 +1,168 @@
+"""The file backend's segment files: their names, their records, and the system calls on them.
+
+A segment is a file `seg-<pid>-<instance>-<seq>.hkv` that one writer (a `FileBackend`
+instance, so one KV shape) appends page records to (`PageFormat`: header, then payload),
+created with O_EXCL so no two writers ever share one. All records of a segment have the
+same size, so record `r` starts at `r x record size`, and a damaged record is skipped
+by that size.
+
+Crash safety without fsync: a record counts only when its header checks out and its
+whole payload lies within the file. A scan stops at the first record that does not,
+unless the next header is already there (damage in the middle): so a torn tail, or a
+writer still appending, is looked at again by the next scan, and a payload torn by a
+power loss fails its checksum when read.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final
+
+from ._stored_page import PageFormat
+
+PREFIX: Final = "seg-"
+SUFFIX: Final = ".hkv"
+SCAN_BYTES: Final = 1 << 20
+"""A scan reads segments in chunks of this many bytes when records are small."""
+IOV_MAX: Final = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+"""Most buffers one `preadv`/`pwritev` takes."""
+
+
+def segment_name(writer: str, seq: int) -> str:
+    return f"{PREFIX}{writer}-{seq:06d}{SUFFIX}"
+
+
+def is_segment(name: str) -> bool:
+    return name.startswith(PREFIX) and name.endswith(SUFFIX)
+
+
+def writer_of(name: str) -> tuple[str, int]:
+    """(writer, sequence number) of a segment named `seg-<pid>-<instance>-<seq>.hkv`."""
+    stem = name.removeprefix(PREFIX).removesuffix(SUFFIX)
+    writer, _, seq = stem.rpartition("-")
+    return writer, int(seq) if seq.isdigit() else 0
+
+
+@dataclass(slots=True, eq=False)
+class Segment:
+    id: int
+    """Its number in this instance's index (page locations name it)."""
+    name: str
+    path: Path
+    ours: bool = False
+    """This instance writes it."""
+    sealed: bool = False
+    """No writer appends to it any more (its writer moved on to a later one)."""
+    scanned: int = 0
+    """Bytes of whole records from the start (the scan's position; for ours, the file's end)."""
+    keys: list[str | None] = field(default_factory=list)
+    """The key of each record the index holds, by record number; None for a dead record
+    (evicted, damaged, or a page the index found elsewhere first)."""
+    live: int = 0
+    """Records the index holds."""
+    record: int = 0
+    """Bytes of each record, once a header told it (or this instance writes it)."""
+    shaped: bool = False
+    """It holds records of this instance's KV shape (only those segments count toward the bound)."""
+    other_shape: bool = False
+    """Its writer writes another KV shape: nothing in it is ever a page of this instance."""
+    allocated: int = 0
+    """Bytes allocated to the file (`st_blocks x 512`) when last looked at."""
+    fd: int = -1
+
+    def hole(self, record: int, block: int) -> tuple[int, int]:
+        """The bytes to punch out once `record` is dead: the record, widened to the file
+        blocks on either side whose other records are dead too (those blocks then hold no
+        live byte), never past the scanned end (a writer may be appending there)."""
+        size = self.record
+        start, end = record * size, (record + 1) * size
+        lo = start - start % block
+        if lo < start and all(self.keys[r] is None for r in range(lo // size, record)):
+            start = lo
+        hi = min(end + (-end) % block, self.scanned)
+        if hi > end and all(self.keys[r] is None for r in range(record + 1, min(len(self.keys), -(-hi // size)))):
+            end = hi
+        return start, end
+
+
+def scan(seg: Segment, fd: int, size: int, fmt: PageFormat, found: Callable[[str, int], bool]) -> None:
+    """Read the records of `seg` from `seg.scanned` up to `size` bytes, calling `found(key,
+    record number)` for each whole record of `fmt`'s KV shape (True: the index took it)."""
+    h = fmt.header_bytes
+    off, buf, buf_at = seg.scanned, b"", 0
+    while off + h <= size and not seg.other_shape:
+        record = seg.record or fmt.stored_bytes
+        if off + h > buf_at + len(buf):
+            want = h if record >= SCAN_BYTES // 4 else min(SCAN_BYTES, size - off)
+            buf, buf_at = os.pread(fd, want, off), off
+            if len(buf) < h:
+                break
+        header = fmt.unpack(buf[off - buf_at : off - buf_at + h])
+        if header.readable:
+            record = seg.record = h + header.payload_bytes
+            seg.other_shape = bool(header.problem)
+        elif off + record + h > size:
+            break
+        if off + record > size:
+            break
+        taken = header.readable and not header.problem and found(header.key, off // record)
+        seg.shaped |= header.readable and not header.problem
+        seg.keys.append(header.key if taken else None)
+        seg.live += taken
+        off += record
+    seg.scanned = off
+
+
+# -- system calls ------------------------------------------------------------------------
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+
+
+def punch(fd: int, offset: int, length: int) -> None:
+    """Free the file's blocks wholly inside `offset .. offset + length` (partial ones are zeroed)."""
+    if length <= 0:
+        return
+    if _libc.fallocate(ctypes.c_int(fd), ctypes.c_int(_FALLOC_FL_KEEP_SIZE | _FALLOC_FL_PUNCH_HOLE),
+                       ctypes.c_int64(offset), ctypes.c_int64(length)) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e))
+
+
+def preadv_all(fd: int, bufs: list[memoryview], offset: int) -> int:
+    """Fill `bufs` (at most IOV_MAX) from `fd` at `offset` until they are full or the file
+    ends; bytes read."""
+    want = sum(map(len, bufs))
+    total = os.preadv(fd, bufs, offset)
+    while 0 < total < want:  # a short read: the file ends here, or the call stopped early
+        rest = _after(bufs, total)
+        n = os.preadv(fd, rest, offset + total)
+        if n == 0:
+            break
+        total += n
+    return total
+
+
+def pwritev_all(fd: int, bufs: list[memoryview], offset: int) -> None:
+    """Write all of `bufs` (at most IOV_MAX) to `fd` at `offset` (a write may take less)."""
+    want = sum(map(len, bufs))
+    done = os.pwritev(fd, bufs, offset)
+    while done < want:
+        n = os.pwritev(fd, _after(bufs, done), offset + done)
+        if n == 0:
+            raise OSError(errno.EIO, "pwritev wrote nothing")
+        done += n
+
+
+def _after(bufs: list[memoryview], skip: int) -> list[memoryview]:
+    """What of `bufs` lies past their first `skip` bytes."""
+    for i, b in enumerate(bufs):
+        if skip < len(b):
+            return [b[skip:], *bufs[i + 1 :]]
+        skip -= len(b)
+    return []

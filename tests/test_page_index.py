@@ -1,0 +1,93 @@
+"""The file backend's page index: least recently used first, by writes, scans and reads,
+against a plain list that keeps the same order; invariants checked after every step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hicache.actors import InvariantError
+from hicache.actors._page_index import PageIndex
+
+RECORD = 100
+
+
+def _segment(index: PageIndex, n: int) -> object:
+    return index.new_segment(f"seg-1-0-{n:06d}.hkv", Path("unused"), ours=True, record=RECORD)
+
+
+# A step: ("write", pages), ("scan", pages), ("read", which of the held keys), ("evict", how many).
+STEPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("write"), st.integers(1, 5)),
+        st.tuples(st.just("scan"), st.integers(1, 3)),
+        st.tuples(st.just("read"), st.lists(st.integers(0, 1000), min_size=1, max_size=4)),
+        st.tuples(st.just("evict"), st.integers(1, 4)),
+        st.tuples(st.just("new segment"), st.just(0)),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(STEPS)
+def test_the_oldest_page_is_the_least_recently_written_scanned_or_read(steps) -> None:
+    index = PageIndex()
+    segs = [_segment(index, 0)]
+    model: list[str] = []  # least recently used first
+    made = 0
+    for op, arg in steps:
+        seg = segs[-1]
+        if op in ("write", "scan"):
+            keys = [f"k{made + i}" for i in range(arg)]
+            made += arg
+            if op == "write":
+                index.append(seg, keys)
+            else:
+                for key in keys:
+                    assert index.take(key, seg, len(seg.keys))
+                    seg.keys.append(key)
+                    seg.live += 1
+                index.end_scan()
+            seg.scanned = len(seg.keys) * RECORD
+            model += keys
+        elif op == "read" and model:
+            keys = list(dict.fromkeys(model[i % len(model)] for i in arg))
+            index.touch(keys)
+            model = [k for k in model if k not in keys] + keys
+        elif op == "evict":
+            for _ in range(min(arg, len(model))):
+                key = index.oldest()
+                assert key == model[0]
+                index.remove(key)
+                model.pop(0)
+        elif op == "new segment":
+            segs.append(_segment(index, len(segs)))
+        index.check_invariants()
+        assert len(index) == len(model)
+
+
+def test_a_dropped_segment_takes_its_pages_out_of_the_order() -> None:
+    index = PageIndex()
+    a, b = _segment(index, 0), _segment(index, 1)
+    index.append(a, ["a0", "a1"])
+    index.append(b, ["b0"])
+    a.scanned, b.scanned = 2 * RECORD, RECORD
+    index.touch(["a1"])
+    index.drop_segment(a)
+    index.check_invariants()
+    assert index.oldest() == "b0" and len(index) == 1
+
+
+def test_a_page_in_no_recency_order_is_an_invariant_error() -> None:
+    index = PageIndex()
+    seg = _segment(index, 0)
+    assert index.take("k", seg, 0)
+    seg.keys.append("k")
+    seg.live, seg.scanned = 1, RECORD
+    index._fresh.clear()  # what a bug that lost it would leave
+    with pytest.raises(InvariantError, match="no recency order"):
+        index.check_invariants()
