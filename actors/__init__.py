@@ -40,7 +40,8 @@ from ._stored_page import (
 )
 from ._streams import LoadStreamActor, WriteStreamActor
 from ._tree import TreeActor
-from ._tree_core import HandleError, TreeCore
+from ._tree_core import TreeCore
+from ._tree_shared import HandleError
 from ._transfer_core import Piece, TransferOp, TransferQueue
 
 __all__ = [

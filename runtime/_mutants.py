@@ -27,7 +27,8 @@ from hicache.actors import (
     WriteStreamActor,
 )
 from hicache.actors._pages import Ints, as_list
-from hicache.actors._tree_core import _Prefetch
+from hicache.actors._tree_prefetch import PrefetchBook, _Prefetch
+from hicache.actors._tree_writes import WriteBack
 from hicache.messages import (
     ActorName,
     AdmitRequests,
@@ -109,15 +110,15 @@ class _EagerRadix(RadixTree):
         return RadixTree.device_evictable(node)
 
 
-class _EvictWhileWritingCore(TreeCore):
+class _EvictWhileWritingWrites(WriteBack):
     def _drop_device(self, node: Node) -> Indices:
         if node.state is not NodeState.WRITING:
             return super()._drop_device(node)
         device = node.device
         assert device is not None
         if node.host is not None:
-            self._emit(ActorName.HOST, SetHostState(pages=node.host, state=HostSlotState.HOST_ONLY))
-        t = self.tree
+            self.s.emit(ActorName.HOST, SetHostState(pages=node.host, state=HostSlotState.HOST_ONLY))
+        t = self.s.tree
         t._account(node, -1)
         node.state, node.device = NodeState.HOST_ONLY, None  # the bug: no synced check
         t._account(node, +1)
@@ -127,7 +128,7 @@ class _EvictWhileWritingCore(TreeCore):
 class _EvictWhileWriting(TreeActor):
     def __init__(self, **kw: Any) -> None:
         super().__init__(**kw)
-        self.core.__class__ = _EvictWhileWritingCore
+        self.core.writes.__class__ = _EvictWhileWritingWrites
         self.core.tree.__class__ = _EagerRadix
 
 
@@ -136,8 +137,9 @@ class _EvictWhileWriting(TreeActor):
 
 class _DoubleUnlockCore(TreeCore):
     def finish(self, op_id: int, items: Any) -> None:
-        locked = [self._handles[it.handle].node for it in items
-                  if it.reason is ReleaseReason.RETRACTED and it.handle in self._handles]
+        handles = self.admission.handles
+        locked = [handles[it.handle].node for it in items
+                  if it.reason is ReleaseReason.RETRACTED and it.handle in handles]
         super().finish(op_id, items)
         for node in locked:
             if node is not None and node.alive:
@@ -165,7 +167,7 @@ class _ShortWrites(WriteStreamActor):
 # -- 6. a node backed up under a parent that is not -----------------------------------------
 
 
-class _UnclosedBackupCore(TreeCore):
+class _UnclosedBackupWrites(WriteBack):
     def _parent_backed(self, node: Node) -> bool:
         return True
 
@@ -176,13 +178,13 @@ class _UnclosedBackupCore(TreeCore):
 class _UnclosedBackup(TreeActor):
     def __init__(self, **kw: Any) -> None:
         super().__init__(**kw)
-        self.core.__class__ = _UnclosedBackupCore
+        self.core.writes.__class__ = _UnclosedBackupWrites
 
 
 # -- an eviction that ends after one round, short of its demand ---------------------------------
 
 
-class _OneRoundCore(TreeCore):
+class _OneRoundWrites(WriteBack):
     """Ends an eviction once its own write-backs land, without evicting what they made
     evictable (their parents), and never waits for write-throughs: the allocation that asked
     gets `Insufficient` (a load-back gives up) with evictable tokens left."""
@@ -203,13 +205,13 @@ class _OneRoundCore(TreeCore):
 class _OneRoundEviction(TreeActor):
     def __init__(self, **kw: Any) -> None:
         super().__init__(**kw)
-        self.core.__class__ = _OneRoundCore
+        self.core.writes.__class__ = _OneRoundWrites
 
 
 # -- write_back deletes a victim whose parent is not backed up ---------------------------------
 
 
-class _DropTailCore(TreeCore):
+class _DropTailWrites(WriteBack):
     """Writes a victim back only if its parent already is; otherwise deletes it: a tail under
     a hot prefix that is never evicted (so never backed up) is lost on every eviction."""
 
@@ -224,7 +226,7 @@ class _DropTailCore(TreeCore):
 class _DropTail(TreeActor):
     def __init__(self, **kw: Any) -> None:
         super().__init__(**kw)
-        self.core.__class__ = _DropTailCore
+        self.core.writes.__class__ = _DropTailWrites
 
 
 # -- 7. seed 000: the prefetcher frees host slots itself ---------------------------------------
@@ -246,7 +248,7 @@ class _PrefetcherFrees(StoragePrefetcherActor):
 # -- 8. seed 002: a prefetch that gives up instead of shrinking ---------------------------------
 
 
-class _GiveUpCore(TreeCore):
+class _GiveUpBook(PrefetchBook):
     def _reserve(self, want: int, free: int) -> int:
         return want if want <= free else 0
 
@@ -254,13 +256,13 @@ class _GiveUpCore(TreeCore):
 class _PrefetchGivesUp(TreeActor):
     def __init__(self, **kw: Any) -> None:
         super().__init__(**kw)
-        self.core.__class__ = _GiveUpCore
+        self.core.prefetches.__class__ = _GiveUpBook
 
 
 # -- 9. a prefetch anchored on a node eviction can delete ----------------------------------------
 
 
-class _DeviceAnchorCore(TreeCore):
+class _DeviceAnchorBook(PrefetchBook):
     """Anchors on the deepest matched node whatever its state (a device-only node can be evicted)."""
 
     def _anchor(self, namespace: str, path: list[Node]) -> tuple[Node, int]:
@@ -272,7 +274,7 @@ class _DeviceAnchorCore(TreeCore):
 class _EvictableAnchor(TreeActor):
     def __init__(self, **kw: Any) -> None:
         super().__init__(**kw)
-        self.core.__class__ = _DeviceAnchorCore
+        self.core.prefetches.__class__ = _DeviceAnchorBook
 
 
 # -- 10. a storage page reported complete before its bytes are written ----------------------------
@@ -304,7 +306,7 @@ class _ShortReads:
 # -- 11. an aborted request whose prefetch is never released -------------------------------------
 
 
-class _LeakAbortedCore(TreeCore):
+class _LeakAbortedBook(PrefetchBook):
     def _settle(self, pf: _Prefetch, pages: int) -> int:
         if pf.reason is PrefetchEnd.ABORTED:
             return 0  # forgets the prefetch: its slots and the anchor's pin are never given back
@@ -314,7 +316,7 @@ class _LeakAbortedCore(TreeCore):
 class _LeakAbortedPrefetch(TreeActor):
     def __init__(self, **kw: Any) -> None:
         super().__init__(**kw)
-        self.core.__class__ = _LeakAbortedCore
+        self.core.prefetches.__class__ = _LeakAbortedBook
 
 
 MUTANTS: tuple[Mutant, ...] = (

@@ -26,7 +26,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hicache.actors import InvariantError
-from hicache.actors._facts import KINDS, Facts
+from hicache.actors._facts import KINDS, FactKind, Facts
 from hicache.messages import PrefetchEnd
 from hicache.runtime import PrefetchPolicy, WritePolicy
 from hicache.runtime._group import SingleGroup
@@ -125,41 +125,41 @@ def test_a_rank_passing_a_different_number_of_values_raises_on_every_rank(tmp_pa
 def test_facts_are_known_in_issue_order_and_taken_with_agreed_values() -> None:
     f = Facts()
     for op in (1, 2, 3):
-        f.expect("write", op)
-    f.expect("hit", 9)
+        f.expect(FactKind.WRITE, op)
+    f.expect(FactKind.HIT, 9)
     assert f.known() == (0,) * len(KINDS) and f.pending() == 4
-    f.record("write", 2, 1)  # out of order: not known until op 1 is
-    f.record("hit", 9, 5)
+    f.record(FactKind.WRITE, 2, 1)  # out of order: not known until op 1 is
+    f.record(FactKind.HIT, 9, 5)
     known = f.known()
-    assert known == tuple(1 if k == "hit" else 0 for k in KINDS)
-    f.record("write", 1, 0)
+    assert known == tuple(1 if k is FactKind.HIT else 0 for k in KINDS)
+    f.record(FactKind.WRITE, 1, 0)
     known = f.known()
-    assert known[KINDS.index("write")] == 2 and known[KINDS.index("hit")] == 1
+    assert known[KINDS.index(FactKind.WRITE)] == 2 and known[KINDS.index(FactKind.HIT)] == 1
     assert f.values(known) == (0, 1, 5)  # kinds in KINDS order, ops in issue order
     agreed = list(SingleGroup().all_min(f.values(known)))
     agreed[-1] = 3  # another rank saw fewer hits: the agreed value is what is applied
     taken = f.take(known, tuple(agreed))
-    assert taken == [("write", 1, 0), ("write", 2, 1), ("hit", 9, 3)]
+    assert taken == [(FactKind.WRITE, 1, 0), (FactKind.WRITE, 2, 1), (FactKind.HIT, 9, 3)]
     assert f.pending() == 1 and f.known() == (0,) * len(KINDS)
-    f.record("write", 3, 1)
-    assert f.take(f.known(), (1,)) == [("write", 3, 1)] and f.pending() == 0
+    f.record(FactKind.WRITE, 3, 1)
+    assert f.take(f.known(), (1,)) == [(FactKind.WRITE, 3, 1)] and f.pending() == 0
 
 
 def test_facts_take_fewer_than_known_when_another_rank_knows_less() -> None:
     f = Facts()
-    f.expect("load", 4)
-    f.expect("load", 5)
-    f.record("load", 4, 1)
-    f.record("load", 5, 1)
-    counts = tuple(1 if k == "load" else 0 for k in KINDS)  # the agreed (MIN) count
-    assert f.take(counts, (0,)) == [("load", 4, 0)]
+    f.expect(FactKind.LOAD, 4)
+    f.expect(FactKind.LOAD, 5)
+    f.record(FactKind.LOAD, 4, 1)
+    f.record(FactKind.LOAD, 5, 1)
+    counts = tuple(1 if k is FactKind.LOAD else 0 for k in KINDS)  # the agreed (MIN) count
+    assert f.take(counts, (0,)) == [(FactKind.LOAD, 4, 0)]
     assert f.known() == counts and f.values(counts) == (1,)
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(KINDS), st.integers(0, 3)), min_size=1, max_size=30), st.randoms())
 def test_facts_taken_locally_per_kind_equal_a_full_take_after_every_record(
-    issued: list[tuple[str, int]], rnd: random.Random
+    issued: list[tuple[FactKind, int]], rnd: random.Random
 ) -> None:
     """With one rank the tree takes the recorded kind only; a full take after every record
     (what several ranks in agreement do) must give the same outcomes in the same order."""
@@ -179,23 +179,23 @@ def test_facts_taken_locally_per_kind_equal_a_full_take_after_every_record(
 
 def test_facts_refuse_a_double_record_an_unissued_op_and_a_negative_value() -> None:
     f = Facts()
-    f.expect("backup", 1)
-    f.record("backup", 1, 2)
+    f.expect(FactKind.BACKUP, 1)
+    f.record(FactKind.BACKUP, 1, 2)
     with pytest.raises(InvariantError, match="twice"):
-        f.record("backup", 1, 2)
+        f.record(FactKind.BACKUP, 1, 2)
     with pytest.raises(InvariantError, match="never issued"):
-        f.record("backup", 2, 1)
-    f.expect("backup", 3)
+        f.record(FactKind.BACKUP, 2, 1)
+    f.expect(FactKind.BACKUP, 3)
     with pytest.raises(InvariantError, match=">= 0"):
-        f.record("backup", 3, -1)
+        f.record(FactKind.BACKUP, 3, -1)
 
 
 def test_facts_refuse_an_agreement_that_does_not_fit() -> None:
     f = Facts()
-    f.expect("write", 1)
-    f.record("write", 1, 1)
+    f.expect(FactKind.WRITE, 1)
+    f.record(FactKind.WRITE, 1, 1)
     with pytest.raises(InvariantError, match="do not fit"):
         f.take(f.known(), ())  # fewer values than counts
-    too_many = tuple(2 if k == "write" else 0 for k in KINDS)
+    too_many = tuple(2 if k is FactKind.WRITE else 0 for k in KINDS)
     with pytest.raises(InvariantError, match="diverged"):
         f.take(too_many, (1, 1))

@@ -1,0 +1,387 @@
+"""Admission, locks and release: the part of the tree core that serves requests.
+
+- admit: match, lock, plan load-back of host-only nodes within a quota ->
+  `AllocateLoadSlots` -> nodes LOADING, `SetHostState(LOADING)`, `LoadKV` ->
+  `Admitted`. If the device is short, evict and retry once, then give up the loads.
+- finish / abort / retract: insert the committed page-aligned prefix; the pages
+  the tree takes are adopted, everything else of the request (duplicates, the
+  unaligned tail, over-allocation) is freed by one `ReleaseRequests`.
+- cache unfinished: insert what a running request committed so far and move its
+  lock down to it (`SwapRequestPages`).
+
+Each admitted request holds one lock handle, on the deepest node it uses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from hicache.messages import (
+    AdmitItem,
+    Admission,
+    Admitted,
+    AdoptLoadedSlots,
+    AllocateLoadSlots,
+    CacheItem,
+    Cached,
+    CachedPrefix,
+    FinishItem,
+    Finished,
+    FreeDeviceSlots,
+    HostSlotState,
+    Indices,
+    LedgerEntry,
+    LoadKV,
+    ReleaseRequests,
+    SetHostState,
+    SlotRelease,
+    SwapRequestPages,
+    Tokens,
+)
+
+from ._errors import InvariantError
+from ._facts import FactKind
+from ._radix import RESIDENT, Node, NodeState
+from ._tree_holds import SettledHolds
+from ._tree_shared import DEVICE, FACADE, HOST, LOAD, HandleError, TreeShared, cat
+from ._tree_writes import WriteBack
+
+
+@dataclass(slots=True)
+class _Handle:
+    request_id: str
+    namespace: str
+    node: Node | None
+    """The locked node (None: nothing matched, nothing locked)."""
+    prefix_tokens: int
+    """Positions below this hold the tree's slots, not the request's own."""
+
+
+@dataclass(slots=True)
+class _Load:
+    nodes: list[Node]
+
+
+@dataclass(slots=True)
+class _Plan:
+    item: AdmitItem
+    handle: int
+    device_nodes: list[Node]
+    load_nodes: list[Node]
+    host_miss: int
+
+
+@dataclass(slots=True)
+class _Admission:
+    facade_op: int
+    plans: list[_Plan]
+    retried: bool = False
+
+
+@dataclass(slots=True)
+class _Swaps:
+    facade_op: int
+    prefixes: list[CachedPrefix]
+    waiting: set[int] = field(default_factory=set)
+
+
+class Admissions:
+    """Owns the lock handles, the admissions waiting for load slots, the load-backs in flight,
+    and the releases and swaps waiting for the device pool."""
+
+    def __init__(self, shared: TreeShared, writes: WriteBack, holds: SettledHolds) -> None:
+        self.s = shared
+        self._writes = writes
+        self._holds = holds
+        self.handles: dict[int, _Handle] = {}
+        self._next_handle = 1
+        self._admissions: dict[int, _Admission] = {}
+        self.loads: dict[int, _Load] = {}
+        self._finishes: dict[int, int] = {}
+        self._swaps: dict[int, _Swaps] = {}
+        self._swap_of: dict[int, int] = {}
+        self._building: list[_Plan] = []
+        """Plans of the admission being built: a later item's match may split their nodes."""
+
+    # == admission and load-back ===============================================================
+
+    def admit(self, op_id: int, items: Sequence[AdmitItem]) -> None:
+        plans: list[_Plan] = []
+        self._building = plans
+        try:
+            self._plan_admission(items, plans, self.s.config.load_back_quota_tokens)
+        finally:
+            self._building = []
+        total = sum(nd.tokens for p in plans for nd in p.load_nodes)
+        if total == 0:
+            self._reply_admitted(op_id, plans)
+            return
+        load_op = self.s.next_id()
+        self._admissions[load_op] = _Admission(op_id, plans)
+        self.s.emit(DEVICE, AllocateLoadSlots(op_id=load_op, tokens=total))
+
+    def _plan_admission(self, items: Sequence[AdmitItem], plans: list[_Plan], quota: int) -> None:
+        tree = self.s.tree
+        for item in items:
+            self._holds.release(item.request_id)  # its lock holds what it uses from now on
+            path = tree.match(item.namespace, item.tokens)
+            planned = {nd.id for p in plans for nd in p.load_nodes}  # after this match's splits
+            dev = [nd for nd in path if nd.state in RESIDENT or nd.id in planned]
+            rest = path[len(dev):]
+            host_tokens = sum(nd.tokens for nd in rest)
+            load: list[Node] = []
+            if host_tokens >= self.s.config.load_back_min_tokens:
+                for nd in rest:
+                    if nd.tokens > quota:
+                        break
+                    load.append(nd)
+                    quota -= nd.tokens
+                    planned.add(nd.id)
+            top = (dev + load)[-1] if dev or load else None
+            if top is not None:
+                tree.lock(top, +1)
+            loaded = sum(nd.tokens for nd in load)
+            handle = self._new_handle(item.request_id, item.namespace, top, sum(nd.tokens for nd in dev) + loaded)
+            plans.append(_Plan(item, handle, dev, load, host_tokens - loaded))
+
+    def on_load_slots(self, load_op: int, pages: Indices | None, shortfall: int) -> None:
+        s = self.s
+        adm = self._admissions.pop(load_op)
+        if pages is None:
+            if not adm.retried:
+                adm.retried = True
+                self._admissions[load_op] = adm
+                self._writes.evict_for(shortfall, lambda: self._retry_load_slots(load_op))
+                return
+            self._give_up_loads(adm)
+            self._reply_admitted(adm.facade_op, adm.plans)
+            return
+        nodes = [nd for p in adm.plans for nd in p.load_nodes]
+        at = 0
+        for nd in nodes:
+            k = nd.tokens // s.page_size
+            s.tree.start_load(nd, pages[at : at + k])
+            nd.op = load_op
+            at += k
+        host = cat([nd.host for nd in nodes])
+        device = cat([nd.device for nd in nodes])
+        self.loads[load_op] = _Load(nodes)
+        s.agreement.expect(FactKind.LOAD, load_op)
+        s.emit(HOST, SetHostState(pages=host, state=HostSlotState.LOADING))
+        s.emit(LOAD, LoadKV(op_id=load_op, host=host, device=device))
+        self._reply_admitted(adm.facade_op, adm.plans)
+
+    def _retry_load_slots(self, load_op: int) -> None:
+        adm = self._admissions[load_op]
+        total = sum(nd.tokens for p in adm.plans for nd in p.load_nodes)
+        self.s.emit(DEVICE, AllocateLoadSlots(op_id=load_op, tokens=total))
+
+    def _give_up_loads(self, adm: _Admission) -> None:
+        tree = self.s.tree
+        for p in adm.plans:
+            # Nodes another plan of the batch was to load sit in device_nodes, still host-only.
+            keep = [nd for nd in p.device_nodes if nd.state in RESIDENT]
+            dropped = p.device_nodes[len(keep):] + p.load_nodes
+            if not dropped:
+                continue
+            top = keep[-1] if keep else None
+            if top is not None:
+                tree.lock(top, +1)
+            tree.lock(dropped[-1], -1)
+            h = self.handles[p.handle]
+            h.node = top
+            h.prefix_tokens = sum(nd.tokens for nd in keep)
+            p.host_miss += sum(nd.tokens for nd in dropped)
+            p.device_nodes, p.load_nodes = keep, []
+
+    def _reply_admitted(self, op_id: int, plans: list[_Plan]) -> None:
+        n = self.s.n
+        admissions = []
+        loading = {nd.id for p in plans for nd in p.load_nodes}  # loaded by this batch, for any of its plans
+        for p in plans:
+            nodes = p.device_nodes + p.load_nodes
+            dev_hit = sum(nd.tokens for nd in nodes if nd.id not in loading)
+            host_hit = sum(nd.tokens for nd in nodes if nd.id in loading)
+            n.looked_up_tokens += len(p.item.tokens)
+            n.device_hit_tokens += dev_hit
+            n.host_hit_tokens += host_hit
+            admissions.append(Admission(
+                request_id=p.item.request_id, handle=p.handle, device=cat([nd.device for nd in nodes]),
+                device_hit=dev_hit, host_hit=host_hit, host_miss=p.host_miss,
+            ))
+        self.s.emit(FACADE, Admitted(op_id=op_id, admissions=tuple(admissions)))
+
+    def loaded(self, op: int, value: int) -> None:
+        """The agreed outcome of load-back `op`: 1 landed (SYNCED), 0 failed (back to HOST_ONLY)."""
+        s = self.s
+        load = self.loads.pop(op)
+        device = cat([nd.device for nd in load.nodes])
+        for nd in load.nodes:
+            nd.op = 0
+            if value:
+                s.tree.set_state(nd, NodeState.SYNCED)
+            else:
+                s.tree.fail_load(nd)
+        host = cat([nd.host for nd in load.nodes])
+        if value:
+            s.emit(HOST, SetHostState(pages=host, state=HostSlotState.SYNCED))
+            s.emit(DEVICE, AdoptLoadedSlots(pages=device))
+        else:
+            s.emit(HOST, SetHostState(pages=host, state=HostSlotState.HOST_ONLY))
+            s.emit(DEVICE, FreeDeviceSlots(pages=device))
+
+    # == release ===============================================================================
+
+    def finish(self, op_id: int, items: Sequence[FinishItem]) -> None:
+        releases = []
+        for it, h in zip(items, self._take_handles(items), strict=True):
+            adopted: list[Indices] = []
+            path: list[Node] = []
+            if not self._prefix_lost(h):  # else its KV was computed over a failed load: cache none of it
+                path = self._insert(h, it.tokens, it.device, adopted, [])
+            self._unlock_finished(h)
+            for nd in path:
+                self._writes.consider_backup(nd)
+            releases.append(SlotRelease(request_id=it.request_id, adopt=cat(adopted), reason=it.reason))
+        device_op = self.s.next_id()
+        self._finishes[device_op] = op_id
+        self.s.emit(DEVICE, ReleaseRequests(op_id=device_op, releases=tuple(releases)))
+
+    def on_released(self, device_op: int, entries: tuple[LedgerEntry, ...]) -> None:
+        self.s.emit(FACADE, Finished(op_id=self._finishes.pop(device_op), entries=entries))
+
+    def cache_unfinished(self, op_id: int, items: Sequence[CacheItem]) -> None:
+        lost = tuple(it.request_id for it in items
+                     if (h := self.handles.get(it.handle)) is not None and self._prefix_lost(h))
+        if lost:  # their new nodes would hang under host-only ones: refuse the batch, change nothing
+            self.s.emit(FACADE, Cached(op_id=op_id, prefixes=(), refused=lost))
+            return
+        swaps = _Swaps(op_id, [])
+        for it, h in zip(items, self._take_handles(items), strict=True):
+            adopted: list[Indices] = []
+            duplicates: list[Indices] = []
+            path = self._insert(h, it.tokens, it.device, adopted, duplicates)
+            top = path[-1] if path else h.node
+            if top is not None:
+                self.s.tree.lock(top, +1)
+            if h.node is not None:
+                self.s.tree.lock(h.node, -1)
+            handle = self._new_handle(it.request_id, h.namespace, top, sum(nd.tokens for nd in path))
+            swaps.prefixes.append(CachedPrefix(request_id=it.request_id, handle=handle,
+                                               device=cat([nd.device for nd in path])))
+            for nd in path:
+                self._writes.consider_backup(nd)
+            swap_op = self.s.next_id()
+            swaps.waiting.add(swap_op)
+            self._swap_of[swap_op] = op_id
+            self.s.emit(DEVICE, SwapRequestPages(op_id=swap_op, request_id=it.request_id,
+                                                 adopt=cat(adopted), free=cat(duplicates)))
+        if swaps.waiting:
+            self._swaps[op_id] = swaps
+        else:
+            self.s.emit(FACADE, Cached(op_id=op_id, prefixes=tuple(swaps.prefixes), refused=()))
+
+    def on_swapped(self, swap_op: int) -> None:
+        facade_op = self._swap_of.pop(swap_op)
+        swaps = self._swaps[facade_op]
+        swaps.waiting.discard(swap_op)
+        if not swaps.waiting:
+            del self._swaps[facade_op]
+            self.s.emit(FACADE, Cached(op_id=facade_op, prefixes=tuple(swaps.prefixes), refused=()))
+
+    def _insert(
+        self, h: _Handle, tokens: Tokens, device: Indices,
+        adopted: list[Indices], duplicates: list[Indices],
+    ) -> list[Node]:
+        """Insert a request's committed page-aligned prefix (checked by `_take_handles`)."""
+        p = self.s.page_size
+        n = len(tokens) - len(tokens) % p
+        out = self.s.tree.insert(h.namespace, tokens[:n], device[: n // p], own_from=h.prefix_tokens)
+        if out.revived:
+            self.s.emit(HOST, SetHostState(pages=cat([nd.host for nd in out.revived]), state=HostSlotState.SYNCED))
+        adopted.extend(out.adopted)
+        duplicates.extend(out.duplicates)
+        return out.path
+
+    # == handles ===============================================================================
+
+    def _new_handle(self, request_id: str, namespace: str, node: Node | None, prefix: int) -> int:
+        handle = self._next_handle
+        self._next_handle += 1
+        self.handles[handle] = _Handle(request_id, namespace, node, prefix)
+        return handle
+
+    def _take_handles(self, items: Sequence[FinishItem] | Sequence[CacheItem]) -> list[_Handle]:
+        """Every item's handle, all checked before any is taken: one bad item refuses the
+        whole batch and changes nothing."""
+        seen: set[int] = set()
+        for it in items:
+            h = self.handles.get(it.handle)
+            if h is None:
+                raise HandleError(f"lock handle {it.handle} of request {it.request_id!r} is unknown or already released")
+            if h.request_id != it.request_id:
+                raise HandleError(f"lock handle {it.handle} belongs to request {h.request_id!r}, not {it.request_id!r}")
+            if it.handle in seen:
+                raise HandleError(f"lock handle {it.handle} of request {it.request_id!r} appears twice in one batch")
+            self._check_item(it.request_id, h, it.tokens, it.device)
+            seen.add(it.handle)
+        return [self.handles.pop(it.handle) for it in items]
+
+    def _check_item(self, rid: str, h: _Handle, tokens: Tokens, device: Indices) -> None:
+        """A request's committed tokens come with the pages that hold them, and cover at
+        least the prefix it was admitted with."""
+        p = self.s.page_size
+        if -(-len(tokens) // p) != len(device):
+            raise ValueError(f"request {rid!r}: {len(tokens)} tokens need {-(-len(tokens) // p)} pages of {p}, "
+                             f"got {len(device)}")
+        n = len(tokens) - len(tokens) % p
+        if n < h.prefix_tokens:
+            raise ValueError(f"request {rid!r}: {n} committed page-aligned tokens, fewer than the "
+                             f"{h.prefix_tokens} it was admitted with")
+
+    def _unlock_finished(self, h: _Handle) -> None:
+        """The one lock release of a request that leaves, whatever the reason."""
+        if h.node is not None:
+            self.s.tree.lock(h.node, -1)
+
+    @staticmethod
+    def _prefix_lost(h: _Handle) -> bool:
+        """The request's cached prefix has no device copy any more (its load-back failed)."""
+        return h.node is not None and any(nd.state not in RESIDENT for nd in h.node.path())
+
+    # == the tree's other parts ================================================================
+
+    def follow_split(self, upper: Node, lower: Node) -> None:
+        """A plan's or a load's node list gets the new upper part of a split node, just before
+        the lower one. Plans follow whether or not their load runs yet: a node planned for
+        load-back has no op until its device slots arrive."""
+        plans = [p for adm in self._admissions.values() for p in adm.plans] + self._building
+        for p in plans:
+            for nodes in (p.device_nodes, p.load_nodes):
+                if lower in nodes:
+                    nodes.insert(nodes.index(lower), upper)
+        load = self.loads.get(lower.op) if lower.op else None
+        if load is not None:
+            load.nodes.insert(load.nodes.index(lower), upper)
+
+    def holds_locks(self) -> bool:
+        """A handle holds a node, or an admission waiting for load slots holds its plans' nodes."""
+        return bool(self._admissions) or any(h.node is not None for h in self.handles.values())
+
+    def busy(self) -> bool:
+        return bool(self.handles or self.loads or self._admissions or self._finishes or self._swaps)
+
+    def check_invariants(self) -> None:
+        for handle, h in self.handles.items():
+            if h.node is not None and (not h.node.alive or h.node.lock_ref <= 0):
+                raise InvariantError(f"tree: handle {handle} of {h.request_id!r} holds {h.node}, not alive and locked")
+        if self._building:
+            raise InvariantError("tree: an admission's plans are still being built between two messages")
+        for op, load in self.loads.items():
+            for nd in load.nodes:
+                if nd.state is not NodeState.LOADING or nd.op != op:
+                    raise InvariantError(f"tree: load {op} holds {nd}, which is not LOADING under that load")
+        for swap_op, facade_op in self._swap_of.items():
+            if swap_op not in self._swaps.get(facade_op, _Swaps(0, [])).waiting:
+                raise InvariantError(f"tree: swap {swap_op} is not one its CacheUnfinished {facade_op} waits for")
