@@ -15,7 +15,8 @@ from ._facts import Facts
 from ._mooncake import MooncakeBackend
 from ._pages import PagePool, pages_of, slots_of_pages
 from ._prefetch import StoragePrefetcherActor
-from ._radix import (
+from ._radix import RadixTree
+from ._radix_node import (
     BACKED,
     NODE_TRANSITIONS,
     RESIDENT,
@@ -24,7 +25,6 @@ from ._radix import (
     Node,
     NodeState,
     NodeStateError,
-    RadixTree,
     chain_hashes,
 )
 from ._file_backend import FileBackend

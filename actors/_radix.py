@@ -10,183 +10,30 @@ Plain and synchronous; `TreeCore` drives it. What it guarantees:
 - `lock` counts a lock up the whole path; `protected_tokens` (device tokens under
   a lock) and `evictable_tokens` (device tokens under none) are kept exact on every
   change, and `check_invariants` recomputes them.
-- Keys and pages are immutable values: a node's tokens are the little-endian int64
-  bytes of its token ids (`Node.key`, the bytes inside a `Tokens`), its device and
-  host memory are the `Indices` of its pages (one page number per `page_size`
-  tokens). Slicing one copies exactly its part, so no node keeps a larger buffer
-  alive, and the tree runs on bytes and Python ints (a page key is a bytes slice, a
-  match is a `startswith`); only the duplicate pages of a long insert are found by a
-  tensor comparison.
-- Each page has a hash chained from its parent page's hash, seeded by the namespace,
-  computed only when something asks for it (storage keys, rank digests).
 - Eviction order is kept incrementally: a heap of (policy key, version) entries
   with lazy deletion; a node is re-offered whenever it may have become evictable
   or its key changed, and stale entries are skipped (amortised O(log n) per
   evicted node, never a heap rebuilt from all leaves per call).
 
-The file is long because the tree, its counters and its eviction index must change
-together; splitting them would spread one invariant over several modules.
+The node model (states, legal moves, the node, its keys, pages and chained hashes, its
+own invariants) is in `_radix_node`.
 """
 
 from __future__ import annotations
 
-import enum
 import hashlib
 import heapq
 import itertools
 import struct
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+
 
 from hicache.messages import Indices
 from hicache.runtime.config import EvictionPolicy
 
 from ._errors import InvariantError
-
-
-class NodeState(enum.Enum):
-    DEVICE = "device"
-    """KV in device memory only."""
-    WRITING = "writing"
-    """In device memory; its host copy is being written (host pages may still be on their way)."""
-    SYNCED = "synced"
-    """In device and host memory."""
-    HOST_ONLY = "host_only"
-    """In host memory only."""
-    LOADING = "loading"
-    """In host memory; device pages are being filled from it."""
-
-    # Members are singletons compared by identity: hash them the same way, in C (Enum's own
-    # hash is a Python call on the name, paid at every `state in RESIDENT`).
-    __hash__ = object.__hash__
-
-
-_N = NodeState
-NODE_TRANSITIONS: frozenset[tuple[NodeState, NodeState]] = frozenset(
-    {
-        (_N.DEVICE, _N.WRITING),  # write-through starts
-        (_N.WRITING, _N.SYNCED),  # WriteDone
-        (_N.WRITING, _N.DEVICE),  # write failed, or no host memory
-        (_N.SYNCED, _N.HOST_ONLY),  # device copy evicted
-        (_N.HOST_ONLY, _N.LOADING),  # load-back starts
-        (_N.LOADING, _N.SYNCED),  # LoadDone
-        (_N.LOADING, _N.HOST_ONLY),  # load failed
-        (_N.HOST_ONLY, _N.SYNCED),  # an insert brought fresh device KV for it
-    }
-)
-"""Every legal move of a node; creation (DEVICE, or HOST_ONLY from storage) and deletion are not moves."""
-
-RESIDENT = frozenset({_N.DEVICE, _N.WRITING, _N.SYNCED, _N.LOADING})
-"""States with device pages."""
-BACKED = frozenset({_N.SYNCED, _N.HOST_ONLY, _N.LOADING})
-"""States whose host copy is complete."""
-
-
-class NodeStateError(RuntimeError):
-    """An illegal node lifecycle move (a programmer error)."""
-
-
-@dataclass(eq=False, slots=True)
-class Node:
-    id: int
-    namespace: str
-    parent: Node | None
-    key: bytes
-    """Token ids as little-endian int64 bytes, a whole number of pages (empty for a root)."""
-    tokens: int
-    """Tokens of the key (`len(key) // 8`)."""
-    page_bytes: int
-    """Bytes of one page of the key (8 x page size)."""
-    state: NodeState
-    device: Indices | None = None
-    host: Indices | None = None
-    children: dict[bytes, Node] = field(default_factory=dict)
-    """Child by the bytes of its first page."""
-    lock_ref: int = 0
-    host_ref: int = 0
-    """Pins of the host copy (prefetch anchors, backups to storage)."""
-    hit_count: int = 0
-    last_access: int = 0
-    created: int = 0
-    priority: int = 0
-    op: int = 0
-    """The write or load operation in flight on this node, 0 if none."""
-    stored: bool = False
-    """Every page is in storage (L3): backed up there, or prefetched from there."""
-    resident_children: int = 0
-    version: int = 0
-    alive: bool = True
-    chained: tuple[int, ...] | None = None
-    """The page hashes once computed (`hashes`); None until something needs them."""
-
-    @property
-    def hashes(self) -> tuple[int, ...]:
-        """One chained hash per page, computed on first use and kept: only storage (page
-        keys) and rank agreement (digests) need them, so a tree without storage never hashes."""
-        chained = self.chained
-        if chained is None:
-            assert self.parent is not None, "a root's hash is set when it is made"
-            chained = self.chained = chain_hashes(self.parent.hashes[-1], self.key, self.page_bytes)
-        return chained
-
-    def token_ids(self) -> list[int]:
-        """The key's token ids."""
-        return list(struct.unpack(f"<{self.tokens}q", self.key))
-
-    @property
-    def is_root(self) -> bool:
-        return self.parent is None
-
-    def path(self) -> Iterator[Node]:
-        """This node and its ancestors up to (not including) the root."""
-        node: Node | None = self
-        while node is not None and node.parent is not None:
-            yield node
-            node = node.parent
-
-    def __repr__(self) -> str:
-        return f"Node(#{self.id} {self.state.value} tokens={self.tokens} lock={self.lock_ref})"
-
-
-@dataclass(slots=True)
-class HostInsert:
-    """What `RadixTree.insert_host` did with pages that arrived from storage."""
-
-    new: list[Node]
-    """Host-only nodes created for them (their pages are the tree's now)."""
-    unused: list[Indices]
-    """Pages not taken: those the tree already held, and those past a node that is not backed up."""
-    last: Node | None = None
-    """The deepest node the walk reached (the last new one, or the last it went through)."""
-
-
-@dataclass(slots=True)
-class InsertOutcome:
-    path: list[Node]
-    """Every node the inserted prefix now runs through, root excluded."""
-    present: int
-    """Tokens already cached (device, host or loading) before the insert."""
-    adopted: list[Indices]
-    """Pages of the caller that the tree now owns (new nodes, revived host-only nodes)."""
-    duplicates: list[Indices]
-    """Pages of the caller whose KV the tree already holds in other pages."""
-    revived: list[Node]
-    """Host-only nodes that got the caller's device pages (now SYNCED)."""
-
-
-class _Where:
-    """`tree: <node>`, formatted only when an invariant message is built."""
-
-    __slots__ = ("node",)
-
-    def __init__(self, node: Node) -> None:
-        self.node = node
-
-    def __str__(self) -> str:
-        return f"tree: {self.node}"
-
-    def __format__(self, spec: str) -> str:
-        return str(self)
+from ._radix_node import (BACKED, NODE_TRANSITIONS, RESIDENT, HostInsert, InsertOutcome, Node, NodeState,
+                          NodeStateError, chain_hashes, check_node, device_evictable, differing_pages, host_evictable)
 
 
 class RadixTree:
@@ -312,7 +159,7 @@ class RadixTree:
         out.present += node.tokens
         if node.device is not None:
             if mine != node.device:  # the caller computed KV the tree holds: its differing pages are spare
-                out.duplicates.append(_differing(mine, node.device))
+                out.duplicates.append(differing_pages(mine, node.device))
         elif node.state is NodeState.HOST_ONLY:
             self._account(node, -1)
             node.device = mine
@@ -449,19 +296,8 @@ class RadixTree:
 
     # -- eviction order ----------------------------------------------------------------
 
-    @staticmethod
-    def device_evictable(node: Node) -> bool:
-        return (
-            node.alive and node.parent is not None and node.state in (NodeState.DEVICE, NodeState.SYNCED)
-            and node.lock_ref == 0 and node.resident_children == 0
-        )
-
-    @staticmethod
-    def host_evictable(node: Node) -> bool:
-        return (
-            node.alive and node.parent is not None and node.state is NodeState.HOST_ONLY
-            and node.lock_ref == 0 and node.host_ref == 0 and not node.children
-        )
+    device_evictable = staticmethod(device_evictable)
+    host_evictable = staticmethod(host_evictable)
 
     def offer(self, node: Node) -> None:
         """Index the node for eviction if it is evictable now (with its current key)."""
@@ -629,39 +465,8 @@ class RadixTree:
         device = host = protected = evictable = count = 0
         for node in self.walk():
             count += 1
-            parent = node.parent
-            assert parent is not None
-            where = _Where(node)
-            if parent.children.get(node.key[: self._page_bytes]) is not node:
-                raise InvariantError(f"{where} is not its parent's child under its first page")
-            if node.tokens != len(node.key) // 8 or len(node.key) % 8:
-                raise InvariantError(f"{where}: a key of {len(node.key)} bytes is not {node.tokens} int64 token ids")
-            if node.tokens == 0 or node.tokens % p or node.page_bytes != self._page_bytes:
-                raise InvariantError(f"{where}: {node.tokens} tokens are not whole pages of {p}")
-            if node.chained is not None and (
-                parent.chained is None or node.chained != chain_hashes(parent.chained[-1], node.key, self._page_bytes)
-            ):
-                raise InvariantError(f"{where}: page hashes do not chain from the parent's")
+            check_node(node, p, u)
             resident = node.state in RESIDENT
-            if resident != (node.device is not None) or (resident and len(node.device) * u != node.tokens):  # type: ignore[arg-type]
-                raise InvariantError(f"{where}: device pages do not match state")
-            if node.state in BACKED and (node.host is None or len(node.host) * u != node.tokens):
-                raise InvariantError(f"{where}: backed-up state without a full host copy")
-            if node.state is NodeState.DEVICE and node.host is not None:
-                raise InvariantError(f"{where}: not backed up but holds host pages")
-            if resident and not parent.is_root and parent.state not in RESIDENT:
-                raise InvariantError(f"{where}: device residency is not prefix-closed (parent {parent})")
-            if node.state in BACKED and not parent.is_root and parent.state not in BACKED:
-                raise InvariantError(f"{where}: backup is not prefix-closed (parent {parent})")
-            if node.lock_ref < 0 or node.host_ref < 0:
-                raise InvariantError(f"{where}: negative lock or host ref")
-            if node.lock_ref < sum(c.lock_ref for c in node.children.values()):
-                raise InvariantError(f"{where}: lock ref below its children's (locks count up the path)")
-            if node.resident_children != sum(c.state in RESIDENT for c in node.children.values()):
-                raise InvariantError(f"{where}: resident child count is stale")
-            for what, pages in (("device", node.device), ("host", node.host)):
-                if pages is not None and type(pages) is not Indices:
-                    raise InvariantError(f"{where}: {what} pages are a {type(pages).__name__}, not Indices")
             if resident:
                 device += node.tokens
                 if node.lock_ref > 0:
@@ -678,29 +483,6 @@ class RadixTree:
             )
 
 
-def chain_hashes(prev: int, data: bytes, page_bytes: int) -> tuple[int, ...]:
-    """hash(page) = blake2b(previous page hash || page token bytes), one per page of `data`."""
-    out = []
-    for at in range(0, len(data), page_bytes):
-        digest = hashlib.blake2b(prev.to_bytes(8, "little") + data[at : at + page_bytes], digest_size=8)
-        prev = int.from_bytes(digest.digest(), "little")
-        out.append(prev)
-    return tuple(out)
-
-
 def _page_ids(page: bytes) -> tuple[int, ...]:
     """A page key's token ids: children are walked in token order."""
     return struct.unpack(f"<{len(page) // 8}q", page)
-
-
-def _differing(mine: Indices, theirs: Indices) -> Indices:
-    """The pages of `mine` that differ from `theirs` at the same position (equal lengths):
-    compared as Python ints for a few, vectorised for more."""
-    if len(mine) <= _SMALL:
-        return Indices.of(s for s, t in zip(mine.tolist(), theirs.tolist(), strict=True) if s != t)
-    a, b = mine.as_tensor(), theirs.as_tensor()
-    return Indices.from_tensor(a[a != b])
-
-
-_SMALL = 64
-"""Up to this many pages, Python ints beat a tensor op's fixed cost."""

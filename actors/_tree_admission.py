@@ -42,7 +42,7 @@ from hicache.messages import (
 
 from ._errors import InvariantError
 from ._facts import FactKind
-from ._radix import RESIDENT, Node, NodeState
+from ._radix_node import RESIDENT, Node, NodeState
 from ._tree_holds import SettledHolds
 from ._tree_shared import DEVICE, FACADE, HOST, LOAD, HandleError, TreeShared, cat
 from ._tree_writes import WriteBack

@@ -47,14 +47,13 @@ from hicache.runtime.config import Config
 
 from ._errors import InvariantError
 from ._facts import FactKind
-from ._radix import BACKED, Node, NodeState, RadixTree
+from ._radix import RadixTree
+from ._radix_node import BACKED, Node, NodeState
 from ._tree_admission import Admissions
 from ._tree_backup import BackupBook
 from ._tree_prefetch import PrefetchBook
-from ._tree_shared import FACADE, HandleError, TreeShared
+from ._tree_shared import FACADE, TreeShared
 from ._tree_writes import WriteBack
-
-__all__ = ["HandleError", "TreeCore"]
 
 
 class TreeCore:

@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from ._errors import InvariantError
-from ._radix import Node, RadixTree
+from ._radix import RadixTree
+from ._radix_node import Node
 
 SETTLED_HELD_MAX = 4096
 """Ready requests whose settled prefetch pages are held in host memory for them at once; past

@@ -32,7 +32,7 @@ from hicache.runtime.config import PrefetchPolicy
 
 from ._errors import InvariantError
 from ._facts import FactKind
-from ._radix import BACKED, Node, NodeState
+from ._radix_node import BACKED, Node, NodeState
 from ._storage import page_keys
 from ._tree_holds import SettledHolds
 from ._tree_shared import FACADE, HOST, PREFETCH, HandleError, TreeShared, cat

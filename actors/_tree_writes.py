@@ -30,7 +30,7 @@ from hicache.runtime.config import WritePolicy
 
 from ._errors import InvariantError
 from ._facts import FactKind
-from ._radix import BACKED, Node, NodeState
+from ._radix_node import BACKED, Node, NodeState
 from ._tree_backup import BackupBook
 from ._tree_shared import DEVICE, FACADE, HOST, WRITE, TreeShared, cat
 

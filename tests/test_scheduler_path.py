@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 import hicache.actors._radix as radix_module
+import hicache.actors._radix_node as node_module
 from hicache.messages import ActorName
 from hicache.runtime import (
     Config,
@@ -50,6 +51,7 @@ class CountingHashes:
             return out
 
         monkeypatch.setattr(radix_module, "chain_hashes", counted)
+        monkeypatch.setattr(node_module, "chain_hashes", counted)  # Node.hashes and the node checks
 
 
 def _serve(hc: HiCache, rid: str, tokens: list[int]) -> None:
