@@ -11,7 +11,7 @@ from ._errors import InvariantError, LedgerError, SlotStateError
 from ._host import HostPoolActor
 from ._host_core import HostCore
 from ._kv import CopyPlan, KVBuffer, KVShape, copy_kv, runs
-from ._facts import Facts
+from ._facts import FactKind, Facts
 from ._mooncake import MooncakeBackend
 from ._pages import PagePool, pages_of, slots_of_pages
 from ._prefetch import StoragePrefetcherActor
@@ -56,6 +56,7 @@ __all__ = [
     "DeviceCore",
     "DurationHistogram",
     "FileBackend",
+    "FactKind",
     "Facts",
     "HandleError",
     "HostCore",
