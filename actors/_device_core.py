@@ -35,7 +35,7 @@ from hicache.runtime.config import Config, DeviceKind, HostLayout
 from ._errors import InvariantError, LedgerError, SlotStateError
 from ._kv import KVBuffer, KVShape
 from ._pages import (
-    SMALL_SLOTS_MAX,
+    FEW_MAX,
     Ints,
     PagePool,
     Distinct,
@@ -275,7 +275,7 @@ class DeviceCore:
     def _held(self, ledger: _Ledger) -> Ints:
         """The ledger's pages it still owns in the table, in token order."""
         pages = ledger.pages
-        if len(pages) * self.page_size <= SMALL_SLOTS_MAX:
+        if len(pages) <= FEW_MAX:
             table, number = self._owner_table, ledger.number
             return [pg for pg in pages if table[pg] == number]
         mine = torch.frombuffer(pages, dtype=torch.int64)

@@ -156,7 +156,7 @@ def runs(a: Slots, b: Slots) -> list[tuple[int, int, int]]:
     if n == 0:
         return []
     src, dst = ints(a), ints(b)
-    if isinstance(src, list) and isinstance(dst, list):  # with Python ints: see `_pages.SMALL_SLOTS_MAX`
+    if isinstance(src, list) and isinstance(dst, list):  # with Python ints: see `_pages.FEW_MAX`
         out, start = [], 0
         for i in range(1, n):
             if src[i] != src[i - 1] + 1 or dst[i] != dst[i - 1] + 1:
@@ -238,7 +238,7 @@ class CopyPlan:
     """The page-granular pieces of one copy between two buffers, worked out once.
 
     The indices are read as Python ints when few (as tensors when many, see
-    `_pages.SMALL_SLOTS_MAX`), checked against both buffers, and cut into runs and pieces;
+    `_pages.FEW_MAX`), checked against both buffers, and cut into runs and pieces;
     `run` copies all layers or one, and the load stream plans a batch once and runs
     it layer by layer. Hold a plan only while its copy is in flight: it keeps both
     buffers alive.

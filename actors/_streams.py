@@ -102,7 +102,7 @@ def _enqueue(
 ) -> str | None:
     """Queue an operation on pages; the reason it was refused (counted as failed), or None.
     The operation keeps its page numbers in the form their number calls for (Python ints
-    for a few, see `SMALL_SLOTS_MAX`), read from the message once."""
+    for a few, see `FEW_MAX`), read from the message once."""
     p = src[1].shape.page_size
     s, d = ints(src[0]), ints(dst[0])
     problem = op_problem(s, src[1].slots // p, d, dst[1].slots // p, "page")

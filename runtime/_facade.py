@@ -300,7 +300,7 @@ class HiCache:
         p = self.config.page_size
         if p == 1:
             return pages[:n].to_tensor()
-        return slots_of_pages(pages.as_tensor(), p)[:n].clone()
+        return slots_of_pages(pages.as_tensor(), p)[:n]  # a new tensor: the pages' bytes stay unshared
 
     def _undo_admit(self, items: Sequence[AdmitItem], reply: Admitted) -> None:
         """An admission whose caller never saw it: release its locks (retracted: the ids stay usable)."""
