@@ -8,7 +8,6 @@ them back into a tensor without a copy.
 from __future__ import annotations
 
 import ctypes
-import operator
 from array import array
 import struct
 import sys
@@ -59,7 +58,7 @@ class Indices:
     @classmethod
     def of(cls, values: Iterable[int]) -> Indices:
         """Indices from Python integers (a float or other non-integer raises TypeError)."""
-        packed = array("q", [operator.index(v) for v in values])
+        packed = array("q", values if type(values) is list else list(values))  # checks each is an int
         if not _LITTLE:  # pragma: no cover - every supported host is little-endian
             packed.byteswap()
         return cls._wrap(packed.tobytes())
