@@ -158,8 +158,10 @@ def test_a_bad_log_is_one_clear_line_with_exit_code_2(threaded_log: Path, tmp_pa
 
 
 def test_replay_refuses_an_actor_it_cannot_replay(threaded_log: Path, capsys) -> None:
-    assert main(["replay", str(threaded_log), "--actor", "facade"]) == 2
-    assert "cannot be replayed; use one of tree, device, host, write, load" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as refused:
+        main(["replay", str(threaded_log), "--actor", "facade"])
+    assert refused.value.code == 2
+    assert "invalid choice: 'facade' (choose from 'tree', 'device', 'host', 'write', 'load')" in capsys.readouterr().err
 
 
 # -- large payloads: blob lines ------------------------------------------------------------
