@@ -13,9 +13,9 @@ A copy is planned once (`CopyPlan`, on a `_Route` between two buffers) and run f
 layers or one. On a few slots the plan is worked out with Python ints, and on CPU a
 step of few, small blocks is copied block by block without torch, since there each
 torch call costs microseconds of overhead, more than the bytes; large copies keep
-torch's copies and their threads. The module is long because the plan, its two ways
-of copying and the arithmetic that keeps the block copies inside their buffers belong
-together.
+torch's copies and their threads. The plan, its two ways of copying and the
+arithmetic that keeps the block copies inside their buffers live together: each block
+copy is safe only because the plan checked its bounds against both buffers.
 """
 
 from __future__ import annotations

@@ -239,7 +239,7 @@ class _DropTail(TreeActor):
 
 
 class _PrefetcherFrees(StoragePrefetcherActor):
-    """Frees the slots past the storage hit itself, as the prefetch thread of the original
+    """Frees the slots past the storage hit itself, as SGLang's prefetch thread
     did, racing the tree's own accounting of them."""
 
     def handle(self, sender: ActorName, message: Message) -> Message | None:
