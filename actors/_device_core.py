@@ -68,7 +68,8 @@ _FIRST_LEDGER = 4
 
 @dataclass(frozen=True, slots=True)
 class Insufficient:
-    """Not enough free pages; nothing was allocated."""
+    """An allocation that does not fit in the free pages; nothing was allocated. The facade
+    returns it only when the allocation does not fit even after eviction."""
 
     requested_slots: int
     free_slots: int

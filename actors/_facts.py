@@ -13,7 +13,7 @@ length or a page count takes the smallest).
 
 With one rank the agreement is the local value and the tree applies outcomes
 as soon as they arrive, which keeps write acks prompt whatever the scheduler
-does (seed 003). With several, the facade runs the agreement once per tick
+does (SGLang #20049). With several, the facade runs the agreement once per tick
 (`HiCache.sync`): it asks for `known()` and `values()`, reduces both across
 ranks, and hands the result back to `take()`.
 """

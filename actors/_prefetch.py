@@ -1,6 +1,6 @@
 """`StoragePrefetcherActor`: the storage (L3) client; prefetch into host slots and backup from them.
 
-It owns no slot and frees nothing (seed 000): the tree reserves the host slots of
+It owns no slot and frees nothing (SGLang #9302): the tree reserves the host slots of
 a prefetch and names them in `Prefetch`; the prefetcher fills them and reports in
 messages, and every prefetch ends with the tree's `StopPrefetch`, answered by the
 final page count, after which the prefetcher never writes those slots again. The

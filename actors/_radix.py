@@ -24,8 +24,8 @@ Plain and synchronous; `TreeCore` drives it. What it guarantees:
   or its key changed, and stale entries are skipped (amortised O(log n) per
   evicted node, never a heap rebuilt from all leaves per call).
 
-The file is long because the tree, its counters and its eviction index must change
-together; splitting them would spread one invariant over several modules.
+The tree, its counters and its eviction index live together: every change of a node
+changes all three in one accounting step, under one invariant.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The two transfer stream actors: D2H writes and layer-by-layer H2D loads.
 
-They take over seed 004's cache controller without its threads and polling:
+They do the work of SGLang's HiCacheController without its threads and polling:
 operations arrive as messages, queue in a `TransferQueue` (merge small, split
 large), are copied page-granular by a `CopyPlan` on the stream's route (the
 device and host buffers, worked out once), and each completion is a message to
@@ -44,7 +44,7 @@ from hicache.runtime.config import Config
 from ._errors import InvariantError
 from ._kv import CopyPlan, KVBuffer, _Route
 from ._pages import Ints, ints
-from ._transfer_core import Piece, TransferOp, TransferQueue, _concat_slots, batch_indices, op_problem
+from ._transfer_core import TransferOp, TransferQueue, _concat_slots, batch_indices, op_problem
 
 _COPY_ERRORS = (RuntimeError, ValueError, IndexError)
 """What a torch copy raises on bad input or a device fault; reported as a failed transfer."""
@@ -151,9 +151,6 @@ class WriteStreamActor(HiActor):
                 self.unknown(message)
         return None
 
-    def _batch_indices(self, batch: list[Piece]) -> tuple[Ints, Ints]:
-        return batch_indices(batch)
-
     def _schedule_drain(self) -> None:
         if not self._drain_pending:
             self._drain_pending = True
@@ -166,7 +163,7 @@ class WriteStreamActor(HiActor):
         ops = tuple(dict.fromkeys(p.op.op_id for p in batch))
         reason = self._services.faults.transfer_fault(self.name, ops)
         if reason is None:
-            src, dst = self._batch_indices(batch)
+            src, dst = batch_indices(batch)
             try:
                 nbytes, event = self._cuda.run(self._route.plan_pages(src, dst))
                 if event is not None:

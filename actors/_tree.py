@@ -5,7 +5,7 @@ in its outbox is sent. `WriteDone` and `LoadDone` are handled whenever they
 arrive (with one rank they apply at once; with several, at the next agreement,
 which the scheduler runs every tick), so a write-through never keeps a node
 locked past its ack, whatever the scheduler is doing (the pure-decode leak of
-seed 003 cannot happen here). It also decides prefetch and backup to storage;
+SGLang #20049 cannot happen here). It also decides prefetch and backup to storage;
 the prefetcher only reports.
 """
 

@@ -21,7 +21,7 @@ _ITEM_BYTES: Final = 8
 _LITTLE: Final = sys.byteorder == "little"
 _PACK_MAX: Final = 64
 """A CPU int64 tensor of at most this many elements becomes bytes through Python ints
-(`tolist` and `struct.pack`: about 3 us here against 5 for the tensor copy); a longer one
+(`tolist` and `struct.pack`, cheaper than a tensor copy's fixed cost); a longer one
 through a tensor copy, whose fixed cost is then less than converting its elements."""
 
 with warnings.catch_warnings():

@@ -156,7 +156,7 @@ class HiActor(pykka.ThreadingActor, abc.ABC):
             raise WrongSenderError(
                 f"{what} is accepted only from the {allowed.value} actor, got it from "
                 f"{sender.value} (invariant: only the {allowed.value} decides this; a second "
-                "deciding party is how the threaded original double-freed and leaked)"
+                "deciding party double-frees and leaks)"
             )
 
     @abc.abstractmethod

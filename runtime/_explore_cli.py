@@ -118,7 +118,7 @@ def _mutants(scenario: str, as_json: bool) -> int:
 
         results = hunt_mutants(scenario, on_result=done)
     if as_json:
-        print(json.dumps([{"mutant": m.mutant, "caught": m.caught,
+        print(json.dumps([{"mutant": m.mutant, "bug": m.bug, "caught": m.caught,
                            "schedules_to_first_failure": m.schedules_to_first_failure, "error": m.error}
                           for m in results]))
     else:

@@ -464,7 +464,7 @@ class HiCache:
                 self._ask(ActorName.TREE, EvictDevice(op_id=self._op(), tokens=reply.shortfall_slots), Evicted)
                 reply = self._allocate(want, [])
             if isinstance(reply, SlotsInsufficient):
-                return Insufficient(reply.requested_slots, reply.free_slots, reply.shortfall_slots)
+                return Insufficient(requested_slots=reply.requested_slots, free_slots=reply.free_slots)
             return self._granted(reply, want, to_caller=True)
 
     def _allocate(self, want: Mapping[str, int], commits: list[tuple[str, bytes]]) -> Any:

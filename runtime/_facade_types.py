@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from hicache.actors import Insufficient  # noqa: F401  (re-exported: the facade returns the device core's value)
 from hicache.messages import (
     DeviceStatistics,
     Durations,
@@ -92,15 +93,6 @@ class AdmitResult:
     @property
     def cached_tokens(self) -> int:
         return self.device_hit + self.host_hit
-
-
-@dataclass(frozen=True, slots=True)
-class Insufficient:
-    """An allocation that does not fit even after eviction; nothing was allocated."""
-
-    requested_slots: int
-    free_slots: int
-    shortfall_slots: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,7 @@
-"""Mutants: the seeds' bugs put back on purpose, to show exploration catches each.
+"""Mutants: known cache-manager bugs put back on purpose, to show exploration catches each.
 
 Each mutant is a small subclass of one actor (or of its core) that re-introduces
-one known bug. They are reachable only through the exploration harness
+one bug the field has shipped (SGLang's HiCache first among them). They are reachable only through the exploration harness
 (`hicache explore --mutants`), which passes them to `System(actor_classes=...)`:
 no `Config` field selects them, so production cannot run one.
 """
@@ -11,8 +11,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from hicache.actors import (
     BACKED,
@@ -49,13 +47,15 @@ from ._actor import HiActor
 class Mutant:
     name: str
     bug: str
-    """The bug, and where it comes from."""
+    """The bug it brings back, named by the upstream change that fixed it where there is one."""
+    breaks: str
+    """What goes wrong when it runs, in one line."""
     actor_classes: Mapping[ActorName, type[HiActor]]
     scenario: str = "standard"
     """The exploration scenario that exercises the code it breaks."""
 
 
-# -- 1. seed 003: write acks handled only on admission ----------------------------------
+# -- 1. SGLang #20049: write-through acks handled only on the prefill path -----------------
 
 
 class _AcksOnAdmission(TreeActor):
@@ -77,7 +77,7 @@ class _AcksOnAdmission(TreeActor):
         return super().handle(sender, message)
 
 
-# -- 2. seed 001: slots freed by an inferred length, not the ledger ------------------------
+# -- 2. SGLang #12224: slots freed by an inferred length, not the ledger ----------------------
 
 
 class _InferredLengthCore(DeviceCore):
@@ -98,7 +98,7 @@ class _InferredLengthDevice(DeviceAllocatorActor):
         self.core.__class__ = _InferredLengthCore
 
 
-# -- 3. seed 004: a device copy dropped before its host copy is synced ---------------------
+# -- 3. SGLang HiCacheController: a device copy dropped before its host copy is synced -------
 
 
 class _EagerRadix(RadixTree):
@@ -156,10 +156,18 @@ class _DoubleUnlockOnRetract(TreeActor):
 class _ShortWrites(WriteStreamActor):
     """Copies all but the last page of a batch and still reports every write done."""
 
-    def _batch_indices(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        src, dst = super()._batch_indices(batch)  # pages
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self._route = _ShortRoute(self._route)
+
+
+class _ShortRoute:
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def plan_pages(self, src: Any, dst: Any) -> Any:
         keep = max(0, len(src) - 1)
-        return src[:keep], dst[:keep]
+        return self._inner.plan_pages(src[:keep], dst[:keep])
 
 
 # -- 6. a node backed up under a parent that is not -----------------------------------------
@@ -227,11 +235,11 @@ class _DropTail(TreeActor):
         self.core.__class__ = _DropTailCore
 
 
-# -- 7. seed 000: the prefetcher frees host slots itself ---------------------------------------
+# -- 7. SGLang #9302: the prefetcher frees host slots itself -----------------------------------
 
 
 class _PrefetcherFrees(StoragePrefetcherActor):
-    """Frees the slots past the storage hit itself, as the prefetch thread of the original
+    """Frees the slots past the storage hit itself, as SGLang's prefetch thread
     did, racing the tree's own accounting of them."""
 
     def handle(self, sender: ActorName, message: Message) -> Message | None:
@@ -243,7 +251,7 @@ class _PrefetcherFrees(StoragePrefetcherActor):
         return reply
 
 
-# -- 8. seed 002: a prefetch that gives up instead of shrinking ---------------------------------
+# -- 8. SGLang prefetch shrink-to-fit: a prefetch that gives up instead of shrinking -----------
 
 
 class _GiveUpCore(TreeCore):
@@ -318,31 +326,42 @@ class _LeakAbortedPrefetch(TreeActor):
 
 
 MUTANTS: tuple[Mutant, ...] = (
-    Mutant("write-acks-on-admission", "seed 003: write acks handled only when a batch is admitted",
+    Mutant("write-acks-on-admission", "SGLang #20049: write-through acks handled only on the prefill path",
+           "a pure decode loop never unlocks the nodes it wrote; protected tokens pile up until memory runs out",
            {ActorName.TREE: _AcksOnAdmission}),
-    Mutant("free-by-inferred-length", "seed 001: a request's slots freed by an inferred length, not its ledger",
+    Mutant("free-by-inferred-length", "SGLang #12224: a request's slots freed by `len(input) + len(output) - 1`, "
+           "not by its ledger", "pages allocated past the committed length (speculative lookahead) leak on finish",
            {ActorName.DEVICE: _InferredLengthDevice}),
-    Mutant("evict-before-synced", "seed 004: a device copy dropped before its host copy is synced",
+    Mutant("evict-before-synced", "SGLang HiCacheController: a device copy dropped before its host copy is synced",
+           "a node turns host-only while its host copy is still being written; a load-back reads a partial copy",
            {ActorName.TREE: _EvictWhileWriting}),
     Mutant("double-unlock-on-retract", "a lock ref decremented twice when a request is retracted",
+           "a lock ref goes below zero; a node a live request reads becomes evictable",
            {ActorName.TREE: _DoubleUnlockOnRetract}),
-    Mutant("short-write-marked-done", "a short transfer reported done",
+    Mutant("short-write-marked-done", "a short device-to-host copy reported done",
+           "the host copy lacks its last page; a later load-back feeds the model zeros",
            {ActorName.WRITE: _ShortWrites}),
     Mutant("backup-under-unbacked-parent", "a node backed up under a parent that is not backed up",
+           "backup stops being prefix-closed; evicting the parent strands a host copy no lookup can reach",
            {ActorName.TREE: _UnclosedBackup}),
-    Mutant("eviction-ends-short", "an eviction ends after one round with evictable tokens left (allocation or "
-           "load-back gives up)", {ActorName.TREE: _OneRoundEviction}),
-    Mutant("write-back-drops-tail", "write_back deletes a victim whose parent is not backed up instead of "
-           "writing the ancestors back with it", {ActorName.TREE: _DropTail}),
-    Mutant("prefetcher-frees-slots", "seed 000: the prefetcher frees the host slots past the storage hit itself",
+    Mutant("eviction-ends-short", "an eviction that ends after one round, without waiting for the writes it started",
+           "an allocation or load-back gives up while evictable tokens remain", {ActorName.TREE: _OneRoundEviction}),
+    Mutant("write-back-drops-tail", "write_back deletes a victim whose parent is not backed up instead of writing "
+           "the ancestors back with it", "a tail under a hot prefix is lost on every eviction instead of kept in host memory",
+           {ActorName.TREE: _DropTail}),
+    Mutant("prefetcher-frees-slots", "SGLang #9302: the prefetcher frees the host slots past the storage hit itself",
+           "two parties free the same host slots; the pool's accounting (and the ranks') diverges",
            {ActorName.PREFETCH: _PrefetcherFrees}, "storage"),
-    Mutant("prefetch-gives-up", "seed 002: a prefetch gives up instead of shrinking to the free host space",
+    Mutant("prefetch-gives-up", "SGLang prefetch shrink-to-fit: a prefetch gives up when the free host space cannot "
+           "hold it whole", "storage hits are dropped while there is host space for a prefix above the threshold",
            {ActorName.TREE: _PrefetchGivesUp}, "storage"),
     Mutant("anchor-evictable", "a prefetch anchored on a device-only node that eviction can delete",
+           "eviction deletes the node the prefetched pages are to hang under",
            {ActorName.TREE: _EvictableAnchor}, "storage"),
     Mutant("page-complete-before-bytes", "a storage page reported complete before its bytes are in host memory",
-           {ActorName.PREFETCH: _EarlyComplete}, "storage"),
+           "the model reads a page whose bytes never arrived", {ActorName.PREFETCH: _EarlyComplete}, "storage"),
     Mutant("aborted-prefetch-leaks", "an aborted request's prefetch is never released",
+           "the prefetch's host slots and its anchor's pin are never given back",
            {ActorName.TREE: _LeakAbortedPrefetch}, "storage"),
 )
 """Every mutant, in a stable order."""

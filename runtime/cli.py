@@ -157,7 +157,7 @@ def _explore_args(ex: argparse.ArgumentParser) -> None:
     ex.add_argument("--out", type=Path, default=Path("explore-failures"), help="where failure traces and logs go")
     ex.add_argument("--replay", type=Path, default=None, metavar="TRACE",
                     help="replay a schedule trace written by a failing exploration")
-    ex.add_argument("--mutants", action="store_true", help="show that exploration catches each seeded bug")
+    ex.add_argument("--mutants", action="store_true", help="show that exploration catches each mutant (a known bug put back)")
 
 
 def _bench_args(bench: argparse.ArgumentParser) -> None:

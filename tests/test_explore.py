@@ -1,4 +1,4 @@
-"""Schedule exploration: the unmutated system passes, every seeded bug is caught, failures replay."""
+"""Schedule exploration: the unmutated system passes, every mutant is caught, failures replay."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def test_every_mutant_is_caught_within_fifty_pct_schedules() -> None:
     ("eviction-ends-short", "ended with .* freed while .* are evictable"),
     ("write-back-drops-tail", r"write_back would delete .* \(and lose its tail\)"),
     ("prefetcher-frees-slots", "freeing host slots is accepted only from the tree actor, got it from prefetch"),
-    ("prefetch-gives-up", "seed 002: shrink to the page-aligned free space"),
+    ("prefetch-gives-up", "a prefetch reserved 0 host tokens where the free space prescribes"),
     ("anchor-evictable", "anchored on .* which must be alive, backed up and host-pinned"),
     ("page-complete-before-bytes", "FingerprintMismatchError"),
     ("aborted-prefetch-leaks", "host mirror says .* reserved by prefetches differs"),

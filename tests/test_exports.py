@@ -23,6 +23,8 @@ COMMAND_MODULES = ("_demo", "_bench_", "_explore_cli", "_replay_cli", "_soak", "
 through `hicache.runtime.cli`."""
 
 INTERNAL = {
+    "hicache.messages._doc.main": "the command that writes docs/messages.md (`python -m hicache.messages._doc`)",
+    "hicache.messages._doc.page": "docs/messages.md as the message classes make it; the docs test compares",
     "hicache.actors._transfer_core.batch_indices": "stream actors' helper over a TransferQueue batch",
     "hicache.actors._transfer_core.op_problem": "stream actors' check of a WriteKV/LoadKV before queueing",
     "hicache.actors._pages.ints": "the pool cores' choice of slot-number form (Python ints or a tensor) for a call",

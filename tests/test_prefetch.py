@@ -34,8 +34,7 @@ from typing import Any
 import pykka
 import pytest
 
-from hicache.actors import FileBackend, InvariantError, KVShape
-from hicache.actors._radix import NodeState, RadixTree
+from hicache.actors import FileBackend, InvariantError, KVShape, NodeState, RadixTree
 from hicache.messages import (
     AdmitItem,
     AllocateHost,
