@@ -20,8 +20,8 @@ from hicache.messages import (
     SlotsInsufficient,
     SwapRequestPages,
 )
-from hicache.runtime._actor import Directory, HiActor
-from hicache.runtime._services import Services
+from ._actor import Directory, HiActor
+from ._services import Services
 from hicache.runtime.config import Config
 
 from ._device_core import DeviceCore, Insufficient, PageOwner

@@ -39,8 +39,8 @@ from hicache.messages import (
     StopPrefetch,
     StorePages,
 )
-from hicache.runtime._actor import Directory, HiActor
-from hicache.runtime._services import Services
+from ._actor import Directory, HiActor
+from ._services import Services
 from hicache.runtime.config import Config
 
 from ._durations import DurationHistogram

@@ -36,9 +36,9 @@ from hicache.messages import (
     WriteFailed,
     WriteKV,
 )
-from hicache.runtime._actor import Directory, HiActor
-from hicache.runtime._layers import LayerDoneRing
-from hicache.runtime._services import Services
+from ._actor import Directory, HiActor
+from ._layers import LayerDoneRing
+from ._services import Services
 from hicache.runtime.config import Config
 
 from ._errors import InvariantError

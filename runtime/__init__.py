@@ -12,7 +12,7 @@ import warnings as _warnings
 _warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 _EXPORTS: dict[str, tuple[str, ...]] = {
-    "_actor": ("Directory", "HiActor", "Mail", "WrongSenderError"),
+    "hicache.actors._actor": ("Directory", "HiActor", "Mail", "WrongSenderError"),
     "_deterministic": (
         "BlockingGetError", "DeadlockError", "DeterministicFuture", "DeterministicRuntime", "LivelockError",
         "Step", "VirtualClock", "replay_choices"
@@ -30,12 +30,12 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "_mooncake_master": ("MasterStartError", "MooncakeMaster"),
     "_replay": ("Divergence", "ReplayResult", "replay_log"),
     "_group": ("Group", "RankDivergenceError", "SingleGroup", "TorchGroup"),
-    "_layers": ("LayerDoneRing", "LayerWaiter", "LoadFailedError", "StaleWaiterError"),
+    "hicache.actors._layers": ("LayerDoneRing", "LayerWaiter", "LoadFailedError", "StaleWaiterError"),
     "_metrics": ("start_metrics_exporter",),
     "_facade_types": ("TierStatistics",),
     "_timings": ("TimedLayerWaiter",),
     "_strategies": ("PCTStrategy", "RandomStrategy", "ReplayStrategy", "ScheduleDivergedError", "Strategy"),
-    "_services": ("FailedTransfers", "FaultPlan", "IdSource", "NoFaults", "SeededFaults", "Services"),
+    "hicache.actors._services": ("FailedTransfers", "FaultPlan", "IdSource", "NoFaults", "SeededFaults", "Services"),
     "_system": ("DEFAULT_ASK_TIMEOUT_S", "ActorFailedError", "System", "ThreadedRuntime"),
     "config": (
         "DTYPES", "Available", "Config", "ConfigError", "DeviceKind", "EvictionPolicy", "HostLayout",
@@ -57,7 +57,7 @@ def __getattr__(name: str) -> object:
     module = _MODULE_OF.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(_importlib.import_module(f"{__name__}.{module}"), name)
+    value = getattr(_importlib.import_module(module if module.startswith("hicache.") else f"{__name__}.{module}"), name)
     globals()[name] = value
     return value
 

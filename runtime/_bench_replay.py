@@ -40,7 +40,7 @@ from rich.table import Table
 
 from hicache.messages import ActorName
 
-from ._actor import HiActor
+from hicache.actors._actor import HiActor
 from ._bench_cli import progress_bar, report
 from ._bench_transfer import _machine
 from ._deterministic import DeterministicRuntime

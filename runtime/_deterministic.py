@@ -36,9 +36,9 @@ from pykka._envelope import Envelope
 
 from hicache.messages import ActorName
 
-from ._actor import HiActor, Mail
-from ._layers import LayerDoneRing
-from ._services import DeliveryObserver, FaultPlan, Failures, IdSource, NoFaults, Services
+from hicache.actors._actor import HiActor, Mail
+from hicache.actors._layers import LayerDoneRing
+from hicache.actors._services import DeliveryObserver, FaultPlan, Failures, IdSource, NoFaults, Services
 from ._strategies import RandomStrategy, Strategy
 
 T = TypeVar("T")

@@ -13,7 +13,7 @@ from rich.table import Table
 
 from hicache.messages import ActorName, DrainWrites, Message
 
-from ._actor import Directory, HiActor, Mail
+from hicache.actors._actor import Directory, HiActor, Mail
 from ._deterministic import DeterministicRuntime
 from ._progress import progress
 from ._usage import UsageError

@@ -57,7 +57,7 @@ import structlog
 
 from hicache.messages import ActorName, CodecError, Message, encode
 
-from ._services import FaultPlan
+from hicache.actors._services import FaultPlan
 
 try:
     from zlib_ng.zlib_ng import crc32

@@ -29,7 +29,7 @@ from transformers import Cache, CacheLayerMixin
 
 from ._engine_kv import DeviceKV, SlotIndex
 from ._facade import AdmitResult, HiCache, Insufficient, Request
-from ._layers import LayerWaiter, LoadFailedError
+from hicache.actors._layers import LayerWaiter, LoadFailedError
 from ._model_shape import model_shape
 from .config import StorageKind
 

@@ -42,7 +42,7 @@ from hicache.messages import (
     WriteDone,
 )
 
-from ._actor import HiActor
+from hicache.actors._actor import HiActor
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,7 +46,7 @@ import torch
 from hicache.actors import KVShape
 
 from ._facade import CacheHandle, HiCache, Insufficient, Request
-from ._layers import LayerWaiter, LoadFailedError
+from hicache.actors._layers import LayerWaiter, LoadFailedError
 from .oracle import FingerprintOracle
 from .trace import VOCAB_SIZE
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from ._facade import HiCache
 from ._scheduler import ReferenceScheduler, SchedulerConfig, ServeRequest
-from ._services import SeededFaults
+from hicache.actors._services import SeededFaults
 from ._system import ThreadedRuntime
 from .config import Config, PrefetchPolicy
 from .explore import check_quiescent

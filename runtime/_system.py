@@ -18,10 +18,10 @@ import pykka
 
 from hicache.messages import ActorName, CheckInvariants, GetStatistics, Message
 
-from ._actor import Directory, HiActor, Mail
+from hicache.actors._actor import Directory, HiActor, Mail
 from ._executor import SerialExecutor
-from ._layers import LayerDoneRing
-from ._services import (
+from hicache.actors._layers import LayerDoneRing
+from hicache.actors._services import (
     ActorFailedError,
     DeliveryObserver,
     FaultPlan,

@@ -32,9 +32,9 @@ import torch
 
 from hicache.messages import ActorName, HostSlotState, encode
 
-from ._actor import HiActor, Mail
+from hicache.actors._actor import HiActor, Mail
 from ._deterministic import DeterministicRuntime
-from ._services import SeededFaults
+from hicache.actors._services import SeededFaults
 from ._facade import CacheHandle, HiCache, Request, RequestError
 from ._mutants import MUTANTS, Mutant, mutant
 from ._scheduler import ReferenceScheduler, SchedulerConfig, ServeRequest

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 from hicache.messages import ActorName, Message
 
-from ._actor import HiActor
+from hicache.actors._actor import HiActor
 
 M = TypeVar("M", bound=Message)
 

@@ -33,7 +33,7 @@ from hicache.messages import (
     WriteKV,
 )
 from hicache.runtime import ActorFailedError, Config, System, ThreadedRuntime, WrongSenderError
-from hicache.runtime._services import Failures
+from hicache.actors._services import Failures
 
 S = HostSlotState
 TREE, DEVICE, HOST, WRITE, LOAD = ActorName.TREE, ActorName.DEVICE, ActorName.HOST, ActorName.WRITE, ActorName.LOAD

@@ -25,7 +25,7 @@ from hicache.messages import (
     StreamStatistics,
 )
 from hicache.runtime import Config, HiActor, System
-from hicache.runtime._actor import Directory, Mail
+from hicache.actors._actor import Directory, Mail
 from hicache.runtime._deterministic import (
     BlockingGetError,
     DeadlockError,
