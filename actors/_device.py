@@ -22,7 +22,7 @@ from hicache.messages import (
 )
 from ._actor import Directory, HiActor
 from ._services import Services
-from hicache.runtime.config import Config
+from hicache.messages.config import Config
 
 from ._device_core import DeviceCore, Insufficient, PageOwner
 

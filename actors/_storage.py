@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from hicache.runtime.config import Config, StorageKind
+from hicache.messages.config import Config, StorageKind
 
 from ._file_backend import FileBackend
 from ._kv import KVBuffer

@@ -39,7 +39,7 @@ from hicache.messages import (
 from ._actor import Directory, HiActor
 from ._layers import LayerDoneRing
 from ._services import Services
-from hicache.runtime.config import Config
+from hicache.messages.config import Config
 
 from ._errors import InvariantError
 from ._kv import CopyPlan, KVBuffer, _Route

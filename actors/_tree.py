@@ -49,7 +49,7 @@ from hicache.messages import (
 )
 from ._actor import Directory, HiActor
 from ._services import Services
-from hicache.runtime.config import Config
+from hicache.messages.config import Config
 
 from ._tree_core import TreeCore
 

@@ -82,7 +82,7 @@ from hicache.messages import (
     TreeStatistics,
     WriteKV,
 )
-from hicache.runtime.config import Config, PrefetchPolicy, StorageKind, WritePolicy
+from hicache.messages.config import Config, PrefetchPolicy, StorageKind, WritePolicy
 
 from ._errors import InvariantError
 from ._facts import Facts

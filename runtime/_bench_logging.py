@@ -53,7 +53,7 @@ from ._facade import HiCache
 from ._log import ORJSON, PYBASE64, DeliveryLog
 from ._log_reader import Delivery, LogReader, ReplayLogError, read_log
 from ._system import ThreadedRuntime
-from .config import DeviceKind
+from hicache.messages.config import DeviceKind
 
 TARGET_US = 10.0
 TARGET_SLOWDOWN = 1.25

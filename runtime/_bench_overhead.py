@@ -82,7 +82,7 @@ from ._bench_cli import progress_bar, report
 from ._bench_transfer import _machine
 from ._facade import HiCache, Request
 from ._system import ThreadedRuntime
-from .config import Config, DeviceKind
+from hicache.messages.config import Config, DeviceKind
 from .trace import load_trace
 
 TARGET_RATIO = 1.5

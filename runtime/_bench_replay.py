@@ -48,7 +48,7 @@ from ._facade import HiCache
 from ._log_reader import Delivery, ParsedLog, read_log
 from ._replay import Rebuilt, replay_log
 from ._scheduler import ReferenceScheduler, SchedulerConfig
-from .config import Config, DeviceKind
+from hicache.messages.config import Config, DeviceKind
 from .explore import synthetic_workload
 
 TARGET_PER_S = 50_000.0

@@ -59,7 +59,7 @@ from hicache.actors import (
 from ._bench_cli import progress_bar, report
 from ._bench_transfer import _machine
 from ._mooncake_master import MasterStartError, MooncakeMaster
-from .config import Config, DeviceKind, HostLayout
+from hicache.messages.config import Config, DeviceKind, HostLayout
 
 SHAPES: dict[str, dict[str, Any]] = {
     "2MiB": {"layers": 32, "kv_heads": 8, "head_dim": 128, "dtype": "float16", "page_size": 16},

@@ -34,7 +34,7 @@ from ._bench_cli import progress_bar, report
 from ._bench_overhead import DirectCores
 from ._bench_transfer import _machine
 from ._facade import HiCache, Insufficient, Request
-from .config import Config, DeviceKind
+from hicache.messages.config import Config, DeviceKind
 from .trace import load_trace
 
 PHASES = ("admit", "allocate", "commit", "finish")

@@ -38,7 +38,7 @@ from hicache.messages import (
 
 from ._bench_cli import progress_bar, report
 from ._system import System
-from .config import Config, DeviceKind, HostLayout
+from hicache.messages.config import Config, DeviceKind, HostLayout
 
 PAGE_SIZES = (16, 64, 256)
 LAYOUTS = (HostLayout.LAYER_FIRST, HostLayout.PAGE_FIRST)

@@ -41,7 +41,7 @@ from hicache.messages import Indices, Tokens
 
 from ._bench_cli import progress_bar, report
 from ._bench_transfer import _machine
-from .config import DeviceKind, EvictionPolicy
+from hicache.messages.config import DeviceKind, EvictionPolicy
 from .trace import VOCAB_SIZE
 
 TARGET_RATIO = 2.0

@@ -34,7 +34,7 @@ from ._facade import HiCache
 from ._progress import progress
 from ._scheduler import ReferenceScheduler, SchedulerConfig, ServeRequest
 from ._usage import UsageError
-from .config import Config, PrefetchPolicy
+from hicache.messages.config import Config, PrefetchPolicy
 from .trace import TRACE_RECORDS, TraceRequest, load_trace
 
 DEMO_REQUESTS = 600

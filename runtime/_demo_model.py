@@ -38,7 +38,7 @@ from rich.table import Table
 from ._demo import CostModel
 from ._facade import HiCache, Request
 from ._model_runner import Generation, ModelRunner
-from .config import Config
+from hicache.messages.config import Config
 
 TIERS = ("none", "L1", "L2", "L3")
 

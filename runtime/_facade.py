@@ -100,7 +100,7 @@ from ._metrics import track, untrack
 from ._statistics import cache_statistics
 from ._timings import FacadeTimings
 from ._system import DEFAULT_ASK_TIMEOUT_S, Runtime, System
-from .config import Config
+from hicache.messages.config import Config
 
 FINISHED_REMEMBERED_MAX = 1 << 16
 """Ended request ids remembered to tell "finished twice" from "never admitted"."""

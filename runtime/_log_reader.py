@@ -36,7 +36,7 @@ from typing import Any, BinaryIO
 from hicache.messages import ActorName, CodecError, Message, decode, encode
 
 from ._log import LOG_VERSION, SEAL_BYTES, crc32, loads_line, unbase64
-from .config import Config, ConfigError, DeviceKind
+from hicache.messages.config import Config, ConfigError, DeviceKind
 
 HEADER_BYTES_MAX = 1 << 20
 """Longest first line read: a header is a few kilobytes; a file with no newline this early

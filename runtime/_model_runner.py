@@ -30,8 +30,8 @@ from transformers import Cache, CacheLayerMixin
 from ._engine_kv import DeviceKV, SlotIndex
 from ._facade import AdmitResult, HiCache, Insufficient, Request
 from hicache.actors._layers import LayerWaiter, LoadFailedError
-from ._model_shape import model_shape
-from .config import StorageKind
+from hicache.messages._model_shape import model_shape
+from hicache.messages.config import StorageKind
 
 LOAD_ATTEMPTS_MAX = 3
 """Admissions of one request whose load-back failed before `generate` gives up (each failure

@@ -38,7 +38,7 @@ from ._progress import progress
 from ._simulate_cores import SimCores
 from ._simulate_trace import SimRequest
 from ._usage import UsageError
-from .config import DTYPES, Config
+from hicache.messages.config import DTYPES, Config
 
 _UNITS: Final = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}
 _BYTE_UNITS: Final = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,

@@ -53,7 +53,7 @@ from hicache.messages import (
     WriteKV,
 )
 
-from .config import Config, StorageKind
+from hicache.messages.config import Config, StorageKind
 
 
 @dataclass(frozen=True, slots=True)

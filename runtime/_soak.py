@@ -26,7 +26,7 @@ from ._facade import HiCache
 from ._scheduler import ReferenceScheduler, SchedulerConfig, ServeRequest
 from hicache.actors._services import SeededFaults
 from ._system import ThreadedRuntime
-from .config import Config, PrefetchPolicy
+from hicache.messages.config import Config, PrefetchPolicy
 from .explore import check_quiescent
 from .trace import load_trace
 

@@ -21,7 +21,7 @@ from hicache.messages import (
 )
 
 from ._facade_types import HiCacheStatistics, TierStatistics
-from .config import Config, StorageKind
+from hicache.messages.config import Config, StorageKind
 
 
 def cache_statistics(

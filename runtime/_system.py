@@ -31,7 +31,7 @@ from hicache.actors._services import (
     NoFaults,
     Services,
 )
-from .config import Config, StorageKind, check_resources
+from hicache.messages.config import Config, StorageKind, check_resources
 
 DEFAULT_ASK_TIMEOUT_S = 60.0
 """How long the caller waits for an actor's reply before raising TimeoutError."""

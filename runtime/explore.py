@@ -39,7 +39,7 @@ from ._facade import CacheHandle, HiCache, Request, RequestError
 from ._mutants import MUTANTS, Mutant, mutant
 from ._scheduler import ReferenceScheduler, SchedulerConfig, ServeRequest
 from ._strategies import PCTStrategy, RandomStrategy, ReplayStrategy, Strategy
-from .config import Config, PrefetchPolicy, WritePolicy
+from hicache.messages.config import Config, PrefetchPolicy, WritePolicy
 
 DEFAULT_PCT_STEPS = 3000
 """PCT's estimate of a schedule's length (change points are drawn within it)."""

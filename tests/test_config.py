@@ -24,7 +24,7 @@ from hicache.runtime import (
     StorageKind,
     WritePolicy,
 )
-from hicache.runtime._config_values import Count
+from hicache.messages._config_values import Count
 
 ENUM_FIELDS = {
     "device": DeviceKind,

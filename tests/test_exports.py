@@ -66,23 +66,23 @@ INTERNAL = {
     "hicache.runtime._facade_types.namespace": "the facade's check of a namespace argument",
     "hicache.runtime._facade_types.request_id": "the facade's check of a request id argument",
     "hicache.runtime._facade_types.token_bytes": "the facade's check and conversion of token ids",
-    "hicache.runtime._config_values.Rule": "protocol of a Config field's rule; Config's field metadata holds them",
-    "hicache.runtime._config_values.Count": "a Config field's rule (integers in a range)",
-    "hicache.runtime._config_values.Number": "a Config field's rule (finite numbers in a range)",
-    "hicache.runtime._config_values.Switch": "a Config field's rule (true or false)",
-    "hicache.runtime._config_values.Choice": "a Config field's rule (an enum member or its value)",
-    "hicache.runtime._config_values.DType": "a Config field's rule (an element type of DTYPES)",
-    "hicache.runtime._config_values.FilePath": "a Config field's rule (a path string)",
-    "hicache.runtime._config_values.Host": "a Config field's rule (a host name or address)",
-    "hicache.runtime._config_values.HostPort": "a Config field's rule (host:port)",
-    "hicache.runtime._config_values.HttpUrl": "a Config field's rule (an http:// URL)",
-    "hicache.runtime._config_values.Name": "a Config field's rule (a short label value)",
-    "hicache.runtime._config_values.refuse": "the ConfigError of a value a rule refuses, for the rules and for_model",
-    "hicache.runtime._model_shape.ModelShape": "Config.for_model's reading of a model config",
-    "hicache.runtime._model_shape.model_shape": "Config.for_model's reading of a model config",
-    "hicache.runtime._resources.Need": "one allocation check_resources counts; its error message lists them",
-    "hicache.runtime._resources.needs": "the allocations check_resources counts",
-    "hicache.runtime._resources.host_available_bytes": "check_resources' reading of the machine's free host memory",
+    "hicache.messages._config_values.Rule": "protocol of a Config field's rule; Config's field metadata holds them",
+    "hicache.messages._config_values.Count": "a Config field's rule (integers in a range)",
+    "hicache.messages._config_values.Number": "a Config field's rule (finite numbers in a range)",
+    "hicache.messages._config_values.Switch": "a Config field's rule (true or false)",
+    "hicache.messages._config_values.Choice": "a Config field's rule (an enum member or its value)",
+    "hicache.messages._config_values.DType": "a Config field's rule (an element type of DTYPES)",
+    "hicache.messages._config_values.FilePath": "a Config field's rule (a path string)",
+    "hicache.messages._config_values.Host": "a Config field's rule (a host name or address)",
+    "hicache.messages._config_values.HostPort": "a Config field's rule (host:port)",
+    "hicache.messages._config_values.HttpUrl": "a Config field's rule (an http:// URL)",
+    "hicache.messages._config_values.Name": "a Config field's rule (a short label value)",
+    "hicache.messages._config_values.refuse": "the ConfigError of a value a rule refuses, for the rules and for_model",
+    "hicache.messages._model_shape.ModelShape": "Config.for_model's reading of a model config",
+    "hicache.messages._model_shape.model_shape": "Config.for_model's reading of a model config",
+    "hicache.messages._resources.Need": "one allocation check_resources counts; its error message lists them",
+    "hicache.messages._resources.needs": "the allocations check_resources counts",
+    "hicache.messages._resources.host_available_bytes": "check_resources' reading of the machine's free host memory",
     "hicache.runtime._config_doc.field_table": "makes docs/configuration.md's field table (a test keeps it current)",
     "hicache.runtime._config_doc.with_table": "makes docs/configuration.md's field table (a test keeps it current)",
     "hicache.runtime._config_doc.main": "the command that rewrites docs/configuration.md's field table",
@@ -185,7 +185,7 @@ def test_every_message_class_of_the_area_modules_is_registered() -> None:
 
 
 def test_the_config_module_exports_its_public_names_through_hicache_runtime() -> None:
-    import hicache.runtime.config as config
+    import hicache.messages.config as config
 
     missing = [n for n in _defined_public(config) if n not in hicache.runtime.__all__]
     assert not missing, f"hicache.runtime.config defines but hicache.runtime does not export: {missing}"

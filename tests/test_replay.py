@@ -14,7 +14,7 @@ from hicache.messages import AllocateSlots, SlotDemand, decode, encode
 from hicache.runtime import LOG_VERSION, DeterministicRuntime, HiCache
 from hicache.runtime import read_log, replay_log, rewrite_log
 from hicache.runtime.cli import main
-from hicache.runtime.config import Config
+from hicache.messages.config import Config
 from hicache.runtime.explore import synthetic_workload
 from hicache.runtime._scheduler import ReferenceScheduler, SchedulerConfig
 
