@@ -30,11 +30,12 @@ from ._radix import (
     chain_hashes,
 )
 from ._file_backend import FileBackend
-from ._storage import StorageBackend, open_backend
+from ._storage import open_backend
 from ._stored_page import (
     KEY_CHARS_MAX,
     HostPages,
     PageFormat,
+    StorageBackend,
     StorageError,
     StorageIO,
     StorageUsage,
