@@ -18,6 +18,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "Step", "VirtualClock", "replay_choices"
     ),
     "_executor": ("SerialExecutor",),
+    "_inbox": ("Inbox",),
     "_facade": (
         "AdmitResult", "CacheHandle", "CacheStateError", "Closed", "ExpiredHandleError", "HiCache",
         "HiCacheStatistics", "Insufficient", "Request", "RequestError"

@@ -38,6 +38,7 @@ from hicache.messages import (
 
 from ._bench_cli import progress_bar, report
 from ._system import System
+from .testing import Probe
 from hicache.messages.config import Config, DeviceKind, HostLayout
 
 PAGE_SIZES = (16, 64, 256)
@@ -206,7 +207,7 @@ def _measure(
     op_ids = iter(range(1, 1 << 62))
     timers = {"d2h": _time_writes, "h2d": _time_loads}
     out = []
-    with System(config, stand_ins=(ActorName.TREE,)) as system:
+    with System(config, stand_ins=(ActorName.TREE,), stand_in=Probe) as system:
         for direction in DIRECTIONS:
             actor_s, raw_s = [], []
             for rep in range(w.warmup + w.reps):

@@ -51,6 +51,7 @@ from hicache.messages import (
     WriteFailed,
     WriteKV,
 )
+from hicache.runtime.testing import Probe
 from hicache.runtime import (
     Config,
     DeterministicRuntime,
@@ -379,7 +380,7 @@ def start_system(runtime_kind: str) -> Iterator[Callable[..., TreeSide]]:
 
         def start(config: Config, *, faults: FaultPlan | None = None, observe: Any = None) -> TreeSide:
             runtime = make_runtime(runtime_kind, faults=faults, observe=observe)
-            system = stack.enter_context(System(config, runtime=runtime, stand_ins=(ActorName.TREE,)))
+            system = stack.enter_context(System(config, runtime=runtime, stand_ins=(ActorName.TREE,), stand_in=Probe))
             stack.callback(system.check_invariants)
             if isinstance(observe, Gate):
                 stack.callback(observe.open)  # runs first: never check or stop a held actor

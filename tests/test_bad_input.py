@@ -32,6 +32,7 @@ from hicache.messages import (
     StartLoads,
     WriteKV,
 )
+from hicache.runtime.testing import Probe
 from hicache.runtime import ActorFailedError, Config, System, ThreadedRuntime, WrongSenderError
 from hicache.actors._services import Failures
 
@@ -260,7 +261,7 @@ class _SignallingFailures(Failures):
 def test_a_told_programmer_error_stops_the_actor_and_the_next_call_says_so(make_config: Callable[..., Config]) -> None:
     runtime = ThreadedRuntime()
     failures = runtime.services.failures = _SignallingFailures()
-    with System(make_config(), runtime=runtime, stand_ins=(TREE,)) as system:
+    with System(make_config(), runtime=runtime, stand_ins=(TREE,), stand_in=Probe) as system:
         system.tell(HOST, FreeHostSlots(pages=Indices.of([0])), sender=TREE)  # never allocated
         assert failures.reported.wait(30)
         with pytest.raises(ActorFailedError, match=r"the host actor failed: illegal host page transition") as err:

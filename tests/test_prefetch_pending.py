@@ -31,6 +31,7 @@ from hicache.messages import (
     ReadPrefetch,
     StopPrefetch,
 )
+from hicache.runtime.testing import Probe
 from hicache.runtime import Config, HostLayout, MooncakeMaster, System, ThreadedRuntime
 
 from conftest import TreeSide, small_config
@@ -83,7 +84,7 @@ def test_a_stop_waits_for_a_mooncake_get_that_overran_its_timeout(master: Moonca
     GatedStore.gate.clear()
     GatedStore.entered.clear()
     monkeypatch.setattr(_mooncake, "_store_class", lambda: GatedStore)
-    system = System(config, runtime=ThreadedRuntime(seed=0), stand_ins=(ActorName.TREE,))
+    system = System(config, runtime=ThreadedRuntime(seed=0), stand_ins=(ActorName.TREE,), stand_in=Probe)
     try:
         tree = TreeSide(system.__enter__())
         host = tree.host_allocate(PAGES * PAGE)
