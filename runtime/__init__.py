@@ -13,7 +13,7 @@ _warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 _EXPORTS: dict[str, tuple[str, ...]] = {
     "hicache.actors._actor": ("Directory", "HiActor", "Mail", "WrongSenderError"),
-    "_deterministic": (
+    "testing._deterministic": (
         "BlockingGetError", "DeadlockError", "DeterministicFuture", "DeterministicRuntime", "LivelockError",
         "Step", "VirtualClock", "replay_choices"
     ),
@@ -26,24 +26,24 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "_log": ("LOG_VERSION", "DeliveryLog", "rewrite_log"),
     "_log_reader": ("Delivery", "LogEnd", "LogReader", "ParsedLog", "ReplayLogError", "RunHeader", "read_log"),
     "_engine_kv": ("DeviceKV", "KVArgumentError", "SlotIndex"),
-    "_model_runner": ("Generation", "KVObserver", "ModelRunner", "ModelRunnerError", "PoolCache"),
-    "_tiny_model": ("tiny_llama",),
-    "_mooncake_master": ("MasterStartError", "MooncakeMaster"),
-    "_replay": ("Divergence", "ReplayResult", "replay_log"),
+    "demo._model_runner": ("Generation", "KVObserver", "ModelRunner", "ModelRunnerError", "PoolCache"),
+    "demo._tiny_model": ("tiny_llama",),
+    "testing._mooncake_master": ("MasterStartError", "MooncakeMaster"),
+    "testing._replay": ("Divergence", "ReplayResult", "replay_log"),
     "_group": ("Group", "RankDivergenceError", "SingleGroup", "TorchGroup"),
     "hicache.actors._layers": ("LayerDoneRing", "LayerWaiter", "LoadFailedError", "StaleWaiterError"),
     "_metrics": ("start_metrics_exporter",),
     "_facade_types": ("TierStatistics",),
     "_timings": ("TimedLayerWaiter",),
-    "_strategies": ("PCTStrategy", "RandomStrategy", "ReplayStrategy", "ScheduleDivergedError", "Strategy"),
+    "testing._strategies": ("PCTStrategy", "RandomStrategy", "ReplayStrategy", "ScheduleDivergedError", "Strategy"),
     "hicache.actors._services": ("FailedTransfers", "FaultPlan", "IdSource", "NoFaults", "SeededFaults", "Services"),
     "_system": ("DEFAULT_ASK_TIMEOUT_S", "ActorFailedError", "System", "ThreadedRuntime"),
     "config": (
         "DTYPES", "Available", "Config", "ConfigError", "DeviceKind", "EvictionPolicy", "HostLayout",
         "PrefetchPolicy", "StorageKind", "WritePolicy", "check_resources"
     ),
-    "_mutants": ("MUTANTS", "Mutant", "mutant"),
-    "_scheduler": (
+    "testing._mutants": ("MUTANTS", "Mutant", "mutant"),
+    "testing._scheduler": (
         "FakeModel", "ForwardStep", "Outcome", "ReferenceScheduler", "SchedulerConfig", "ServeRequest", "StepModel"
     ),
 }

@@ -61,7 +61,7 @@ from hicache.runtime import (
     System,
     ThreadedRuntime,
 )
-from hicache.runtime.oracle import FingerprintOracle
+from hicache.runtime.testing.oracle import FingerprintOracle
 
 GATE_TIMEOUT_S = 10.0
 """A held actor is let go after this long even if the test forgets (or fails) to open the gate."""

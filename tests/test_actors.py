@@ -38,7 +38,7 @@ from hicache.messages import (
     WriteKV,
 )
 from hicache.runtime import Config, FailedTransfers, HostLayout, LoadFailedError, Mail
-from hicache.runtime.oracle import FingerprintMismatchError
+from hicache.runtime.testing.oracle import FingerprintMismatchError
 
 S = HostSlotState
 TREE, DEVICE, HOST, WRITE, LOAD = ActorName.TREE, ActorName.DEVICE, ActorName.HOST, ActorName.WRITE, ActorName.LOAD

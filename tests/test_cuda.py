@@ -16,7 +16,7 @@ import torch
 from hicache.actors import DeviceCore, HostCore, KVBuffer, KVShape, copy_kv
 from hicache.messages import HostSlotState, Indices, LoadDone, WriteDone
 from hicache.runtime import DeviceKind, HostLayout
-from hicache.runtime.oracle import FingerprintOracle
+from hicache.runtime.testing.oracle import FingerprintOracle
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is absent on this machine")
 

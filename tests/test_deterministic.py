@@ -27,13 +27,13 @@ from hicache.messages import (
 from hicache.runtime.testing import Probe
 from hicache.runtime import Config, HiActor, System
 from hicache.actors._actor import Directory, Mail
-from hicache.runtime._deterministic import (
+from hicache.runtime.testing._deterministic import (
     BlockingGetError,
     DeadlockError,
     DeterministicRuntime,
     LivelockError,
 )
-from hicache.runtime._strategies import PCTStrategy, RandomStrategy, ReplayStrategy, ScheduleDivergedError
+from hicache.runtime.testing._strategies import PCTStrategy, RandomStrategy, ReplayStrategy, ScheduleDivergedError
 
 # -- a workload over the real actors ---------------------------------------------------
 
@@ -43,8 +43,8 @@ WORKLOAD = textwrap.dedent(
     from hicache.messages import *
     from hicache.runtime import Config, System
     from hicache.runtime.testing import Probe
-    from hicache.runtime._deterministic import DeterministicRuntime
-    from hicache.runtime._strategies import PCTStrategy, RandomStrategy
+    from hicache.runtime.testing._deterministic import DeterministicRuntime
+    from hicache.runtime.testing._strategies import PCTStrategy, RandomStrategy
 
     def run(seed, strategy="random"):
         log = []

@@ -11,7 +11,7 @@ import pytest
 from hicache.messages import decode
 from hicache.runtime import MUTANTS, mutant
 from hicache.runtime.cli import main
-from hicache.runtime.explore import explore, hunt_mutants, replay, run_schedule, write_failure
+from hicache.runtime.testing.explore import explore, hunt_mutants, replay, run_schedule, write_failure
 
 
 def test_the_unmutated_standard_scenario_passes_two_hundred_seeds_under_pct_and_random() -> None:

@@ -35,7 +35,7 @@ from hicache.runtime import (
     Request,
     RequestError,
 )
-from hicache.runtime.oracle import FingerprintOracle
+from hicache.runtime.testing.oracle import FingerprintOracle
 
 from conftest import make_runtime
 

@@ -218,7 +218,7 @@ def test_a_failed_start_leaves_an_existing_log_as_it_was_and_no_thread(
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("no storage here")
 
-    monkeypatch.setattr("hicache.actors._storage.open_backend", broken)
+    monkeypatch.setattr("hicache.runtime._system.open_backend", broken)
     hc = HiCache(make_config(log_path=str(log), storage="file", storage_dir=str(tmp_path / "l3")))
     with pytest.raises(RuntimeError, match="no storage here"):
         hc.start()

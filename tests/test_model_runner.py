@@ -35,7 +35,7 @@ from hicache.runtime import (
     WritePolicy,
     tiny_llama,
 )
-from hicache.runtime._tiny_model import TINY_SHAPE, incremental_drift
+from hicache.runtime.demo._tiny_model import TINY_SHAPE, incremental_drift
 
 LOGIT_TOLERANCE = 1e-4
 """Largest |logit| difference allowed from a no-cache full forward: about 7x the worst drift of

@@ -65,9 +65,9 @@ from hicache.runtime import (
     Request,
     RequestError,
 )
-from hicache.runtime._scheduler import ReferenceScheduler, SchedulerConfig
-from hicache.runtime.explore import synthetic_workload
-from hicache.runtime.oracle import FingerprintOracle
+from hicache.runtime.testing._scheduler import ReferenceScheduler, SchedulerConfig
+from hicache.runtime.testing.explore import synthetic_workload
+from hicache.runtime.testing.oracle import FingerprintOracle
 
 from conftest import make_runtime, pages_to_slots, small_config
 from test_tree_core import Player

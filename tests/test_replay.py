@@ -15,8 +15,8 @@ from hicache.runtime import LOG_VERSION, DeterministicRuntime, HiCache
 from hicache.runtime import read_log, replay_log, rewrite_log
 from hicache.runtime.cli import main
 from hicache.messages.config import Config
-from hicache.runtime.explore import synthetic_workload
-from hicache.runtime._scheduler import ReferenceScheduler, SchedulerConfig
+from hicache.runtime.testing.explore import synthetic_workload
+from hicache.runtime.testing._scheduler import ReferenceScheduler, SchedulerConfig
 
 
 def _logged_run(path: Path, runtime: Any = None, seed: int = 1) -> HiCache:

@@ -16,8 +16,8 @@ import pytest
 
 from hicache.messages import HostSlotState
 from hicache.runtime import HiCache, SeededFaults, WritePolicy
-from hicache.runtime._scheduler import ReferenceScheduler, SchedulerConfig
-from hicache.runtime.explore import synthetic_workload
+from hicache.runtime.testing._scheduler import ReferenceScheduler, SchedulerConfig
+from hicache.runtime.testing.explore import synthetic_workload
 
 from conftest import make_runtime, small_config
 

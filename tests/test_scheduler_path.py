@@ -26,8 +26,8 @@ from hicache.runtime import (
     SchedulerConfig,
     WritePolicy,
 )
-from hicache.runtime._mutants import mutant
-from hicache.runtime.explore import synthetic_workload
+from hicache.runtime.testing._mutants import mutant
+from hicache.runtime.testing.explore import synthetic_workload
 
 from conftest import make_runtime
 

@@ -78,12 +78,12 @@ from hicache.messages import (
     WriteKV,
 )
 
-from ._bench_cli import progress_bar, report
-from ._bench_transfer import _machine
-from ._facade import HiCache, Request
-from ._system import ThreadedRuntime
+from ._cli import progress_bar, report
+from ._transfer import _machine
+from .._facade import HiCache, Request
+from .._system import ThreadedRuntime
 from hicache.messages.config import Config, DeviceKind
-from .trace import load_trace
+from ..trace import load_trace
 
 TARGET_RATIO = 1.5
 DRAIN_ASKS_MAX = 10_000

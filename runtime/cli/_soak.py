@@ -22,13 +22,13 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ._facade import HiCache
-from ._scheduler import ReferenceScheduler, SchedulerConfig, ServeRequest
+from .._facade import HiCache
+from ..testing._scheduler import ReferenceScheduler, SchedulerConfig, ServeRequest
 from hicache.actors._services import SeededFaults
-from ._system import ThreadedRuntime
+from .._system import ThreadedRuntime
 from hicache.messages.config import Config, PrefetchPolicy
-from .explore import check_quiescent
-from .trace import load_trace
+from ..testing.explore import check_quiescent
+from ..trace import load_trace
 
 ROUND_REQUESTS = 48
 """Trace requests served per round (prompts cut to `PROMPT_TOKENS_MAX`)."""

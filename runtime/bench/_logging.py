@@ -45,14 +45,14 @@ from rich.table import Table
 
 from hicache.messages import ActorName, decode
 
-from . import _bench_overhead as overhead
-from ._bench_cli import progress_bar, report
-from ._bench_replay import log_scheduler_run
-from ._bench_transfer import _machine
-from ._facade import HiCache
-from ._log import ORJSON, PYBASE64, DeliveryLog
-from ._log_reader import Delivery, LogReader, ReplayLogError, read_log
-from ._system import ThreadedRuntime
+from . import _overhead as overhead
+from ._cli import progress_bar, report
+from ._replay import log_scheduler_run
+from ._transfer import _machine
+from .._facade import HiCache
+from .._log import ORJSON, PYBASE64, DeliveryLog
+from .._log_reader import Delivery, LogReader, ReplayLogError, read_log
+from .._system import ThreadedRuntime
 from hicache.messages.config import DeviceKind
 
 TARGET_US = 10.0

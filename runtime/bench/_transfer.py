@@ -36,9 +36,9 @@ from hicache.messages import (
     WriteKV,
 )
 
-from ._bench_cli import progress_bar, report
-from ._system import System
-from .testing import Probe
+from ._cli import progress_bar, report
+from .._system import System
+from ..testing import Probe
 from hicache.messages.config import Config, DeviceKind, HostLayout
 
 PAGE_SIZES = (16, 64, 256)

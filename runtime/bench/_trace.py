@@ -30,12 +30,12 @@ from rich.table import Table
 
 from hicache.messages import FinishItem, Indices, ReleaseReason, Tokens
 
-from ._bench_cli import progress_bar, report
-from ._bench_overhead import DirectCores
-from ._bench_transfer import _machine
-from ._facade import HiCache, Insufficient, Request
+from ._cli import progress_bar, report
+from ._overhead import DirectCores
+from ._transfer import _machine
+from .._facade import HiCache, Insufficient, Request
 from hicache.messages.config import Config, DeviceKind
-from .trace import load_trace
+from ..trace import load_trace
 
 PHASES = ("admit", "allocate", "commit", "finish")
 

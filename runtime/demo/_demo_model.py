@@ -36,7 +36,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ._demo import CostModel
-from ._facade import HiCache, Request
+from .._facade import HiCache, Request
 from ._model_runner import Generation, ModelRunner
 from hicache.messages.config import Config
 

@@ -35,7 +35,7 @@ from hicache.messages import ActorName, HostSlotState, encode
 from hicache.actors._actor import HiActor, Mail
 from ._deterministic import DeterministicRuntime
 from hicache.actors._services import SeededFaults
-from ._facade import CacheHandle, HiCache, Request, RequestError
+from .._facade import CacheHandle, HiCache, Request, RequestError
 from ._mutants import MUTANTS, Mutant, mutant
 from ._scheduler import ReferenceScheduler, SchedulerConfig, ServeRequest
 from ._strategies import PCTStrategy, RandomStrategy, ReplayStrategy, Strategy

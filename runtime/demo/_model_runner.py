@@ -27,8 +27,8 @@ from typing import Any, Protocol
 import torch
 from transformers import Cache, CacheLayerMixin
 
-from ._engine_kv import DeviceKV, SlotIndex
-from ._facade import AdmitResult, HiCache, Insufficient, Request
+from .._engine_kv import DeviceKV, SlotIndex
+from .._facade import AdmitResult, HiCache, Insufficient, Request
 from hicache.actors._layers import LayerWaiter, LoadFailedError
 from hicache.messages._model_shape import model_shape
 from hicache.messages.config import StorageKind

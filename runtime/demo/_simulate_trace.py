@@ -22,7 +22,7 @@ from typing import Any, Final
 
 import torch
 
-from .trace import TOKEN_ID_BOUND, TraceError, block_tokens
+from ..trace import TOKEN_ID_BOUND, TraceError, block_tokens
 
 FORMATS: Final = ("auto", "mooncake", "tokens")
 TOKEN_KEYS: Final = ("tokens", "input_ids", "prompt_token_ids")

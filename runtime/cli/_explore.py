@@ -1,4 +1,4 @@
-"""`hicache explore` and `hicache bench explore`: the command-line face of `runtime.explore`."""
+"""`hicache explore` and `hicache bench explore`: the command-line face of `hicache.runtime.testing.explore`."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from rich.table import Table
 from hicache.messages import ActorName, DrainWrites, Message
 
 from hicache.actors._actor import Directory, HiActor, Mail
-from ._deterministic import DeterministicRuntime
-from ._progress import progress
-from ._usage import UsageError
-from .explore import (
+from ..testing._deterministic import DeterministicRuntime
+from ..demo._progress import progress
+from .._usage import UsageError
+from ..testing.explore import (
     SCENARIOS,
     MutantResult,
     ScheduleResult,

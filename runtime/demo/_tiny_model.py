@@ -6,7 +6,7 @@ wider than transformers' default so that attention depends on which keys it read
 (with the default, every position weighs nearly the same, and misplaced KV would
 hardly show in the logits).
 
-`python -m hicache.runtime._tiny_model` measures how far transformers' own
+`python -m hicache.runtime.demo._tiny_model` measures how far transformers' own
 incremental decode (its `DynamicCache`) drifts from its full forward on this model:
 the figure that the model tests' logit tolerance rests on (docs/benchmarks.md).
 """

@@ -11,7 +11,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from ._usage import UsageError
+from .._usage import UsageError
 
 
 def plot_sweep(outcomes: list[Any], path: Path) -> None:

@@ -37,7 +37,7 @@ from ._demo import CostModel, _percentile, _Run, _serve
 from ._progress import progress
 from ._simulate_cores import SimCores
 from ._simulate_trace import SimRequest
-from ._usage import UsageError
+from .._usage import UsageError
 from hicache.messages.config import DTYPES, Config
 
 _UNITS: Final = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}

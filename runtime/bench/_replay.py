@@ -41,15 +41,15 @@ from rich.table import Table
 from hicache.messages import ActorName
 
 from hicache.actors._actor import HiActor
-from ._bench_cli import progress_bar, report
-from ._bench_transfer import _machine
-from ._deterministic import DeterministicRuntime
-from ._facade import HiCache
-from ._log_reader import Delivery, ParsedLog, read_log
-from ._replay import Rebuilt, replay_log
-from ._scheduler import ReferenceScheduler, SchedulerConfig
+from ._cli import progress_bar, report
+from ._transfer import _machine
+from ..testing._deterministic import DeterministicRuntime
+from .._facade import HiCache
+from .._log_reader import Delivery, ParsedLog, read_log
+from ..testing._replay import Rebuilt, replay_log
+from ..testing._scheduler import ReferenceScheduler, SchedulerConfig
 from hicache.messages.config import Config, DeviceKind
-from .explore import synthetic_workload
+from ..testing.explore import synthetic_workload
 
 TARGET_PER_S = 50_000.0
 

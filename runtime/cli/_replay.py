@@ -12,8 +12,8 @@ from rich.progress import Progress
 
 from hicache.messages import ActorName, HostSlotState
 
-from ._log_reader import REPLAYED, LogReader, ReplayLogError
-from ._replay import ReplayResult, replay_log
+from .._log_reader import REPLAYED, LogReader, ReplayLogError
+from ..testing._replay import ReplayResult, replay_log
 
 DUMPS = ("tree", "device", "host", "ledger")
 

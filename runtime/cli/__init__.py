@@ -9,13 +9,14 @@ does not answer) is one line on stderr, `hicache COMMAND: what was wrong`, and e
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Final, NoReturn
 
-from ._usage import UsageError
+from .._usage import UsageError
 
 SCENARIOS: Final = ("standard", "faults", "misuse", "storage")
 """`hicache explore --scenario` values (a test keeps them equal to `explore.SCENARIOS`)."""
@@ -221,12 +222,12 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from ._demo import CostModel, run_demo
+    from ..demo._demo import CostModel, run_demo
 
     cost = CostModel(prefill_tokens_per_s=args.prefill_tps, l2_gbps=args.l2_gbps, l3_gbps=args.l3_gbps,
                      kv_bytes_per_token=args.kv_bytes_per_token)
     if args.model is not None:
-        from ._demo_model import run_model_demo
+        from ..demo._demo_model import run_model_demo
 
         return run_model_demo(args.model, as_json=args.json, cost=cost)
     return run_demo(requests=args.requests, as_json=args.json, cost=cost, log_path=args.log, storage=args.storage,
@@ -234,9 +235,9 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from ._demo import CostModel
-    from ._simulate import Sweep, kv_bytes_of_shape, parse_sizes, run_simulate
-    from ._simulate_trace import read_trace
+    from ..demo._demo import CostModel
+    from ..demo._simulate import Sweep, kv_bytes_of_shape, parse_sizes, run_simulate
+    from ..demo._simulate_trace import read_trace
 
     kv = kv_bytes_of_shape(args.model_shape) if args.model_shape else args.kv_bytes_per_token
     sweep = Sweep(
@@ -266,7 +267,7 @@ def _choices(option: str, text: str, allowed: tuple[str, ...]) -> tuple[str, ...
 
 
 def _explore(args: argparse.Namespace) -> int:
-    from ._explore_cli import run_explore
+    from ._explore import run_explore
 
     return run_explore(scenario=args.scenario, strategy=args.strategy, seeds=args.seeds, depth=args.depth,
                        as_json=args.json, out=args.out, replay_path=args.replay, mutants=args.mutants,
@@ -274,7 +275,7 @@ def _explore(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from ._replay_cli import run_replay
+    from ._replay import run_replay
 
     return run_replay(args.log, until=args.until, actor=args.actor, dump=args.dump, as_json=args.json)
 
@@ -286,10 +287,8 @@ def _soak(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    import importlib
-
     module, function = _BENCHES[args.bench]
-    run = getattr(importlib.import_module(f"{__package__}.{module}"), function)
+    run = getattr(importlib.import_module(module), function)
     if args.bench == "storage":
         return int(run(as_json=args.json, mib=args.mib, write_pages=args.write_pages))
     if args.bench == "trace":
@@ -298,14 +297,14 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 _BENCHES: Final = {
-    "transfer": ("_bench_transfer", "run_bench_transfer"),
-    "overhead": ("_bench_overhead", "run_bench_overhead"),
-    "explore": ("_explore_cli", "run_bench_explore"),
-    "tree": ("_bench_tree", "run_bench_tree"),
-    "logging": ("_bench_logging", "run_bench_logging"),
-    "replay": ("_bench_replay", "run_bench_replay"),
-    "trace": ("_bench_trace", "run_bench_trace"),
-    "storage": ("_bench_storage", "run_bench_storage"),
+    "transfer": ("hicache.runtime.bench._transfer", "run_bench_transfer"),
+    "overhead": ("hicache.runtime.bench._overhead", "run_bench_overhead"),
+    "explore": ("hicache.runtime.cli._explore", "run_bench_explore"),
+    "tree": ("hicache.runtime.bench._tree", "run_bench_tree"),
+    "logging": ("hicache.runtime.bench._logging", "run_bench_logging"),
+    "replay": ("hicache.runtime.bench._replay", "run_bench_replay"),
+    "trace": ("hicache.runtime.bench._trace", "run_bench_trace"),
+    "storage": ("hicache.runtime.bench._storage", "run_bench_storage"),
 }
 """Each benchmark: the module and function that run it."""
 
@@ -313,6 +312,3 @@ _COMMANDS: Final[dict[str, Callable[[argparse.Namespace], int]]] = {
     "demo": _demo, "simulate": _simulate, "explore": _explore, "replay": _replay, "soak": _soak, "bench": _bench,
 }
 
-
-if __name__ == "__main__":
-    sys.exit(main())

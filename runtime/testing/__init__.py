@@ -1,4 +1,7 @@
-"""Public testing helpers: a probe that stands in for an actor and records its mail.
+"""What tests and exploration use: a probe that stands in for an actor and records its
+mail, captured log events, the deterministic runtime and its strategies, exploration
+and its mutants, the reference scheduler with the fingerprint oracle, log replay, and a
+local Mooncake master.
 
 Until an actor exists (or to watch what reaches one), start a `Probe` under its
 name: `System(config, stand_ins=(ActorName.TREE,), stand_in=Probe)`. Tests then wait
@@ -15,7 +18,66 @@ from typing import Any, TypeVar
 
 from hicache.messages import Message
 
-from ._inbox import DEFAULT_RECEIVE_TIMEOUT_S, Inbox
+from .._inbox import DEFAULT_RECEIVE_TIMEOUT_S, Inbox
+from ._deterministic import (
+    BlockingGetError,
+    DeadlockError,
+    DeterministicFuture,
+    DeterministicRuntime,
+    LivelockError,
+    Step,
+    VirtualClock,
+    replay_choices,
+)
+from ._mooncake_master import MasterStartError, MooncakeMaster
+from ._mutants import MUTANTS, Mutant, mutant
+from ._replay import Divergence, ReplayResult, replay_log
+from ._scheduler import (
+    FakeModel,
+    ForwardStep,
+    Outcome,
+    ReferenceScheduler,
+    SchedulerConfig,
+    ServeRequest,
+    StepModel,
+)
+from ._strategies import PCTStrategy, RandomStrategy, ReplayStrategy, ScheduleDivergedError, Strategy
+from .oracle import FingerprintMismatchError, FingerprintOracle
+
+__all__ = [
+    "MUTANTS",
+    "BlockingGetError",
+    "DeadlockError",
+    "DeterministicFuture",
+    "DeterministicRuntime",
+    "Divergence",
+    "FakeModel",
+    "FingerprintMismatchError",
+    "FingerprintOracle",
+    "ForwardStep",
+    "LivelockError",
+    "MasterStartError",
+    "MooncakeMaster",
+    "Mutant",
+    "Outcome",
+    "PCTStrategy",
+    "Probe",
+    "RandomStrategy",
+    "ReferenceScheduler",
+    "ReplayResult",
+    "ReplayStrategy",
+    "ScheduleDivergedError",
+    "SchedulerConfig",
+    "ServeRequest",
+    "Step",
+    "StepModel",
+    "Strategy",
+    "VirtualClock",
+    "capture_logs",
+    "mutant",
+    "replay_choices",
+    "replay_log",
+]
 
 M = TypeVar("M", bound=Message)
 

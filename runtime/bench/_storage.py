@@ -56,9 +56,9 @@ from hicache.actors import (
     page_keys,
 )
 
-from ._bench_cli import progress_bar, report
-from ._bench_transfer import _machine
-from ._mooncake_master import MasterStartError, MooncakeMaster
+from ._cli import progress_bar, report
+from ._transfer import _machine
+from ..testing._mooncake_master import MasterStartError, MooncakeMaster
 from hicache.messages.config import Config, DeviceKind, HostLayout
 
 SHAPES: dict[str, dict[str, Any]] = {

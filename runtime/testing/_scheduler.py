@@ -45,10 +45,10 @@ import torch
 
 from hicache.actors import KVShape
 
-from ._facade import CacheHandle, HiCache, Insufficient, Request
+from .._facade import CacheHandle, HiCache, Insufficient, Request
 from hicache.actors._layers import LayerWaiter, LoadFailedError
 from .oracle import FingerprintOracle
-from .trace import VOCAB_SIZE
+from ..trace import VOCAB_SIZE
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
