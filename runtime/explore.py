@@ -1,0 +1,43 @@
+"""Exploration of schedules, where users import it: it lives in `hicache.runtime.testing.explore`."""
+
+from .testing.explore import (
+    DEFAULT_PCT_STEPS,
+    MUTANTS,
+    SCENARIOS,
+    TRACE_VERSION,
+    ExploreReport,
+    MutantResult,
+    QuiescenceError,
+    Scenario,
+    ScheduleResult,
+    check_quiescent,
+    explore,
+    hunt_mutants,
+    make_strategy,
+    misuse,
+    replay,
+    run_schedule,
+    synthetic_workload,
+    write_failure,
+)
+
+__all__ = [
+    "DEFAULT_PCT_STEPS",
+    "MUTANTS",
+    "SCENARIOS",
+    "TRACE_VERSION",
+    "ExploreReport",
+    "MutantResult",
+    "QuiescenceError",
+    "Scenario",
+    "ScheduleResult",
+    "check_quiescent",
+    "explore",
+    "hunt_mutants",
+    "make_strategy",
+    "misuse",
+    "replay",
+    "run_schedule",
+    "synthetic_workload",
+    "write_failure",
+]
