@@ -1,9 +1,5 @@
 """The actors and the plain cores they wrap."""
 
-import warnings as _warnings
-
-_warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-
 from ._actor import Directory, HiActor, Mail, WrongSenderError
 from ._device import DeviceAllocatorActor
 from ._device_core import RELEASED_REMEMBERED_MAX, DeviceCore, Insufficient, PageOwner

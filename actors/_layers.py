@@ -17,6 +17,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 
 class LoadFailedError(RuntimeError):
     """The load batch the forward pass waits on failed; its KV is not valid."""
@@ -97,8 +99,6 @@ class LayerDoneRing:
                 raise LoadFailedError(f"load batch {batch} failed: {slot.failure}")
             event = slot.events[layer] if slot.events else None
         if event is not None:
-            import torch
-
             torch.cuda.current_stream().wait_event(event)
 
     def _ready(self, batch: int, layer: int) -> bool:

@@ -1,10 +1,5 @@
 """Immutable messages exchanged by the actors, the `Config` they are built from, their index value type and codec."""
 
-import warnings as _warnings
-
-# torch warns at import when numpy is absent; hicache does not use numpy.
-_warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-
 from ._codec import CodecError, decode, encode
 from ._index import EMPTY, Indices, Tokens
 from ._registry import ENUM_TYPES, MESSAGE_TYPES, Message, field_names, message, wire_enum

@@ -1,4 +1,10 @@
-"""Configuration, the actor base and runtimes, the system wiring, and public tools.
+"""What an engine embeds: `Config`, the `HiCache` facade, the `System` of actors and its
+runtime, tensor-parallel groups, metrics and the delivery log.
+
+The tools have rooms of their own: `hicache.runtime.testing` (the deterministic runtime,
+exploration, mutants, probes, the reference scheduler and oracle, log replay),
+`hicache.runtime.demo` (the demo, a model served over the cache, the simulator),
+`hicache.runtime.bench` and `hicache.runtime.cli` (the `hicache` command).
 
 Every name below is imported from its module on first use (PEP 562), so that importing a
 module of this package (the command line's parser, say) loads nothing else: torch and
@@ -6,46 +12,26 @@ the actors come in with the first name that needs them.
 """
 
 import importlib as _importlib
-import warnings as _warnings
-
-# torch warns at import when numpy is absent; hicache does not use numpy.
-_warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-
 _EXPORTS: dict[str, tuple[str, ...]] = {
-    "hicache.actors._actor": ("Directory", "HiActor", "Mail", "WrongSenderError"),
-    "testing._deterministic": (
-        "BlockingGetError", "DeadlockError", "DeterministicFuture", "DeterministicRuntime", "LivelockError",
-        "Step", "VirtualClock", "replay_choices"
-    ),
-    "_executor": ("SerialExecutor",),
-    "_inbox": ("Inbox",),
-    "_facade": (
-        "AdmitResult", "CacheHandle", "CacheStateError", "Closed", "ExpiredHandleError", "HiCache",
-        "HiCacheStatistics", "Insufficient", "Request", "RequestError"
-    ),
-    "_log": ("LOG_VERSION", "DeliveryLog", "rewrite_log"),
-    "_log_reader": ("Delivery", "LogEnd", "LogReader", "ParsedLog", "ReplayLogError", "RunHeader", "read_log"),
-    "_engine_kv": ("DeviceKV", "KVArgumentError", "SlotIndex"),
-    "demo._model_runner": ("Generation", "KVObserver", "ModelRunner", "ModelRunnerError", "PoolCache"),
-    "demo._tiny_model": ("tiny_llama",),
-    "testing._mooncake_master": ("MasterStartError", "MooncakeMaster"),
-    "testing._replay": ("Divergence", "ReplayResult", "replay_log"),
-    "_group": ("Group", "RankDivergenceError", "SingleGroup", "TorchGroup"),
-    "hicache.actors._layers": ("LayerDoneRing", "LayerWaiter", "LoadFailedError", "StaleWaiterError"),
-    "_metrics": ("start_metrics_exporter",),
-    "_facade_types": ("TierStatistics",),
-    "_timings": ("TimedLayerWaiter",),
-    "testing._strategies": ("PCTStrategy", "RandomStrategy", "ReplayStrategy", "ScheduleDivergedError", "Strategy"),
-    "hicache.actors._services": ("FailedTransfers", "FaultPlan", "IdSource", "NoFaults", "SeededFaults", "Services"),
-    "_system": ("DEFAULT_ASK_TIMEOUT_S", "ActorFailedError", "System", "ThreadedRuntime"),
     "config": (
         "DTYPES", "Available", "Config", "ConfigError", "DeviceKind", "EvictionPolicy", "HostLayout",
         "PrefetchPolicy", "StorageKind", "WritePolicy", "check_resources"
     ),
-    "testing._mutants": ("MUTANTS", "Mutant", "mutant"),
-    "testing._scheduler": (
-        "FakeModel", "ForwardStep", "Outcome", "ReferenceScheduler", "SchedulerConfig", "ServeRequest", "StepModel"
+    "_facade": (
+        "AdmitResult", "CacheHandle", "CacheStateError", "Closed", "ExpiredHandleError", "HiCache",
+        "HiCacheStatistics", "Insufficient", "Request", "RequestError"
     ),
+    "_facade_types": ("TierStatistics",),
+    "_engine_kv": ("DeviceKV", "KVArgumentError", "SlotIndex"),
+    "_group": ("Group", "RankDivergenceError", "SingleGroup", "TorchGroup"),
+    "_timings": ("TimedLayerWaiter",),
+    "_metrics": ("start_metrics_exporter",),
+    "_system": ("DEFAULT_ASK_TIMEOUT_S", "ActorFailedError", "System", "ThreadedRuntime"),
+    "_executor": ("SerialExecutor",),
+    "_inbox": ("Inbox",),
+    "hicache.actors": ("LayerDoneRing", "LayerWaiter", "LoadFailedError", "StaleWaiterError"),
+    "_log": ("LOG_VERSION", "DeliveryLog", "rewrite_log"),
+    "_log_reader": ("Delivery", "LogEnd", "LogReader", "ParsedLog", "ReplayLogError", "RunHeader", "read_log"),
 }
 """Each private module, and the public names it defines."""
 

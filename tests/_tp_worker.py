@@ -51,7 +51,8 @@ class Diverged(AssertionError):
 def serve(group: Any, rank: int, size: int, storage_dir: str, write: str, prefetch: str) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from hicache.runtime import Config, HiCache, PrefetchPolicy, SeededFaults, StorageKind, ThreadedRuntime, WritePolicy
+    from hicache.actors import SeededFaults
+    from hicache.runtime import Config, HiCache, PrefetchPolicy, StorageKind, ThreadedRuntime, WritePolicy
     from hicache.runtime.testing._scheduler import ReferenceScheduler, SchedulerConfig, ServeRequest
     from hicache.runtime.testing.explore import synthetic_workload
 

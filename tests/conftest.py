@@ -52,15 +52,9 @@ from hicache.messages import (
     WriteKV,
 )
 from hicache.runtime.testing import Probe
-from hicache.runtime import (
-    Config,
-    DeterministicRuntime,
-    FaultPlan,
-    HostLayout,
-    LoadFailedError,
-    System,
-    ThreadedRuntime,
-)
+from hicache.actors import FaultPlan
+from hicache.runtime import Config, HostLayout, LoadFailedError, System, ThreadedRuntime
+from hicache.runtime.testing import DeterministicRuntime
 from hicache.runtime.testing.oracle import FingerprintOracle
 
 GATE_TIMEOUT_S = 10.0

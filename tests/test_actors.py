@@ -37,7 +37,8 @@ from hicache.messages import (
     WriteFailed,
     WriteKV,
 )
-from hicache.runtime import Config, FailedTransfers, HostLayout, LoadFailedError, Mail
+from hicache.actors import FailedTransfers, Mail
+from hicache.runtime import Config, HostLayout, LoadFailedError
 from hicache.runtime.testing.oracle import FingerprintMismatchError
 
 S = HostSlotState

@@ -33,7 +33,8 @@ from hicache.messages import (
     WriteKV,
 )
 from hicache.runtime.testing import Probe
-from hicache.runtime import ActorFailedError, Config, System, ThreadedRuntime, WrongSenderError
+from hicache.actors import WrongSenderError
+from hicache.runtime import ActorFailedError, Config, System, ThreadedRuntime
 from hicache.actors._services import Failures
 
 S = HostSlotState

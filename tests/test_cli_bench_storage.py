@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from hicache.runtime import MasterStartError
+from hicache.runtime.testing import MasterStartError
 from hicache.runtime import _bench_storage
 from hicache.runtime.cli import main
 

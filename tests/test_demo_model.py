@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from hicache.runtime import tiny_llama
+from hicache.runtime.demo import tiny_llama
 from hicache.runtime.demo._demo_model import Workload, run_model_demo
 from hicache.runtime.cli import main
 

@@ -25,7 +25,8 @@ from hicache.messages import (
     StreamStatistics,
 )
 from hicache.runtime.testing import Probe
-from hicache.runtime import Config, HiActor, System
+from hicache.actors import HiActor
+from hicache.runtime import Config, System
 from hicache.actors._actor import Directory, Mail
 from hicache.runtime.testing._deterministic import (
     BlockingGetError,

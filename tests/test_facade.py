@@ -23,9 +23,8 @@ import torch
 
 from hicache.actors import KVShape
 from hicache.messages import ActorName, LedgerEntry
+from hicache.actors import NoFaults
 from hicache.runtime import (
-    WritePolicy,
-    NoFaults,
     CacheHandle,
     Config,
     ExpiredHandleError,
@@ -34,6 +33,7 @@ from hicache.runtime import (
     LoadFailedError,
     Request,
     RequestError,
+    WritePolicy,
 )
 from hicache.runtime.testing.oracle import FingerprintOracle
 

@@ -15,16 +15,9 @@ from typing import Any
 import pytest
 
 from hicache.messages import ActorName, FreeHostSlots, Indices
-from hicache.runtime import (
-    Config,
-    DeterministicRuntime,
-    HiCache,
-    LogReader,
-    SeededFaults,
-    read_log,
-    replay_log,
-    rewrite_log,
-)
+from hicache.actors import SeededFaults
+from hicache.runtime import Config, HiCache, LogReader, read_log, rewrite_log
+from hicache.runtime.testing import DeterministicRuntime, replay_log
 from hicache.runtime import _log, _log_reader
 from hicache.runtime.testing._scheduler import ReferenceScheduler, SchedulerConfig
 from hicache.runtime.cli import main

@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from hicache.messages import ActorName, EvictHost, Evicted, FreeHostSlots, Indices, WriteDone
-from hicache.runtime import Config, DeterministicRuntime, HiCache, LogReader, Request, ThreadedRuntime, read_log
+from hicache.runtime import Config, HiCache, LogReader, Request, ThreadedRuntime, read_log
+from hicache.runtime.testing import DeterministicRuntime
 from hicache.runtime import _log
 from hicache.runtime.cli import main
 

@@ -18,16 +18,8 @@ import pytest
 import torch
 
 from hicache.messages import ActorName
-from hicache.runtime import (
-    CacheHandle,
-    CacheStateError,
-    Config,
-    DeterministicRuntime,
-    HiCache,
-    Request,
-    RequestError,
-    ThreadedRuntime,
-)
+from hicache.runtime import CacheHandle, CacheStateError, Config, HiCache, Request, RequestError, ThreadedRuntime
+from hicache.runtime.testing import DeterministicRuntime
 
 from conftest import make_runtime
 
@@ -131,7 +123,8 @@ def test_a_malformed_argument_is_one_request_error_and_the_cache_keeps_working(
 def test_with_a_delivery_log_a_huge_count_is_refused_at_the_facade_and_the_log_replays(
     make_config: Callable[..., Config], tmp_path: Path
 ) -> None:
-    from hicache.runtime import read_log, replay_log
+    from hicache.runtime import read_log
+    from hicache.runtime.testing import replay_log
 
     log = tmp_path / "misuse.log"
     with HiCache(make_config(log_path=str(log))) as hc:

@@ -17,24 +17,19 @@ import pytest
 import torch
 
 from hicache.messages import ActorName
+from hicache.actors import NoFaults
 from hicache.runtime import (
     Config,
-    Generation,
     HiCache,
     HostLayout,
-    ModelRunner,
-    ModelRunnerError,
-    NoFaults,
     PrefetchPolicy,
-    ReferenceScheduler,
     Request,
-    SchedulerConfig,
-    ServeRequest,
     StorageKind,
     ThreadedRuntime,
     WritePolicy,
-    tiny_llama,
 )
+from hicache.runtime.demo import Generation, ModelRunner, ModelRunnerError, tiny_llama
+from hicache.runtime.testing import ReferenceScheduler, SchedulerConfig, ServeRequest
 from hicache.runtime.demo._tiny_model import TINY_SHAPE, incremental_drift
 
 LOGIT_TOLERANCE = 1e-4

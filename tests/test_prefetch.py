@@ -54,17 +54,9 @@ from hicache.messages import (
     StorePages,
     Tokens,
 )
-from hicache.runtime import (
-    AdmitResult,
-    Config,
-    DeadlockError,
-    DeterministicRuntime,
-    EvictionPolicy,
-    HiCache,
-    NoFaults,
-    Request,
-    RequestError,
-)
+from hicache.actors import NoFaults
+from hicache.runtime import AdmitResult, Config, EvictionPolicy, HiCache, Request, RequestError
+from hicache.runtime.testing import DeadlockError, DeterministicRuntime
 from hicache.runtime.testing._scheduler import ReferenceScheduler, SchedulerConfig
 from hicache.runtime.testing.explore import synthetic_workload
 from hicache.runtime.testing.oracle import FingerprintOracle

@@ -32,7 +32,8 @@ from hicache.messages import (
     StopPrefetch,
 )
 from hicache.runtime.testing import Probe
-from hicache.runtime import Config, HostLayout, MooncakeMaster, System, ThreadedRuntime
+from hicache.runtime import Config, HostLayout, System, ThreadedRuntime
+from hicache.runtime.testing import MooncakeMaster
 
 from conftest import TreeSide, small_config
 

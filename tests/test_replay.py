@@ -11,8 +11,10 @@ from typing import Any
 import pytest
 
 from hicache.messages import AllocateSlots, SlotDemand, decode, encode
-from hicache.runtime import LOG_VERSION, DeterministicRuntime, HiCache
-from hicache.runtime import read_log, replay_log, rewrite_log
+from hicache.runtime import LOG_VERSION, HiCache
+from hicache.runtime.testing import DeterministicRuntime
+from hicache.runtime import read_log, rewrite_log
+from hicache.runtime.testing import replay_log
 from hicache.runtime.cli import main
 from hicache.messages.config import Config
 from hicache.runtime.testing.explore import synthetic_workload

@@ -27,7 +27,8 @@ import torch
 
 from hicache.actors import DeviceCore, HostCore, Insufficient, LedgerError, PageOwner, SlotStateError, copy_kv
 from hicache.messages import ActorName, HostSlotState, Indices, LoadDone, ReleaseReason, WriteDone
-from hicache.runtime import Config, FailedTransfers, HostLayout
+from hicache.actors import FailedTransfers
+from hicache.runtime import Config, HostLayout
 from hicache.runtime.testing.oracle import FingerprintOracle
 
 from conftest import pages_to_slots

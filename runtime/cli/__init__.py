@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Final, NoReturn
@@ -190,7 +189,6 @@ def _bench_args(bench: argparse.ArgumentParser) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     args = _parser().parse_args(argv)
     prog = f"hicache {args.command}" + (f" {args.bench}" if args.command == "bench" else "")
     try:
@@ -215,7 +213,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     """Errors that mean the user's input or environment is wrong, not the program (their
     modules are loaded by the command that raised them)."""
     from hicache.actors import StorageError
-    from hicache.runtime import ConfigError, MasterStartError, ReplayLogError
+    from hicache.runtime import ConfigError, ReplayLogError
+    from hicache.runtime.testing import MasterStartError
     from hicache.runtime.trace import TraceError
 
     return (ConfigError, StorageError, MasterStartError, ReplayLogError, TraceError)

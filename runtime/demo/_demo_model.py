@@ -38,6 +38,7 @@ from rich.table import Table
 from ._demo import CostModel
 from .._facade import HiCache, Request
 from ._model_runner import Generation, ModelRunner
+from ._tiny_model import tiny_llama
 from hicache.messages.config import Config
 
 TIERS = ("none", "L1", "L2", "L3")
@@ -96,8 +97,6 @@ def run_model_demo(model_arg: str, as_json: bool = False, cost: CostModel | None
 
 def _load(arg: str) -> tuple[Any, str]:
     if arg == "tiny":
-        from ._tiny_model import tiny_llama
-
         return tiny_llama(seed=0), "tiny (random Llama, float32)"
     path = Path(arg)
     if not (path / "config.json").is_file():

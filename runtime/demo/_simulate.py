@@ -34,6 +34,7 @@ from hicache.actors import KVShape, PageFormat
 from hicache.messages import Tokens
 
 from ._demo import CostModel, _percentile, _Run, _serve
+from ._simulate_plot import plot_sweep
 from ._progress import progress
 from ._simulate_cores import SimCores
 from ._simulate_trace import SimRequest
@@ -190,8 +191,6 @@ def run_simulate(*, trace: list[SimRequest], sweep: Sweep, no_kv: bool, cost: Co
             "page_size": sweep.page_size, "kv_bytes_per_token": sweep.kv_bytes_per_token,
             "cost_model": asdict(cost), "runs": [o.as_dict() for o in outcomes]}
     if plot is not None:
-        from ._simulate_plot import plot_sweep
-
         plot_sweep(outcomes, plot)
     if as_json:
         print(json.dumps(body))
