@@ -11,7 +11,7 @@ import time
 import pytest
 
 from hicache.runtime.testing import MasterStartError
-from hicache.runtime import _bench_storage
+from hicache.runtime.bench import _storage as _bench_storage
 from hicache.runtime.cli import main
 
 ROUNDING = 0.0005
