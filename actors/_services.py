@@ -1,4 +1,4 @@
-"""What actors take from their runtime: time, ids, randomness, faults, observation.
+"""What actors take from their runtime: time, ids, timers, faults, observation.
 
 Actor and core code never import `time`, `random`, `uuid` or `threading`; they
 ask `Services`. The threaded runtime fills it with real clocks and locks; the
@@ -197,7 +197,3 @@ class Services:
     """The `DeliveryLog` every delivery is written to, or None."""
     stopping: bool = False
     """The system is stopping: mail to an actor that already stopped is dropped, not an error."""
-
-    def rng(self, name: str) -> random.Random:
-        """A random source seeded by the runtime seed and `name` (stable across runs)."""
-        return random.Random(f"{self.seed}:{name}")
