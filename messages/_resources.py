@@ -12,14 +12,35 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from ._config_values import ConfigError, DeviceKind, StorageKind
 
-if TYPE_CHECKING:
-    from .config import Config
+
+class _Sizes(Protocol):
+    """What the check reads of a `Config` (which imports this module to run it)."""
+
+    @property
+    def device(self) -> DeviceKind: ...
+    @property
+    def storage(self) -> StorageKind: ...
+    @property
+    def page_size(self) -> int: ...
+    @property
+    def device_slots(self) -> int: ...
+    @property
+    def host_slots(self) -> int: ...
+    @property
+    def mooncake_segment_mb(self) -> int: ...
+    @property
+    def bytes_per_slot(self) -> int: ...
+    @property
+    def device_pages(self) -> int: ...
+    @property
+    def host_pages(self) -> int: ...
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Need:
@@ -44,14 +65,14 @@ class Available:
     host_free_bytes: int | None
 
     @classmethod
-    def of_machine(cls, config: Config) -> Available:
+    def of_machine(cls, config: _Sizes) -> Available:
         """This machine now; asks CUDA for free memory only when `config` puts the device buffer there."""
         cuda = torch.cuda.is_available()
         device_free = torch.cuda.mem_get_info()[0] if cuda and config.device is DeviceKind.CUDA else None
         return cls(cuda, device_free, host_available_bytes())
 
 
-def needs(config: Config) -> tuple[Need, ...]:
+def needs(config: _Sizes) -> tuple[Need, ...]:
     """Every allocation of size a `Config` sets, made when an instance starts."""
     bps, on_cuda = config.bytes_per_slot, config.device is DeviceKind.CUDA
     out = [
@@ -69,7 +90,7 @@ def needs(config: Config) -> tuple[Need, ...]:
     return tuple(out)
 
 
-def check_resources(config: Config, available: Available | None = None) -> None:
+def check_resources(config: _Sizes, available: Available | None = None) -> None:
     """Raise `ConfigError` when this machine (or `available`) cannot hold what `config` allocates.
 
     Call it when an instance starts, before any buffer is allocated."""
@@ -92,7 +113,7 @@ def check_resources(config: Config, available: Available | None = None) -> None:
             )
 
 
-def _advice(config: Config, part: list[Need], total: int, free: int) -> str:
+def _advice(config: _Sizes, part: list[Need], total: int, free: int) -> str:
     """The fix: how many slots of the largest buffer would fit, else which fields to lower."""
     biggest = max(part, key=lambda n: n.nbytes)
     if biggest.field in ("device_slots", "host_slots"):

@@ -1,8 +1,8 @@
 """Imports flow one way: messages -> actors -> runtime, and inside runtime from its top
 (what an engine embeds) to testing, demo, bench and the command line. An ast walk over
-every module of the three packages finds each import; an arrow the wrong way, a cycle,
-or an import inside a function (the usual way to dodge a cycle) fails, unless it is
-listed below with its reason."""
+every module of the three packages finds each import (those only for type checking
+too); an arrow the wrong way, a cycle, or an import inside a function (the usual way
+to dodge a cycle) fails, unless it is listed below with its reason."""
 
 from __future__ import annotations
 
@@ -57,7 +57,6 @@ class Arrow:
     target: str
     line: int
     in_function: bool
-    type_only: bool
 
 
 def _module_name(path: Path) -> str:
@@ -85,23 +84,18 @@ def _target(source: str, path: Path, node: ast.ImportFrom, alias: ast.alias) -> 
     return submodule if submodule in MODULES else base
 
 
-def _is_type_checking(node: ast.AST) -> bool:
-    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-
-
 def _arrows(source: str, path: Path) -> Iterator[Arrow]:
-    def walk(node: ast.AST, in_function: bool, type_only: bool) -> Iterator[Arrow]:
+    def walk(node: ast.AST, in_function: bool) -> Iterator[Arrow]:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, ast.Import):
                 for alias in child.names:
-                    yield Arrow(source, alias.name, child.lineno, in_function, type_only)
+                    yield Arrow(source, alias.name, child.lineno, in_function)
             elif isinstance(child, ast.ImportFrom):
                 for alias in child.names:
-                    yield Arrow(source, _target(source, path, child, alias), child.lineno, in_function, type_only)
-            yield from walk(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)),
-                            type_only or _is_type_checking(child))
+                    yield Arrow(source, _target(source, path, child, alias), child.lineno, in_function)
+            yield from walk(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)))
 
-    yield from walk(ast.parse(path.read_text(), str(path)), False, False)
+    yield from walk(ast.parse(path.read_text(), str(path)), False)
 
 
 ARROWS = [arrow for source, path in MODULES.items() for arrow in _arrows(source, path)]
@@ -154,7 +148,7 @@ def test_only_the_listed_modules_import_by_name_at_run_time() -> None:
 def test_the_module_level_imports_have_no_cycle() -> None:
     graph: dict[str, set[str]] = {m: set() for m in MODULES}
     for a in ARROWS:
-        if not a.in_function and not a.type_only and a.target in MODULES:
+        if not a.in_function and a.target in MODULES:
             graph[a.source].add(a.target)
             parent = a.target.rsplit(".", 1)[0]  # importing a module runs its package first
             if parent in MODULES and parent != a.source and not a.source.startswith(parent + "."):
