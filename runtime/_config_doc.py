@@ -15,7 +15,7 @@ from pathlib import Path
 
 from hicache.messages.config import Config
 
-START = "<!-- fields: made by `python -m hicache.runtime._config_doc`; edit runtime/config.py, not this table -->"
+START = "<!-- fields: made by `python -m hicache.runtime._config_doc`; edit messages/config.py, not this table -->"
 END = "<!-- end of fields -->"
 
 
