@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from hicache.actors._durations import DurationHistogram
-
 from hicache.actors._layers import LayerWaiter
 
 TIMED_CALLS: Final = ("admit", "prefetch", "ready", "allocate", "commit", "finish", "abort", "retract",

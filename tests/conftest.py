@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from hicache.actors import KVBuffer, KVShape
+from hicache.actors import FaultPlan, KVBuffer, KVShape
 from hicache.messages import (
     ActorName,
     AdoptLoadedSlots,
@@ -51,10 +51,8 @@ from hicache.messages import (
     WriteFailed,
     WriteKV,
 )
-from hicache.runtime.testing import Probe
-from hicache.actors import FaultPlan
 from hicache.runtime import Config, HostLayout, LoadFailedError, System, ThreadedRuntime
-from hicache.runtime.testing import DeterministicRuntime
+from hicache.runtime.testing import DeterministicRuntime, Probe
 from hicache.runtime.testing.oracle import FingerprintOracle
 
 GATE_TIMEOUT_S = 10.0

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from hicache.actors import FailedTransfers, Mail
 from hicache.messages import (
     ActorName,
     AllocateHost,
@@ -37,7 +38,6 @@ from hicache.messages import (
     WriteFailed,
     WriteKV,
 )
-from hicache.actors import FailedTransfers, Mail
 from hicache.runtime import Config, HostLayout, LoadFailedError
 from hicache.runtime.testing.oracle import FingerprintMismatchError
 

@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from hicache.actors import LedgerError, SlotStateError
+from hicache.actors import LedgerError, SlotStateError, WrongSenderError
+from hicache.actors._services import Failures
 from hicache.messages import (
     ActorName,
     AdoptLoadedSlots,
@@ -32,10 +33,8 @@ from hicache.messages import (
     StartLoads,
     WriteKV,
 )
-from hicache.runtime.testing import Probe
-from hicache.actors import WrongSenderError
 from hicache.runtime import ActorFailedError, Config, System, ThreadedRuntime
-from hicache.actors._services import Failures
+from hicache.runtime.testing import Probe
 
 S = HostSlotState
 TREE, DEVICE, HOST, WRITE, LOAD = ActorName.TREE, ActorName.DEVICE, ActorName.HOST, ActorName.WRITE, ActorName.LOAD

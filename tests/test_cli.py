@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from hicache.runtime import cli
-from hicache.runtime.demo._progress import LineProgress
 from hicache.runtime.cli import main
+from hicache.runtime.demo._progress import LineProgress
 
 
 def _refused(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:

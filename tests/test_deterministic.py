@@ -14,6 +14,8 @@ from typing import Any
 import pykka
 import pytest
 
+from hicache.actors import HiActor
+from hicache.actors._actor import Directory, Mail
 from hicache.messages import (
     ActorName,
     CopyLayer,
@@ -24,10 +26,8 @@ from hicache.messages import (
     StartLoads,
     StreamStatistics,
 )
-from hicache.runtime.testing import Probe
-from hicache.actors import HiActor
 from hicache.runtime import Config, System
-from hicache.actors._actor import Directory, Mail
+from hicache.runtime.testing import Probe
 from hicache.runtime.testing._deterministic import (
     BlockingGetError,
     DeadlockError,

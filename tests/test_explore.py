@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from hicache.messages import decode
-from hicache.runtime.testing import MUTANTS, mutant
 from hicache.runtime.cli import main
+from hicache.runtime.testing import MUTANTS, mutant
 from hicache.runtime.testing.explore import explore, hunt_mutants, replay, run_schedule, write_failure
 
 

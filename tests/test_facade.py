@@ -21,9 +21,8 @@ from typing import Any
 import pytest
 import torch
 
-from hicache.actors import KVShape
+from hicache.actors import KVShape, NoFaults
 from hicache.messages import ActorName, LedgerEntry
-from hicache.actors import NoFaults
 from hicache.runtime import (
     CacheHandle,
     Config,

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import torch
 
-from hicache.messages import ActorName
 from hicache.actors import NoFaults
+from hicache.messages import ActorName
 from hicache.runtime import (
     Config,
     HiCache,
@@ -29,8 +29,8 @@ from hicache.runtime import (
     WritePolicy,
 )
 from hicache.runtime.demo import Generation, ModelRunner, ModelRunnerError, tiny_llama
-from hicache.runtime.testing import ReferenceScheduler, SchedulerConfig, ServeRequest
 from hicache.runtime.demo._tiny_model import TINY_SHAPE, incremental_drift
+from hicache.runtime.testing import ReferenceScheduler, SchedulerConfig, ServeRequest
 
 LOGIT_TOLERANCE = 1e-4
 """Largest |logit| difference allowed from a no-cache full forward: about 7x the worst drift of

@@ -34,7 +34,7 @@ from typing import Any
 import pykka
 import pytest
 
-from hicache.actors import FileBackend, InvariantError, KVShape
+from hicache.actors import FileBackend, InvariantError, KVShape, NoFaults
 from hicache.actors._radix import NodeState, RadixTree
 from hicache.messages import (
     AdmitItem,
@@ -54,7 +54,6 @@ from hicache.messages import (
     StorePages,
     Tokens,
 )
-from hicache.actors import NoFaults
 from hicache.runtime import AdmitResult, Config, EvictionPolicy, HiCache, Request, RequestError
 from hicache.runtime.testing import DeadlockError, DeterministicRuntime
 from hicache.runtime.testing._scheduler import ReferenceScheduler, SchedulerConfig

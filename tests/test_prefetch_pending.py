@@ -19,8 +19,7 @@ import pytest
 import torch
 from mooncake.store import MooncakeDistributedStore
 
-from hicache.actors import KVBuffer, KVShape, open_backend, page_keys
-from hicache.actors import _mooncake
+from hicache.actors import KVBuffer, KVShape, _mooncake, open_backend, page_keys
 from hicache.actors._prefetch import STOP_RECHECK_S
 from hicache.messages import (
     ActorName,
@@ -31,9 +30,8 @@ from hicache.messages import (
     ReadPrefetch,
     StopPrefetch,
 )
-from hicache.runtime.testing import Probe
 from hicache.runtime import Config, HostLayout, System, ThreadedRuntime
-from hicache.runtime.testing import MooncakeMaster
+from hicache.runtime.testing import MooncakeMaster, Probe
 
 from conftest import TreeSide, small_config
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from hicache.messages import HostSlotState
 from hicache.actors import SeededFaults
+from hicache.messages import HostSlotState
 from hicache.runtime import HiCache, WritePolicy
 from hicache.runtime.testing._scheduler import ReferenceScheduler, SchedulerConfig
 from hicache.runtime.testing.explore import synthetic_workload

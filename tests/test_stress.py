@@ -25,9 +25,17 @@ from typing import Any, Protocol
 import pytest
 import torch
 
-from hicache.actors import DeviceCore, HostCore, Insufficient, LedgerError, PageOwner, SlotStateError, copy_kv
+from hicache.actors import (
+    DeviceCore,
+    FailedTransfers,
+    HostCore,
+    Insufficient,
+    LedgerError,
+    PageOwner,
+    SlotStateError,
+    copy_kv,
+)
 from hicache.messages import ActorName, HostSlotState, Indices, LoadDone, ReleaseReason, WriteDone
-from hicache.actors import FailedTransfers
 from hicache.runtime import Config, HostLayout
 from hicache.runtime.testing.oracle import FingerprintOracle
 

@@ -44,6 +44,7 @@ from typing import Any
 from rich.table import Table
 
 from hicache.messages import ActorName, decode
+from hicache.messages.config import DeviceKind
 
 from . import _overhead as overhead
 from ._cli import progress_bar, report
@@ -53,7 +54,6 @@ from .._facade import HiCache
 from .._log import ORJSON, PYBASE64, DeliveryLog
 from .._log_reader import Delivery, LogReader, ReplayLogError, read_log
 from .._system import ThreadedRuntime
-from hicache.messages.config import DeviceKind
 
 TARGET_US = 10.0
 TARGET_SLOWDOWN = 1.25

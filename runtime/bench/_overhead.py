@@ -77,12 +77,12 @@ from hicache.messages import (
     WriteDone,
     WriteKV,
 )
+from hicache.messages.config import Config, DeviceKind
 
 from ._cli import progress_bar, report
 from ._transfer import _machine
 from .._facade import HiCache, Request
 from .._system import ThreadedRuntime
-from hicache.messages.config import Config, DeviceKind
 from ..trace import load_trace
 
 TARGET_RATIO = 1.5

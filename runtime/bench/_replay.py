@@ -38,9 +38,10 @@ from pathlib import Path
 
 from rich.table import Table
 
-from hicache.messages import ActorName
-
 from hicache.actors._actor import HiActor
+from hicache.messages import ActorName
+from hicache.messages.config import Config, DeviceKind
+
 from ._cli import progress_bar, report
 from ._transfer import _machine
 from ..testing._deterministic import DeterministicRuntime
@@ -48,7 +49,6 @@ from .._facade import HiCache
 from .._log_reader import Delivery, ParsedLog, read_log
 from ..testing._replay import Rebuilt, replay_log
 from ..testing._scheduler import ReferenceScheduler, SchedulerConfig
-from hicache.messages.config import Config, DeviceKind
 from ..testing.explore import synthetic_workload
 
 TARGET_PER_S = 50_000.0

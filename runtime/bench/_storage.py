@@ -55,11 +55,11 @@ from hicache.actors import (
     open_backend,
     page_keys,
 )
+from hicache.messages.config import Config, DeviceKind, HostLayout
 
 from ._cli import progress_bar, report
 from ._transfer import _machine
 from ..testing._mooncake_master import MasterStartError, MooncakeMaster
-from hicache.messages.config import Config, DeviceKind, HostLayout
 
 SHAPES: dict[str, dict[str, Any]] = {
     "2MiB": {"layers": 32, "kv_heads": 8, "head_dim": 128, "dtype": "float16", "page_size": 16},

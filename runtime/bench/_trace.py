@@ -29,12 +29,12 @@ import torch
 from rich.table import Table
 
 from hicache.messages import FinishItem, Indices, ReleaseReason, Tokens
+from hicache.messages.config import Config, DeviceKind
 
 from ._cli import progress_bar, report
 from ._overhead import DirectCores
 from ._transfer import _machine
 from .._facade import HiCache, Insufficient, Request
-from hicache.messages.config import Config, DeviceKind
 from ..trace import load_trace
 
 PHASES = ("admit", "allocate", "commit", "finish")

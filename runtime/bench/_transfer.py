@@ -35,11 +35,11 @@ from hicache.messages import (
     WriteDone,
     WriteKV,
 )
+from hicache.messages.config import Config, DeviceKind, HostLayout
 
 from ._cli import progress_bar, report
 from .._system import System
 from ..testing import Probe
-from hicache.messages.config import Config, DeviceKind, HostLayout
 
 PAGE_SIZES = (16, 64, 256)
 LAYOUTS = (HostLayout.LAYER_FIRST, HostLayout.PAGE_FIRST)

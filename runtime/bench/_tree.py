@@ -38,10 +38,10 @@ from rich.table import Table
 
 from hicache.actors import RadixTree
 from hicache.messages import Indices, Tokens
+from hicache.messages.config import DeviceKind, EvictionPolicy
 
 from ._cli import progress_bar, report
 from ._transfer import _machine
-from hicache.messages.config import DeviceKind, EvictionPolicy
 from ..trace import VOCAB_SIZE
 
 TARGET_RATIO = 2.0

@@ -11,9 +11,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from hicache.actors._actor import Directory, HiActor, Mail
 from hicache.messages import ActorName, DrainWrites, Message
 
-from hicache.actors._actor import Directory, HiActor, Mail
 from ..testing._deterministic import DeterministicRuntime
 from ..demo._progress import progress
 from .._usage import UsageError

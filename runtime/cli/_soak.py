@@ -22,11 +22,12 @@ import threading
 import time
 from dataclasses import dataclass
 
+from hicache.actors._services import SeededFaults
+from hicache.messages.config import Config, PrefetchPolicy
+
 from .._facade import HiCache
 from ..testing._scheduler import ReferenceScheduler, SchedulerConfig, ServeRequest
-from hicache.actors._services import SeededFaults
 from .._system import ThreadedRuntime
-from hicache.messages.config import Config, PrefetchPolicy
 from ..testing.explore import check_quiescent
 from ..trace import load_trace
 

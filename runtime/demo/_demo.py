@@ -30,11 +30,12 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from hicache.messages.config import Config, PrefetchPolicy
+
 from .._facade import HiCache
 from ._progress import progress
 from ..testing._scheduler import ReferenceScheduler, SchedulerConfig, ServeRequest
 from .._usage import UsageError
-from hicache.messages.config import Config, PrefetchPolicy
 from ..trace import TRACE_RECORDS, TraceRequest, load_trace
 
 DEMO_REQUESTS = 600

@@ -35,11 +35,12 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from hicache.messages.config import Config
+
 from ._demo import CostModel
 from .._facade import HiCache, Request
 from ._model_runner import Generation, ModelRunner
 from ._tiny_model import tiny_llama
-from hicache.messages.config import Config
 
 TIERS = ("none", "L1", "L2", "L3")
 

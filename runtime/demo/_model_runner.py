@@ -27,11 +27,12 @@ from typing import Any, Protocol
 import torch
 from transformers import Cache, CacheLayerMixin
 
-from .._engine_kv import DeviceKV, SlotIndex
-from .._facade import AdmitResult, HiCache, Insufficient, Request
 from hicache.actors._layers import LayerWaiter, LoadFailedError
 from hicache.messages._model_shape import model_shape
 from hicache.messages.config import StorageKind
+
+from .._engine_kv import DeviceKV, SlotIndex
+from .._facade import AdmitResult, HiCache, Insufficient, Request
 
 LOAD_ATTEMPTS_MAX = 3
 """Admissions of one request whose load-back failed before `generate` gives up (each failure

@@ -32,6 +32,7 @@ from rich.table import Table
 
 from hicache.actors import KVShape, PageFormat
 from hicache.messages import Tokens
+from hicache.messages.config import DTYPES, Config
 
 from ._demo import CostModel, _percentile, _Run, _serve
 from ._simulate_plot import plot_sweep
@@ -39,7 +40,6 @@ from ._progress import progress
 from ._simulate_cores import SimCores
 from ._simulate_trace import SimRequest
 from .._usage import UsageError
-from hicache.messages.config import DTYPES, Config
 
 _UNITS: Final = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}
 _BYTE_UNITS: Final = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,

@@ -52,7 +52,6 @@ from hicache.messages import (
     Tokens,
     WriteKV,
 )
-
 from hicache.messages.config import Config, StorageKind
 
 

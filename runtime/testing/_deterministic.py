@@ -34,11 +34,11 @@ from typing import Any, TypeVar
 import pykka
 from pykka._envelope import Envelope
 
-from hicache.messages import ActorName
-
 from hicache.actors._actor import HiActor, Mail
 from hicache.actors._layers import LayerDoneRing
 from hicache.actors._services import DeliveryObserver, FaultPlan, Failures, IdSource, NoFaults, Services
+from hicache.messages import ActorName
+
 from ._strategies import RandomStrategy, Strategy
 
 T = TypeVar("T")

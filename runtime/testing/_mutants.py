@@ -26,6 +26,7 @@ from hicache.actors import (
     TreeCore,
     WriteStreamActor,
 )
+from hicache.actors._actor import HiActor
 from hicache.actors._pages import Ints, as_list
 from hicache.actors._tree_core import _Prefetch
 from hicache.messages import (
@@ -41,8 +42,6 @@ from hicache.messages import (
     SetHostState,
     WriteDone,
 )
-
-from hicache.actors._actor import HiActor
 
 
 @dataclass(frozen=True, slots=True)

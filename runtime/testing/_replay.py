@@ -32,13 +32,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hicache.messages import ActorName, CodecError, Message, decode, encode
-
 from hicache.actors._actor import Directory, HiActor, Mail
 from hicache.actors._layers import LayerDoneRing
+from hicache.actors._services import Failures, IdSource, NoFaults, Services
+from hicache.messages import ActorName, CodecError, Message, decode, encode
+
 from .._log import error_text
 from .._log_reader import Delivery, LogReader, ParsedLog, ReplayLogError, RunHeader
-from hicache.actors._services import Failures, IdSource, NoFaults, Services
 from .._system import actor_specs
 
 

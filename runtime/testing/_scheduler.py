@@ -44,9 +44,9 @@ from typing import Protocol
 import torch
 
 from hicache.actors import KVShape
+from hicache.actors._layers import LayerWaiter, LoadFailedError
 
 from .._facade import CacheHandle, HiCache, Insufficient, Request
-from hicache.actors._layers import LayerWaiter, LoadFailedError
 from .oracle import FingerprintOracle
 from ..trace import VOCAB_SIZE
 

@@ -30,16 +30,16 @@ from typing import Any
 
 import torch
 
-from hicache.messages import ActorName, HostSlotState, encode
-
 from hicache.actors._actor import HiActor, Mail
-from ._deterministic import DeterministicRuntime
 from hicache.actors._services import SeededFaults
+from hicache.messages import ActorName, HostSlotState, encode
+from hicache.messages.config import Config, PrefetchPolicy, WritePolicy
+
+from ._deterministic import DeterministicRuntime
 from .._facade import CacheHandle, HiCache, Request, RequestError
 from ._mutants import MUTANTS, Mutant, mutant
 from ._scheduler import ReferenceScheduler, SchedulerConfig, ServeRequest
 from ._strategies import PCTStrategy, RandomStrategy, ReplayStrategy, Strategy
-from hicache.messages.config import Config, PrefetchPolicy, WritePolicy
 
 DEFAULT_PCT_STEPS = 3000
 """PCT's estimate of a schedule's length (change points are drawn within it)."""
