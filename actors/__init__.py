@@ -1,15 +1,13 @@
 """The actors and the plain cores they wrap."""
 
-import warnings as _warnings
-
-_warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-
+from ._actor import Directory, HiActor, Mail, WrongSenderError
 from ._device import DeviceAllocatorActor
 from ._device_core import RELEASED_REMEMBERED_MAX, DeviceCore, Insufficient, PageOwner
 from ._durations import DURATION_BOUNDS_S, DurationHistogram
 from ._errors import InvariantError, LedgerError, SlotStateError
 from ._host import HostPoolActor
 from ._host_core import HostCore
+from ._layers import LayerDoneRing, LayerWaiter, LoadFailedError, StaleWaiterError
 from ._kv import CopyPlan, KVBuffer, KVShape, copy_kv, runs
 from ._facts import Facts
 from ._mooncake import MooncakeBackend
@@ -28,15 +26,25 @@ from ._radix import (
     chain_hashes,
 )
 from ._file_backend import FileBackend
-from ._storage import StorageBackend, open_backend
+from ._storage import open_backend
 from ._stored_page import (
     KEY_CHARS_MAX,
     HostPages,
     PageFormat,
+    StorageBackend,
     StorageError,
     StorageIO,
     StorageUsage,
     page_keys,
+)
+from ._services import (
+    ActorFailedError,
+    FailedTransfers,
+    FaultPlan,
+    IdSource,
+    NoFaults,
+    SeededFaults,
+    Services,
 )
 from ._streams import LoadStreamActor, WriteStreamActor
 from ._tree import TreeActor
@@ -46,29 +54,40 @@ from ._transfer_core import Piece, TransferOp, TransferQueue
 __all__ = [
     "BACKED",
     "DURATION_BOUNDS_S",
+    "KEY_CHARS_MAX",
     "NODE_TRANSITIONS",
     "RELEASED_REMEMBERED_MAX",
     "RESIDENT",
-    "KEY_CHARS_MAX",
+    "ActorFailedError",
     "CopyPlan",
     "DeviceAllocatorActor",
     "DeviceCore",
+    "Directory",
     "DurationHistogram",
-    "FileBackend",
     "Facts",
+    "FailedTransfers",
+    "FaultPlan",
+    "FileBackend",
     "HandleError",
+    "HiActor",
     "HostCore",
-    "HostPages",
     "HostInsert",
+    "HostPages",
     "HostPoolActor",
+    "IdSource",
     "InsertOutcome",
     "Insufficient",
     "InvariantError",
     "KVBuffer",
     "KVShape",
+    "LayerDoneRing",
+    "LayerWaiter",
     "LedgerError",
+    "LoadFailedError",
     "LoadStreamActor",
+    "Mail",
     "MooncakeBackend",
+    "NoFaults",
     "Node",
     "NodeState",
     "NodeStateError",
@@ -77,17 +96,21 @@ __all__ = [
     "PagePool",
     "Piece",
     "RadixTree",
+    "SeededFaults",
+    "Services",
     "SlotStateError",
+    "StaleWaiterError",
     "StorageBackend",
     "StorageError",
     "StorageIO",
-    "StorageUsage",
     "StoragePrefetcherActor",
+    "StorageUsage",
     "TransferOp",
     "TransferQueue",
     "TreeActor",
     "TreeCore",
     "WriteStreamActor",
+    "WrongSenderError",
     "chain_hashes",
     "copy_kv",
     "open_backend",

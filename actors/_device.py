@@ -20,9 +20,9 @@ from hicache.messages import (
     SlotsInsufficient,
     SwapRequestPages,
 )
-from hicache.runtime._actor import Directory, HiActor
-from hicache.runtime._services import Services
-from hicache.runtime.config import Config
+from ._actor import Directory, HiActor
+from ._services import Services
+from hicache.messages.config import Config
 
 from ._device_core import DeviceCore, Insufficient, PageOwner
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hicache.messages import EMPTY, Indices, LedgerEntry, ReleaseReason
-from hicache.runtime.config import Config, DeviceKind, HostLayout
+from hicache.messages.config import Config, DeviceKind, HostLayout
 
 from ._errors import InvariantError, LedgerError, SlotStateError
 from ._kv import KVBuffer, KVShape

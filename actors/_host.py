@@ -12,9 +12,9 @@ from hicache.messages import (
     Message,
     SetHostState,
 )
-from hicache.runtime._actor import Directory, HiActor
-from hicache.runtime._services import Services
-from hicache.runtime.config import Config
+from ._actor import Directory, HiActor
+from ._services import Services
+from hicache.messages.config import Config
 
 from ._host_core import HostCore
 

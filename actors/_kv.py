@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hicache.runtime.config import Config, HostLayout
+from hicache.messages.config import Config, HostLayout
 
 from ._pages import Ints, Slots, as_tensor, ints
 

@@ -39,9 +39,9 @@ from hicache.messages import (
     StopPrefetch,
     StorePages,
 )
-from hicache.runtime._actor import Directory, HiActor
-from hicache.runtime._services import Services
-from hicache.runtime.config import Config
+from ._actor import Directory, HiActor
+from ._services import Services
+from hicache.messages.config import Config
 
 from ._durations import DurationHistogram
 from ._errors import InvariantError

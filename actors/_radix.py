@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from hicache.messages import Indices
-from hicache.runtime.config import EvictionPolicy
+from hicache.messages.config import EvictionPolicy
 
 from ._errors import InvariantError
 

@@ -36,10 +36,10 @@ from hicache.messages import (
     WriteFailed,
     WriteKV,
 )
-from hicache.runtime._actor import Directory, HiActor
-from hicache.runtime._layers import LayerDoneRing
-from hicache.runtime._services import Services
-from hicache.runtime.config import Config
+from ._actor import Directory, HiActor
+from ._layers import LayerDoneRing
+from ._services import Services
+from hicache.messages.config import Config
 
 from ._errors import InvariantError
 from ._kv import CopyPlan, KVBuffer, _Route

@@ -82,12 +82,12 @@ from hicache.messages import (
     TreeStatistics,
     WriteKV,
 )
-from hicache.runtime.config import Config, PrefetchPolicy, StorageKind, WritePolicy
+from hicache.messages.config import Config, PrefetchPolicy, StorageKind, WritePolicy
 
 from ._errors import InvariantError
 from ._facts import Facts
 from ._radix import BACKED, RESIDENT, Node, NodeState, RadixTree
-from ._storage import page_keys
+from ._stored_page import page_keys
 
 DEVICE, HOST, WRITE, LOAD, FACADE = ActorName.DEVICE, ActorName.HOST, ActorName.WRITE, ActorName.LOAD, ActorName.FACADE
 PREFETCH = ActorName.PREFETCH

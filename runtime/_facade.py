@@ -80,7 +80,7 @@ from hicache.messages import (
 )
 
 from . import _facade_types as check
-from ._actor import HiActor
+from hicache.actors._actor import HiActor
 from ._calls import Interrupts, Pending
 from ._engine_kv import DeviceKV
 from ._facade_types import (
@@ -95,12 +95,12 @@ from ._facade_types import (
     RequestError,
 )
 from ._group import Group, SingleGroup
-from ._layers import LayerWaiter
+from hicache.actors._layers import LayerWaiter
 from ._metrics import track, untrack
 from ._statistics import cache_statistics
 from ._timings import FacadeTimings
 from ._system import DEFAULT_ASK_TIMEOUT_S, Runtime, System
-from .config import Config
+from hicache.messages.config import Config
 
 FINISHED_REMEMBERED_MAX = 1 << 16
 """Ended request ids remembered to tell "finished twice" from "never admitted"."""

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from hicache.actors import KVBuffer, KVShape
+from hicache.actors import FaultPlan, KVBuffer, KVShape
 from hicache.messages import (
     ActorName,
     AdoptLoadedSlots,
@@ -51,16 +51,9 @@ from hicache.messages import (
     WriteFailed,
     WriteKV,
 )
-from hicache.runtime import (
-    Config,
-    DeterministicRuntime,
-    FaultPlan,
-    HostLayout,
-    LoadFailedError,
-    System,
-    ThreadedRuntime,
-)
-from hicache.runtime.oracle import FingerprintOracle
+from hicache.runtime import Config, HostLayout, LoadFailedError, System, ThreadedRuntime
+from hicache.runtime.testing import DeterministicRuntime, Probe
+from hicache.runtime.testing.oracle import FingerprintOracle
 
 GATE_TIMEOUT_S = 10.0
 """A held actor is let go after this long even if the test forgets (or fails) to open the gate."""
@@ -379,7 +372,7 @@ def start_system(runtime_kind: str) -> Iterator[Callable[..., TreeSide]]:
 
         def start(config: Config, *, faults: FaultPlan | None = None, observe: Any = None) -> TreeSide:
             runtime = make_runtime(runtime_kind, faults=faults, observe=observe)
-            system = stack.enter_context(System(config, runtime=runtime, stand_ins=(ActorName.TREE,)))
+            system = stack.enter_context(System(config, runtime=runtime, stand_ins=(ActorName.TREE,), stand_in=Probe))
             stack.callback(system.check_invariants)
             if isinstance(observe, Gate):
                 stack.callback(observe.open)  # runs first: never check or stop a held actor

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from hicache.actors import FailedTransfers, Mail
 from hicache.messages import (
     ActorName,
     AllocateHost,
@@ -37,8 +38,8 @@ from hicache.messages import (
     WriteFailed,
     WriteKV,
 )
-from hicache.runtime import Config, FailedTransfers, HostLayout, LoadFailedError, Mail
-from hicache.runtime.oracle import FingerprintMismatchError
+from hicache.runtime import Config, HostLayout, LoadFailedError
+from hicache.runtime.testing.oracle import FingerprintMismatchError
 
 S = HostSlotState
 TREE, DEVICE, HOST, WRITE, LOAD = ActorName.TREE, ActorName.DEVICE, ActorName.HOST, ActorName.WRITE, ActorName.LOAD

@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from hicache.actors import LedgerError, SlotStateError
+from hicache.actors import LedgerError, SlotStateError, WrongSenderError
+from hicache.actors._services import Failures
 from hicache.messages import (
     ActorName,
     AdoptLoadedSlots,
@@ -32,8 +33,8 @@ from hicache.messages import (
     StartLoads,
     WriteKV,
 )
-from hicache.runtime import ActorFailedError, Config, System, ThreadedRuntime, WrongSenderError
-from hicache.runtime._services import Failures
+from hicache.runtime import ActorFailedError, Config, System, ThreadedRuntime
+from hicache.runtime.testing import Probe
 
 S = HostSlotState
 TREE, DEVICE, HOST, WRITE, LOAD = ActorName.TREE, ActorName.DEVICE, ActorName.HOST, ActorName.WRITE, ActorName.LOAD
@@ -260,7 +261,7 @@ class _SignallingFailures(Failures):
 def test_a_told_programmer_error_stops_the_actor_and_the_next_call_says_so(make_config: Callable[..., Config]) -> None:
     runtime = ThreadedRuntime()
     failures = runtime.services.failures = _SignallingFailures()
-    with System(make_config(), runtime=runtime, stand_ins=(TREE,)) as system:
+    with System(make_config(), runtime=runtime, stand_ins=(TREE,), stand_in=Probe) as system:
         system.tell(HOST, FreeHostSlots(pages=Indices.of([0])), sender=TREE)  # never allocated
         assert failures.reported.wait(30)
         with pytest.raises(ActorFailedError, match=r"the host actor failed: illegal host page transition") as err:

@@ -34,7 +34,7 @@ from typing import Any
 import pykka
 import pytest
 
-from hicache.actors import FileBackend, InvariantError, KVShape, NodeState, RadixTree
+from hicache.actors import FileBackend, InvariantError, KVShape, NoFaults, NodeState, RadixTree
 from hicache.messages import (
     AdmitItem,
     AllocateHost,
@@ -53,20 +53,11 @@ from hicache.messages import (
     StorePages,
     Tokens,
 )
-from hicache.runtime import (
-    AdmitResult,
-    Config,
-    DeadlockError,
-    DeterministicRuntime,
-    EvictionPolicy,
-    HiCache,
-    NoFaults,
-    Request,
-    RequestError,
-)
-from hicache.runtime._scheduler import ReferenceScheduler, SchedulerConfig
-from hicache.runtime.explore import synthetic_workload
-from hicache.runtime.oracle import FingerprintOracle
+from hicache.runtime import AdmitResult, Config, EvictionPolicy, HiCache, Request, RequestError
+from hicache.runtime.testing import DeadlockError, DeterministicRuntime
+from hicache.runtime.testing._scheduler import ReferenceScheduler, SchedulerConfig
+from hicache.runtime.testing.explore import synthetic_workload
+from hicache.runtime.testing.oracle import FingerprintOracle
 
 from conftest import make_runtime, pages_to_slots, small_config
 from test_tree_core import Player

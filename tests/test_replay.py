@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 
 from hicache.messages import AllocateSlots, SlotDemand, decode, encode
-from hicache.runtime import LOG_VERSION, DeterministicRuntime, HiCache
-from hicache.runtime import read_log, replay_log, rewrite_log
+from hicache.messages.config import Config
+from hicache.runtime import LOG_VERSION, HiCache, read_log, rewrite_log
 from hicache.runtime.cli import main
-from hicache.runtime.config import Config
-from hicache.runtime.explore import synthetic_workload
-from hicache.runtime._scheduler import ReferenceScheduler, SchedulerConfig
+from hicache.runtime.testing import DeterministicRuntime, replay_log
+from hicache.runtime.testing._scheduler import ReferenceScheduler, SchedulerConfig
+from hicache.runtime.testing.explore import synthetic_workload
 
 
 def _logged_run(path: Path, runtime: Any = None, seed: int = 1) -> HiCache:

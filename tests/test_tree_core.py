@@ -63,7 +63,7 @@ from hicache.messages import (
     WriteKV,
 )
 from hicache.runtime import Config, HiCache, Request, WritePolicy
-from hicache.runtime.oracle import FingerprintOracle
+from hicache.runtime.testing.oracle import FingerprintOracle
 
 from conftest import make_runtime, pages_to_slots
 
