@@ -4,17 +4,19 @@ import warnings as _warnings
 
 _warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
-from ._device import DeviceAllocatorActor
+from hicache.messages import ActorName
+
+from ._device import DEVICE_ROUTES, DeviceAllocatorActor
 from ._device_core import RELEASED_REMEMBERED_MAX, DeviceCore, Insufficient, PageOwner
 from ._durations import DURATION_BOUNDS_S, DurationHistogram
 from ._errors import InvariantError, LedgerError, SlotStateError
-from ._host import HostPoolActor
+from ._host import HOST_ROUTES, HostPoolActor, HostSide
 from ._host_core import HostCore
 from ._kv import CopyPlan, KVBuffer, KVShape, copy_kv, runs
 from ._facts import Facts
 from ._mooncake import MooncakeBackend
 from ._pages import PagePool, pages_of, slots_of_pages
-from ._prefetch import StoragePrefetcherActor
+from ._prefetch import PREFETCH_ROUTES, StoragePrefetcherActor
 from ._radix import (
     BACKED,
     NODE_TRANSITIONS,
@@ -38,17 +40,30 @@ from ._stored_page import (
     StorageUsage,
     page_keys,
 )
-from ._streams import LoadStreamActor, WriteStreamActor
-from ._tree import TreeActor
+from ._routes import Route, Routes
+from ._streams import LOAD_ROUTES, WRITE_ROUTES, LoadStreamActor, WriteStreamActor
+from ._tree import TREE_ROUTES, TreeActor
 from ._tree_core import HandleError, TreeCore
 from ._transfer_core import Piece, TransferOp, TransferQueue
 
+ROUTES: dict[ActorName, Routes] = {
+    r.actor: r for r in (TREE_ROUTES, DEVICE_ROUTES, HOST_ROUTES, WRITE_ROUTES, LOAD_ROUTES, PREFETCH_ROUTES)
+}
+"""Each actor's route table, by its name (the facade is no actor: it has none)."""
+
 __all__ = [
     "BACKED",
+    "DEVICE_ROUTES",
     "DURATION_BOUNDS_S",
+    "HOST_ROUTES",
+    "LOAD_ROUTES",
     "NODE_TRANSITIONS",
+    "PREFETCH_ROUTES",
     "RELEASED_REMEMBERED_MAX",
     "RESIDENT",
+    "ROUTES",
+    "TREE_ROUTES",
+    "WRITE_ROUTES",
     "KEY_CHARS_MAX",
     "CopyPlan",
     "DeviceAllocatorActor",
@@ -61,6 +76,7 @@ __all__ = [
     "HostPages",
     "HostInsert",
     "HostPoolActor",
+    "HostSide",
     "InsertOutcome",
     "Insufficient",
     "InvariantError",
@@ -77,6 +93,8 @@ __all__ = [
     "PagePool",
     "Piece",
     "RadixTree",
+    "Route",
+    "Routes",
     "SlotStateError",
     "StorageBackend",
     "StorageError",
