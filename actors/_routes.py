@@ -52,25 +52,37 @@ class Routes(Mapping[type[Message], Route[T]]):
 
     def __init__(self, actor: ActorName, table: Mapping[type[Message], tuple[Any, ...]]) -> None:
         self.actor = actor
-        self._table: dict[type[Message], Route[T]] = {cls: _route(actor, cls, entry) for cls, entry in table.items()}
+        routes = {cls: _route(actor, cls, entry) for cls, entry in table.items()}
+        # Unpacked beside each route: a delivery reads a tuple, not two attributes.
+        self._table: dict[type[Message], tuple[tuple[ActorName, ...], Handler[T], Route[T]]] = {
+            cls: (r.senders, r.call, r) for cls, r in routes.items()
+        }
 
     def deliver(self, target: T, sender: ActorName, message: Message) -> Message | None:
-        """Check the sender of `message` and hand it to its handler on `target`; the reply."""
-        return self.check(sender, message).call(target, message)
+        """Check the sender of `message` and hand it to its handler on `target`; the reply.
+        Raises as `check` does (written out here: this is every delivery's path)."""
+        entry = self._table.get(type(message))
+        if entry is None:
+            raise self._unknown(message)
+        senders, call, route = entry
+        if sender not in senders:
+            raise self._refused(route, sender)
+        return call(target, message)
 
     def check(self, sender: ActorName, message: Message) -> Route[T]:
         """The route of `message` from `sender`, without handling it (for a driver that plays
         the actor itself): TypeError when the actor does not handle it, `WrongSenderError`
         when `sender` may not send it."""
-        route = self._table.get(type(message))
-        if route is None:
+        entry = self._table.get(type(message))
+        if entry is None:
             raise self._unknown(message)
+        route = entry[2]
         if sender not in route.senders:
             raise self._refused(route, sender)
         return route
 
     def __getitem__(self, cls: type[Message]) -> Route[T]:
-        return self._table[cls]
+        return self._table[cls][2]
 
     def __iter__(self) -> Iterator[type[Message]]:
         return iter(self._table)
