@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from hicache.messages import (
     ActorName,
@@ -22,9 +23,20 @@ from ._host_core import HostCore
 from ._routes import Routes
 
 
+class _Host(Protocol):
+    """What the host pool's routes act on: the actor itself, or a `HostSide` where a driver
+    runs the core without it."""
+
+    @property
+    def core(self) -> HostCore: ...
+
+    @property
+    def faults(self) -> FaultPlan: ...
+
+
 @dataclass(frozen=True, slots=True)
 class HostSide:
-    """What the host pool's routes act on: its core, and the faults the runtime injects
+    """A host core for the host pool's routes without the actor, with the faults to inject
     (a reservation refused as if the pool were short)."""
 
     core: HostCore
@@ -37,10 +49,14 @@ class HostPoolActor(HiActor):
     def __init__(self, *, config: Config, core: HostCore, services: Services, directory: Directory) -> None:
         super().__init__(services=services, directory=directory)
         self.core = core
-        self._side = HostSide(core, services.faults)
+
+    @property
+    def faults(self) -> FaultPlan:
+        """The runtime's faults, read at each reservation (an open delivery log wraps them)."""
+        return self._services.faults
 
     def handle(self, sender: ActorName, message: Message) -> Message | None:
-        return HOST_ROUTES.deliver(self._side, sender, message)
+        return HOST_ROUTES.deliver(self, sender, message)
 
     def check_invariants(self) -> None:
         self.core.check_invariants()
@@ -49,7 +65,7 @@ class HostPoolActor(HiActor):
         return HostStatistics.of(self.core.capacity_slots, self.core.counts())
 
 
-def _allocate(side: HostSide, m: AllocateHost) -> HostAllocated | HostInsufficient:
+def _allocate(side: _Host, m: AllocateHost) -> HostAllocated | HostInsufficient:
     pages = None if side.faults.host_exhausted(m.tokens) else side.core.allocate_pages(m.tokens)
     if pages is None:
         return HostInsufficient(op_id=m.op_id, requested_slots=m.tokens, free_slots=side.core.free_slots)
@@ -58,7 +74,7 @@ def _allocate(side: HostSide, m: AllocateHost) -> HostAllocated | HostInsufficie
 
 TREE = ActorName.TREE
 
-HOST_ROUTES: Routes[HostSide] = Routes(ActorName.HOST, {
+HOST_ROUTES: Routes[_Host] = Routes(ActorName.HOST, {
     SetHostState: (TREE, lambda side, m: side.core.transition(m.pages, m.state), "moving host slot states"),
     AllocateHost: (TREE, _allocate, "reserving host slots"),
     FreeHostSlots: (TREE, lambda side, m: side.core.free(m.pages), "freeing host slots"),

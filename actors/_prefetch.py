@@ -50,6 +50,8 @@ from ._pages import as_tensor, slots_of_pages
 from ._routes import Routes
 from ._stored_page import StorageUsage
 
+TREE = ActorName.TREE
+
 STOP_RECHECK_S = 0.05
 """How often a stop held back by a pending backend call looks again."""
 
@@ -226,8 +228,6 @@ class StoragePrefetcherActor(HiActor):
         if self._backend is not None:
             self._backend.close()
 
-
-TREE = ActorName.TREE
 
 PREFETCH_ROUTES: Routes[StoragePrefetcherActor] = Routes(ActorName.PREFETCH, {
     Prefetch: (TREE, StoragePrefetcherActor._on_prefetch, "looking up a prefetch in storage"),
