@@ -1,18 +1,20 @@
 """The actors and the plain cores they wrap."""
 
+from hicache.messages import ActorName
+
 from ._actor import Directory, HiActor, Mail, WrongSenderError
-from ._device import DeviceAllocatorActor
+from ._device import DEVICE_ROUTES, DeviceAllocatorActor
 from ._device_core import RELEASED_REMEMBERED_MAX, DeviceCore, Insufficient, PageOwner
 from ._durations import DURATION_BOUNDS_S, DurationHistogram
 from ._errors import InvariantError, LedgerError, SlotStateError
-from ._host import HostPoolActor
+from ._host import HOST_ROUTES, HostPoolActor, HostSide
 from ._host_core import HostCore
 from ._layers import LayerDoneRing, LayerWaiter, LoadFailedError, StaleWaiterError
 from ._kv import CopyPlan, KVBuffer, KVShape, copy_kv, runs
 from ._facts import Facts
 from ._mooncake import MooncakeBackend
 from ._pages import PagePool, pages_of, slots_of_pages
-from ._prefetch import StoragePrefetcherActor
+from ._prefetch import PREFETCH_ROUTES, StoragePrefetcherActor
 from ._radix import (
     BACKED,
     NODE_TRANSITIONS,
@@ -46,12 +48,28 @@ from ._services import (
     SeededFaults,
     Services,
 )
-from ._streams import LoadStreamActor, WriteStreamActor
-from ._tree import TreeActor
+from ._routes import Route, Routes
+from ._streams import LOAD_ROUTES, WRITE_ROUTES, LoadStreamActor, WriteStreamActor
+from ._tree import TREE_ROUTES, TreeActor
 from ._tree_core import HandleError, TreeCore
 from ._transfer_core import Piece, TransferOp, TransferQueue
 
+ROUTES: dict[ActorName, Routes] = {
+    r.actor: r for r in (TREE_ROUTES, DEVICE_ROUTES, HOST_ROUTES, WRITE_ROUTES, LOAD_ROUTES, PREFETCH_ROUTES)
+}
+"""Each actor's route table, by its name (the facade is no actor: it has none)."""
+
 __all__ = [
+    "Routes",
+    "Route",
+    "HostSide",
+    "WRITE_ROUTES",
+    "TREE_ROUTES",
+    "ROUTES",
+    "PREFETCH_ROUTES",
+    "LOAD_ROUTES",
+    "HOST_ROUTES",
+    "DEVICE_ROUTES",
     "BACKED",
     "DURATION_BOUNDS_S",
     "KEY_CHARS_MAX",

@@ -150,15 +150,6 @@ class HiActor(pykka.ThreadingActor, abc.ABC):
         """What this actor waits for (replies, acks), for deadlock reports. Override to tell."""
         return ()
 
-    def require_sender(self, sender: ActorName, allowed: ActorName, what: str) -> None:
-        """Fail loudly when `sender` is not the one actor allowed to send `what`."""
-        if sender is not allowed:
-            raise WrongSenderError(
-                f"{what} is accepted only from the {allowed.value} actor, got it from "
-                f"{sender.value} (invariant: only the {allowed.value} decides this; a second "
-                "deciding party double-frees and leaks)"
-            )
-
     @abc.abstractmethod
     def handle(self, sender: ActorName, message: Message) -> Message | None:
         """Handle one message; return the reply or None."""

@@ -44,7 +44,10 @@ from hicache.messages.config import Config
 from ._errors import InvariantError
 from ._kv import CopyPlan, KVBuffer, _Route
 from ._pages import Ints, ints
+from ._routes import Routes
 from ._transfer_core import TransferOp, TransferQueue, _concat_slots, batch_indices, op_problem
+
+TREE = ActorName.TREE
 
 _COPY_ERRORS = (RuntimeError, ValueError, IndexError)
 """What a torch copy raises on bad input or a device fault; reported as a failed transfer."""
@@ -134,22 +137,21 @@ class WriteStreamActor(HiActor):
         self._n = _Counters()
 
     def handle(self, sender: ActorName, message: Message) -> Message | None:
-        match message:
-            case WriteKV(op_id=op_id, device=dev, host=host):
-                refused = _enqueue(self._queue, self._n, sender, op_id, (dev, self._device), (host, self._host), "write")
-                if refused is not None:
-                    return WriteFailed(op_id=op_id, reason=refused)
-                self._schedule_drain()
-                return None
-            case DrainWrites():
-                self._drain_pending = False
-                self._copy_next_batch()
-                if len(self._queue):
-                    self._schedule_drain()
-                return None
-            case _:
-                self.unknown(message)
+        return WRITE_ROUTES.deliver(self, sender, message)
+
+    def _on_write(self, m: WriteKV) -> WriteFailed | None:
+        # The tree is the only sender its route admits: the requester the completion goes to.
+        refused = _enqueue(self._queue, self._n, TREE, m.op_id, (m.device, self._device), (m.host, self._host), "write")
+        if refused is not None:
+            return WriteFailed(op_id=m.op_id, reason=refused)
+        self._schedule_drain()
         return None
+
+    def _on_drain(self, m: DrainWrites) -> None:
+        self._drain_pending = False
+        self._copy_next_batch()
+        if len(self._queue):
+            self._schedule_drain()
 
     def _schedule_drain(self) -> None:
         if not self._drain_pending:
@@ -237,22 +239,16 @@ class LoadStreamActor(HiActor):
         self._n = _Counters()
 
     def handle(self, sender: ActorName, message: Message) -> Message | None:
-        match message:
-            case LoadKV(op_id=op_id, host=host, device=dev):
-                refused = _enqueue(self._queue, self._n, sender, op_id, (host, self._host), (dev, self._device), "load")
-                if refused is not None:
-                    return LoadFailed(op_id=op_id, reason=refused)
-                return None
-            case StartLoads():
-                return self._start()
-            case CopyLayer(batch=b, layer=layer):
-                self._copy_layer(b, layer)
-                return None
-            case _:
-                self.unknown(message)
+        return LOAD_ROUTES.deliver(self, sender, message)
+
+    def _on_load(self, m: LoadKV) -> LoadFailed | None:
+        # The tree is the only sender its route admits: the requester the completion goes to.
+        refused = _enqueue(self._queue, self._n, TREE, m.op_id, (m.host, self._host), (m.device, self._device), "load")
+        if refused is not None:
+            return LoadFailed(op_id=m.op_id, reason=refused)
         return None
 
-    def _start(self) -> LoadsStarted:
+    def _start(self, m: StartLoads) -> LoadsStarted:
         ops = self._queue.drain()
         if not ops:
             return LoadsStarted(batch=0, ops=())
@@ -273,7 +269,8 @@ class LoadStreamActor(HiActor):
         self._ring.begin(self._running.batch)
         self.send(self.name, CopyLayer(batch=self._running.batch, layer=0))
 
-    def _copy_layer(self, b: int, layer: int) -> None:
+    def _copy_layer(self, m: CopyLayer) -> None:
+        b, layer = m.batch, m.layer
         run = self._running
         if run is None or run.batch != b:
             raise AssertionError(f"load stream: CopyLayer for batch {b} but batch {run and run.batch} is running")
@@ -320,3 +317,19 @@ class LoadStreamActor(HiActor):
     def statistics(self) -> StreamStatistics:
         waiting = len(self._queue) + sum(len(b.ops) for b in self._started)
         return self._n.record(self._queue, waiting)
+
+
+WRITE_ROUTES: Routes[WriteStreamActor] = Routes(ActorName.WRITE, {
+    WriteKV: (TREE, WriteStreamActor._on_write, "copying device pages to host"),
+    DrainWrites: (ActorName.WRITE, WriteStreamActor._on_drain, "copying the next write batch"),
+})
+"""The write stream's messages: the tree's writes, and the note it sends itself to copy the
+next batch (after whatever else queued in its inbox)."""
+
+LOAD_ROUTES: Routes[LoadStreamActor] = Routes(ActorName.LOAD, {
+    LoadKV: (TREE, LoadStreamActor._on_load, "copying host pages to device"),
+    StartLoads: (ActorName.FACADE, LoadStreamActor._start, "starting the queued loads"),
+    CopyLayer: (ActorName.LOAD, LoadStreamActor._copy_layer, "copying the next layer of a load batch"),
+})
+"""The load stream's messages: the tree's loads, the scheduler's start before a forward pass,
+and the note it sends itself to copy the next layer."""

@@ -124,7 +124,7 @@ def test_allocating_for_a_finished_request_names_the_request(tree: Any) -> None:
     tree.release("req-7", Indices(), ReleaseReason.FINISHED)
     message = AllocateSlots(op_id=1, demands=(SlotDemand(request_id="req-7", tokens=4),), commits=())
     with pytest.raises(LedgerError, match="request 'req-7' was already released.*never allocate after finish"):
-        tree.ask(DEVICE, message)
+        tree.ask(DEVICE, message, sender=ActorName.FACADE)
     _still_running(tree, DEVICE)
     assert tree.statistics(DEVICE).free_slots == 64
     assert tree.allocate({"req-8": 4})["req-8"] == pages
@@ -135,7 +135,7 @@ def test_committing_more_than_was_allocated_is_refused(tree: Any) -> None:
     tree.commit("r", 2)
     message = CommitSlots(op_id=1, demands=(SlotDemand(request_id="r", tokens=5),))
     with pytest.raises(LedgerError, match=r"request 'r': committing 5 more slots would make committed=7 > allocated=6"):
-        tree.ask(DEVICE, message)
+        tree.ask(DEVICE, message, sender=ActorName.FACADE)
     _still_running(tree, DEVICE)
     assert tree.commit("r", 4).committed == 6
 

@@ -62,9 +62,9 @@ WORKLOAD = textwrap.dedent(
             s.tell(ActorName.HOST, SetHostState(pages=host, state=HostSlotState.WRITING), sender=T)
             for i in range(6):
                 s.tell(ActorName.WRITE, WriteKV(op_id=10 + i, device=dev[i: i + 1], host=host[i: i + 1]), sender=T)
-                s.tell(ActorName.DEVICE, CommitSlots(op_id=20 + i, demands=(SlotDemand(request_id="a", tokens=2),)),
-                       sender=T)
-            s.probes[T].collect(12)
+                s.tell(ActorName.DEVICE, CommitSlots(op_id=20 + i, demands=(SlotDemand(request_id="a", tokens=2),)))
+            s.probes[T].collect(6)
+            assert all(s.next_reply(5.0) is not None for _ in range(6))  # the six SlotsCommitted
             s.check_invariants()
         return hashlib.sha256("\\n".join(log).encode()).hexdigest(), len(log)
     """

@@ -45,7 +45,20 @@ from typing import Any
 import torch
 from rich.table import Table
 
-from hicache.actors import DeviceCore, HostCore, Insufficient, TransferOp, TransferQueue, TreeCore, copy_kv
+from hicache.actors import (
+    DEVICE_ROUTES,
+    HOST_ROUTES,
+    TREE_ROUTES,
+    WRITE_ROUTES,
+    DeviceCore,
+    HostCore,
+    HostSide,
+    Insufficient,
+    TransferOp,
+    TransferQueue,
+    TreeCore,
+    copy_kv,
+)
 from hicache.actors._pages import slots_of_pages
 from hicache.actors._transfer_core import batch_indices
 from hicache.messages import (
@@ -53,25 +66,15 @@ from hicache.messages import (
     AdmitItem,
     Admission,
     Admitted,
-    AdoptLoadedSlots,
-    AllocateHost,
-    AllocateLoadSlots,
-    Cached,
-    Evicted,
     FinishItem,
     Finished,
-    FreeDeviceSlots,
-    FreeHostSlots,
     GetStatistics,
     HostSlotState,
     Indices,
     LedgerEntry,
-    LoadKV,
     Message,
     ReleaseReason,
-    ReleaseRequests,
     SetHostState,
-    SwapRequestPages,
     Tokens,
     TreeStatistics,
     WriteDone,
@@ -131,7 +134,9 @@ class DirectCores:
     """`TreeCore`, `DeviceCore` and `HostCore` driven in this thread, no actors.
 
     Each call does what the facade's call does; the tree's outbox is delivered at
-    once, in order, to the core method the receiving actor's shell would call.
+    once, in order, through the receiving actor's route table (the device's and the
+    host's call their cores, as their shells do), and the replies go back through
+    the tree's.
     """
 
     def __init__(self, config: Config) -> None:
@@ -140,6 +145,7 @@ class DirectCores:
         self.tree = TreeCore(config, self._next_id)
         self.device = DeviceCore(config)
         self.host = HostCore(config)
+        self._host = HostSide(self.host)
         # The write stream's op merger/splitter: the same copy batches as the actor's.
         self.writes = TransferQueue(config.transfer_pages_max * config.page_size, config.transfer_queue_ops_max)
         self._replies: dict[int, Message] = {}
@@ -204,49 +210,35 @@ class DirectCores:
             copy_kv(self.device.kv, src, self.host.kv, dst)
             for piece in batch:
                 if piece.last:
-                    self.tree.on_write_done(piece.op.op_id)
+                    done = WriteDone(op_id=piece.op.op_id, slots=piece.op.slots)  # this queue counts slots
+                    TREE_ROUTES.deliver(self.tree, ActorName.WRITE, done)
 
     def _one(self, to: ActorName, message: Message) -> None:
-        tree, device, host = self.tree, self.device, self.host
-        match message:
-            case AllocateHost(op_id=op, tokens=n):
-                tree.on_host_allocated(op, host.allocate_pages(n))
-            case SetHostState(pages=idx, state=state):
-                host.transition(idx, state)
-            case FreeHostSlots(pages=idx):
-                host.free(idx)
-            case WriteKV(op_id=op, device=dev, host=dst):
-                p = self.device.page_size
-                src, to = slots_of_pages(dev.as_tensor(), p), slots_of_pages(dst.as_tensor(), p)
-                if not self.writes.push(TransferOp(op, ActorName.TREE, src, to)):
-                    raise RuntimeError("bench overhead: the write queue is full")
-                self._copy_writes()
-            case ReleaseRequests(op_id=op, releases=releases):
-                views = device.release_many([(r.request_id, r.adopt, r.reason) for r in releases])
-                tree.on_released(op, tuple(
-                    LedgerEntry(request_id=v.request_id, allocated=v.allocated, committed=v.committed, freed=v.freed)
-                    for v in views
-                ))
-            case SwapRequestPages(op_id=op, request_id=rid, adopt=adopt, free=free):
-                device.swap(rid, adopt, free)
-                tree.on_swapped(op)
-            case AllocateLoadSlots(op_id=op, tokens=n):
-                pages = device.allocate_load_pages(n)
-                if isinstance(pages, Insufficient):
-                    tree.on_load_slots(op, None, pages.shortfall_slots)
-                else:
-                    tree.on_load_slots(op, pages, 0)
-            case AdoptLoadedSlots(pages=idx):
-                device.adopt_loaded(idx)
-            case FreeDeviceSlots(pages=idx):
-                device.free_tree(idx)
-            case LoadKV():
-                raise RuntimeError("bench overhead: nothing is evicted in this workload, so nothing loads back")
-            case Admitted() | Finished() | Cached() | Evicted():
-                assert to is ActorName.FACADE, (to, message)
-                self._replies[message.op_id] = message
-            case _:
-                raise AssertionError(f"bench overhead: the direct driver has no route for {message!r} to {to.value}")
+        """One message of the tree's outbox, through its receiver's routes; a reply goes back
+        to the tree through the tree's."""
+        if to is ActorName.FACADE:
+            self._replies[message.op_id] = message  # type: ignore[attr-defined]
+            return
+        if to is ActorName.DEVICE:
+            reply = DEVICE_ROUTES.deliver(self.device, ActorName.TREE, message)
+        elif to is ActorName.HOST:
+            reply = HOST_ROUTES.deliver(self._host, ActorName.TREE, message)
+        elif to is ActorName.WRITE:
+            WRITE_ROUTES.check(ActorName.TREE, message)
+            self._write(message)  # type: ignore[arg-type]
+            return
+        else:
+            raise AssertionError(f"bench overhead: the direct side plays no {to.value} actor (nothing loads back or "
+                                 f"goes to storage in this workload), yet the tree sent it {message!r}")
+        if reply is not None:
+            TREE_ROUTES.deliver(self.tree, to, reply)
+
+    def _write(self, m: WriteKV) -> None:
+        p = self.device.page_size
+        src, dst = slots_of_pages(m.device.as_tensor(), p), slots_of_pages(m.host.as_tensor(), p)
+        if not self.writes.push(TransferOp(m.op_id, ActorName.TREE, src, dst)):
+            raise RuntimeError("bench overhead: the write queue is full")
+        self._copy_writes()
 
 
 # -- one tick on each side -----------------------------------------------------

@@ -20,36 +20,43 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from hicache.actors import DeviceCore, HostCore, Insufficient, TreeCore
+from hicache.actors import (
+    DEVICE_ROUTES,
+    HOST_ROUTES,
+    ROUTES,
+    TREE_ROUTES,
+    DeviceCore,
+    HostCore,
+    HostSide,
+    Insufficient,
+    TreeCore,
+)
 from hicache.messages import (
     ActorName,
     AdmitItem,
     Admitted,
-    AdoptLoadedSlots,
-    AllocateHost,
-    AllocateLoadSlots,
     Evicted,
     FinishItem,
     Finished,
-    FreeDeviceSlots,
-    FreeHostSlots,
     Indices,
-    LedgerEntry,
+    LoadDone,
     LoadKV,
     Message,
+    PagesStored,
     Prefetch,
     PrefetchEnd,
     PrefetchesSettled,
     PrefetchesStarted,
     PrefetchesStopped,
+    PrefetchHit,
+    PrefetchProgress,
+    PrefetchStopped,
     ReadPrefetch,
     ReleaseReason,
-    ReleaseRequests,
-    SetHostState,
     StopPrefetch,
     StorePages,
-    SwapRequestPages,
     Tokens,
+    WriteDone,
     WriteKV,
 )
 from hicache.messages.config import Config, StorageKind
@@ -104,7 +111,8 @@ class PageStore:
 
 
 class SimCores:
-    """The three cores in this thread, every transfer answered at once (see the module doc)."""
+    """The three cores in this thread, every transfer answered at once (see the module doc);
+    each message goes through its receiver's route table, as between the actors."""
 
     def __init__(self, config: Config, storage_pages: int | None = None) -> None:
         ids = itertools.count(1)
@@ -115,22 +123,16 @@ class SimCores:
         self.host = HostCore(config)
         self.store = PageStore(storage_pages) if config.storage is not StorageKind.NONE else None
         self._replies: dict[int, Message] = {}
-        self._routes: dict[type, Callable[[Any], None]] = {
-            AllocateHost: lambda m: self.tree.on_host_allocated(m.op_id, self.host.allocate_pages(m.tokens)),
-            SetHostState: lambda m: self.host.transition(m.pages, m.state),
-            FreeHostSlots: lambda m: self.host.free(m.pages),
-            WriteKV: lambda m: self.tree.on_write_done(m.op_id),
-            LoadKV: lambda m: self.tree.on_load_done(m.op_id),
-            ReleaseRequests: self._release,
-            SwapRequestPages: self._swap,
-            AllocateLoadSlots: self._load_slots,
-            AdoptLoadedSlots: lambda m: self.device.adopt_loaded(m.pages),
-            FreeDeviceSlots: lambda m: self.device.free_tree(m.pages),
+        self._host = HostSide(self.host)
+        self._played: dict[type[Message], Callable[[Any], Message]] = {
+            WriteKV: lambda m: WriteDone(op_id=m.op_id, slots=len(m.device) * config.page_size),
+            LoadKV: lambda m: LoadDone(op_id=m.op_id, batch=0, slots=len(m.device) * config.page_size),
             Prefetch: self._prefetch,
             ReadPrefetch: self._read_pages,
-            StopPrefetch: self._stop,
+            StopPrefetch: lambda m: PrefetchStopped(op_id=m.op_id, pages=self._read.pop(m.op_id, 0)),
             StorePages: self._store,
         }
+        """What the actors with no core here answer (the streams and the prefetcher), at once."""
         self._read: dict[int, int] = {}
         """Pages each prefetch read (all it was asked to, at once)."""
 
@@ -176,46 +178,39 @@ class SimCores:
         while tree.outbox:
             out, tree.outbox = tree.outbox, []
             for to, message in out:
-                if to is ActorName.FACADE:
-                    self._replies[message.op_id] = message  # type: ignore[attr-defined]
-                else:
-                    self._routes[type(message)](message)
+                self._one(to, message)
         got = self._replies.pop(op)
         assert isinstance(got, reply), got
         return got
 
-    def _release(self, m: ReleaseRequests) -> None:
-        views = self.device.release_many([(r.request_id, r.adopt, r.reason) for r in m.releases])
-        self.tree.on_released(m.op_id, tuple(
-            LedgerEntry(request_id=v.request_id, allocated=v.allocated, committed=v.committed, freed=v.freed)
-            for v in views))
-
-    def _swap(self, m: SwapRequestPages) -> None:
-        self.device.swap(m.request_id, m.adopt, m.free)
-        self.tree.on_swapped(m.op_id)
-
-    def _load_slots(self, m: AllocateLoadSlots) -> None:
-        pages = self.device.allocate_load_pages(m.tokens)
-        if isinstance(pages, Insufficient):
-            self.tree.on_load_slots(m.op_id, None, pages.shortfall_slots)
+    def _one(self, to: ActorName, message: Message) -> None:
+        """One message of the tree's outbox, through its receiver's routes; the answer goes back
+        to the tree through the tree's."""
+        if to is ActorName.FACADE:
+            self._replies[message.op_id] = message  # type: ignore[attr-defined]
+            return
+        if to is ActorName.DEVICE:
+            reply = DEVICE_ROUTES.deliver(self.device, ActorName.TREE, message)
+        elif to is ActorName.HOST:
+            reply = HOST_ROUTES.deliver(self._host, ActorName.TREE, message)
         else:
-            self.tree.on_load_slots(m.op_id, pages, 0)
+            ROUTES[to].check(ActorName.TREE, message)
+            reply = self._played[type(message)](message)
+        if reply is not None:
+            TREE_ROUTES.deliver(self.tree, to, reply)
 
-    def _prefetch(self, m: Prefetch) -> None:
+    def _prefetch(self, m: Prefetch) -> PrefetchHit:
         assert self.store is not None
-        self.tree.on_prefetch_hit(m.op_id, self.store.exists(m.keys))
+        return PrefetchHit(op_id=m.op_id, pages=self.store.exists(m.keys))
 
-    def _read_pages(self, m: ReadPrefetch) -> None:
+    def _read_pages(self, m: ReadPrefetch) -> PrefetchProgress:
         self._read[m.op_id] = m.pages  # instant: every page asked for has arrived
-        self.tree.on_prefetch_progress(m.op_id, m.pages, True)
+        return PrefetchProgress(op_id=m.op_id, pages=m.pages, finished=True, error="")
 
-    def _stop(self, m: StopPrefetch) -> None:
-        self.tree.on_prefetch_stopped(m.op_id, self._read.pop(m.op_id, 0))
-
-    def _store(self, m: StorePages) -> None:
+    def _store(self, m: StorePages) -> PagesStored:
         assert self.store is not None
         new = self.store.store(m.keys)
-        self.tree.on_pages_stored(m.op_id, len(m.keys), new)
+        return PagesStored(op_id=m.op_id, pages=len(m.keys), written=new, error="")
 
     def check_invariants(self) -> None:
         self.tree.check_invariants()
