@@ -1,20 +1,20 @@
 """The actors and the plain cores they wrap."""
 
-import warnings as _warnings
+from hicache.messages import ActorName
 
-_warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-
-from ._device import DeviceAllocatorActor
+from ._actor import Directory, HiActor, Mail, WrongSenderError
+from ._device import DEVICE_ROUTES, DeviceAllocatorActor
 from ._device_core import RELEASED_REMEMBERED_MAX, DeviceCore, Insufficient, PageOwner
 from ._durations import DURATION_BOUNDS_S, DurationHistogram
 from ._errors import InvariantError, LedgerError, SlotStateError
-from ._host import HostPoolActor
+from ._host import HOST_ROUTES, HostPoolActor, HostSide
 from ._host_core import HostCore
+from ._layers import LayerDoneRing, LayerWaiter, LoadFailedError, StaleWaiterError
 from ._kv import CopyPlan, KVBuffer, KVShape, copy_kv, runs
 from ._facts import FactKind, Facts
 from ._mooncake import MooncakeBackend
 from ._pages import PagePool, pages_of, slots_of_pages
-from ._prefetch import StoragePrefetcherActor
+from ._prefetch import PREFETCH_ROUTES, StoragePrefetcherActor
 from ._radix import RadixTree
 from ._radix_node import (
     BACKED,
@@ -28,49 +28,86 @@ from ._radix_node import (
     chain_hashes,
 )
 from ._file_backend import FileBackend
-from ._storage import StorageBackend, open_backend
+from ._storage import open_backend
 from ._stored_page import (
     KEY_CHARS_MAX,
     HostPages,
     PageFormat,
+    StorageBackend,
     StorageError,
     StorageIO,
     StorageUsage,
     page_keys,
 )
-from ._streams import LoadStreamActor, WriteStreamActor
-from ._tree import TreeActor
+from ._services import (
+    ActorFailedError,
+    FailedTransfers,
+    FaultPlan,
+    IdSource,
+    NoFaults,
+    SeededFaults,
+    Services,
+)
+from ._routes import Route, Routes
+from ._streams import LOAD_ROUTES, WRITE_ROUTES, LoadStreamActor, WriteStreamActor
+from ._tree import TREE_ROUTES, TreeActor
 from ._tree_core import TreeCore
 from ._tree_shared import HandleError
 from ._transfer_core import Piece, TransferOp, TransferQueue
 
+ROUTES: dict[ActorName, Routes] = {
+    r.actor: r for r in (TREE_ROUTES, DEVICE_ROUTES, HOST_ROUTES, WRITE_ROUTES, LOAD_ROUTES, PREFETCH_ROUTES)
+}
+"""Each actor's route table, by its name (the facade is no actor: it has none)."""
+
 __all__ = [
+    "Routes",
+    "Route",
+    "HostSide",
+    "WRITE_ROUTES",
+    "TREE_ROUTES",
+    "ROUTES",
+    "PREFETCH_ROUTES",
+    "LOAD_ROUTES",
+    "HOST_ROUTES",
+    "DEVICE_ROUTES",
     "BACKED",
     "DURATION_BOUNDS_S",
+    "KEY_CHARS_MAX",
     "NODE_TRANSITIONS",
     "RELEASED_REMEMBERED_MAX",
     "RESIDENT",
-    "KEY_CHARS_MAX",
+    "ActorFailedError",
     "CopyPlan",
     "DeviceAllocatorActor",
     "DeviceCore",
+    "Directory",
     "DurationHistogram",
-    "FileBackend",
     "FactKind",
     "Facts",
+    "FailedTransfers",
+    "FaultPlan",
+    "FileBackend",
     "HandleError",
+    "HiActor",
     "HostCore",
-    "HostPages",
     "HostInsert",
+    "HostPages",
     "HostPoolActor",
+    "IdSource",
     "InsertOutcome",
     "Insufficient",
     "InvariantError",
     "KVBuffer",
     "KVShape",
+    "LayerDoneRing",
+    "LayerWaiter",
     "LedgerError",
+    "LoadFailedError",
     "LoadStreamActor",
+    "Mail",
     "MooncakeBackend",
+    "NoFaults",
     "Node",
     "NodeState",
     "NodeStateError",
@@ -79,17 +116,21 @@ __all__ = [
     "PagePool",
     "Piece",
     "RadixTree",
+    "SeededFaults",
+    "Services",
     "SlotStateError",
+    "StaleWaiterError",
     "StorageBackend",
     "StorageError",
     "StorageIO",
-    "StorageUsage",
     "StoragePrefetcherActor",
+    "StorageUsage",
     "TransferOp",
     "TransferQueue",
     "TreeActor",
     "TreeCore",
     "WriteStreamActor",
+    "WrongSenderError",
     "chain_hashes",
     "copy_kv",
     "open_backend",

@@ -20,11 +20,12 @@ from hicache.messages import (
     SlotsInsufficient,
     SwapRequestPages,
 )
-from hicache.runtime._actor import Directory, HiActor
-from hicache.runtime._services import Services
-from hicache.runtime.config import Config
+from ._actor import Directory, HiActor
+from ._services import Services
+from hicache.messages.config import Config
 
 from ._device_core import DeviceCore, Insufficient, PageOwner
+from ._routes import Routes
 
 
 class DeviceAllocatorActor(HiActor):
@@ -35,43 +36,7 @@ class DeviceAllocatorActor(HiActor):
         self.core = core
 
     def handle(self, sender: ActorName, message: Message) -> Message | None:
-        core = self.core
-        match message:
-            case AllocateSlots(op_id=op, demands=demands, commits=commits):
-                if commits:
-                    core.commit_many([(d.request_id, d.tokens) for d in commits])
-                got = core.allocate_pages([(d.request_id, d.tokens) for d in demands])
-                if isinstance(got, Insufficient):
-                    return _insufficient(op, got)
-                grants = tuple(SlotGrant(request_id=d.request_id, pages=got[d.request_id]) for d in demands)
-                return SlotsAllocated(op_id=op, grants=grants)
-            case CommitSlots(op_id=op, demands=demands):
-                views = core.commit_many([(d.request_id, d.tokens) for d in demands])
-                return SlotsCommitted(op_id=op, entries=tuple(views))
-            case ReleaseRequests(op_id=op, releases=releases):
-                views = core.release_many([(r.request_id, r.adopt, r.reason) for r in releases])
-                return RequestsReleased(op_id=op, entries=tuple(views))
-            case SwapRequestPages(op_id=op, request_id=rid, adopt=adopt, free=free):
-                self.require_sender(sender, ActorName.TREE, "handing request pages to the tree")
-                view = core.swap(rid, adopt, free)
-                return RequestPagesSwapped(op_id=op, entry=view)
-            case AllocateLoadSlots(op_id=op, tokens=n):
-                pages = core.allocate_load_pages(n)
-                if isinstance(pages, Insufficient):
-                    return _insufficient(op, pages)
-                grant = SlotGrant(request_id="", pages=pages)
-                return SlotsAllocated(op_id=op, grants=(grant,))
-            case AdoptLoadedSlots(pages=idx):
-                self.require_sender(sender, ActorName.TREE, "adopting loaded device slots")
-                core.adopt_loaded(idx)
-                return None
-            case FreeDeviceSlots(pages=idx):
-                self.require_sender(sender, ActorName.TREE, "freeing tree-owned device slots")
-                core.free_tree(idx)
-                return None
-            case _:
-                self.unknown(message)
-        return None
+        return DEVICE_ROUTES.deliver(self.core, sender, message)
 
     def check_invariants(self) -> None:
         self.core.check_invariants()
@@ -95,3 +60,49 @@ def _insufficient(op: int, got: Insufficient) -> SlotsInsufficient:
         free_slots=got.free_slots,
         shortfall_slots=got.shortfall_slots,
     )
+
+
+def _allocate(core: DeviceCore, m: AllocateSlots) -> SlotsAllocated | SlotsInsufficient:
+    if m.commits:
+        core.commit_many([(d.request_id, d.tokens) for d in m.commits])
+    got = core.allocate_pages([(d.request_id, d.tokens) for d in m.demands])
+    if isinstance(got, Insufficient):
+        return _insufficient(m.op_id, got)
+    return SlotsAllocated(op_id=m.op_id, grants=tuple(SlotGrant(request_id=d.request_id, pages=got[d.request_id])
+                                                      for d in m.demands))
+
+
+def _commit(core: DeviceCore, m: CommitSlots) -> SlotsCommitted:
+    return SlotsCommitted(op_id=m.op_id, entries=tuple(core.commit_many([(d.request_id, d.tokens) for d in m.demands])))
+
+
+def _release(core: DeviceCore, m: ReleaseRequests) -> RequestsReleased:
+    views = core.release_many([(r.request_id, r.adopt, r.reason) for r in m.releases])
+    return RequestsReleased(op_id=m.op_id, entries=tuple(views))
+
+
+def _swap(core: DeviceCore, m: SwapRequestPages) -> RequestPagesSwapped:
+    return RequestPagesSwapped(op_id=m.op_id, entry=core.swap(m.request_id, m.adopt, m.free))
+
+
+def _allocate_load(core: DeviceCore, m: AllocateLoadSlots) -> SlotsAllocated | SlotsInsufficient:
+    pages = core.allocate_load_pages(m.tokens)
+    if isinstance(pages, Insufficient):
+        return _insufficient(m.op_id, pages)
+    return SlotsAllocated(op_id=m.op_id, grants=(SlotGrant(request_id="", pages=pages),))
+
+
+FACADE, TREE = ActorName.FACADE, ActorName.TREE
+
+DEVICE_ROUTES: Routes[DeviceCore] = Routes(ActorName.DEVICE, {
+    AllocateSlots: (FACADE, _allocate, "allocating request slots"),
+    CommitSlots: (FACADE, _commit, "committing request slots"),
+    ReleaseRequests: (TREE, _release, "releasing finished requests' slots"),
+    SwapRequestPages: (TREE, _swap, "handing request pages to the tree"),
+    AllocateLoadSlots: (TREE, _allocate_load, "reserving device slots for a load-back"),
+    AdoptLoadedSlots: (TREE, lambda core, m: core.adopt_loaded(m.pages), "adopting loaded device slots"),
+    FreeDeviceSlots: (TREE, lambda core, m: core.free_tree(m.pages), "freeing tree-owned device slots"),
+})
+"""Each message the device allocator handles: who may send it, and the call on the core it
+becomes, with the reply the sender gets. The scheduler owns its requests' slots; the tree
+owns the slots it holds, loads into and frees."""

@@ -30,12 +30,12 @@ from dataclasses import dataclass, field
 import torch
 
 from hicache.messages import EMPTY, Indices, LedgerEntry, ReleaseReason
-from hicache.runtime.config import Config, DeviceKind, HostLayout
+from hicache.messages.config import Config, DeviceKind, HostLayout
 
 from ._errors import InvariantError, LedgerError, SlotStateError
 from ._kv import KVBuffer, KVShape
 from ._pages import (
-    SMALL_SLOTS_MAX,
+    FEW_MAX,
     Ints,
     PagePool,
     Distinct,
@@ -68,7 +68,8 @@ _FIRST_LEDGER = 4
 
 @dataclass(frozen=True, slots=True)
 class Insufficient:
-    """Not enough free pages; nothing was allocated."""
+    """An allocation that does not fit in the free pages; nothing was allocated. The facade
+    returns it only when the allocation does not fit even after eviction."""
 
     requested_slots: int
     free_slots: int
@@ -275,7 +276,7 @@ class DeviceCore:
     def _held(self, ledger: _Ledger) -> Ints:
         """The ledger's pages it still owns in the table, in token order."""
         pages = ledger.pages
-        if len(pages) * self.page_size <= SMALL_SLOTS_MAX:
+        if len(pages) <= FEW_MAX:
             table, number = self._owner_table, ledger.number
             return [pg for pg in pages if table[pg] == number]
         mine = torch.frombuffer(pages, dtype=torch.int64)

@@ -7,7 +7,7 @@ class InvariantError(AssertionError):
 
 class LedgerError(RuntimeError):
     """A request's slot ledger was misused: allocate after release, commit beyond
-    allocation, release twice, a slot that is not the request's (seed 001)."""
+    allocation, release twice, a slot that is not the request's (the ledger of SGLang #12224)."""
 
 
 class SlotStateError(RuntimeError):

@@ -36,7 +36,7 @@ from typing import Any, Final
 
 import torch
 
-from hicache.runtime.config import Config
+from hicache.messages.config import Config
 
 from ._kv import KVBuffer, KVShape
 from ._page_index import PageIndex

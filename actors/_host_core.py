@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from hicache.messages import HOST_TRANSITIONS, HostSlotState, Indices
-from hicache.runtime.config import Config, DeviceKind
+from hicache.messages.config import Config, DeviceKind
 
 from ._errors import InvariantError, SlotStateError
 from ._kv import KVBuffer, KVShape

@@ -1,8 +1,8 @@
 """KV buffers in their layouts, and the page-granular copy between them.
 
-Copies run per contiguous run of slots, never per token with fancy indexing: on
-this machine class a per-token gather moves about 1.8 GB/s, a per-page slice copy
-about 18 GB/s, a raw contiguous copy about 35 GB/s.
+Copies run per contiguous run of slots, never per token with fancy indexing: a
+per-token gather moves an order of magnitude fewer bytes a second than a slice copy
+of a run (the figures are in docs/benchmarks.md, "Copy costs").
 
 Layouts (`H` heads, `D` head_dim, `P` page size, `L` layers):
 - layer_first: `[2, L, slots, H, D]` (the device buffer, and one host layout);
@@ -13,9 +13,9 @@ A copy is planned once (`CopyPlan`, on a `_Route` between two buffers) and run f
 layers or one. On a few slots the plan is worked out with Python ints, and on CPU a
 step of few, small blocks is copied block by block without torch, since there each
 torch call costs microseconds of overhead, more than the bytes; large copies keep
-torch's copies and their threads. The module is long because the plan, its two ways
-of copying and the arithmetic that keeps the block copies inside their buffers belong
-together.
+torch's copies and their threads. The plan, its two ways of copying and the
+arithmetic that keeps the block copies inside their buffers live together: each block
+copy is safe only because the plan checked its bounds against both buffers.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hicache.runtime.config import Config, HostLayout
+from hicache.messages.config import Config, HostLayout
 
 from ._pages import Ints, Slots, as_tensor, ints
 
@@ -156,7 +156,7 @@ def runs(a: Slots, b: Slots) -> list[tuple[int, int, int]]:
     if n == 0:
         return []
     src, dst = ints(a), ints(b)
-    if isinstance(src, list) and isinstance(dst, list):  # with Python ints: see `_pages.SMALL_SLOTS_MAX`
+    if isinstance(src, list) and isinstance(dst, list):  # with Python ints: see `_pages.FEW_MAX`
         out, start = [], 0
         for i in range(1, n):
             if src[i] != src[i - 1] + 1 or dst[i] != dst[i - 1] + 1:
@@ -238,7 +238,7 @@ class CopyPlan:
     """The page-granular pieces of one copy between two buffers, worked out once.
 
     The indices are read as Python ints when few (as tensors when many, see
-    `_pages.SMALL_SLOTS_MAX`), checked against both buffers, and cut into runs and pieces;
+    `_pages.FEW_MAX`), checked against both buffers, and cut into runs and pieces;
     `run` copies all layers or one, and the load stream plans a batch once and runs
     it layer by layer. Hold a plan only while its copy is in flight: it keeps both
     buffers alive.
@@ -246,18 +246,17 @@ class CopyPlan:
     Two ways to copy, each worked out at its first use and kept:
     - memmove (`_Blocks`): on CPU, between contiguous buffers of one KV shape, one
       copy per contiguous block (K or V of one layer of a run of slots within one
-      page), at offsets worked out with Python ints from the buffers' strides. About
-      0.1-0.4 us a block (see `_GIL_HELD_BYTES_MAX`).
+      page), at offsets worked out with Python ints from the buffers' strides; a Python
+      call a block (see `_GIL_HELD_BYTES_MAX`).
     - torch: one `copy_` per piece on views `[2, L, pages, span, H, D]` of both
       buffers (`select`ed to one layer for a layer), all pieces in one fused call;
-      about 8 us a piece for its two views and its copy, whatever its size, and
+      a fixed cost a piece for its two views and its copy, whatever its size, and
       torch's intra-op threads share a large piece.
 
     One layer takes memmove whenever it can: a torch copy of one layer of a piece
     moves only 2 blocks but still pays a TensorIterator and an OpenMP fork/join; a
-    layer-by-layer load of scattered pages is thousands of those, and on a 2-core
-    machine that fixed cost, not memory bandwidth, set the speed (about 2 GB/s
-    against 9-12 GB/s by memmove at 64-token pages).
+    layer-by-layer load of scattered pages is thousands of those, and on few cores
+    that fixed cost, not memory bandwidth, sets the speed.
 
     All layers take memmove when it can and costs less (`_memmove_pays`): few blocks
     a piece, pieces too small for torch's threads. Otherwise (large pieces, many
@@ -331,8 +330,8 @@ class CopyPlan:
 
 _MEMMOVES_PER_PIECE_MAX = 8
 """All layers of a piece take memmove while that is at most this many blocks: a torch copy
-of a piece (two views and its share of the fused call, about 8 us) costs about as much as
-8 to 20 copies of small blocks here (0.1-0.5 us each, a Python call apiece)."""
+of a piece (two views and its share of the fused call) costs about as much as 8 to 20
+copies of small blocks (a Python call apiece); docs/benchmarks.md, "Copy costs"."""
 
 _TORCH_GRAIN_ELEMENTS = 32768
 """torch copies a tensor of fewer elements on one thread (`at::internal::GRAIN_SIZE`); from
@@ -403,10 +402,10 @@ class _Rows:
 
 
 _GIL_HELD_BYTES_MAX = 16 << 10
-"""Blocks of a copy up to this size (about 1 us of copying) are copied by memoryview slice
-assignment, which keeps the GIL but calls 3-4x cheaper than a ctypes memmove (about 0.1 us
-against 0.3-0.4); a copy with larger blocks takes memmove, which releases the GIL for each
-block, so that other actors' threads run while it copies."""
+"""Blocks of a copy up to this size are copied by memoryview slice assignment, which keeps
+the GIL but costs a few times less a call than a ctypes memmove (docs/benchmarks.md, "Copy
+costs"); a copy with larger blocks takes memmove, which releases the GIL for each block, so
+that other actors' threads run while it copies."""
 
 
 class _Blocks:

@@ -50,7 +50,7 @@ from typing import Any, Final, TypeVar
 
 import torch
 
-from hicache.runtime.config import Config
+from hicache.messages.config import Config
 
 from ._kv import KVBuffer, KVShape
 from ._stored_page import (

@@ -4,9 +4,9 @@ A call on a pool works on its slot (or page) numbers in one of two forms (`Ints`
 chosen from the call's size when its numbers come in (`ints`) or are made
 (`PagePool.alloc`), and kept to the end of the call:
 
-- a few slots (at most `SMALL_SLOTS_MAX`): a `list[int]`. Checked, computed and
-  written in plain Python, from a message's bytes to the reply's bytes without a
-  tensor: on a few numbers each torch call costs a microsecond or more of overhead,
+- a few numbers (at most `FEW_MAX` pages, or slots where a call names slots): a
+  `list[int]`. Checked, computed and written in plain Python, from a message's bytes
+  to the reply's bytes without a tensor: on a few numbers each torch call costs a microsecond or more of overhead,
   more than the whole Python computation;
 - more: an int64 tensor, vectorised.
 
@@ -30,8 +30,11 @@ import torch
 
 from hicache.messages import Indices
 
-SMALL_SLOTS_MAX = 64
-"""Calls on at most this many slots take the `list[int]` form of `Ints`; larger ones the tensor form."""
+FEW_MAX = 256
+"""Calls on at most this many numbers (pages, or slots) take the `list[int]` form of `Ints`; larger
+ones the tensor form. A torch call costs several microseconds whatever its size, Python about 30 to
+60 ns a number per pass: up to a few hundred numbers, the few passes a call makes cost less in
+Python than its tensor calls."""
 
 Ints: TypeAlias = list[int] | torch.Tensor
 """Slot or page numbers of one call: Python ints for a few slots, else a 1-D int64 tensor."""
@@ -46,7 +49,7 @@ Slots: TypeAlias = "torch.Tensor | Indices | list[int]"
 
 def ints(slots: Slots) -> Ints:
     """`slots` in the form for their number: Python ints when few, else a tensor (zero-copy for `Indices`)."""
-    few = len(slots) <= SMALL_SLOTS_MAX
+    few = len(slots) <= FEW_MAX
     if isinstance(slots, list):
         return slots if few else as_tensor(slots)
     if isinstance(slots, Indices):
@@ -127,7 +130,7 @@ def pages_of(indices: Ints, page_size: int, what: str) -> Ints:
     n = len(indices)
     if n % page_size:
         raise ValueError(f"{what}: {n} slots are not whole pages of {page_size}")
-    if isinstance(indices, torch.Tensor) and n <= SMALL_SLOTS_MAX:  # a few, given as a tensor
+    if isinstance(indices, torch.Tensor) and n <= FEW_MAX:  # a few, given as a tensor
         return as_tensor(pages_of(indices.tolist(), page_size, what))
     if page_size == 1:
         return indices  # a slot is a page
@@ -153,13 +156,12 @@ def pages_of(indices: Ints, page_size: int, what: str) -> Ints:
 
 
 def slots_of_pages(pages: Ints, page_size: int) -> Ints:
-    """Every slot of `pages`, in page order (the inverse of `pages_of`)."""
+    """Every slot of `pages`, in page order (the inverse of `pages_of`): a list for a list, else
+    a new tensor (two tensor operations, cheaper than a list at any size)."""
     if page_size == 1:
         return pages
     if isinstance(pages, list):
         return [slot for page in pages for slot in range(page * page_size, page * page_size + page_size)]
-    if len(pages) * page_size <= SMALL_SLOTS_MAX:  # a few, given as a tensor
-        return as_tensor(slots_of_pages(pages.tolist(), page_size))
     offsets = _OFFSETS.get(page_size)
     if offsets is None:
         offsets = _OFFSETS[page_size] = torch.arange(page_size)
@@ -202,7 +204,7 @@ class PagePool:
             return None
         self._top -= k
         top = self._top
-        if k * self.page_size <= SMALL_SLOTS_MAX:
+        if k <= FEW_MAX:
             got = self._stack[top : top + k].tolist()
             got.reverse()
             return got

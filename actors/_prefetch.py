@@ -1,6 +1,6 @@
 """`StoragePrefetcherActor`: the storage (L3) client; prefetch into host slots and backup from them.
 
-It owns no slot and frees nothing (seed 000): the tree reserves the host slots of
+It owns no slot and frees nothing (SGLang #9302): the tree reserves the host slots of
 a prefetch and names them in `Prefetch`; the prefetcher fills them and reports in
 messages, and every prefetch ends with the tree's `StopPrefetch`, answered by the
 final page count, after which the prefetcher never writes those slots again. The
@@ -39,15 +39,18 @@ from hicache.messages import (
     StopPrefetch,
     StorePages,
 )
-from hicache.runtime._actor import Directory, HiActor
-from hicache.runtime._services import Services
-from hicache.runtime.config import Config
+from ._actor import Directory, HiActor
+from ._services import Services
+from hicache.messages.config import Config
 
 from ._durations import DurationHistogram
 from ._errors import InvariantError
 from ._kv import KVBuffer
 from ._pages import as_tensor, slots_of_pages
+from ._routes import Routes
 from ._stored_page import StorageUsage
+
+TREE = ActorName.TREE
 
 STOP_RECHECK_S = 0.05
 """How often a stop held back by a pending backend call looks again."""
@@ -98,27 +101,17 @@ class StoragePrefetcherActor(HiActor):
         self._n = _Counters()
 
     def handle(self, sender: ActorName, message: Message) -> Message | None:
-        if not isinstance(message, ContinuePrefetch):
-            self.require_sender(sender, ActorName.TREE, type(message).__name__)
-        match message:
-            case Prefetch(op_id=op, keys=keys, host=host):
-                return PrefetchHit(op_id=op, pages=self._start(op, keys, self._slots(host)))
-            case ReadPrefetch(op_id=op, pages=pages):
-                r = self._reads[op]
-                if pages > r.hit:
-                    raise InvariantError(f"prefetch {op}: asked to read {pages} pages but storage holds {r.hit}")
-                r.target = pages
-                self._schedule(op, r)
-                return None
-            case ContinuePrefetch(op_id=op):
-                return self._step(op)
-            case StopPrefetch(op_id=op):
-                return self._stop_read(op)
-            case StorePages(op_id=op, keys=keys, host=host):
-                return self._store(op, keys, self._slots(host))
-            case _:
-                self.unknown(message)
-        return None
+        return PREFETCH_ROUTES.deliver(self, sender, message)
+
+    def _on_prefetch(self, m: Prefetch) -> PrefetchHit:
+        return PrefetchHit(op_id=m.op_id, pages=self._start(m.op_id, m.keys, self._slots(m.host)))
+
+    def _on_read(self, m: ReadPrefetch) -> None:
+        r = self._reads[m.op_id]
+        if m.pages > r.hit:
+            raise InvariantError(f"prefetch {m.op_id}: asked to read {m.pages} pages but storage holds {r.hit}")
+        r.target = m.pages
+        self._schedule(m.op_id, r)
 
     def _slots(self, pages: Indices) -> torch.Tensor:
         """The host slots of the pages a message names (backends read and write by slot)."""
@@ -234,3 +227,14 @@ class StoragePrefetcherActor(HiActor):
     def on_stop(self) -> None:
         if self._backend is not None:
             self._backend.close()
+
+
+PREFETCH_ROUTES: Routes[StoragePrefetcherActor] = Routes(ActorName.PREFETCH, {
+    Prefetch: (TREE, StoragePrefetcherActor._on_prefetch, "looking up a prefetch in storage"),
+    ReadPrefetch: (TREE, StoragePrefetcherActor._on_read, "reading a prefetch into host slots"),
+    StopPrefetch: (TREE, lambda actor, m: actor._stop_read(m.op_id), "stopping a prefetch"),
+    StorePages: (TREE, lambda actor, m: actor._store(m.op_id, m.keys, actor._slots(m.host)), "backing up host pages"),
+    ContinuePrefetch: (ActorName.PREFETCH, lambda actor, m: actor._step(m.op_id), "reading the next step of a prefetch"),
+})
+"""The prefetcher's messages: every verb from the tree (it reserves and frees the slots the
+prefetcher fills), and the note it sends itself for each read step."""

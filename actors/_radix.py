@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 
 
 from hicache.messages import Indices
-from hicache.runtime.config import EvictionPolicy
+from hicache.messages.config import EvictionPolicy
 
 from ._errors import InvariantError
 from ._radix_node import (BACKED, NODE_TRANSITIONS, RESIDENT, HostInsert, InsertOutcome, Node, NodeState,

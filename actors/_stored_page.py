@@ -1,5 +1,5 @@
-"""What both storage (L3) backends share: keys, the stored page format, the bytes of host
-pages, and the results of their calls.
+"""What both storage (L3) backends share: the protocol they keep (`StorageBackend`), keys,
+the stored page format, the bytes of host pages, and the results of their calls.
 
 A backend stores *pages* under opaque keys chosen by the caller (`page_keys`): a page is the
 K and V of `page_size` tokens across all layers, as the bytes of a `[2, L, P, H, D]`
@@ -20,7 +20,7 @@ bytes, not an adversary (whoever can write the storage can write a valid checksu
 too), and it streams over the runs of a layer_first page without copying them (a
 small page's runs are joined first: one call instead of one per run). A batch's
 headers are built and checked as one block (`Headers`). The backends are in `_file_backend.py` and
-`_mooncake.py`; their protocol and `open_backend` in `_storage.py`.
+`_mooncake.py`, each knowing only this module; `open_backend` (`_storage.py`) picks one.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from itertools import chain, repeat
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import torch
 import xxhash
@@ -399,3 +399,36 @@ def page_starts(keys: Sequence[str], host: KVBuffer, slots: torch.Tensor) -> lis
 @functools.cache
 def _offsets(page_size: int) -> torch.Tensor:
     return torch.arange(page_size)
+
+
+class StorageBackend(Protocol):
+    """What the storage prefetcher needs from an L3 backend. Not thread-safe: one caller.
+
+    No call raises for an operating condition (a miss, a damaged page, an OS or client
+    error): those are `StorageIO.error`. Keys or slots that are not allowed raise ValueError.
+    """
+
+    name: str
+
+    def exists(self, keys: Sequence[str]) -> int:
+        """How many leading keys are stored (one batched call; stops at the first miss)."""
+        ...
+
+    def read(self, keys: Sequence[str], host: KVBuffer, slots: torch.Tensor) -> StorageIO:
+        """Read the pages of `keys` into the page-aligned host `slots`, in order, and verify
+        them there; stops at the first page that is missing, damaged or failed. The pages
+        before it are verified in place; bytes at or after it may have been written but
+        are not counted."""
+        ...
+
+    def write(self, keys: Sequence[str], host: KVBuffer, slots: torch.Tensor) -> StorageIO:
+        """Store the host pages at `slots` under `keys`, in order; a stored page is not rewritten."""
+        ...
+
+    def usage(self) -> StorageUsage:
+        """What the backend holds and has done."""
+        ...
+
+    def close(self) -> None:
+        """Release the backend's resources; it is unusable afterwards."""
+        ...

@@ -1,6 +1,6 @@
 """The two transfer stream actors: D2H writes and layer-by-layer H2D loads.
 
-They take over seed 004's cache controller without its threads and polling:
+They do the work of SGLang's HiCacheController without its threads and polling:
 operations arrive as messages, queue in a `TransferQueue` (merge small, split
 large), are copied page-granular by a `CopyPlan` on the stream's route (the
 device and host buffers, worked out once), and each completion is a message to
@@ -36,15 +36,18 @@ from hicache.messages import (
     WriteFailed,
     WriteKV,
 )
-from hicache.runtime._actor import Directory, HiActor
-from hicache.runtime._layers import LayerDoneRing
-from hicache.runtime._services import Services
-from hicache.runtime.config import Config
+from ._actor import Directory, HiActor
+from ._layers import LayerDoneRing
+from ._services import Services
+from hicache.messages.config import Config
 
 from ._errors import InvariantError
 from ._kv import CopyPlan, KVBuffer, _Route
 from ._pages import Ints, ints
-from ._transfer_core import Piece, TransferOp, TransferQueue, _concat_slots, batch_indices, op_problem
+from ._routes import Routes
+from ._transfer_core import TransferOp, TransferQueue, _concat_slots, batch_indices, op_problem
+
+TREE = ActorName.TREE
 
 _COPY_ERRORS = (RuntimeError, ValueError, IndexError)
 """What a torch copy raises on bad input or a device fault; reported as a failed transfer."""
@@ -102,7 +105,7 @@ def _enqueue(
 ) -> str | None:
     """Queue an operation on pages; the reason it was refused (counted as failed), or None.
     The operation keeps its page numbers in the form their number calls for (Python ints
-    for a few, see `SMALL_SLOTS_MAX`), read from the message once."""
+    for a few, see `FEW_MAX`), read from the message once."""
     p = src[1].shape.page_size
     s, d = ints(src[0]), ints(dst[0])
     problem = op_problem(s, src[1].slots // p, d, dst[1].slots // p, "page")
@@ -134,25 +137,21 @@ class WriteStreamActor(HiActor):
         self._n = _Counters()
 
     def handle(self, sender: ActorName, message: Message) -> Message | None:
-        match message:
-            case WriteKV(op_id=op_id, device=dev, host=host):
-                refused = _enqueue(self._queue, self._n, sender, op_id, (dev, self._device), (host, self._host), "write")
-                if refused is not None:
-                    return WriteFailed(op_id=op_id, reason=refused)
-                self._schedule_drain()
-                return None
-            case DrainWrites():
-                self._drain_pending = False
-                self._copy_next_batch()
-                if len(self._queue):
-                    self._schedule_drain()
-                return None
-            case _:
-                self.unknown(message)
+        return WRITE_ROUTES.deliver(self, sender, message)
+
+    def _on_write(self, m: WriteKV) -> WriteFailed | None:
+        # The tree is the only sender its route admits: the requester the completion goes to.
+        refused = _enqueue(self._queue, self._n, TREE, m.op_id, (m.device, self._device), (m.host, self._host), "write")
+        if refused is not None:
+            return WriteFailed(op_id=m.op_id, reason=refused)
+        self._schedule_drain()
         return None
 
-    def _batch_indices(self, batch: list[Piece]) -> tuple[Ints, Ints]:
-        return batch_indices(batch)
+    def _on_drain(self, m: DrainWrites) -> None:
+        self._drain_pending = False
+        self._copy_next_batch()
+        if len(self._queue):
+            self._schedule_drain()
 
     def _schedule_drain(self) -> None:
         if not self._drain_pending:
@@ -166,7 +165,7 @@ class WriteStreamActor(HiActor):
         ops = tuple(dict.fromkeys(p.op.op_id for p in batch))
         reason = self._services.faults.transfer_fault(self.name, ops)
         if reason is None:
-            src, dst = self._batch_indices(batch)
+            src, dst = batch_indices(batch)
             try:
                 nbytes, event = self._cuda.run(self._route.plan_pages(src, dst))
                 if event is not None:
@@ -240,22 +239,16 @@ class LoadStreamActor(HiActor):
         self._n = _Counters()
 
     def handle(self, sender: ActorName, message: Message) -> Message | None:
-        match message:
-            case LoadKV(op_id=op_id, host=host, device=dev):
-                refused = _enqueue(self._queue, self._n, sender, op_id, (host, self._host), (dev, self._device), "load")
-                if refused is not None:
-                    return LoadFailed(op_id=op_id, reason=refused)
-                return None
-            case StartLoads():
-                return self._start()
-            case CopyLayer(batch=b, layer=layer):
-                self._copy_layer(b, layer)
-                return None
-            case _:
-                self.unknown(message)
+        return LOAD_ROUTES.deliver(self, sender, message)
+
+    def _on_load(self, m: LoadKV) -> LoadFailed | None:
+        # The tree is the only sender its route admits: the requester the completion goes to.
+        refused = _enqueue(self._queue, self._n, TREE, m.op_id, (m.host, self._host), (m.device, self._device), "load")
+        if refused is not None:
+            return LoadFailed(op_id=m.op_id, reason=refused)
         return None
 
-    def _start(self) -> LoadsStarted:
+    def _start(self, m: StartLoads) -> LoadsStarted:
         ops = self._queue.drain()
         if not ops:
             return LoadsStarted(batch=0, ops=())
@@ -276,7 +269,8 @@ class LoadStreamActor(HiActor):
         self._ring.begin(self._running.batch)
         self.send(self.name, CopyLayer(batch=self._running.batch, layer=0))
 
-    def _copy_layer(self, b: int, layer: int) -> None:
+    def _copy_layer(self, m: CopyLayer) -> None:
+        b, layer = m.batch, m.layer
         run = self._running
         if run is None or run.batch != b:
             raise AssertionError(f"load stream: CopyLayer for batch {b} but batch {run and run.batch} is running")
@@ -323,3 +317,19 @@ class LoadStreamActor(HiActor):
     def statistics(self) -> StreamStatistics:
         waiting = len(self._queue) + sum(len(b.ops) for b in self._started)
         return self._n.record(self._queue, waiting)
+
+
+WRITE_ROUTES: Routes[WriteStreamActor] = Routes(ActorName.WRITE, {
+    WriteKV: (TREE, WriteStreamActor._on_write, "copying device pages to host"),
+    DrainWrites: (ActorName.WRITE, WriteStreamActor._on_drain, "copying the next write batch"),
+})
+"""The write stream's messages: the tree's writes, and the note it sends itself to copy the
+next batch (after whatever else queued in its inbox)."""
+
+LOAD_ROUTES: Routes[LoadStreamActor] = Routes(ActorName.LOAD, {
+    LoadKV: (TREE, LoadStreamActor._on_load, "copying host pages to device"),
+    StartLoads: (ActorName.FACADE, LoadStreamActor._start, "starting the queued loads"),
+    CopyLayer: (ActorName.LOAD, LoadStreamActor._copy_layer, "copying the next layer of a load batch"),
+})
+"""The load stream's messages: the tree's loads, the scheduler's start before a forward pass,
+and the note it sends itself to copy the next layer."""

@@ -5,14 +5,11 @@ in its outbox is sent. `WriteDone` and `LoadDone` are handled whenever they
 arrive (with one rank they apply at once; with several, at the next agreement,
 which the scheduler runs every tick), so a write-through never keeps a node
 locked past its ack, whatever the scheduler is doing (the pure-decode leak of
-seed 003 cannot happen here). It also decides prefetch and backup to storage;
+SGLang #20049 cannot happen here). It also decides prefetch and backup to storage;
 the prefetcher only reports.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
-from typing import Any
 
 from hicache.messages import (
     ActorName,
@@ -47,16 +44,16 @@ from hicache.messages import (
     WriteDone,
     WriteFailed,
 )
-from hicache.runtime._actor import Directory, HiActor
-from hicache.runtime._services import Services
-from hicache.runtime.config import Config
+from ._actor import Directory, HiActor
+from ._services import Services
+from hicache.messages.config import Config
 
+from ._routes import Routes
 from ._tree_core import TreeCore
 
 
 FACADE, PREFETCH, DEVICE, HOST = ActorName.FACADE, ActorName.PREFETCH, ActorName.DEVICE, ActorName.HOST
 WRITE, LOAD = ActorName.WRITE, ActorName.LOAD
-_Route = tuple[ActorName, Callable[[TreeCore, Any], None]]
 
 
 def _readiness(core: TreeCore, m: PrefetchStates) -> None:
@@ -68,7 +65,7 @@ def _apply_facts(core: TreeCore, m: ApplyFacts) -> None:
     core.outbox.append((FACADE, FactsApplied(op_id=m.op_id)))
 
 
-_ROUTES: dict[type[Message], _Route] = {
+TREE_ROUTES: Routes[TreeCore] = Routes(ActorName.TREE, {
     # the facade's verbs
     AdmitRequests: (FACADE, lambda core, m: core.admit(m.op_id, m.items)),
     FinishRequests: (FACADE, lambda core, m: core.finish(m.op_id, m.items)),
@@ -97,9 +94,9 @@ _ROUTES: dict[type[Message], _Route] = {
     PrefetchProgress: (PREFETCH, lambda core, m: core.on_prefetch_progress(m.op_id, m.pages, m.finished)),
     PrefetchStopped: (PREFETCH, lambda core, m: core.on_prefetch_stopped(m.op_id, m.pages)),
     PagesStored: (PREFETCH, lambda core, m: core.on_pages_stored(m.op_id, m.pages, m.written)),
-}
-"""Each message the tree handles: the one actor that may send it (from anyone else it is a
-bug), and the call on the core it becomes."""
+})
+"""Each message the tree handles: the one actor that may send it, and the call on the core it
+becomes (what the core answers goes out through its outbox)."""
 
 
 class TreeActor(HiActor):
@@ -111,14 +108,7 @@ class TreeActor(HiActor):
         self.core = TreeCore(config, lambda: services.ids.next("tree-op"), services.clock.now_s)
 
     def handle(self, sender: ActorName, message: Message) -> Message | None:
-        route = _ROUTES.get(type(message))
-        if route is None:
-            self.unknown(message)
-            return None
-        allowed, call = route
-        if sender is not allowed:
-            self.require_sender(sender, allowed, type(message).__name__)
-        call(self.core, message)
+        TREE_ROUTES.deliver(self.core, sender, message)
         self._flush()
         return None
 

@@ -8,7 +8,7 @@ from hicache.messages import StorePages
 from ._errors import InvariantError
 from ._facts import FactKind
 from ._radix_node import Node
-from ._storage import page_keys
+from ._stored_page import page_keys
 from ._tree_shared import PREFETCH, TreeShared
 
 

@@ -43,7 +43,7 @@ from hicache.messages import (
     TreeDigest,
     TreeStatistics,
 )
-from hicache.runtime.config import Config
+from hicache.messages.config import Config
 
 from ._errors import InvariantError
 from ._facts import FactKind

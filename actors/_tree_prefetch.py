@@ -28,12 +28,12 @@ from hicache.messages import (
     StopPrefetch,
     Tokens,
 )
-from hicache.runtime.config import PrefetchPolicy
+from hicache.messages.config import PrefetchPolicy
 
 from ._errors import InvariantError
 from ._facts import FactKind
 from ._radix_node import BACKED, Node, NodeState
-from ._storage import page_keys
+from ._stored_page import page_keys
 from ._tree_holds import SettledHolds
 from ._tree_shared import FACADE, HOST, PREFETCH, HandleError, TreeShared, cat
 from ._tree_writes import WriteBack

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from hicache.messages import ActorName, Indices, Message, PrefetchEnd
-from hicache.runtime.config import Config, StorageKind
+from hicache.messages.config import Config, StorageKind
 
 from ._facts import Agreement
 from ._radix import RadixTree

@@ -26,7 +26,7 @@ from hicache.messages import (
     SetHostState,
     WriteKV,
 )
-from hicache.runtime.config import WritePolicy
+from hicache.messages.config import WritePolicy
 
 from ._errors import InvariantError
 from ._facts import FactKind

@@ -1,13 +1,21 @@
-"""Immutable messages exchanged by the actors, their index value type and codec."""
-
-import warnings as _warnings
-
-# torch warns at import when numpy is absent; hicache does not use numpy.
-_warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+"""Immutable messages exchanged by the actors, the `Config` they are built from, their index value type and codec."""
 
 from ._codec import CodecError, decode, encode
 from ._index import EMPTY, Indices, Tokens
 from ._registry import ENUM_TYPES, MESSAGE_TYPES, Message, field_names, message, wire_enum
+from .config import (
+    DTYPES,
+    Available,
+    Config,
+    ConfigError,
+    DeviceKind,
+    EvictionPolicy,
+    HostLayout,
+    PrefetchPolicy,
+    StorageKind,
+    WritePolicy,
+    check_resources,
+)
 from .common import ActorName, CheckInvariants, Durations, GetStatistics, InvariantsHeld
 from .device import (
     AdoptLoadedSlots,
@@ -99,6 +107,7 @@ from .transfer import (
 )
 
 __all__ = [
+    "DTYPES",
     "EMPTY",
     "ENUM_TYPES",
     "HOST_TRANSITIONS",
@@ -113,6 +122,7 @@ __all__ = [
     "AllocateLoadSlots",
     "AllocateSlots",
     "ApplyFacts",
+    "Available",
     "CacheItem",
     "CacheUnfinished",
     "Cached",
@@ -120,8 +130,11 @@ __all__ = [
     "CheckInvariants",
     "CodecError",
     "CommitSlots",
+    "Config",
+    "ConfigError",
     "ContinuePrefetch",
     "CopyLayer",
+    "DeviceKind",
     "DeviceStatistics",
     "DigestTree",
     "DrainWrites",
@@ -129,6 +142,7 @@ __all__ = [
     "EvictDevice",
     "EvictHost",
     "Evicted",
+    "EvictionPolicy",
     "FactsApplied",
     "FinishItem",
     "FinishRequests",
@@ -138,6 +152,7 @@ __all__ = [
     "GetStatistics",
     "HostAllocated",
     "HostInsufficient",
+    "HostLayout",
     "HostSlotState",
     "HostStatistics",
     "Indices",
@@ -154,6 +169,7 @@ __all__ = [
     "PrefetchEnd",
     "PrefetchEndCounts",
     "PrefetchHit",
+    "PrefetchPolicy",
     "PrefetchProgress",
     "PrefetchReadiness",
     "PrefetchRequests",
@@ -179,6 +195,7 @@ __all__ = [
     "SlotsInsufficient",
     "StartLoads",
     "StopPrefetch",
+    "StorageKind",
     "StorePages",
     "StreamStatistics",
     "SwapRequestPages",
@@ -189,6 +206,8 @@ __all__ = [
     "WriteDone",
     "WriteFailed",
     "WriteKV",
+    "WritePolicy",
+    "check_resources",
     "decode",
     "encode",
     "field_names",

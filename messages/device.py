@@ -5,7 +5,7 @@ page numbers (page `k` holds slots `k * page_size .. (k + 1) * page_size - 1`). 
 facade turns them into slot numbers, for the engine.
 
 Ownership of a device page moves between four owners: free, a request (through
-its ledger), the tree, and an in-flight load. See docs/messages.md.
+its ledger), the tree, and an in-flight load.
 """
 
 from __future__ import annotations

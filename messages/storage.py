@@ -3,7 +3,8 @@
 The tree reserves host slots and names them; the prefetcher fills them from
 storage (prefetch) or copies them to storage (backup) and reports in messages.
 It never frees a slot: every prefetch ends with the tree's `StopPrefetch` and its
-`PrefetchStopped`, after which the tree alone frees what was not kept (seed 000).
+`PrefetchStopped`, after which the tree alone frees what was not kept (one party
+frees host slots, as SGLang #9302 made it).
 
 A prefetch, in messages::
 

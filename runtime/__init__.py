@@ -1,4 +1,10 @@
-"""Configuration, the actor base and runtimes, the system wiring, and public tools.
+"""What an engine embeds: `Config`, the `HiCache` facade, the `System` of actors and its
+runtime, tensor-parallel groups, metrics and the delivery log.
+
+The tools have rooms of their own: `hicache.runtime.testing` (the deterministic runtime,
+exploration, mutants, probes, the reference scheduler and oracle, log replay),
+`hicache.runtime.demo` (the demo, a model served over the cache, the simulator),
+`hicache.runtime.bench` and `hicache.runtime.cli` (the `hicache` command).
 
 Every name below is imported from its module on first use (PEP 562), so that importing a
 module of this package (the command line's parser, say) loads nothing else: torch and
@@ -6,45 +12,26 @@ the actors come in with the first name that needs them.
 """
 
 import importlib as _importlib
-import warnings as _warnings
-
-# torch warns at import when numpy is absent; hicache does not use numpy.
-_warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-
 _EXPORTS: dict[str, tuple[str, ...]] = {
-    "_actor": ("Directory", "HiActor", "Mail", "WrongSenderError"),
-    "_deterministic": (
-        "BlockingGetError", "DeadlockError", "DeterministicFuture", "DeterministicRuntime", "LivelockError",
-        "Step", "VirtualClock", "replay_choices"
-    ),
-    "_executor": ("SerialExecutor",),
-    "_facade": (
-        "AdmitResult", "CacheHandle", "CacheStateError", "Closed", "ExpiredHandleError", "HiCache",
-        "HiCacheStatistics", "Insufficient", "Request", "RequestError"
-    ),
-    "_log": ("LOG_VERSION", "DeliveryLog", "rewrite_log"),
-    "_log_reader": ("Delivery", "LogEnd", "LogReader", "ParsedLog", "ReplayLogError", "RunHeader", "read_log"),
-    "_engine_kv": ("DeviceKV", "KVArgumentError", "SlotIndex"),
-    "_model_runner": ("Generation", "KVObserver", "ModelRunner", "ModelRunnerError", "PoolCache"),
-    "_tiny_model": ("tiny_llama",),
-    "_mooncake_master": ("MasterStartError", "MooncakeMaster"),
-    "_replay": ("Divergence", "ReplayResult", "replay_log"),
-    "_group": ("Group", "RankDivergenceError", "SingleGroup", "TorchGroup"),
-    "_layers": ("LayerDoneRing", "LayerWaiter", "LoadFailedError", "StaleWaiterError"),
-    "_metrics": ("start_metrics_exporter",),
-    "_facade_types": ("TierStatistics",),
-    "_timings": ("TimedLayerWaiter",),
-    "_strategies": ("PCTStrategy", "RandomStrategy", "ReplayStrategy", "ScheduleDivergedError", "Strategy"),
-    "_services": ("FailedTransfers", "FaultPlan", "IdSource", "NoFaults", "SeededFaults", "Services"),
-    "_system": ("DEFAULT_ASK_TIMEOUT_S", "ActorFailedError", "System", "ThreadedRuntime"),
     "config": (
         "DTYPES", "Available", "Config", "ConfigError", "DeviceKind", "EvictionPolicy", "HostLayout",
         "PrefetchPolicy", "StorageKind", "WritePolicy", "check_resources"
     ),
-    "_mutants": ("MUTANTS", "Mutant", "mutant"),
-    "_scheduler": (
-        "FakeModel", "ForwardStep", "Outcome", "ReferenceScheduler", "SchedulerConfig", "ServeRequest", "StepModel"
+    "_facade": (
+        "AdmitResult", "CacheHandle", "CacheStateError", "Closed", "ExpiredHandleError", "HiCache",
+        "HiCacheStatistics", "Insufficient", "Request", "RequestError"
     ),
+    "_facade_types": ("TierStatistics",),
+    "_engine_kv": ("DeviceKV", "KVArgumentError", "SlotIndex"),
+    "_group": ("Group", "RankDivergenceError", "SingleGroup", "TorchGroup"),
+    "_timings": ("TimedLayerWaiter",),
+    "_metrics": ("start_metrics_exporter",),
+    "_system": ("DEFAULT_ASK_TIMEOUT_S", "ActorFailedError", "System", "ThreadedRuntime"),
+    "_executor": ("SerialExecutor",),
+    "_inbox": ("Inbox",),
+    "hicache.actors": ("LayerDoneRing", "LayerWaiter", "LoadFailedError", "StaleWaiterError"),
+    "_log": ("LOG_VERSION", "DeliveryLog", "rewrite_log"),
+    "_log_reader": ("Delivery", "LogEnd", "LogReader", "ParsedLog", "ReplayLogError", "RunHeader", "read_log"),
 }
 """Each private module, and the public names it defines."""
 
@@ -57,7 +44,7 @@ def __getattr__(name: str) -> object:
     module = _MODULE_OF.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(_importlib.import_module(f"{__name__}.{module}"), name)
+    value = getattr(_importlib.import_module(module if module.startswith("hicache.") else f"{__name__}.{module}"), name)
     globals()[name] = value
     return value
 

@@ -13,9 +13,9 @@ import json
 import sys
 from pathlib import Path
 
-from .config import Config
+from hicache.messages.config import Config
 
-START = "<!-- fields: made by `python -m hicache.runtime._config_doc`; edit runtime/config.py, not this table -->"
+START = "<!-- fields: made by `python -m hicache.runtime._config_doc`; edit messages/config.py, not this table -->"
 END = "<!-- end of fields -->"
 
 

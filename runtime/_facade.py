@@ -80,7 +80,7 @@ from hicache.messages import (
 )
 
 from . import _facade_types as check
-from ._actor import HiActor
+from hicache.actors._actor import HiActor
 from ._calls import Interrupts, Pending
 from ._engine_kv import DeviceKV
 from ._facade_types import (
@@ -95,12 +95,12 @@ from ._facade_types import (
     RequestError,
 )
 from ._group import Group, SingleGroup
-from ._layers import LayerWaiter
+from hicache.actors._layers import LayerWaiter
 from ._metrics import track, untrack
 from ._statistics import cache_statistics
 from ._timings import FacadeTimings
 from ._system import DEFAULT_ASK_TIMEOUT_S, Runtime, System
-from .config import Config
+from hicache.messages.config import Config
 
 FINISHED_REMEMBERED_MAX = 1 << 16
 """Ended request ids remembered to tell "finished twice" from "never admitted"."""
@@ -300,7 +300,7 @@ class HiCache:
         p = self.config.page_size
         if p == 1:
             return pages[:n].to_tensor()
-        return slots_of_pages(pages.as_tensor(), p)[:n].clone()
+        return slots_of_pages(pages.as_tensor(), p)[:n]  # a new tensor: the pages' bytes stay unshared
 
     def _undo_admit(self, items: Sequence[AdmitItem], reply: Admitted) -> None:
         """An admission whose caller never saw it: release its locks (retracted: the ids stay usable)."""
@@ -464,7 +464,7 @@ class HiCache:
                 self._ask(ActorName.TREE, EvictDevice(op_id=self._op(), tokens=reply.shortfall_slots), Evicted)
                 reply = self._allocate(want, [])
             if isinstance(reply, SlotsInsufficient):
-                return Insufficient(reply.requested_slots, reply.free_slots, reply.shortfall_slots)
+                return Insufficient(requested_slots=reply.requested_slots, free_slots=reply.free_slots)
             return self._granted(reply, want, to_caller=True)
 
     def _allocate(self, want: Mapping[str, int], commits: list[tuple[str, bytes]]) -> Any:

@@ -7,6 +7,8 @@ and the value, and the actors never see it.
 
 from __future__ import annotations
 
+import ctypes
+
 import dataclasses
 import enum
 import operator
@@ -17,6 +19,7 @@ from typing import Any
 
 import torch
 
+from hicache.actors import Insufficient  # noqa: F401  (re-exported: the facade returns the device core's value)
 from hicache.messages import (
     DeviceStatistics,
     Durations,
@@ -90,15 +93,6 @@ class AdmitResult:
     @property
     def cached_tokens(self) -> int:
         return self.device_hit + self.host_hit
-
-
-@dataclass(frozen=True, slots=True)
-class Insufficient:
-    """An allocation that does not fit even after eviction; nothing was allocated."""
-
-    requested_slots: int
-    free_slots: int
-    shortfall_slots: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,10 +257,12 @@ def _tensor_token_bytes(t: torch.Tensor, what: str) -> bytes:
         raise RequestError(f"{what} must hold integer token ids, got a {t.dtype} tensor (use torch.int64)")
     if not len(t):
         return b""
-    t = t.detach().to(device="cpu", dtype=torch.int64).contiguous()
-    if int(t.min()) < 0:
-        raise RequestError(f"{what}: token ids must be in 0..{TOKEN_ID_MAX}, got {int(t.min())}")
-    return Tokens.from_tensor(t).to_bytes()
+    if t.dtype is not torch.int64 or t.device.type != "cpu" or not t.is_contiguous():
+        t = t.detach().to(device="cpu", dtype=torch.int64).contiguous()
+    low = int(t.min())
+    if low < 0:
+        raise RequestError(f"{what}: token ids must be in 0..{TOKEN_ID_MAX}, got {low}")
+    return ctypes.string_at(t.data_ptr(), 8 * len(t))  # little-endian int64, as `Tokens` holds them
 
 
 def demands(value: Any, what: str, maximum: int) -> dict[str, int]:

@@ -16,6 +16,7 @@ the values.
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -62,8 +63,6 @@ class TorchGroup:
     @classmethod
     def start(cls, rank: int, size: int, init_method: str, timeout_s: float = 60.0) -> TorchGroup:
         """Join (or form) the default gloo group, e.g. `init_method="tcp://127.0.0.1:29500"`."""
-        import datetime
-
         import torch.distributed as dist
 
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size,

@@ -55,9 +55,8 @@ from typing import Any, BinaryIO
 
 import structlog
 
+from hicache.actors._services import FaultPlan
 from hicache.messages import ActorName, CodecError, Message, encode
-
-from ._services import FaultPlan
 
 try:
     from zlib_ng.zlib_ng import crc32

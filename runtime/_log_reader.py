@@ -34,9 +34,9 @@ from types import TracebackType
 from typing import Any, BinaryIO
 
 from hicache.messages import ActorName, CodecError, Message, decode, encode
+from hicache.messages.config import Config, ConfigError, DeviceKind
 
 from ._log import LOG_VERSION, SEAL_BYTES, crc32, loads_line, unbase64
-from .config import Config, ConfigError, DeviceKind
 
 HEADER_BYTES_MAX = 1 << 20
 """Longest first line read: a header is a few kilobytes; a file with no newline this early

@@ -18,29 +18,36 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from prometheus_client import REGISTRY, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from hicache.messages import Durations, PrefetchEnd
+from hicache.messages import Config, Durations, PrefetchEnd
 
 from ._facade_types import CacheStateError, HiCacheStatistics
 
-if TYPE_CHECKING:
-    from ._facade import HiCache
+
+class _Exported(Protocol):
+    """What the exporter reads of a `HiCache` (which imports this module to register)."""
+
+    @property
+    def config(self) -> Config: ...
+
+    def statistics(self) -> HiCacheStatistics: ...
+
 
 _LABELS = ("cache", "rank")
 
 _lock = threading.Lock()
-_exporting: dict[tuple[str, int], HiCache] = {}
+_exporting: dict[tuple[str, int], _Exported] = {}
 """The started instances with metrics on, by (`metrics_name`, `tp_rank`)."""
 _servers: dict[tuple[str, int], int] = {}
 """Exporters started in this process: (host, port asked) -> port bound."""
 _registered = False
 
 
-def track(cache: HiCache) -> None:
+def track(cache: _Exported) -> None:
     """Export `cache`'s metrics from now on (at its start); start its exporter if it names a port."""
     key = (cache.config.metrics_name, cache.config.tp_rank)
     with _lock:
@@ -56,7 +63,7 @@ def track(cache: HiCache) -> None:
         _exporting[key] = cache
 
 
-def untrack(cache: HiCache) -> None:
+def untrack(cache: _Exported) -> None:
     """Stop exporting `cache`'s metrics (at its close); nothing if it does not export them."""
     key = (cache.config.metrics_name, cache.config.tp_rank)
     with _lock:

@@ -19,9 +19,9 @@ from hicache.messages import (
     PrefetcherStatistics,
     TreeStatistics,
 )
+from hicache.messages.config import Config, StorageKind
 
 from ._facade_types import HiCacheStatistics, TierStatistics
-from .config import Config, StorageKind
 
 
 def cache_statistics(

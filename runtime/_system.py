@@ -16,12 +16,25 @@ from typing import Any, Protocol
 
 import pykka
 
+from hicache.actors import (
+    DeviceAllocatorActor,
+    DeviceCore,
+    HostCore,
+    HostPoolActor,
+    LoadStreamActor,
+    StoragePrefetcherActor,
+    TreeActor,
+    WriteStreamActor,
+    open_backend,
+)
 from hicache.messages import ActorName, CheckInvariants, GetStatistics, Message
 
-from ._actor import Directory, HiActor, Mail
+from hicache.actors._actor import Directory, HiActor, Mail
 from ._executor import SerialExecutor
-from ._layers import LayerDoneRing
-from ._services import (
+from ._inbox import Inbox
+from ._log import DeliveryLog, _LoggedFaults, _versions
+from hicache.actors._layers import LayerDoneRing
+from hicache.actors._services import (
     ActorFailedError,
     DeliveryObserver,
     FaultPlan,
@@ -31,7 +44,7 @@ from ._services import (
     NoFaults,
     Services,
 )
-from .config import Config, StorageKind, check_resources
+from hicache.messages.config import Config, StorageKind, check_resources
 
 DEFAULT_ASK_TIMEOUT_S = 60.0
 """How long the caller waits for an actor's reply before raising TimeoutError."""
@@ -144,17 +157,6 @@ def actor_specs(
     The one place that wires cores, buffers and actors: `System.start` and log replay use it.
     `storage=False` leaves the prefetcher out (replay: its results come from storage contents
     the log does not hold, so its messages are replayed as inputs) and opens no backend."""
-    from hicache.actors import (  # late: actors import this package
-        DeviceAllocatorActor,
-        DeviceCore,
-        HostCore,
-        HostPoolActor,
-        LoadStreamActor,
-        StoragePrefetcherActor,
-        TreeActor,
-        WriteStreamActor,
-    )
-
     device, host = DeviceCore(cfg), HostCore(cfg)
     specs: list[tuple[type[HiActor], dict[str, Any]]] = [
         (DeviceAllocatorActor, {"config": cfg, "core": device}),
@@ -166,8 +168,6 @@ def actor_specs(
     if storage:
         backend = None
         if cfg.storage is not StorageKind.NONE:
-            from hicache.actors._storage import open_backend
-
             backend = open_backend(cfg)
         specs.append((StoragePrefetcherActor, {"config": cfg, "host_kv": host.kv, "backend": backend}))
     return specs, device.kv, host.kv
@@ -216,9 +216,9 @@ class System:
     """The running actors of one hicache instance (one per tensor-parallel rank).
 
     Use as a context manager, or call `start()` and `stop()`. `stand_ins` starts
-    test `Probe` actors in place of real ones (the tree, to drive the pools by hand).
-    A probe always stands under the `facade` name: replies to what the caller told
-    the actors arrive there (`System.next_reply`).
+    stand-ins (`stand_in`: an `Inbox`, or a test's `Probe`) in place of real actors (the
+    tree, to drive the pools by hand). An inbox always stands under the `facade` name:
+    replies to what the caller told the actors arrive there (`System.next_reply`).
     """
 
     def __init__(
@@ -227,6 +227,7 @@ class System:
         *,
         runtime: Runtime | None = None,
         stand_ins: Iterable[ActorName] = (),
+        stand_in: type[Inbox] = Inbox,
         actor_classes: Mapping[ActorName, type[HiActor]] | None = None,
         log_path: str | Path | None = None,
     ) -> None:
@@ -234,6 +235,7 @@ class System:
         self.runtime: Runtime = runtime or ThreadedRuntime()
         self.services = self.runtime.services
         self._stand_in_names = tuple(stand_ins)
+        self._stand_in = stand_in
         self._log_path = log_path or config.log_path or None
         self._overrides = dict(actor_classes or {})
         """Subclasses to run in place of an actor's class: exploration's mutants, never config."""
@@ -270,8 +272,6 @@ class System:
         return self
 
     def _start_actors(self, cfg: Config, svc: Services) -> None:
-        from .testing import Probe
-
         d = self.directory
         self.ring = svc.new_layer_ring(cfg.load_ring_size, cfg.layers)
         specs, self.device_kv, self.host_kv = actor_specs(cfg, self.ring)
@@ -280,18 +280,16 @@ class System:
             if cls.name not in self._stand_in_names:
                 self._register(cls, **kwargs, **common)
         for name in self._stand_in_names:
-            probe = Probe(name, self.runtime.new_mailbox(f"probe {name.value}"))
-            d.register(name, self.runtime.start(probe.actor_class(), probe=probe, **common))
+            probe = self._stand_in(name, self.runtime.new_mailbox(f"stand-in {name.value}"))
+            d.register(name, self.runtime.start(probe.actor_class(), inbox=probe, **common))
             self.probes[name] = probe
         if ActorName.FACADE not in self._stand_in_names:
             # The caller is not an actor: mail for it goes straight into its inbox (no thread hop).
-            inbox = Probe(ActorName.FACADE, self.runtime.new_mailbox("the facade's inbox"))
+            inbox = Inbox(ActorName.FACADE, self.runtime.new_mailbox("the facade's inbox"))
             d.register(ActorName.FACADE, _CallerRef(inbox, svc))  # type: ignore[arg-type]
             self.probes[ActorName.FACADE] = inbox
 
     def _open_log(self, path: str | Path) -> None:
-        from ._log import DeliveryLog, _LoggedFaults, _versions
-
         svc = self.services
         header = {
             "versions": _versions(), "config": self.config.to_mapping(),

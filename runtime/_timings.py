@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from hicache.actors._durations import DurationHistogram
-
-from ._layers import LayerWaiter
+from hicache.actors._layers import LayerWaiter
 
 TIMED_CALLS: Final = ("admit", "prefetch", "ready", "allocate", "commit", "finish", "abort", "retract",
                       "cache_unfinished", "start_loads", "sync", "evict_device", "evict_host")

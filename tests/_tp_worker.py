@@ -51,9 +51,10 @@ class Diverged(AssertionError):
 def serve(group: Any, rank: int, size: int, storage_dir: str, write: str, prefetch: str) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from hicache.runtime import Config, HiCache, PrefetchPolicy, SeededFaults, StorageKind, ThreadedRuntime, WritePolicy
-    from hicache.runtime._scheduler import ReferenceScheduler, SchedulerConfig, ServeRequest
-    from hicache.runtime.explore import synthetic_workload
+    from hicache.actors import SeededFaults
+    from hicache.runtime import Config, HiCache, PrefetchPolicy, StorageKind, ThreadedRuntime, WritePolicy
+    from hicache.runtime.testing._scheduler import ReferenceScheduler, SchedulerConfig, ServeRequest
+    from hicache.runtime.testing.explore import synthetic_workload
 
     cfg = Config(layers=2, kv_heads=1, head_dim=8, page_size=4, device_slots=4 * 24, host_slots=4 * 48,
                  write_policy=WritePolicy[write], load_back_min_tokens=4, transfer_pages_max=2,

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from hicache.actors import KVBuffer, KVShape
+from hicache.actors import FaultPlan, KVBuffer, KVShape
 from hicache.messages import (
     ActorName,
     AdoptLoadedSlots,
@@ -51,16 +51,9 @@ from hicache.messages import (
     WriteFailed,
     WriteKV,
 )
-from hicache.runtime import (
-    Config,
-    DeterministicRuntime,
-    FaultPlan,
-    HostLayout,
-    LoadFailedError,
-    System,
-    ThreadedRuntime,
-)
-from hicache.runtime.oracle import FingerprintOracle
+from hicache.runtime import Config, HostLayout, LoadFailedError, System, ThreadedRuntime
+from hicache.runtime.testing import DeterministicRuntime, Probe
+from hicache.runtime.testing.oracle import FingerprintOracle
 
 GATE_TIMEOUT_S = 10.0
 """A held actor is let go after this long even if the test forgets (or fails) to open the gate."""
@@ -222,8 +215,9 @@ def gate() -> Iterator[Gate]:
 
 
 class TreeSide:
-    """The test in the tree's place: sends as `ActorName.TREE`, receives the tree's
-    mail from its probe, and checks every actor's invariants after every step.
+    """The test in the tree's place: sends as `ActorName.TREE` (as the facade where the
+    scheduler is the sender: allocate, commit, start loads), receives the tree's mail
+    from its probe, and checks every actor's invariants after every step.
 
     As in the messages, device and host memory are named by page numbers; `slots()`
     gives the slots of pages (for the oracle, which reads and writes slots)."""
@@ -239,9 +233,9 @@ class TreeSide:
         self._op += 1
         return self._op
 
-    def ask(self, to: ActorName, message: Message) -> Any:
+    def ask(self, to: ActorName, message: Message, *, sender: ActorName = ActorName.TREE) -> Any:
         try:
-            return self.system.ask(to, message, sender=ActorName.TREE)
+            return self.system.ask(to, message, sender=sender)
         finally:
             self.system.check_invariants()
 
@@ -268,6 +262,7 @@ class TreeSide:
             ActorName.DEVICE,
             AllocateSlots(op_id=op, demands=tuple(SlotDemand(request_id=r, tokens=n) for r, n in demands.items()),
                           commits=()),
+            sender=ActorName.FACADE,
         )
         assert reply.op_id == op
         if isinstance(reply, SlotsInsufficient):
@@ -278,7 +273,8 @@ class TreeSide:
     def commit(self, request_id: str, tokens: int) -> Any:
         op = self.next_op()
         reply = self.ask(
-            ActorName.DEVICE, CommitSlots(op_id=op, demands=(SlotDemand(request_id=request_id, tokens=tokens),))
+            ActorName.DEVICE, CommitSlots(op_id=op, demands=(SlotDemand(request_id=request_id, tokens=tokens),)),
+            sender=ActorName.FACADE,
         )
         assert isinstance(reply, SlotsCommitted) and reply.op_id == op
         return reply.entries[0]
@@ -338,7 +334,7 @@ class TreeSide:
         op = self.next_op() if op_id is None else op_id
         self.host_move(host, HostSlotState.LOADING)
         self.tell(ActorName.LOAD, LoadKV(op_id=op, host=host, device=device))
-        started = self.ask(ActorName.LOAD, StartLoads())
+        started = self.ask(ActorName.LOAD, StartLoads(), sender=ActorName.FACADE)
         assert isinstance(started, LoadsStarted) and started.ops == (op,)
         assert self.system.ring is not None
         waiter = self.system.ring.waiter(started.batch)
@@ -379,7 +375,7 @@ def start_system(runtime_kind: str) -> Iterator[Callable[..., TreeSide]]:
 
         def start(config: Config, *, faults: FaultPlan | None = None, observe: Any = None) -> TreeSide:
             runtime = make_runtime(runtime_kind, faults=faults, observe=observe)
-            system = stack.enter_context(System(config, runtime=runtime, stand_ins=(ActorName.TREE,)))
+            system = stack.enter_context(System(config, runtime=runtime, stand_ins=(ActorName.TREE,), stand_in=Probe))
             stack.callback(system.check_invariants)
             if isinstance(observe, Gate):
                 stack.callback(observe.open)  # runs first: never check or stop a held actor

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from hicache.actors import FailedTransfers, Mail
 from hicache.messages import (
     ActorName,
     AllocateHost,
@@ -37,11 +38,12 @@ from hicache.messages import (
     WriteFailed,
     WriteKV,
 )
-from hicache.runtime import Config, FailedTransfers, HostLayout, LoadFailedError, Mail
-from hicache.runtime.oracle import FingerprintMismatchError
+from hicache.runtime import Config, HostLayout, LoadFailedError
+from hicache.runtime.testing.oracle import FingerprintMismatchError
 
 S = HostSlotState
 TREE, DEVICE, HOST, WRITE, LOAD = ActorName.TREE, ActorName.DEVICE, ActorName.HOST, ActorName.WRITE, ActorName.LOAD
+FACADE = ActorName.FACADE
 
 
 def _tokens(seed: int, n: int) -> list[int]:
@@ -119,7 +121,7 @@ def test_kv_bytes_round_trip_device_to_host_to_device_with_merged_and_split_tran
     for rid in requests:
         tree.host_move(host[rid], S.LOADING)
         tree.tell(LOAD, LoadKV(op_id=op_of[rid] + 100, host=host[rid], device=loaded[rid]))
-    started = tree.ask(LOAD, StartLoads())
+    started = tree.ask(LOAD, StartLoads(), sender=FACADE)
     assert isinstance(started, LoadsStarted) and started.batch == 1
     assert started.ops == tuple(op + 100 for op in op_of.values())
     tree.system.ring.waiter(started.batch).wait_all(timeout_s=30)
@@ -181,7 +183,7 @@ def test_the_forward_pass_may_read_a_layer_as_soon_as_its_load_is_done(
 
     held = gate.hold(LOAD, lambda m: isinstance(m, CopyLayer) and m.layer == 1)
     tree.system.tell(LOAD, LoadKV(op_id=1, host=host, device=device), sender=TREE)
-    started = tree.system.ask(LOAD, StartLoads(), sender=TREE)
+    started = tree.system.ask(LOAD, StartLoads())
     waiter = tree.system.ring.waiter(started.batch)
     waiter.wait_layer(0, timeout_s=30)
     assert held.reached.wait(30)  # the stream is about to copy layer 1, and waits
@@ -204,7 +206,7 @@ def test_start_loads_with_nothing_queued_is_batch_zero_and_needs_no_wait(
     make_config: Callable[..., Config], start_system: Callable[..., Any]
 ) -> None:
     tree = start_system(make_config())
-    started = tree.ask(LOAD, StartLoads())
+    started = tree.ask(LOAD, StartLoads(), sender=FACADE)
     assert started == LoadsStarted(batch=0, ops=())
     tree.system.ring.waiter(0).wait_all(timeout_s=0)
 
@@ -313,7 +315,7 @@ def test_a_failed_load_is_reported_failed_and_waiting_on_it_raises(
     target = tree.allocate_load(8)
     tree.host_move(host, S.LOADING)
     tree.tell(LOAD, LoadKV(op_id=77, host=host, device=target))
-    started = tree.ask(LOAD, StartLoads())
+    started = tree.ask(LOAD, StartLoads(), sender=FACADE)
     waiter = tree.system.ring.waiter(started.batch)
     failed = tree.expect(LoadDone, LoadFailed)
     assert failed == LoadFailed(op_id=77, reason="bit flip")
@@ -362,7 +364,7 @@ def test_a_load_with_unusable_indices_is_failed_at_once(
     tree.tell(LOAD, LoadKV(op_id=4, host=Indices.of([0, 1]), device=Indices.of([5_000, 5_001])))
     failed = tree.expect(LoadFailed)
     assert failed == LoadFailed(op_id=4, reason="bad load: destination page out of range 0..15")
-    assert tree.ask(LOAD, StartLoads()).batch == 0
+    assert tree.ask(LOAD, StartLoads(), sender=FACADE).batch == 0
 
 
 def test_writes_beyond_the_queue_bound_are_refused_as_failed(

@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from hicache.actors import LedgerError, SlotStateError
+from hicache.actors import LedgerError, SlotStateError, WrongSenderError
+from hicache.actors._services import Failures
 from hicache.messages import (
     ActorName,
     AdoptLoadedSlots,
@@ -32,8 +33,8 @@ from hicache.messages import (
     StartLoads,
     WriteKV,
 )
-from hicache.runtime import ActorFailedError, Config, System, ThreadedRuntime, WrongSenderError
-from hicache.runtime._services import Failures
+from hicache.runtime import ActorFailedError, Config, System, ThreadedRuntime
+from hicache.runtime.testing import Probe
 
 S = HostSlotState
 TREE, DEVICE, HOST, WRITE, LOAD = ActorName.TREE, ActorName.DEVICE, ActorName.HOST, ActorName.WRITE, ActorName.LOAD
@@ -123,7 +124,7 @@ def test_allocating_for_a_finished_request_names_the_request(tree: Any) -> None:
     tree.release("req-7", Indices(), ReleaseReason.FINISHED)
     message = AllocateSlots(op_id=1, demands=(SlotDemand(request_id="req-7", tokens=4),), commits=())
     with pytest.raises(LedgerError, match="request 'req-7' was already released.*never allocate after finish"):
-        tree.ask(DEVICE, message)
+        tree.ask(DEVICE, message, sender=ActorName.FACADE)
     _still_running(tree, DEVICE)
     assert tree.statistics(DEVICE).free_slots == 64
     assert tree.allocate({"req-8": 4})["req-8"] == pages
@@ -134,7 +135,7 @@ def test_committing_more_than_was_allocated_is_refused(tree: Any) -> None:
     tree.commit("r", 2)
     message = CommitSlots(op_id=1, demands=(SlotDemand(request_id="r", tokens=5),))
     with pytest.raises(LedgerError, match=r"request 'r': committing 5 more slots would make committed=7 > allocated=6"):
-        tree.ask(DEVICE, message)
+        tree.ask(DEVICE, message, sender=ActorName.FACADE)
     _still_running(tree, DEVICE)
     assert tree.commit("r", 4).committed == 6
 
@@ -260,7 +261,7 @@ class _SignallingFailures(Failures):
 def test_a_told_programmer_error_stops_the_actor_and_the_next_call_says_so(make_config: Callable[..., Config]) -> None:
     runtime = ThreadedRuntime()
     failures = runtime.services.failures = _SignallingFailures()
-    with System(make_config(), runtime=runtime, stand_ins=(TREE,)) as system:
+    with System(make_config(), runtime=runtime, stand_ins=(TREE,), stand_in=Probe) as system:
         system.tell(HOST, FreeHostSlots(pages=Indices.of([0])), sender=TREE)  # never allocated
         assert failures.reported.wait(30)
         with pytest.raises(ActorFailedError, match=r"the host actor failed: illegal host page transition") as err:

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from hicache.runtime import cli
-from hicache.runtime._progress import LineProgress
 from hicache.runtime.cli import main
+from hicache.runtime.demo._progress import LineProgress
 
 
 def _refused(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
@@ -94,8 +94,8 @@ def test_help_shows_defaults_and_choices(capsys: pytest.CaptureFixture[str]) -> 
 
 def test_the_cli_lists_agree_with_what_they_name() -> None:
     from hicache.runtime import EvictionPolicy, PrefetchPolicy, WritePolicy
-    from hicache.runtime._demo import DEMO_REQUESTS, CostModel
-    from hicache.runtime.explore import SCENARIOS
+    from hicache.runtime.demo._demo import DEMO_REQUESTS, CostModel
+    from hicache.runtime.testing.explore import SCENARIOS
 
     assert cli.SCENARIOS == tuple(SCENARIOS)
     assert cli.WRITE_POLICIES == tuple(p.value for p in WritePolicy)

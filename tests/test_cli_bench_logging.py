@@ -28,11 +28,11 @@ from hicache.messages import (
     encode,
 )
 from hicache.runtime import _log, _log_reader
-from hicache.runtime._bench_logging import _args, _tick_deliveries
-from hicache.runtime._bench_replay import log_scheduler_run
 from hicache.runtime._log_reader import read_log
-from hicache.runtime._replay import replay_log
+from hicache.runtime.bench._logging import _args, _tick_deliveries
+from hicache.runtime.bench._replay import log_scheduler_run
 from hicache.runtime.cli import main
+from hicache.runtime.testing._replay import replay_log
 
 ROUNDING = 0.0005
 """The benches round figures and ratios to 3 decimals (times in seconds to 4)."""

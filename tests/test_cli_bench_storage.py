@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from hicache.runtime import MasterStartError
-from hicache.runtime import _bench_storage
+from hicache.runtime.bench import _storage as _bench_storage
 from hicache.runtime.cli import main
+from hicache.runtime.testing import MasterStartError
 
 ROUNDING = 0.0005
 """The bench rounds gbps, raw_gbps and ratio to 3 decimals."""

@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hicache.messages._config_values import Count
 from hicache.runtime import (
     DTYPES,
     Config,
@@ -24,7 +25,6 @@ from hicache.runtime import (
     StorageKind,
     WritePolicy,
 )
-from hicache.runtime._config_values import Count
 
 ENUM_FIELDS = {
     "device": DeviceKind,

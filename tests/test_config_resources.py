@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from hicache.actors import DeviceCore, HostCore
+from hicache.messages._resources import host_available_bytes, needs
 from hicache.runtime import Available, Config, ConfigError, check_resources
-from hicache.runtime._resources import host_available_bytes, needs
 
 GIB = 1 << 30
 SHAPE = {"layers": 2, "kv_heads": 1, "head_dim": 64, "dtype": "float16", "page_size": 16}

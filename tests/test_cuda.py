@@ -16,7 +16,7 @@ import torch
 from hicache.actors import DeviceCore, HostCore, KVBuffer, KVShape, copy_kv
 from hicache.messages import HostSlotState, Indices, LoadDone, WriteDone
 from hicache.runtime import DeviceKind, HostLayout
-from hicache.runtime.oracle import FingerprintOracle
+from hicache.runtime.testing.oracle import FingerprintOracle
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is absent on this machine")
 
@@ -59,7 +59,7 @@ def test_kv_round_trips_gpu_to_pinned_host_to_gpu_through_the_streams(
 
 
 def test_per_layer_waits_order_the_compute_stream_after_each_layer_copy(make_config: Any) -> None:
-    from hicache.runtime._layers import LayerDoneRing
+    from hicache.actors._layers import LayerDoneRing
 
     ring = LayerDoneRing(2, 2)
     side = torch.cuda.Stream()

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from hicache.runtime import tiny_llama
-from hicache.runtime._demo_model import Workload, run_model_demo
 from hicache.runtime.cli import main
+from hicache.runtime.demo import tiny_llama
+from hicache.runtime.demo._demo_model import Workload, run_model_demo
 
 SMALL = Workload(system_tokens=32, user_tokens=16, answer_tokens=4, conversations=4, first_turns=3,
                  device_tokens=128, page_size=4)

@@ -14,6 +14,8 @@ from typing import Any
 import pykka
 import pytest
 
+from hicache.actors import HiActor
+from hicache.actors._actor import Directory, Mail
 from hicache.messages import (
     ActorName,
     CopyLayer,
@@ -24,15 +26,15 @@ from hicache.messages import (
     StartLoads,
     StreamStatistics,
 )
-from hicache.runtime import Config, HiActor, System
-from hicache.runtime._actor import Directory, Mail
-from hicache.runtime._deterministic import (
+from hicache.runtime import Config, System
+from hicache.runtime.testing import Probe
+from hicache.runtime.testing._deterministic import (
     BlockingGetError,
     DeadlockError,
     DeterministicRuntime,
     LivelockError,
 )
-from hicache.runtime._strategies import PCTStrategy, RandomStrategy, ReplayStrategy, ScheduleDivergedError
+from hicache.runtime.testing._strategies import PCTStrategy, RandomStrategy, ReplayStrategy, ScheduleDivergedError
 
 # -- a workload over the real actors ---------------------------------------------------
 
@@ -41,8 +43,9 @@ WORKLOAD = textwrap.dedent(
     import hashlib
     from hicache.messages import *
     from hicache.runtime import Config, System
-    from hicache.runtime._deterministic import DeterministicRuntime
-    from hicache.runtime._strategies import PCTStrategy, RandomStrategy
+    from hicache.runtime.testing import Probe
+    from hicache.runtime.testing._deterministic import DeterministicRuntime
+    from hicache.runtime.testing._strategies import PCTStrategy, RandomStrategy
 
     def run(seed, strategy="random"):
         log = []
@@ -52,16 +55,16 @@ WORKLOAD = textwrap.dedent(
         cfg = Config(layers=2, kv_heads=1, head_dim=8, page_size=2, device_slots=32, host_slots=64,
                      transfer_pages_max=1)
         T = ActorName.TREE
-        with System(cfg, runtime=rt, stand_ins=(T,)) as s:
+        with System(cfg, runtime=rt, stand_ins=(T,), stand_in=Probe) as s:
             got = s.ask(ActorName.DEVICE, AllocateSlots(op_id=1, demands=(SlotDemand(request_id="a", tokens=12),), commits=()))
             dev = got.grants[0].pages  # six pages of two slots
             host = s.ask(ActorName.HOST, AllocateHost(op_id=2, tokens=12), sender=T).pages
             s.tell(ActorName.HOST, SetHostState(pages=host, state=HostSlotState.WRITING), sender=T)
             for i in range(6):
                 s.tell(ActorName.WRITE, WriteKV(op_id=10 + i, device=dev[i: i + 1], host=host[i: i + 1]), sender=T)
-                s.tell(ActorName.DEVICE, CommitSlots(op_id=20 + i, demands=(SlotDemand(request_id="a", tokens=2),)),
-                       sender=T)
-            s.probes[T].collect(12)
+                s.tell(ActorName.DEVICE, CommitSlots(op_id=20 + i, demands=(SlotDemand(request_id="a", tokens=2),)))
+            s.probes[T].collect(6)
+            assert all(s.next_reply(5.0) is not None for _ in range(6))  # the six SlotsCommitted
             s.check_invariants()
         return hashlib.sha256("\\n".join(log).encode()).hexdigest(), len(log)
     """
@@ -337,7 +340,7 @@ def test_replaying_a_recorded_schedule_reproduces_the_log() -> None:
     def go(strategy: Any, log: list[str]) -> DeterministicRuntime:
         rt = DeterministicRuntime(seed=11, strategy=strategy, observe=lambda r, m: log.append(f"{r}{m!r}"))
         cfg = Config(layers=2, kv_heads=1, head_dim=8, page_size=2, device_slots=32, host_slots=64)
-        with System(cfg, runtime=rt, stand_ins=(ActorName.TREE,)) as s:
+        with System(cfg, runtime=rt, stand_ins=(ActorName.TREE,), stand_in=Probe) as s:
             from hicache.messages import AllocateSlots, SlotDemand, WriteKV
 
             got = s.ask(ActorName.DEVICE, AllocateSlots(op_id=1, demands=(SlotDemand(request_id="r", tokens=8),), commits=()))

@@ -9,7 +9,7 @@ import torch
 
 from hicache.actors import KVShape
 from hicache.runtime import CacheStateError, Config, DeviceKV, HiCache, KVArgumentError, Request
-from hicache.runtime.oracle import FingerprintOracle
+from hicache.runtime.testing.oracle import FingerprintOracle
 
 CFG = Config(layers=3, kv_heads=2, head_dim=4, dtype="float32", page_size=4, device_slots=64, host_slots=256)
 

@@ -1,4 +1,4 @@
-"""Schedule exploration: the unmutated system passes, every seeded bug is caught, failures replay."""
+"""Schedule exploration: the unmutated system passes, every mutant is caught, failures replay."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from hicache.messages import decode
-from hicache.runtime import MUTANTS, mutant
 from hicache.runtime.cli import main
-from hicache.runtime.explore import explore, hunt_mutants, replay, run_schedule, write_failure
+from hicache.runtime.testing import MUTANTS, mutant
+from hicache.runtime.testing.explore import explore, hunt_mutants, replay, run_schedule, write_failure
 
 
 def test_the_unmutated_standard_scenario_passes_two_hundred_seeds_under_pct_and_random() -> None:
@@ -146,7 +146,7 @@ def test_the_faults_scenario_injects_seeded_faults_and_the_system_survives_them(
 
 def test_seeded_faults_repeat_for_the_same_seed_and_differ_across_seeds() -> None:
     from hicache.messages import ActorName
-    from hicache.runtime import SeededFaults
+    from hicache.actors import SeededFaults
 
     def draws(seed: int) -> list[object]:
         f = SeededFaults(seed, transfer_fail_rate=0.3, host_exhausted_rate=0.3)

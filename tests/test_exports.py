@@ -18,11 +18,13 @@ from hicache.messages import ENUM_TYPES, MESSAGE_TYPES
 
 PACKAGES = (hicache.actors, hicache.messages, hicache.runtime)
 
-COMMAND_MODULES = ("_demo", "_bench_", "_explore_cli", "_replay_cli", "_soak", "_simulate", "_progress", "_usage")
-"""Private modules that implement a `hicache` command (or its progress and usage errors); reached
-through `hicache.runtime.cli`."""
+COMMAND_MODULES = ("_usage",)
+"""Private modules of `hicache.runtime` that serve the `hicache` command (its usage errors);
+the commands themselves are in `hicache.runtime.cli`, `demo` and `bench`."""
 
 INTERNAL = {
+    "hicache.messages._doc.main": "the command that writes docs/messages.md (`python -m hicache.messages._doc`)",
+    "hicache.messages._doc.page": "docs/messages.md as the message classes make it; the docs test compares",
     "hicache.actors._transfer_core.batch_indices": "stream actors' helper over a TransferQueue batch",
     "hicache.actors._transfer_core.op_problem": "stream actors' check of a WriteKV/LoadKV before queueing",
     "hicache.actors._pages.ints": "the pool cores' choice of slot-number form (Python ints or a tensor) for a call",
@@ -47,15 +49,15 @@ INTERNAL = {
     "hicache.actors._segments.punch": "the file backend's fallocate(PUNCH_HOLE) of an evicted record",
     "hicache.actors._segments.preadv_all": "the file backend's whole preadv of a run of records",
     "hicache.actors._segments.pwritev_all": "the file backend's whole pwritev of a batch of records",
-    "hicache.runtime._mooncake_master.master_binary": "MooncakeMaster's lookup of the mooncake_master executable",
+    "hicache.runtime.testing._mooncake_master.master_binary": "MooncakeMaster's lookup of the mooncake_master executable",
     "hicache.messages._codec.BlobRefs": "protocol of encode's blob store; only the delivery log implements it",
     "hicache.runtime._log.unbase64": "read_log's base64 decoding (pybase64 when installed), next to the encoding",
     "hicache.runtime._log.error_text": "the text of a handler's error, as the log writes it and replay compares it",
     "hicache.runtime._log_reader.Blobs": "the blobs a log being read may refer to, for LogReader",
-    "hicache.runtime._replay.Rebuilt": "the rebuilt actors of a log, for replay and the replay bench",
-    "hicache.runtime._services.Clock": "protocol of Services.clock; users get a clock from a runtime",
-    "hicache.runtime._services.MonotonicClock": "the threaded runtime's clock",
-    "hicache.runtime._services.Failures": "the runtime's record of failed actors; System raises from it",
+    "hicache.runtime.testing._replay.Rebuilt": "the rebuilt actors of a log, for replay and the replay bench",
+    "hicache.actors._services.Clock": "protocol of Services.clock; users get a clock from a runtime",
+    "hicache.actors._services.MonotonicClock": "the threaded runtime's clock",
+    "hicache.actors._services.Failures": "the runtime's record of failed actors; System raises from it",
     "hicache.runtime._system.Runtime": "protocol System needs from a runtime; both runtimes are exported",
     "hicache.runtime._system.actor_specs": "the wiring of cores and actors shared by System.start and log replay",
     "hicache.actors._facts.Agreement": "the tree core's part that owns Facts and applies agreed outcomes",
@@ -79,29 +81,29 @@ INTERNAL = {
     "hicache.runtime._facade_types.namespace": "the facade's check of a namespace argument",
     "hicache.runtime._facade_types.request_id": "the facade's check of a request id argument",
     "hicache.runtime._facade_types.token_bytes": "the facade's check and conversion of token ids",
-    "hicache.runtime._config_values.Rule": "protocol of a Config field's rule; Config's field metadata holds them",
-    "hicache.runtime._config_values.Count": "a Config field's rule (integers in a range)",
-    "hicache.runtime._config_values.Number": "a Config field's rule (finite numbers in a range)",
-    "hicache.runtime._config_values.Switch": "a Config field's rule (true or false)",
-    "hicache.runtime._config_values.Choice": "a Config field's rule (an enum member or its value)",
-    "hicache.runtime._config_values.DType": "a Config field's rule (an element type of DTYPES)",
-    "hicache.runtime._config_values.FilePath": "a Config field's rule (a path string)",
-    "hicache.runtime._config_values.Host": "a Config field's rule (a host name or address)",
-    "hicache.runtime._config_values.HostPort": "a Config field's rule (host:port)",
-    "hicache.runtime._config_values.HttpUrl": "a Config field's rule (an http:// URL)",
-    "hicache.runtime._config_values.Name": "a Config field's rule (a short label value)",
-    "hicache.runtime._config_values.refuse": "the ConfigError of a value a rule refuses, for the rules and for_model",
-    "hicache.runtime._model_shape.ModelShape": "Config.for_model's reading of a model config",
-    "hicache.runtime._model_shape.model_shape": "Config.for_model's reading of a model config",
-    "hicache.runtime._resources.Need": "one allocation check_resources counts; its error message lists them",
-    "hicache.runtime._resources.needs": "the allocations check_resources counts",
-    "hicache.runtime._resources.host_available_bytes": "check_resources' reading of the machine's free host memory",
+    "hicache.messages._config_values.Rule": "protocol of a Config field's rule; Config's field metadata holds them",
+    "hicache.messages._config_values.Count": "a Config field's rule (integers in a range)",
+    "hicache.messages._config_values.Number": "a Config field's rule (finite numbers in a range)",
+    "hicache.messages._config_values.Switch": "a Config field's rule (true or false)",
+    "hicache.messages._config_values.Choice": "a Config field's rule (an enum member or its value)",
+    "hicache.messages._config_values.DType": "a Config field's rule (an element type of DTYPES)",
+    "hicache.messages._config_values.FilePath": "a Config field's rule (a path string)",
+    "hicache.messages._config_values.Host": "a Config field's rule (a host name or address)",
+    "hicache.messages._config_values.HostPort": "a Config field's rule (host:port)",
+    "hicache.messages._config_values.HttpUrl": "a Config field's rule (an http:// URL)",
+    "hicache.messages._config_values.Name": "a Config field's rule (a short label value)",
+    "hicache.messages._config_values.refuse": "the ConfigError of a value a rule refuses, for the rules and for_model",
+    "hicache.messages._model_shape.ModelShape": "Config.for_model's reading of a model config",
+    "hicache.messages._model_shape.model_shape": "Config.for_model's reading of a model config",
+    "hicache.messages._resources.Need": "one allocation check_resources counts; its error message lists them",
+    "hicache.messages._resources.needs": "the allocations check_resources counts",
+    "hicache.messages._resources.host_available_bytes": "check_resources' reading of the machine's free host memory",
     "hicache.runtime._config_doc.field_table": "makes docs/configuration.md's field table (a test keeps it current)",
     "hicache.runtime._config_doc.with_table": "makes docs/configuration.md's field table (a test keeps it current)",
     "hicache.runtime._config_doc.main": "the command that rewrites docs/configuration.md's field table",
-    "hicache.runtime._tiny_model.incremental_drift": "the measurement behind the model tests' logit tolerance",
-    "hicache.runtime._tiny_model.measure_drift": "the measurement behind the model tests' logit tolerance",
-    "hicache.runtime._tiny_model.main": "the command that prints the measurement behind the logit tolerance",
+    "hicache.runtime.demo._tiny_model.incremental_drift": "the measurement behind the model tests' logit tolerance",
+    "hicache.runtime.demo._tiny_model.measure_drift": "the measurement behind the model tests' logit tolerance",
+    "hicache.runtime.demo._tiny_model.main": "the command that prints the measurement behind the logit tolerance",
     "hicache.runtime._metrics.track": "HiCache.start's registration of an instance with metrics on",
     "hicache.runtime._metrics.untrack": "HiCache.close's end of an instance's metrics",
     "hicache.runtime._timings.FacadeTimings": "HiCache's call and load-wait histograms, made only with metrics on",
@@ -198,7 +200,10 @@ def test_every_message_class_of_the_area_modules_is_registered() -> None:
 
 
 def test_the_config_module_exports_its_public_names_through_hicache_runtime() -> None:
-    import hicache.runtime.config as config
+    import hicache.messages.config as config
+    import hicache.runtime.config as where_users_import_it
 
     missing = [n for n in _defined_public(config) if n not in hicache.runtime.__all__]
-    assert not missing, f"hicache.runtime.config defines but hicache.runtime does not export: {missing}"
+    assert not missing, f"hicache.messages.config defines but hicache.runtime does not export: {missing}"
+    moved = [n for n in config.__all__ if getattr(where_users_import_it, n) is not getattr(config, n)]
+    assert not moved, f"hicache.runtime.config does not re-export these of hicache.messages.config: {moved}"

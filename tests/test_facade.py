@@ -21,11 +21,9 @@ from typing import Any
 import pytest
 import torch
 
-from hicache.actors import KVShape
+from hicache.actors import KVShape, NoFaults
 from hicache.messages import ActorName, LedgerEntry
 from hicache.runtime import (
-    WritePolicy,
-    NoFaults,
     CacheHandle,
     Config,
     ExpiredHandleError,
@@ -34,8 +32,9 @@ from hicache.runtime import (
     LoadFailedError,
     Request,
     RequestError,
+    WritePolicy,
 )
-from hicache.runtime.oracle import FingerprintOracle
+from hicache.runtime.testing.oracle import FingerprintOracle
 
 from conftest import make_runtime
 

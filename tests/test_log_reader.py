@@ -14,21 +14,13 @@ from typing import Any
 
 import pytest
 
+from hicache.actors import SeededFaults
 from hicache.messages import ActorName, FreeHostSlots, Indices
-from hicache.runtime import (
-    Config,
-    DeterministicRuntime,
-    HiCache,
-    LogReader,
-    SeededFaults,
-    read_log,
-    replay_log,
-    rewrite_log,
-)
-from hicache.runtime import _log, _log_reader
-from hicache.runtime._scheduler import ReferenceScheduler, SchedulerConfig
+from hicache.runtime import Config, HiCache, LogReader, _log, _log_reader, read_log, rewrite_log
 from hicache.runtime.cli import main
-from hicache.runtime.explore import synthetic_workload
+from hicache.runtime.testing import DeterministicRuntime, replay_log
+from hicache.runtime.testing._scheduler import ReferenceScheduler, SchedulerConfig
+from hicache.runtime.testing.explore import synthetic_workload
 
 CONFIG = Config(layers=2, kv_heads=1, head_dim=8, page_size=4, device_slots=96, host_slots=192)
 

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from hicache.messages import ActorName, EvictHost, Evicted, FreeHostSlots, Indices, WriteDone
-from hicache.runtime import Config, DeterministicRuntime, HiCache, LogReader, Request, ThreadedRuntime, read_log
-from hicache.runtime import _log
+from hicache.runtime import Config, HiCache, LogReader, Request, ThreadedRuntime, _log, read_log
 from hicache.runtime.cli import main
+from hicache.runtime.testing import DeterministicRuntime
 
 CONFIG = Config(layers=2, kv_heads=1, head_dim=8, page_size=4, device_slots=96, host_slots=192)
 

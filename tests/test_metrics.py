@@ -14,7 +14,7 @@ from hicache.actors import DURATION_BOUNDS_S, DurationHistogram, KVShape
 from hicache.messages import HostSlotState, PrefetchEnd
 from hicache.runtime import CacheStateError, Config, ConfigError, HiCache, Request, start_metrics_exporter
 from hicache.runtime._timings import TIMED_CALLS
-from hicache.runtime.oracle import FingerprintOracle
+from hicache.runtime.testing.oracle import FingerprintOracle
 
 PROMPT = list(range(100, 112))  # three pages of 4
 LONGER = PROMPT + [7, 7, 7, 7]

@@ -18,16 +18,8 @@ import pytest
 import torch
 
 from hicache.messages import ActorName
-from hicache.runtime import (
-    CacheHandle,
-    CacheStateError,
-    Config,
-    DeterministicRuntime,
-    HiCache,
-    Request,
-    RequestError,
-    ThreadedRuntime,
-)
+from hicache.runtime import CacheHandle, CacheStateError, Config, HiCache, Request, RequestError, ThreadedRuntime
+from hicache.runtime.testing import DeterministicRuntime
 
 from conftest import make_runtime
 
@@ -131,7 +123,8 @@ def test_a_malformed_argument_is_one_request_error_and_the_cache_keeps_working(
 def test_with_a_delivery_log_a_huge_count_is_refused_at_the_facade_and_the_log_replays(
     make_config: Callable[..., Config], tmp_path: Path
 ) -> None:
-    from hicache.runtime import read_log, replay_log
+    from hicache.runtime import read_log
+    from hicache.runtime.testing import replay_log
 
     log = tmp_path / "misuse.log"
     with HiCache(make_config(log_path=str(log))) as hc:
@@ -218,7 +211,7 @@ def test_a_failed_start_leaves_an_existing_log_as_it_was_and_no_thread(
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("no storage here")
 
-    monkeypatch.setattr("hicache.actors._storage.open_backend", broken)
+    monkeypatch.setattr("hicache.runtime._system.open_backend", broken)
     hc = HiCache(make_config(log_path=str(log), storage="file", storage_dir=str(tmp_path / "l3")))
     with pytest.raises(RuntimeError, match="no storage here"):
         hc.start()

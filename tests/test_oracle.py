@@ -11,7 +11,7 @@ import torch
 
 from hicache.actors import KVBuffer, KVShape
 from hicache.runtime import Config, HostLayout
-from hicache.runtime.oracle import FingerprintMismatchError, FingerprintOracle
+from hicache.runtime.testing.oracle import FingerprintMismatchError, FingerprintOracle
 
 TOKENS = [random.Random(3).randrange(50_000) for _ in range(40)]
 

@@ -1,7 +1,7 @@
 """`PagePool` (the free-page stack behind both allocators), the page/slot conversions and
 the two forms of `Ints`.
 
-The pool answers a few pages as Python ints and many as a tensor (`SMALL_SLOTS_MAX`
+The pool answers a few pages as Python ints and many as a tensor (`FEW_MAX`
 counts the pages' slots); `as_list` reads either form. tests/test_pool_fast_paths.py
 checks that both forms give the same results. The cores and messages name pages; slots
 are the pages' `slots_of_pages` (what the KV buffers and the oracle take).
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hicache.actors import PagePool, pages_of, slots_of_pages
-from hicache.actors._pages import SMALL_SLOTS_MAX, as_list
+from hicache.actors._pages import FEW_MAX, as_list
 
 from conftest import pages_to_slots
 
@@ -45,16 +45,16 @@ def test_allocating_zero_pages_gives_nothing() -> None:
 
 
 def test_a_few_pages_come_as_python_ints_and_many_as_a_tensor() -> None:
-    pool = PagePool(3 * SMALL_SLOTS_MAX, 1)
-    few = pool.alloc(SMALL_SLOTS_MAX)
-    assert few == list(range(SMALL_SLOTS_MAX))
-    many = pool.alloc(SMALL_SLOTS_MAX + 1)
+    pool = PagePool(3 * FEW_MAX, 1)
+    few = pool.alloc(FEW_MAX)
+    assert few == list(range(FEW_MAX))
+    many = pool.alloc(FEW_MAX + 1)
     assert isinstance(many, torch.Tensor) and many.dtype == torch.int64
-    assert many.tolist() == list(range(SMALL_SLOTS_MAX, 2 * SMALL_SLOTS_MAX + 1))
-    assert isinstance(PagePool(SMALL_SLOTS_MAX, 2).alloc(SMALL_SLOTS_MAX // 2 + 1), torch.Tensor)  # slots count
+    assert many.tolist() == list(range(FEW_MAX, 2 * FEW_MAX + 1))
+    assert isinstance(PagePool(FEW_MAX, 16).alloc(FEW_MAX // 2 + 1), list)  # pages count, not slots
     pool.free(many)
     pool.free(few)
-    assert pool.free_pages == 3 * SMALL_SLOTS_MAX
+    assert pool.free_pages == 3 * FEW_MAX
     assert pool.alloc(3) == [0, 1, 2]  # each form pushed back in the order it was handed out
 
 
@@ -71,7 +71,7 @@ def test_freed_pages_are_handed_out_again_first_in_the_same_order() -> None:
     assert pool.alloc(3) == middle
 
 
-@pytest.mark.parametrize("pages", [2, SMALL_SLOTS_MAX + 1], ids=["ints", "tensor"])
+@pytest.mark.parametrize("pages", [2, FEW_MAX + 1], ids=["ints", "tensor"])
 def test_alloc_returns_pages_the_pool_does_not_keep(pages: int) -> None:
     pool = PagePool(pages + 2, 1)
     got = pool.alloc(pages)
@@ -147,8 +147,8 @@ def test_slots_of_pages_lists_every_slot_of_each_page_in_page_order_and_inverts_
 @pytest.mark.parametrize("page_size", [1, 2, 4, 16])
 def test_the_tests_pages_to_slots_agrees_with_slots_of_pages(page_size: int) -> None:
     rng = random.Random(page_size)
-    for n in (0, 1, 3, SMALL_SLOTS_MAX // page_size + 1, 2 * SMALL_SLOTS_MAX):
-        pages = rng.sample(range(4 * SMALL_SLOTS_MAX), n)
+    for n in (0, 1, 3, FEW_MAX // page_size + 1, 2 * FEW_MAX):
+        pages = rng.sample(range(4 * FEW_MAX), n)
         want = as_list(slots_of_pages(torch.tensor(pages, dtype=torch.int64), page_size))
         assert pages_to_slots(pages, page_size).tolist() == want == as_list(slots_of_pages(pages, page_size))
 

@@ -1,9 +1,10 @@
 """Both forms of `Ints` give the same results, on the calls the pool actors make.
 
 The pools keep a call's page (or slot) numbers as Python ints when they are few and as a
-tensor when there are many (`SMALL_SLOTS_MAX`, in `_pages`). Each property here runs one
-random sequence of calls three times: as shipped (sizes on both sides of the limit, so that
-one call may mix the forms), with every call in Python ints, and with every call vectorised.
+tensor when there are many (`FEW_MAX`, in `_pages`). Each property here runs one
+random sequence of calls four times: as shipped, with a limit low enough that sizes fall on both
+sides of it (so that one call may mix the forms), with every call in Python ints, and with every
+call vectorised.
 What each call returned or raised, and the final owner or state tables, must be equal.
 Pages go in as `Indices`, as the actors pass them, or as tensors, as the other callers do
 (tests/test_small_paths.py does the same on a few pages, with tensors only).
@@ -22,15 +23,16 @@ from hypothesis import strategies as st
 import hicache.actors._device_core as device_core_module
 import hicache.actors._pages as pages_module
 from hicache.actors import DeviceCore, HostCore
-from hicache.actors._pages import SMALL_SLOTS_MAX, as_list, holds, indices_of, ints, put
+from hicache.actors._pages import FEW_MAX, as_list, holds, indices_of, ints, put
 from hicache.messages import HostSlotState, Indices, ReleaseReason
 from hicache.runtime import Config
 
 PURE_FIXTURE = [HealthCheck.function_scoped_fixture]
 """`make_config` is a pure function: reusing it across examples is safe."""
 
-FORMS = {"shipped": None, "ints": 1 << 30, "tensors": 0}
-"""`SMALL_SLOTS_MAX` for each run: as shipped, every call in Python ints, every call vectorised."""
+FORMS = {"shipped": None, "mixed": 16, "ints": 1 << 30, "tensors": 0}
+"""`FEW_MAX` for each run: as shipped, low enough that calls fall on both sides of it, every call
+in Python ints, every call vectorised."""
 
 
 def _in_every_form(run: Callable[[], Any]) -> dict[str, Any]:
@@ -40,7 +42,7 @@ def _in_every_form(run: Callable[[], Any]) -> dict[str, Any]:
         with pytest.MonkeyPatch.context() as mp:
             if limit is not None:
                 for module in (pages_module, device_core_module):
-                    mp.setattr(module, "SMALL_SLOTS_MAX", limit)
+                    mp.setattr(module, "FEW_MAX", limit)
             got[form] = run()
     return got
 
@@ -66,7 +68,7 @@ def _played(calls: list[Any], step: Callable[..., Any], check: Callable[[], Any]
 
 
 @settings(max_examples=200, deadline=None)
-@given(values=st.lists(st.integers(-(2**40), 2**40), max_size=2 * SMALL_SLOTS_MAX))
+@given(values=st.lists(st.integers(-(2**40), 2**40), max_size=2 * FEW_MAX))
 def test_indices_and_python_ints_convert_both_ways_as_tensors_do(values: list[int]) -> None:
     tensor = torch.tensor(values, dtype=torch.int64)
     idx = Indices.from_tensor(tensor)
@@ -74,7 +76,7 @@ def test_indices_and_python_ints_convert_both_ways_as_tensors_do(values: list[in
     assert idx.tolist() == values == idx.as_tensor().tolist()
     for given_as in (idx, tensor):
         got = ints(given_as)
-        assert isinstance(got, list) == (len(values) <= SMALL_SLOTS_MAX)
+        assert isinstance(got, list) == (len(values) <= FEW_MAX)
         assert as_list(got) == values
 
 
@@ -197,7 +199,7 @@ _HOST_CALLS = st.lists(
 def test_host_calls_agree_in_every_form(
     make_config: Callable[..., Config], page_size: int, calls: list[tuple[str, int, HostSlotState, int]]
 ) -> None:
-    pages = 160  # allocations of up to 80 pages: calls on both sides of `SMALL_SLOTS_MAX` pages
+    pages = 160  # allocations of up to 80 pages: on both sides of `FEW_MAX` in the mixed form
 
     def run() -> Any:
         core = HostCore(make_config(page_size=page_size, device_pages=pages // 2, host_pages=pages))

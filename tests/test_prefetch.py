@@ -34,40 +34,38 @@ from typing import Any
 import pykka
 import pytest
 
-from hicache.actors import FileBackend, InvariantError, KVShape
-from hicache.actors._radix import NodeState, RadixTree
+from hicache.actors import HOST_ROUTES, FileBackend, InvariantError, KVShape, NoFaults, NodeState, RadixTree
 from hicache.messages import (
+    ActorName,
     AdmitItem,
     AllocateHost,
     FreeHostSlots,
     HostSlotState,
     Indices,
+    PagesStored,
     Prefetch,
     PrefetchEnd,
     PrefetchesSettled,
     PrefetchesStarted,
     PrefetchesStopped,
+    PrefetchHit,
+    PrefetchProgress,
+    PrefetchRequests,
+    PrefetchStopped,
     ReadPrefetch,
     ReleaseReason,
     SetHostState,
+    SettlePrefetches,
     StopPrefetch,
     StorePages,
+    TerminatePrefetches,
     Tokens,
 )
-from hicache.runtime import (
-    AdmitResult,
-    Config,
-    DeadlockError,
-    DeterministicRuntime,
-    EvictionPolicy,
-    HiCache,
-    NoFaults,
-    Request,
-    RequestError,
-)
-from hicache.runtime._scheduler import ReferenceScheduler, SchedulerConfig
-from hicache.runtime.explore import synthetic_workload
-from hicache.runtime.oracle import FingerprintOracle
+from hicache.runtime import AdmitResult, Config, EvictionPolicy, HiCache, Request, RequestError
+from hicache.runtime.testing import DeadlockError, DeterministicRuntime
+from hicache.runtime.testing._scheduler import ReferenceScheduler, SchedulerConfig
+from hicache.runtime.testing.explore import synthetic_workload
+from hicache.runtime.testing.oracle import FingerprintOracle
 
 from conftest import make_runtime, pages_to_slots, small_config
 from test_tree_core import Player
@@ -77,6 +75,7 @@ pytestmark = pytest.mark.timeout(60)
 P = 4
 """Tokens per page in every test."""
 BIG_S = 1000.0
+PREFETCH = ActorName.PREFETCH
 """A storage delay no test waits for: the read step behind it never lands."""
 S = HostSlotState
 
@@ -876,32 +875,35 @@ class StoragePlayer(Player):
         if not self.tree.outbox:
             assert self.tree.host_free + held == self.host.free_slots, "the tree's mirror of free host slots drifted"
 
+    PLAYS = (*Player.PLAYS, ActorName.PREFETCH)
+
     def _deliver(self, to: Any, m: Any) -> None:
+        if isinstance(m, AllocateHost) and self.hold_host:
+            HOST_ROUTES.check(ActorName.TREE, m)
+            self.held.append(m)
+            return
+        super()._deliver(to, m)
         match m:
-            case AllocateHost() if self.hold_host:
-                self.held.append(m)
             case Prefetch(op_id=op, keys=keys, host=host):
                 self.keys[op] = keys
                 self.host_pages[op] = host
                 hit = next((i for i, k in enumerate(keys) if k not in self.stored), len(keys))
-                self.tree.on_prefetch_hit(op, hit)
+                self.to_tree(PREFETCH, PrefetchHit(op_id=op, pages=hit))
             case ReadPrefetch(op_id=op, pages=n):
                 self.asked[op] = n
                 self.done[op] = 0
             case StopPrefetch(op_id=op):
                 self.asked.pop(op, None)
-                self.tree.on_prefetch_stopped(op, self.done.pop(op, 0))
+                self.to_tree(PREFETCH, PrefetchStopped(op_id=op, pages=self.done.pop(op, 0)))
             case StorePages(op_id=op):
                 self.backups[op] = m
-            case _:
-                super()._deliver(to, m)
 
     # -- the test's hands --------------------------------------------------------------
 
     def release_host(self) -> None:
         held, self.held = self.held, []
         for m in held:
-            self.tree.on_host_allocated(m.op_id, self.host.allocate_pages(m.tokens))
+            self.to_tree(ActorName.HOST, HOST_ROUTES.deliver(self.host_side, ActorName.TREE, m))
         self.pump()
 
     def read(self, op: int, pages: int, tokens: list[int], start: int) -> None:
@@ -911,26 +913,27 @@ class StoragePlayer(Player):
         assert b <= self.asked[op]
         self.oracle.write(self.host.kv, tokens, pages_to_slots(self.host_pages[op][a:b], P), start=start + a * P)
         self.done[op] = b
-        self.tree.on_prefetch_progress(op, b, b == self.asked[op])
+        self.to_tree(PREFETCH, PrefetchProgress(op_id=op, pages=b, finished=b == self.asked[op], error=""))
         self.pump()
 
     def land_backups(self, pages: int | None = None) -> None:
         for op, m in sorted(self.backups.items()):
             n = len(m.keys) if pages is None else pages
             self.stored.update(m.keys[:n])
-            self.tree.on_pages_stored(op, n, n)
+            self.to_tree(PREFETCH, PagesStored(op_id=op, pages=n, written=n, error=""))
         self.backups.clear()
         self.pump()
 
     def prefetch(self, rid: str, tokens: list[int]) -> int:
         op = next(self._ops)
-        self.tree.prefetch(op, [AdmitItem(request_id=rid, namespace="", tokens=Tokens.of(tokens))])
+        items = (AdmitItem(request_id=rid, namespace="", tokens=Tokens.of(tokens)),)
+        self.to_tree(ActorName.FACADE, PrefetchRequests(op_id=op, items=items))
         self.pump()
         return self._reply(op, PrefetchesStarted).tokens[0]
 
     def terminate(self, rids: Sequence[str], reason: PrefetchEnd = PrefetchEnd.BEST_EFFORT) -> int:
         op = next(self._ops)
-        self.tree.terminate_prefetches(op, rids, reason)
+        self.to_tree(ActorName.FACADE, TerminatePrefetches(op_id=op, request_ids=tuple(rids), reason=reason))
         self.pump()
         return op
 
@@ -941,7 +944,7 @@ class StoragePlayer(Player):
 
     def settle(self, rids: Sequence[str], pages: Sequence[int]) -> tuple[int, ...]:
         op = next(self._ops)
-        self.tree.settle_prefetches(op, rids, pages)
+        self.to_tree(ActorName.FACADE, SettlePrefetches(op_id=op, request_ids=tuple(rids), pages=tuple(pages)))
         self.pump()
         return self._reply(op, PrefetchesSettled).tokens
 

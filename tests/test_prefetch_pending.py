@@ -19,8 +19,7 @@ import pytest
 import torch
 from mooncake.store import MooncakeDistributedStore
 
-from hicache.actors import KVBuffer, KVShape, open_backend, page_keys
-from hicache.actors import _mooncake
+from hicache.actors import KVBuffer, KVShape, _mooncake, open_backend, page_keys
 from hicache.actors._prefetch import STOP_RECHECK_S
 from hicache.messages import (
     ActorName,
@@ -31,7 +30,8 @@ from hicache.messages import (
     ReadPrefetch,
     StopPrefetch,
 )
-from hicache.runtime import Config, HostLayout, MooncakeMaster, System, ThreadedRuntime
+from hicache.runtime import Config, HostLayout, System, ThreadedRuntime
+from hicache.runtime.testing import MooncakeMaster, Probe
 
 from conftest import TreeSide, small_config
 
@@ -83,7 +83,7 @@ def test_a_stop_waits_for_a_mooncake_get_that_overran_its_timeout(master: Moonca
     GatedStore.gate.clear()
     GatedStore.entered.clear()
     monkeypatch.setattr(_mooncake, "_store_class", lambda: GatedStore)
-    system = System(config, runtime=ThreadedRuntime(seed=0), stand_ins=(ActorName.TREE,))
+    system = System(config, runtime=ThreadedRuntime(seed=0), stand_ins=(ActorName.TREE,), stand_in=Probe)
     try:
         tree = TreeSide(system.__enter__())
         host = tree.host_allocate(PAGES * PAGE)

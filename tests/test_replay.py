@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 
 from hicache.messages import AllocateSlots, SlotDemand, decode, encode
-from hicache.runtime import LOG_VERSION, DeterministicRuntime, HiCache
-from hicache.runtime import read_log, replay_log, rewrite_log
+from hicache.messages.config import Config
+from hicache.runtime import LOG_VERSION, HiCache, read_log, rewrite_log
 from hicache.runtime.cli import main
-from hicache.runtime.config import Config
-from hicache.runtime.explore import synthetic_workload
-from hicache.runtime._scheduler import ReferenceScheduler, SchedulerConfig
+from hicache.runtime.testing import DeterministicRuntime, replay_log
+from hicache.runtime.testing._scheduler import ReferenceScheduler, SchedulerConfig
+from hicache.runtime.testing.explore import synthetic_workload
 
 
 def _logged_run(path: Path, runtime: Any = None, seed: int = 1) -> HiCache:
@@ -158,8 +158,10 @@ def test_a_bad_log_is_one_clear_line_with_exit_code_2(threaded_log: Path, tmp_pa
 
 
 def test_replay_refuses_an_actor_it_cannot_replay(threaded_log: Path, capsys) -> None:
-    assert main(["replay", str(threaded_log), "--actor", "facade"]) == 2
-    assert "cannot be replayed; use one of tree, device, host, write, load" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as refused:
+        main(["replay", str(threaded_log), "--actor", "facade"])
+    assert refused.value.code == 2
+    assert "invalid choice: 'facade' (choose from 'tree', 'device', 'host', 'write', 'load')" in capsys.readouterr().err
 
 
 # -- large payloads: blob lines ------------------------------------------------------------

@@ -14,10 +14,11 @@ from typing import Any
 
 import pytest
 
+from hicache.actors import SeededFaults
 from hicache.messages import HostSlotState
-from hicache.runtime import HiCache, SeededFaults, WritePolicy
-from hicache.runtime._scheduler import ReferenceScheduler, SchedulerConfig
-from hicache.runtime.explore import synthetic_workload
+from hicache.runtime import HiCache, WritePolicy
+from hicache.runtime.testing._scheduler import ReferenceScheduler, SchedulerConfig
+from hicache.runtime.testing.explore import synthetic_workload
 
 from conftest import make_runtime, small_config
 

@@ -16,19 +16,10 @@ import pytest
 import hicache.actors._radix as radix_module
 import hicache.actors._radix_node as node_module
 from hicache.messages import ActorName
-from hicache.runtime import (
-    Config,
-    DeterministicRuntime,
-    HiCache,
-    Insufficient,
-    RandomStrategy,
-    ReferenceScheduler,
-    Request,
-    SchedulerConfig,
-    WritePolicy,
-)
-from hicache.runtime._mutants import mutant
-from hicache.runtime.explore import synthetic_workload
+from hicache.runtime import Config, HiCache, Insufficient, Request, WritePolicy
+from hicache.runtime.testing import DeterministicRuntime, RandomStrategy, ReferenceScheduler, SchedulerConfig
+from hicache.runtime.testing._mutants import mutant
+from hicache.runtime.testing.explore import synthetic_workload
 
 from conftest import make_runtime
 

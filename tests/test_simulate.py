@@ -11,11 +11,11 @@ import pytest
 
 from hicache.messages import Tokens
 from hicache.runtime import Config, HiCache, Request
-from hicache.runtime._simulate import Size, kv_bytes_of_shape, parse_sizes
-from hicache.runtime._simulate_cores import SimCores
-from hicache.runtime._simulate_trace import read_trace
 from hicache.runtime._usage import UsageError
 from hicache.runtime.cli import main
+from hicache.runtime.demo._simulate import Size, kv_bytes_of_shape, parse_sizes
+from hicache.runtime.demo._simulate_cores import SimCores
+from hicache.runtime.demo._simulate_trace import read_trace
 from hicache.runtime.trace import TraceError, load_trace
 
 

@@ -1,6 +1,6 @@
 """The Python-int paths the cores take on a few pages do what the vectorised torch paths do.
 
-Each property runs the same calls twice, once as shipped and once with `SMALL_SLOTS_MAX`
+Each property runs the same calls twice, once as shipped and once with `FEW_MAX`
 at 0 (every call vectorised), and compares results, final states and error messages.
 """
 
@@ -38,7 +38,7 @@ def _both(run: Callable[[], Any]) -> tuple[Any, Any]:
     small = outcome()
     with pytest.MonkeyPatch.context() as mp:
         for module in (pages_module, device_core_module):  # each module that reads it
-            mp.setattr(module, "SMALL_SLOTS_MAX", 0)
+            mp.setattr(module, "FEW_MAX", 0)
         vectorised = outcome()
     return small, vectorised
 

@@ -34,9 +34,9 @@ from hicache.actors import (
 )
 from hicache.actors._mooncake import SETUP_RETRIES
 from hicache.actors._stored_page import checksum
-from hicache.runtime import Config, HostLayout, MooncakeMaster
-from hicache.runtime._mooncake_master import master_binary
-from hicache.runtime.testing import capture_logs
+from hicache.runtime import Config, HostLayout
+from hicache.runtime.testing import MooncakeMaster, capture_logs
+from hicache.runtime.testing._mooncake_master import master_binary
 from mooncake.store import MooncakeDistributedStore
 
 pytestmark = pytest.mark.timeout(30)

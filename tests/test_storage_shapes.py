@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from hicache.actors import KVBuffer, KVShape, PageFormat, open_backend
-from hicache.runtime import Config, HostLayout, MooncakeMaster
+from hicache.runtime import Config, HostLayout
+from hicache.runtime.testing import MooncakeMaster
 
 pytestmark = pytest.mark.timeout(60)
 

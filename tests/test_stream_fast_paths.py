@@ -38,7 +38,7 @@ _WAYS: dict[str, list[tuple[Any, str, Any]]] = {
     "memmove-ctypes": [(kv_module, "_MEMMOVES_PER_PIECE_MAX", _ALL), (kv_module, "_TORCH_GRAIN_ELEMENTS", _ALL),
                        (kv_module, "_GIL_HELD_BYTES_MAX", 0)],
     "torch": [(kv_module._Rows, "of", classmethod(lambda cls, buf: None))],  # no buffer offers its rows
-    "vectorised-plan": [(pages_module, "SMALL_SLOTS_MAX", 0)],
+    "vectorised-plan": [(pages_module, "FEW_MAX", 0)],
 }
 
 

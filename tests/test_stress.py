@@ -25,10 +25,19 @@ from typing import Any, Protocol
 import pytest
 import torch
 
-from hicache.actors import DeviceCore, HostCore, Insufficient, LedgerError, PageOwner, SlotStateError, copy_kv
+from hicache.actors import (
+    DeviceCore,
+    FailedTransfers,
+    HostCore,
+    Insufficient,
+    LedgerError,
+    PageOwner,
+    SlotStateError,
+    copy_kv,
+)
 from hicache.messages import ActorName, HostSlotState, Indices, LoadDone, ReleaseReason, WriteDone
-from hicache.runtime import Config, FailedTransfers, HostLayout
-from hicache.runtime.oracle import FingerprintOracle
+from hicache.runtime import Config, HostLayout
+from hicache.runtime.testing.oracle import FingerprintOracle
 
 from conftest import pages_to_slots
 

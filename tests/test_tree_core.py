@@ -26,9 +26,14 @@ import pytest
 import torch
 
 from hicache.actors import (
+    DEVICE_ROUTES,
+    HOST_ROUTES,
+    ROUTES,
+    TREE_ROUTES,
     DeviceCore,
     HandleError,
     HostCore,
+    HostSide,
     Insufficient,
     KVShape,
     NodeState,
@@ -39,20 +44,27 @@ from hicache.actors import (
 from hicache.messages import (
     ActorName,
     AdmitItem,
+    AdmitRequests,
     Admitted,
     AdoptLoadedSlots,
     AllocateHost,
     AllocateLoadSlots,
     CacheItem,
+    CacheUnfinished,
     Cached,
+    EvictDevice,
+    EvictHost,
     Evicted,
     FinishItem,
     Finished,
+    FinishRequests,
     FreeDeviceSlots,
     FreeHostSlots,
     HostSlotState,
     Indices,
     LedgerEntry,
+    LoadDone,
+    LoadFailed,
     LoadKV,
     Message,
     ReleaseReason,
@@ -60,10 +72,13 @@ from hicache.messages import (
     SetHostState,
     SwapRequestPages,
     Tokens,
+    WriteDone,
+    WriteFailed,
     WriteKV,
 )
+from hicache.actors import NoFaults
 from hicache.runtime import Config, HiCache, Request, WritePolicy
-from hicache.runtime.oracle import FingerprintOracle
+from hicache.runtime.testing.oracle import FingerprintOracle
 
 from conftest import make_runtime, pages_to_slots
 
@@ -105,8 +120,21 @@ class Req:
         return Indices.of(self.pages[: -(-len(self.tokens) // P)])
 
 
+class _Refusals(NoFaults):
+    """A player's faults: the host pool refuses every reservation while `refuse_host` is set."""
+
+    def __init__(self, player: Player) -> None:
+        self._player = player
+
+    def host_exhausted(self, tokens: int) -> bool:
+        return self._player.refuse_host
+
+
 class Player:
-    """Plays the device, host, write, load and facade actors around a `TreeCore`."""
+    """Plays the device, host, write, load and facade actors around a `TreeCore`. Every
+    message goes through the route table of its receiver, as between the actors."""
+
+    PLAYS = (ActorName.DEVICE, ActorName.HOST, ActorName.WRITE, ActorName.LOAD)
 
     def __init__(self, config: Config, *, refuse_host: bool = False) -> None:
         ids = itertools.count(1)
@@ -118,6 +146,7 @@ class Player:
         self.oracle = FingerprintOracle(KVShape.of(config))
         self.refuse_host = refuse_host
         """Answer every AllocateHost as if the pool were short (the mirror says it cannot be)."""
+        self.host_side = HostSide(self.host, _Refusals(self))
         self.writes: dict[int, WriteKV] = {}
         self.loads: dict[int, LoadKV] = {}
         self.replies: list[Message] = []
@@ -146,44 +175,27 @@ class Player:
             self.check()
 
     def _deliver(self, to: ActorName, m: Message) -> None:
-        tree, device, host = self.tree, self.device, self.host
-        match m:
-            case AllocateLoadSlots(op_id=op, tokens=n):
-                assert to is ActorName.DEVICE
-                got = device.allocate_load_pages(n)
-                if isinstance(got, Insufficient):
-                    tree.on_load_slots(op, None, got.shortfall_slots)
-                else:
-                    tree.on_load_slots(op, got, 0)
-            case ReleaseRequests(op_id=op, releases=rs):
-                views = device.release_many([(r.request_id, r.adopt.as_tensor(), r.reason) for r in rs])
-                tree.on_released(op, tuple(
-                    LedgerEntry(request_id=v.request_id, allocated=v.allocated, committed=v.committed, freed=v.freed)
-                    for v in views
-                ))
-            case SwapRequestPages(op_id=op, request_id=rid, adopt=adopt, free=free):
-                device.swap(rid, adopt.as_tensor(), free.as_tensor())
-                tree.on_swapped(op)
-            case AdoptLoadedSlots(pages=pages):
-                device.adopt_loaded(pages.as_tensor())
-            case FreeDeviceSlots(pages=pages):
-                device.free_tree(pages.as_tensor())
-            case AllocateHost(op_id=op, tokens=n):
-                assert to is ActorName.HOST
-                tree.on_host_allocated(op, None if self.refuse_host else host.allocate_pages(n))
-            case SetHostState(pages=pages, state=state):
-                host.transition(pages.as_tensor(), state)
-            case FreeHostSlots(pages=pages):
-                host.free(pages.as_tensor())
-            case WriteKV(op_id=op):
-                assert to is ActorName.WRITE
-                self.writes[op] = m
-            case LoadKV(op_id=op):
-                assert to is ActorName.LOAD
-                self.loads[op] = m
-            case _:
-                assert to is ActorName.FACADE, f"unexpected {m!r} to {to.value}"
-                self.replies.append(m)
+        """One message the tree emitted: the receiver's routes must take it from the tree. The
+        device and host answer through their routes at once, the streams hold theirs, the
+        facade's replies are collected."""
+        if to is ActorName.FACADE:
+            self.replies.append(m)
+            return
+        assert to in self.PLAYS, f"this player does not play the {to.value} actor ({m!r})"
+        ROUTES[to].check(ActorName.TREE, m)
+        if to is ActorName.DEVICE:
+            self.to_tree(to, DEVICE_ROUTES.deliver(self.device, ActorName.TREE, m))
+        elif to is ActorName.HOST:
+            self.to_tree(to, HOST_ROUTES.deliver(self.host_side, ActorName.TREE, m))
+        elif isinstance(m, WriteKV):
+            self.writes[m.op_id] = m
+        elif isinstance(m, LoadKV):
+            self.loads[m.op_id] = m
+
+    def to_tree(self, sender: ActorName, m: Message | None) -> None:
+        """Deliver `m` (if any) from `sender` to the tree, through the tree's routes."""
+        if m is not None:
+            TREE_ROUTES.deliver(self.tree, sender, m)
 
     def complete_writes(self, *, fail: bool = False) -> None:
         for op in sorted(self.writes):
@@ -193,20 +205,20 @@ class Player:
         """Land (or fail) one write, as the stream reports it."""
         w = self.writes.pop(op)
         if fail:
-            self.tree.on_write_failed(op)
+            self.to_tree(ActorName.WRITE, WriteFailed(op_id=op, reason="failed by the test"))
         else:
             copy_kv(self.device.kv, pages_to_slots(w.device, P), self.host.kv, pages_to_slots(w.host, P))
-            self.tree.on_write_done(op)
+            self.to_tree(ActorName.WRITE, WriteDone(op_id=op, slots=len(w.device) * P))
         self.pump()
 
     def complete_loads(self, *, fail: bool = False) -> None:
         for op, load in sorted(self.loads.items()):
             del self.loads[op]
             if fail:
-                self.tree.on_load_failed(op)
+                self.to_tree(ActorName.LOAD, LoadFailed(op_id=op, reason="failed by the test"))
             else:
                 copy_kv(self.host.kv, pages_to_slots(load.host, P), self.device.kv, pages_to_slots(load.device, P))
-                self.tree.on_load_done(op)
+                self.to_tree(ActorName.LOAD, LoadDone(op_id=op, batch=1, slots=len(load.device) * P))
             self.pump()
 
     def sent_since(self, mark: int, *types: type[M]) -> list[M]:
@@ -224,7 +236,7 @@ class Player:
         op = next(self._ops)
         items = [AdmitItem(request_id=r[0], namespace=r[2] if len(r) > 2 else "", tokens=Tokens.of(r[1]))
                  for r in requests]
-        self.tree.admit(op, items)
+        self.to_tree(ActorName.FACADE, AdmitRequests(op_id=op, items=tuple(items)))
         self.pump()
         out = []
         for r, a in zip(requests, self._reply(op, Admitted).admissions, strict=True):
@@ -259,7 +271,7 @@ class Player:
 
     def finish(self, *reqs: Req, reason: ReleaseReason = ReleaseReason.FINISHED) -> tuple[LedgerEntry, ...]:
         op = next(self._ops)
-        self.tree.finish(op, [self._finish_item(r, reason) for r in reqs])
+        self.to_tree(ActorName.FACADE, FinishRequests(op_id=op, items=tuple(self._finish_item(r, reason) for r in reqs)))
         self.pump()
         return self._reply(op, Finished).entries
 
@@ -273,7 +285,7 @@ class Player:
         op = next(self._ops)
         items = [CacheItem(request_id=r.rid, handle=r.handle, tokens=Tokens.of(r.tokens), device=r.device())
                  for r in reqs]
-        self.tree.cache_unfinished(op, items)
+        self.to_tree(ActorName.FACADE, CacheUnfinished(op_id=op, items=tuple(items)))
         self.pump()
         reply = self._reply(op, Cached)
         if reply.refused:
@@ -291,7 +303,7 @@ class Player:
     def start_evict_device(self, tokens: int) -> int:
         """Ask for an eviction; under write_back its `Evicted` comes once the write-backs land."""
         op = next(self._ops)
-        self.tree.evict_device(op, tokens)
+        self.to_tree(ActorName.FACADE, EvictDevice(op_id=op, tokens=tokens))
         self.pump()
         return op
 
@@ -303,7 +315,7 @@ class Player:
 
     def evict_host(self, tokens: int) -> int:
         op = next(self._ops)
-        self.tree.evict_host(op, tokens)
+        self.to_tree(ActorName.FACADE, EvictHost(op_id=op, tokens=tokens))
         self.pump()
         return self._reply(op, Evicted).host_tokens
 

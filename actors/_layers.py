@@ -1,0 +1,135 @@
+"""Per-layer load progress that the forward pass waits on.
+
+The load stream copies a batch layer by layer and publishes each finished layer
+here; the forward pass calls `wait_layer(i)` before attention reads layer `i`.
+Progress lives in a bounded ring of `ring_size` batches, so the next batch's load
+can run while the forward pass still reads the previous one. A batch that fails
+makes every wait on it raise `LoadFailedError`: a failed copy is never "done".
+
+On CUDA the load stream records one event per layer and `wait_layer` makes the
+caller's current stream wait on it: the host returns as soon as the event is
+recorded, and the GPU orders the read after the copy.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+class LoadFailedError(RuntimeError):
+    """The load batch the forward pass waits on failed; its KV is not valid."""
+
+
+class StaleWaiterError(RuntimeError):
+    """A waiter outlived its ring slot: `ring_size` newer batches started since."""
+
+
+@dataclass(slots=True)
+class _Slot:
+    batch: int = 0
+    layers_done: int = 0
+    failure: str | None = None
+    events: list[Any] | None = None
+
+
+class LayerDoneRing:
+    """Threaded implementation: a condition variable over `ring_size` slots."""
+
+    def __init__(self, ring_size: int, layers: int) -> None:
+        if ring_size <= 0 or layers <= 0:
+            raise ValueError(f"ring_size={ring_size} and layers={layers} must be > 0")
+        self.ring_size = ring_size
+        self.layers = layers
+        self._slots = [_Slot() for _ in range(ring_size)]
+        self._cond = threading.Condition()
+
+    # -- producer side (the load stream) ------------------------------------
+
+    def begin(self, batch: int) -> None:
+        """Start publishing `batch` (overwrites the slot of batch - ring_size)."""
+        with self._cond:
+            slot = self._slots[batch % self.ring_size]
+            if slot.batch and slot.batch != batch and slot.layers_done < self.layers and slot.failure is None:
+                raise RuntimeError(
+                    f"load batch {batch} would overwrite batch {slot.batch}, which is still running"
+                )
+            slot.batch, slot.layers_done, slot.failure, slot.events = batch, 0, None, [None] * self.layers
+            self._cond.notify_all()
+
+    def layer_done(self, batch: int, layer: int, event: Any = None) -> None:
+        """Layer `layer` of `batch` is copied (or, on CUDA, its copy is enqueued and `event` recorded)."""
+        with self._cond:
+            slot = self._current(batch)
+            if layer != slot.layers_done:
+                raise RuntimeError(
+                    f"batch {batch}: layer {layer} reported done after {slot.layers_done} layers; "
+                    "layers complete in order"
+                )
+            assert slot.events is not None
+            slot.events[layer] = event
+            slot.layers_done += 1
+            self._cond.notify_all()
+
+    def fail(self, batch: int, reason: str) -> None:
+        """The batch failed: waiters on any of its layers raise `LoadFailedError`."""
+        with self._cond:
+            self._current(batch).failure = reason
+            self._cond.notify_all()
+
+    # -- consumer side (the forward pass) -----------------------------------
+
+    def waiter(self, batch: int) -> LayerWaiter:
+        return LayerWaiter(self, batch)
+
+    def wait_layer(self, batch: int, layer: int, timeout_s: float | None = None) -> None:
+        if not 0 <= layer < self.layers:
+            raise IndexError(f"layer {layer} out of range 0..{self.layers - 1}")
+        if batch == 0:  # nothing was loaded
+            return
+        with self._cond:
+            ok = self._cond.wait_for(lambda: self._ready(batch, layer), timeout=timeout_s)
+            if not ok:
+                raise TimeoutError(f"layer {layer} of load batch {batch} not done after {timeout_s}s")
+            slot = self._slots[batch % self.ring_size]
+            if slot.failure is not None:
+                raise LoadFailedError(f"load batch {batch} failed: {slot.failure}")
+            event = slot.events[layer] if slot.events else None
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
+
+    def _ready(self, batch: int, layer: int) -> bool:
+        slot = self._slots[batch % self.ring_size]
+        if slot.batch > batch:
+            raise StaleWaiterError(
+                f"waiting on load batch {batch}, but its ring slot now holds batch {slot.batch}; "
+                f"a forward pass must wait within {self.ring_size} batches of its load"
+            )
+        if slot.batch < batch:
+            return False  # not begun yet
+        return slot.failure is not None or slot.layers_done > layer
+
+    def _current(self, batch: int) -> _Slot:
+        slot = self._slots[batch % self.ring_size]
+        if slot.batch != batch:
+            raise RuntimeError(f"load batch {batch} is not the one in its ring slot ({slot.batch})")
+        return slot
+
+
+@dataclass(frozen=True, slots=True)
+class LayerWaiter:
+    """What the forward pass holds for one load batch."""
+
+    ring: LayerDoneRing
+    batch: int
+
+    def wait_layer(self, layer: int, timeout_s: float | None = None) -> None:
+        """Return when layer `layer` of this batch may be read; raise if the load failed."""
+        self.ring.wait_layer(self.batch, layer, timeout_s)
+
+    def wait_all(self, timeout_s: float | None = None) -> None:
+        for layer in range(self.ring.layers):
+            self.wait_layer(layer, timeout_s)

@@ -1,0 +1,352 @@
+"""`hicache bench storage`: reading and writing pages between each storage backend and a
+host buffer, against a raw read or write of the same bytes in the same run.
+
+For each backend (file, in a temporary directory; Mooncake Store, against a master this
+bench starts on 127.0.0.1), each host layout and each page size (2 MiB: a 32-layer,
+8-KV-head, head_dim-128 fp16 model with 16-token pages; then 64 KiB and 2 KiB pages of
+smaller shapes), it times:
+- **read**: `backend.read` of all pages, one call per `storage_batch_pages` pages as the
+  prefetcher makes them: straight into the host pages, verified there;
+- **raw read**: the same stored bytes read into the same host buffer, one contiguous
+  region, unchecked: a `preadv` per run of adjacent records (file), a `batch_get_into`
+  per batch through the same client (Mooncake);
+- **write**: `backend.write` of all pages under new keys, one call per backup of
+  `write_pages` pages (the prefetcher hands the backend one backup, a node's pages, per
+  call; the reference scheduler's 4096-token prefill chunks make nodes of up to 256
+  pages of 16 tokens);
+- **raw write**: the same number of stored bytes, from the same host buffer as one
+  region, in one sequential write appended to a file in the same directory (file), or
+  a `batch_put_from` per batch under new keys (Mooncake).
+Sides are interleaved rep by rep after a warm-up; the median of each counts; every rate
+is payload bytes over time, so a ratio is the raw time over the backend's. File I/O goes
+through the page cache (no fsync on either side): this measures the backend's own cost,
+not a disk's. So that neither write side waits for the disk to take the other's dirty
+pages, the file system is synced before each timed write; both sides append fresh bytes
+to files (the backend to its segments, the raw side to a file of its own), and Mooncake
+objects are removed after each side. A backend that cannot run (no master) is an error row.
+
+This is not actor code: it reads `time.perf_counter` and runs the backends directly.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from rich.table import Table
+
+from hicache.actors import (
+    FileBackend,
+    KVBuffer,
+    KVShape,
+    MooncakeBackend,
+    PageFormat,
+    StorageBackend,
+    StorageError,
+    open_backend,
+    page_keys,
+)
+from hicache.messages.config import Config, DeviceKind, HostLayout
+
+from ._cli import progress_bar, report
+from ._transfer import _machine
+from ..testing._mooncake_master import MasterStartError, MooncakeMaster
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "2MiB": {"layers": 32, "kv_heads": 8, "head_dim": 128, "dtype": "float16", "page_size": 16},
+    "64KiB": {"layers": 8, "kv_heads": 4, "head_dim": 64, "dtype": "float16", "page_size": 8},
+    "2KiB": {"layers": 2, "kv_heads": 1, "head_dim": 32, "dtype": "float16", "page_size": 8},
+}
+"""Page sizes and the KV shapes that give them (the demo's pages are 2 KiB)."""
+SMALL_MIB_MAX = 16
+"""Small pages move at most this much (a page costs a fixed few microseconds)."""
+BATCH_PAGES = 16
+"""Pages per read call (`storage_batch_pages`' default) and per raw Mooncake call."""
+WRITE_PAGES = 256
+"""Pages per write call by default: a backup of a 4096-token prefill chunk of 16-token pages."""
+WARMUP = 1
+REPS = 5
+DEFAULT_MIB = 256
+BACKENDS = ("file", "mooncake")
+LAYOUTS = (HostLayout.LAYER_FIRST, HostLayout.PAGE_FIRST)
+_FIGURES = ("read_gbps", "raw_read_gbps", "read_ratio", "write_gbps", "raw_write_gbps", "write_ratio")
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    backend: str
+    layout: HostLayout
+    page: str
+    read_s: float = 0.0
+    raw_read_s: float = 0.0
+    write_s: float = 0.0
+    raw_write_s: float = 0.0
+    payload_bytes: int = 0
+    error: str = ""
+
+    def figures(self) -> dict[str, float]:
+        gb = self.payload_bytes / 1e9
+        return {"read_gbps": gb / self.read_s, "raw_read_gbps": gb / self.raw_read_s,
+                "read_ratio": self.raw_read_s / self.read_s, "write_gbps": gb / self.write_s,
+                "raw_write_gbps": gb / self.raw_write_s, "write_ratio": self.raw_write_s / self.write_s}
+
+    def to_json(self) -> dict[str, object]:
+        numbers = dict.fromkeys(_FIGURES) if self.error else {k: round(v, 3) for k, v in self.figures().items()}
+        return {"backend": self.backend, "layout": self.layout.value, "page": self.page, **numbers,
+                "error": self.error}
+
+
+def _config(page: str, pages: int, layout: HostLayout, **storage: Any) -> Config:
+    """The shape of `page` with room for the pages and their raw copy (stored bytes, headers included)."""
+    p = SHAPES[page]["page_size"]
+    host_pages = pages + pages // 8 + 2
+    return Config(**SHAPES[page], device_slots=p, host_slots=host_pages * p, host_layout=layout,
+                  storage_batch_pages=BATCH_PAGES, **storage)
+
+
+# -- raw I/O ---------------------------------------------------------------------------------
+
+
+def _whole(host: KVBuffer) -> memoryview:
+    """The host buffer's memory as one writable run of bytes."""
+    t = host.tensor
+    return memoryview((ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())).cast("B")
+
+
+class RawFile:
+    """The same stored bytes as one region of the host buffer: read per run of adjacent
+    records, written by appending them to one file of its own in one sequential write (the
+    backend appends to its segments too)."""
+
+    def __init__(self, backend: FileBackend, keys: list[str], host: KVBuffer) -> None:
+        self.memory = _whole(host)
+        self.runs: list[tuple[str, int, int]] = []  # (path, offset, bytes), adjacent records merged
+        stored = backend.fmt.stored_bytes
+        for key in keys:
+            path, offset = backend.locate(key)
+            if self.runs and self.runs[-1][0] == str(path) and sum(self.runs[-1][1:]) == offset:
+                self.runs[-1] = (str(path), self.runs[-1][1], self.runs[-1][2] + stored)
+            else:
+                self.runs.append((str(path), offset, stored))
+        self.nbytes = len(keys) * stored
+        self.fd, self.path = tempfile.mkstemp(prefix="raw-", suffix=".bin", dir=backend.root)
+
+    def read(self) -> None:
+        view, at = self.memory, 0
+        for path, offset, n in self.runs:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                if os.preadv(fd, [view[at : at + n]], offset) != n:
+                    raise StorageError(f"bench storage: {path} is shorter than its records")
+            finally:
+                os.close(fd)
+            at += n
+
+    def write(self, rep: int) -> None:
+        view, done = self.memory[: self.nbytes], 0
+        while done < self.nbytes:
+            done += os.write(self.fd, view[done:])
+
+    def forget(self, rep: int) -> None:
+        """The appended bytes stay, as the backend's do."""
+
+    def close(self) -> None:
+        os.close(self.fd)
+        os.unlink(self.path)
+
+
+class RawMooncake:
+    """`batch_get_into` / `batch_put_from` of the same stored bytes through the backend's client,
+    into or out of one region of the (registered) host buffer."""
+
+    def __init__(self, backend: MooncakeBackend, keys: list[str], host: KVBuffer) -> None:
+        self.client = backend.client
+        self.objects = [backend.object_key(k) for k in keys]
+        self.stored = backend.fmt.stored_bytes
+        self.base = host.tensor.data_ptr()
+
+    def _batches(self) -> list[tuple[list[str], list[int]]]:
+        out = []
+        for b in range(0, len(self.objects), BATCH_PAGES):
+            keys = self.objects[b : b + BATCH_PAGES]
+            out.append((keys, [self.base + (b + i) * self.stored for i in range(len(keys))]))
+        return out
+
+    def read(self) -> None:
+        for keys, ptrs in self._batches():
+            got = self.client.batch_get_into(keys, ptrs, [self.stored] * len(keys))
+            if any(n != self.stored for n in got):
+                raise StorageError(f"bench storage: raw Mooncake get returned {got}")
+
+    def write(self, rep: int) -> None:
+        for keys, ptrs in self._batches():
+            raw = [f"raw{rep}-{k}" for k in keys]
+            if any(self.client.batch_put_from(raw, ptrs, [self.stored] * len(keys))):
+                raise StorageError("bench storage: raw Mooncake put failed")
+
+    def forget(self, rep: int) -> None:
+        self.client.batch_remove([f"raw{rep}-{k}" for k in self.objects], True)
+
+    def close(self) -> None:
+        """Nothing to release: each rep's objects were removed after it."""
+
+
+# -- one backend -------------------------------------------------------------------------------
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _batched(call: Callable[..., Any], keys: list[str], host: KVBuffer, slots: torch.Tensor, per_call: int) -> None:
+    """`backend.read` or `backend.write`, `per_call` pages at a time."""
+    p = host.shape.page_size
+    for b in range(0, len(keys), per_call):
+        io = call(keys[b : b + per_call], host, slots[b * p : (b + per_call) * p])
+        if io.error or io.pages != len(keys[b : b + per_call]):
+            raise StorageError(f"bench storage: {io}")
+
+
+def _forget(backend: StorageBackend, keys: list[str]) -> None:
+    """Remove pages a write rep or a cell stored (Mooncake: its memory is bounded; the file
+    backend's pages stay in their segments, as the raw side's bytes do in its file)."""
+    if isinstance(backend, MooncakeBackend):
+        backend.client.batch_remove([backend.object_key(k) for k in keys], True)
+
+
+def _before_write(backend: StorageBackend) -> None:
+    """Start a timed write with no dirty pages of earlier reps waiting for the disk."""
+    if isinstance(backend, FileBackend):
+        os.sync()
+
+
+def _measure(backend: StorageBackend, config: Config, layout: HostLayout, page: str, pages: int, seed: int,
+             write_pages: int, step: Callable[[], None]) -> Result:
+    shape = KVShape.of(config)
+    p = shape.page_size
+    slots = torch.arange(pages * p)
+    src = KVBuffer.allocate(shape, config.host_slots, layout, "cpu")
+    src.tensor.view(torch.uint8).random_(generator=torch.Generator().manual_seed(seed))
+    dst = KVBuffer.allocate(shape, config.host_slots, layout, "cpu")
+    keys = page_keys(range(seed << 40, (seed << 40) + pages), rank=0)
+    _batched(backend.write, keys, src, slots, write_pages)
+    raw = RawFile(backend, keys, dst) if isinstance(backend, FileBackend) else RawMooncake(backend, keys, dst)
+    times: dict[str, list[float]] = {"read": [], "raw_read": [], "write": [], "raw_write": []}
+    for rep in range(WARMUP + REPS):
+        fresh = page_keys(range((seed << 40) + (rep + 1) * pages, (seed << 40) + (rep + 2) * pages), rank=0)
+        sample = {
+            "read": _timed(lambda: _batched(backend.read, keys, dst, slots, BATCH_PAGES)),
+            "raw_read": _timed(raw.read),
+        }
+        _before_write(backend)
+        sample["write"] = _timed(lambda: _batched(backend.write, fresh, src, slots, write_pages))
+        _forget(backend, fresh)
+        _before_write(backend)
+        sample["raw_write"] = _timed(lambda: raw.write(rep))
+        raw.forget(rep)
+        if rep >= WARMUP:
+            for k, v in sample.items():
+                times[k].append(v)
+        step()
+    _batched(backend.read, keys, dst, slots, BATCH_PAGES)
+    raw.close()
+    _forget(backend, keys)
+    if not torch.equal(dst.read(slots).view(torch.uint8), src.read(slots).view(torch.uint8)):  # bits: NaNs too
+        raise StorageError("bench storage: the pages read back differ from those written")
+    m = {k: statistics.median(v) for k, v in times.items()}
+    return Result(backend.name, layout, page, m["read"], m["raw_read"], m["write"], m["raw_write"],
+                  pages * PageFormat(shape).payload_bytes)
+
+
+def _pages(page: str, mib: int) -> int:
+    payload = PageFormat(KVShape.of(_config(page, 1, LAYOUTS[0]))).payload_bytes
+    return max(1, (min(mib, SMALL_MIB_MAX) if page != "2MiB" else mib) * 2**20 // payload)
+
+
+def _storage_fields(kind: str, mib: int, stack: ExitStack) -> dict[str, Any]:
+    """The Config fields of `kind`'s storage; `stack` keeps it (directory, master) alive."""
+    if kind == "file":
+        return {"storage": "file", "storage_dir": stack.enter_context(tempfile.TemporaryDirectory(prefix="hicache-"))}
+    master = stack.enter_context(MooncakeMaster())
+    # Every page size's pages and one write rep's, with room for the headers and the allocator.
+    return {"storage": "mooncake", "mooncake_segment_mb": math.ceil(mib * 2.5 + 3 * SMALL_MIB_MAX) + 64,
+            **master.config_fields()}
+
+
+def _run_backend(kind: str, mib: int, write_pages: int, step: Callable[[], None]) -> list[Result]:
+    """Every layout and page size on one backend; error rows for what could not run."""
+    results: list[Result] = []
+    cells = [(layout, page) for page in SHAPES for layout in LAYOUTS]
+    try:
+        with ExitStack() as stack:
+            fields = _storage_fields(kind, mib, stack)
+            for i, page in enumerate(SHAPES):
+                config = _config(page, _pages(page, mib), LAYOUTS[0], **fields)
+                backend = open_backend(config)  # one per KV shape: the host layout is the buffer's alone
+                assert backend is not None
+                try:
+                    for j, layout in enumerate(LAYOUTS):
+                        seed = 1 + i * len(LAYOUTS) + j
+                        results.append(_measure(backend, config, layout, page, _pages(page, mib), seed,
+                                                write_pages, step))
+                finally:
+                    backend.close()
+    except (MasterStartError, StorageError) as e:
+        done = {(r.layout, r.page) for r in results}
+        results += [Result(kind, layout, page, error=str(e)) for layout, page in cells if (layout, page) not in done]
+    return results
+
+
+# -- the command -----------------------------------------------------------------------------
+
+
+def _table(results: list[Result], mib: int, write_pages: int, machine: dict[str, object]) -> Table:
+    t = Table(
+        title=f"storage: {mib} MiB of 2 MiB pages ({min(mib, SMALL_MIB_MAX)} MiB of smaller ones), reads of "
+              f"{BATCH_PAGES} and writes of {write_pages} pages a call, median of {REPS}",
+        caption=(f"{machine['cpu_count']} x {machine['cpu_model']}, {machine['memory_gib']} GiB, "
+                 f"torch {machine['torch']}; raw: the same stored bytes, unchecked, one host region"),
+    )
+    for col in ("backend", "layout", "page", "read GB/s", "raw", "ratio", "write GB/s", "raw", "ratio"):
+        t.add_column(col, justify="left" if col in ("backend", "layout", "page") else "right")
+    for r in results:
+        if r.error:
+            t.add_row(r.backend, r.layout.value, r.page, f"[red]error: {r.error}[/red]", *[""] * 5)
+        else:
+            t.add_row(r.backend, r.layout.value, r.page, *(f"{v:.2f}" for v in r.figures().values()))
+    return t
+
+
+def run_bench_storage(*, as_json: bool, mib: int, write_pages: int = WRITE_PAGES) -> int:
+    if mib < 2:
+        raise SystemExit("hicache bench storage: --mib must be at least 2 (one 2 MiB page)")
+    if write_pages < 1:
+        raise SystemExit("hicache bench storage: --write-pages must be at least 1")
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # Mooncake's client logs every step at INFO
+    progress = progress_bar(as_json)
+    results: list[Result] = []
+    with progress:
+        task = progress.add_task("storage", total=len(BACKENDS) * len(LAYOUTS) * len(SHAPES) * (WARMUP + REPS))
+        for kind in BACKENDS:
+            progress.update(task, description=kind)
+            results += _run_backend(kind, mib, write_pages, lambda: progress.advance(task))
+    machine = _machine(DeviceKind.CPU)
+    body = {
+        "machine": machine,
+        "workload": {"shapes": SHAPES, "mib": mib, "small_mib": min(mib, SMALL_MIB_MAX),
+                     "pages": {page: _pages(page, mib) for page in SHAPES},
+                     "batch_pages": BATCH_PAGES, "write_pages": write_pages, "warmup": WARMUP, "reps": REPS},
+        "results": [r.to_json() for r in results],
+    }
+    return report(_table(results, mib, write_pages, machine), body, as_json=as_json)

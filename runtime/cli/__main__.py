@@ -1,0 +1,7 @@
+"""`python -m hicache.runtime.cli`: the `hicache` command."""
+
+import sys
+
+from . import main
+
+sys.exit(main())

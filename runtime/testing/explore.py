@@ -1,0 +1,462 @@
+"""Schedule exploration: run scenarios under many seeded interleavings and report failures.
+
+Each schedule runs a scenario on the deterministic runtime with a strategy (PCT or
+random) and a seed, with every actor's `check_invariants()` after every delivery,
+the fingerprint oracle on every cached read, and quiescence checks at the end (no
+lock held, nothing in flight, slots conserved). A failure is written down as a
+schedule trace (the strategy's choices, with scenario, seed and mutant) and a
+delivery log, and `hicache explore --replay TRACE` runs exactly that schedule
+again.
+
+Python API::
+
+    report = explore("standard", strategy="pct", seeds=range(100))
+    result = run_schedule("standard", seed=7, strategy="pct")
+    result = replay(Path("trace.json"))
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import random
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hicache.actors._actor import HiActor, Mail
+from hicache.actors._services import SeededFaults
+from hicache.messages import ActorName, HostSlotState, encode
+from hicache.messages.config import Config, PrefetchPolicy, WritePolicy
+
+from ._deterministic import DeterministicRuntime
+from .._facade import CacheHandle, HiCache, Request, RequestError
+from ._mutants import MUTANTS, Mutant, mutant
+from ._scheduler import ReferenceScheduler, SchedulerConfig, ServeRequest
+from ._strategies import PCTStrategy, RandomStrategy, ReplayStrategy, Strategy
+
+DEFAULT_PCT_STEPS = 3000
+"""PCT's estimate of a schedule's length (change points are drawn within it)."""
+
+TRACE_VERSION = 1
+
+
+class QuiescenceError(AssertionError):
+    """At the end of a scenario something is still held, in flight or unaccounted for."""
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    name: str
+    description: str
+    run: Callable[[DeterministicRuntime, int, Mutant | None], None]
+
+
+@dataclass(slots=True)
+class ScheduleResult:
+    scenario: str
+    seed: int
+    strategy: str
+    depth: int
+    mutant: str | None
+    choices: list[str]
+    deliveries: int
+    digest: str
+    error: str | None = None
+    error_type: str | None = None
+    log: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+
+@dataclass(slots=True)
+class ExploreReport:
+    scenario: str
+    strategy: str
+    seeds: int
+    failures: list[ScheduleResult]
+    elapsed_s: float
+    deliveries: int
+    deterministic: bool
+
+    @property
+    def schedules_per_s(self) -> float:
+        return self.seeds / self.elapsed_s if self.elapsed_s else 0.0
+
+
+# -- scenarios -------------------------------------------------------------------------------
+
+
+def synthetic_workload(
+    seed: int, n: int, page: int, *, blocks: int = 5, blocks_per_prompt: int = 3, tail_pages: int = 2,
+    outputs_max: int = 5,
+) -> list[ServeRequest]:
+    """`n` requests whose prompts are 1..`blocks_per_prompt` blocks (of two pages) drawn from
+    `blocks` shared ones, then up to `tail_pages` pages of their own: prefixes repeat."""
+    rng = random.Random(f"workload:{seed}")
+    shared = [[rng.randrange(32_000) for _ in range(2 * page)] for _ in range(blocks)]
+    out = []
+    for i in range(n):
+        prompt: list[int] = []
+        for _ in range(rng.randint(1, blocks_per_prompt)):
+            prompt += rng.choice(shared)
+        prompt += [rng.randrange(32_000) for _ in range(rng.randint(1, tail_pages * page))]
+        out.append(ServeRequest(f"q{i}", torch.tensor(prompt), rng.randint(1, outputs_max)))
+    return out
+
+
+def _standard(rt: DeterministicRuntime, seed: int, mut: Mutant | None) -> None:
+    _serve_workload(rt, seed, mut)
+
+
+def _faults(rt: DeterministicRuntime, seed: int, mut: Mutant | None) -> None:
+    rt.services.faults = SeededFaults(seed, transfer_fail_rate=0.08, host_exhausted_rate=0.1)
+    _serve_workload(rt, seed, mut)
+
+
+def _serve_workload(rt: DeterministicRuntime, seed: int, mut: Mutant | None) -> None:
+    policy = (WritePolicy.WRITE_THROUGH, WritePolicy.WRITE_THROUGH_SELECTIVE, WritePolicy.WRITE_BACK)[seed % 3]
+    cfg = Config(layers=2, kv_heads=1, head_dim=8, page_size=4, device_slots=4 * 24, host_slots=4 * 48,
+                 write_policy=policy, load_back_min_tokens=4, transfer_pages_max=2)
+    with HiCache(cfg, runtime=rt, actor_classes=mut.actor_classes if mut else None) as hc:
+        sched = ReferenceScheduler(hc, SchedulerConfig(
+            max_running=4, prefill_tokens_per_tick=16, chunk_tokens=8, abort_rate=0.04, seed=seed,
+            lookahead_slots=2, device_budget_ratio=2.0,
+        ))
+        sched.submit(synthetic_workload(seed, 12, cfg.page_size))
+        sched.run(on_tick=lambda s: hc.check_invariants())
+        hc.quiesce()
+        hc.check_invariants()
+        check_quiescent(hc)
+
+
+def _storage(rt: DeterministicRuntime, seed: int, mut: Mutant | None) -> None:
+    """The workload on a host tier too small for it, with a file L3 in a fresh directory, twice:
+    the first pass backs its pages up to storage, then L1 and L2 are emptied and the second pass
+    prefetches them under the policy of the seed (reads delayed in virtual time, some failing),
+    aborting some prefetching requests."""
+    rt.services.faults = SeededFaults(seed, transfer_fail_rate=0.0, host_exhausted_rate=0.0,
+                                      storage_fail_rate=0.05, storage_delay_s=0.02)
+    policy = list(PrefetchPolicy)[seed % 3]
+    writes = (WritePolicy.WRITE_BACK, WritePolicy.WRITE_THROUGH_SELECTIVE, WritePolicy.WRITE_THROUGH)[seed // 3 % 3]
+    with tempfile.TemporaryDirectory(prefix="hicache-explore-l3-") as tmp:
+        cfg = Config(layers=2, kv_heads=1, head_dim=8, page_size=4, device_slots=4 * 16, host_slots=4 * 24,
+                     load_back_min_tokens=4, transfer_pages_max=2, storage="file", storage_dir=tmp, write_policy=writes,
+                     storage_batch_pages=2, prefetch_threshold_pages=1, prefetch_policy=policy,
+                     prefetch_timeout_base_s=0.01, prefetch_timeout_per_1k_s=0.5, prefetch_timeout_max_s=0.05)
+        with HiCache(cfg, runtime=rt, actor_classes=mut.actor_classes if mut else None) as hc:
+            sched = ReferenceScheduler(hc, SchedulerConfig(
+                max_running=3, prefill_tokens_per_tick=16, chunk_tokens=8, abort_rate=0.03, seed=seed,
+                device_budget_ratio=2.0, prefetch_window=4, tick_s=0.005,
+            ))
+            work = synthetic_workload(seed, 10, cfg.page_size, blocks=4, blocks_per_prompt=3)
+            sched.submit(work)
+            sched.run(on_tick=lambda s: hc.check_invariants())
+            hc.quiesce()
+            hc.evict_device(cfg.device_slots)  # the second pass finds the prefixes in storage only
+            hc.evict_host(cfg.host_slots)
+            hc.check_invariants()
+            sched.submit([ServeRequest(f"again-{r.request_id}", r.prompt, r.output_tokens) for r in work])
+            sched.run(on_tick=lambda s: hc.check_invariants())
+            hc.quiesce()
+            hc.check_invariants()
+            check_quiescent(hc)
+
+
+def _misuse(rt: DeterministicRuntime, seed: int, mut: Mutant | None) -> None:
+    """The standard workload with a bad call after most ticks: each must be one `RequestError`
+    that changes nothing (every actor's statistics are the same after it), and the
+    workload goes on to a quiet end."""
+    rng = random.Random(f"misuse:{seed}")
+    policy = (WritePolicy.WRITE_THROUGH, WritePolicy.WRITE_THROUGH_SELECTIVE, WritePolicy.WRITE_BACK)[seed % 3]
+    cfg = Config(layers=2, kv_heads=1, head_dim=8, page_size=4, device_slots=4 * 24, host_slots=4 * 48,
+                 write_policy=policy, load_back_min_tokens=4, transfer_pages_max=2)
+    with HiCache(cfg, runtime=rt, actor_classes=mut.actor_classes if mut else None) as hc:
+        sched = ReferenceScheduler(hc, SchedulerConfig(
+            max_running=4, prefill_tokens_per_tick=16, chunk_tokens=8, abort_rate=0.04, seed=seed,
+            lookahead_slots=2, device_budget_ratio=2.0,
+        ))
+
+        def tick(s: ReferenceScheduler) -> None:
+            hc.check_invariants()
+            if rng.random() < 0.7:
+                misuse(hc, s, rng)
+                hc.check_invariants()
+
+        sched.submit(synthetic_workload(seed, 12, cfg.page_size))
+        sched.run(on_tick=tick)
+        hc.quiesce()
+        hc.check_invariants()
+        check_quiescent(hc)
+
+
+def _bad_calls(hc: HiCache, sched: ReferenceScheduler) -> list[Callable[[], Any]]:
+    """Calls a scheduler must never make; each one is refused."""
+    live = sorted(hc.live_requests)
+    rid = live[0] if live else "q0"
+    handle = hc.handle(rid) if live else CacheHandle("q0", 1)
+    return [
+        lambda: hc.admit([Request(rid, [1, 2, 3], namespace=None)]),  # type: ignore[arg-type]
+        lambda: hc.admit([Request("x", [1.5, 2.5])]),  # type: ignore[list-item]
+        lambda: hc.admit([Request("x", [1, True])]),
+        lambda: hc.admit([Request("x", [2**63])]),
+        lambda: hc.admit([Request("x", torch.tensor([[1, 2]]))]),
+        lambda: hc.prefetch([Request("x", ["a"])]),  # type: ignore[list-item]
+        lambda: hc.evict_device("x"),  # type: ignore[arg-type]
+        lambda: hc.evict_host(None),  # type: ignore[arg-type]
+        lambda: hc.evict_host(-3),
+        lambda: hc.allocate({rid: True}),
+        lambda: hc.allocate({rid: 10**30}),
+        lambda: hc.allocate({"never-admitted": 4}),
+        lambda: hc.commit({rid: [0.5]}),  # type: ignore[list-item]
+        lambda: hc.commit({rid: list(range(10**4))}),  # more than it allocated
+        lambda: hc.finish([CacheHandle(rid, 10**6)]),  # forged
+        lambda: hc.finish([handle, handle]),
+        lambda: hc.finish(["not-a-handle"]),  # type: ignore[list-item]
+        lambda: hc.abort(["not-prefetching"]),
+        lambda: hc.cache_unfinished([CacheHandle("never-admitted", 1)]),
+        lambda: hc.ready(None),  # type: ignore[arg-type]
+        lambda: hc.admit([Request(rid, [1, 2, 3])]) if live else hc.allocate({"x": -1}),  # admitted twice
+    ]
+
+
+def misuse(hc: HiCache, sched: ReferenceScheduler, rng: random.Random) -> None:
+    """One bad call drawn at random: a `RequestError`, and every actor's statistics unchanged."""
+    calls = _bad_calls(hc, sched)
+    call = calls[rng.randrange(len(calls))]
+    settle = getattr(hc.system.runtime, "run_until_idle", None)
+    if settle is not None:
+        settle()  # what is in flight lands first: only the bad call could change anything below
+    before = hc.statistics()
+    try:
+        call()
+    except RequestError:
+        pass
+    else:
+        raise AssertionError("a bad call was accepted")
+    after = hc.statistics()
+    if (after.tree, after.device, after.host) != (before.tree, before.device, before.host):
+        raise AssertionError(f"a refused call changed the cache: {before} -> {after}")
+
+
+SCENARIOS: dict[str, Scenario] = {
+    "standard": Scenario(
+        "standard",
+        "12 requests with shared prefixes through the reference scheduler on tiny pools: admissions, "
+        "chunked prefill, decode with lookahead slots, finish, retraction, abort, device and host "
+        "eviction, load-back; the write policy rotates with the seed",
+        _standard,
+    ),
+    "faults": Scenario(
+        "faults",
+        "the standard workload with seeded faults: 8% of copy batches fail (write-throughs are "
+        "abandoned, failed load-backs make the scheduler retract) and 10% of host reservations are "
+        "refused as if the pool were full",
+        _faults,
+    ),
+    "misuse": Scenario(
+        "misuse",
+        "the standard workload with a bad call after most ticks (malformed tokens, ids, namespaces and "
+        "counts, forged and repeated handles, unknown requests, commits past the allocation): each is one "
+        "RequestError that changes nothing, and the workload ends quiet",
+        _misuse,
+    ),
+    "storage": Scenario(
+        "storage",
+        "10 requests with shared prefixes on small pools with a file L3, served twice with L1 and L2 "
+        "emptied in between: backups to storage after write-through, then prefetches under the seed's "
+        "policies (write and prefetch policies rotate; timeouts in virtual time) with delayed and failing reads, "
+        "aborts mid-prefetch, load-back of prefetched pages checked by the oracle",
+        _storage,
+    ),
+}
+
+
+def check_quiescent(hc: HiCache) -> None:
+    """Nothing live, nothing in flight, no lock held, every slot accounted for."""
+    s = hc.statistics()
+    cfg = hc.config
+    problems = []
+    if s.tree.live_handles or s.tree.protected_tokens:
+        problems.append(f"{s.tree.live_handles} handles live, {s.tree.protected_tokens} tokens protected")
+    if s.tree.writes_in_flight or s.tree.loads_in_flight:
+        problems.append(f"{s.tree.writes_in_flight} writes and {s.tree.loads_in_flight} loads in flight")
+    if s.tree.prefetches_in_flight or s.prefetch.in_flight or s.tree.facts_pending:
+        problems.append(f"{s.tree.prefetches_in_flight} prefetches in the tree, {s.prefetch.in_flight} in the "
+                        f"prefetcher, {s.tree.facts_pending} outcomes not applied")
+    if s.device.request_slots or s.device.loading_slots or s.device.live_requests:
+        problems.append(f"device: {s.device.request_slots} slots still request-owned, "
+                        f"{s.device.loading_slots} loading, {s.device.live_requests} ledgers live")
+    if s.device.tree_slots != s.tree.device_tokens or s.device.free_slots + s.device.tree_slots != cfg.device_slots:
+        problems.append(f"device: {s.device.tree_slots} tree-owned slots but the tree holds {s.tree.device_tokens}")
+    held = cfg.host_slots - s.host.slots_in(HostSlotState.FREE)
+    if held != s.tree.host_tokens:
+        problems.append(f"host: {held} slots held but the tree holds {s.tree.host_tokens}")
+    if problems:
+        raise QuiescenceError("not quiescent at the end: " + "; ".join(problems))
+
+
+# -- one schedule ------------------------------------------------------------------------------
+
+
+def make_strategy(name: str, seed: int, depth: int, steps: int = DEFAULT_PCT_STEPS) -> Strategy:
+    if name == "pct":
+        return PCTStrategy(seed, depth=depth, steps=steps)
+    if name == "random":
+        return RandomStrategy(seed)
+    raise ValueError(f"unknown strategy {name!r}; use pct or random")
+
+
+def run_schedule(
+    scenario: str,
+    seed: int,
+    strategy: str = "pct",
+    depth: int = 3,
+    mutant_name: str | None = None,
+    choices: list[str] | None = None,
+    keep_log: bool = False,
+) -> ScheduleResult:
+    """Run one schedule; the result says whether it failed, and how to replay it."""
+    scen = _scenario(scenario)
+    mut = mutant(mutant_name) if mutant_name else None
+    strat: Strategy = ReplayStrategy(choices) if choices is not None else make_strategy(strategy, seed, depth)
+    digest = hashlib.sha256()
+    log: list[dict[str, Any]] = []
+    count = 0
+
+    def observe(receiver: ActorName, mail: Mail) -> None:
+        nonlocal count
+        count += 1
+        body = encode(mail.message)
+        digest.update(receiver.value.encode() + b"|" + mail.sender.value.encode() + b"|" + body)
+        if keep_log:
+            log.append({"seq": count, "t": rt.clock.now_s(), "receiver": receiver.value,
+                        "sender": mail.sender.value, "type": type(mail.message).__name__,
+                        "body": base64.b64encode(body).decode()})
+
+    rt = DeterministicRuntime(seed=seed, strategy=strat, observe=observe)
+    rt.after_step = _check_actor
+    result = ScheduleResult(scenario, seed, strategy if choices is None else "replay", depth, mutant_name,
+                            [], 0, "")
+    try:
+        scen.run(rt, seed, mut)
+    except Exception as err:  # noqa: BLE001 - every failure of a schedule is its result
+        result.error = f"{type(err).__name__}: {err}"
+        cause = err.__cause__
+        if cause is not None and str(cause) not in str(err):
+            result.error += f" (caused by {type(cause).__name__}: {cause})"
+        result.error_type = type(err).__name__
+    result.choices = [s.actor for s in rt.schedule]
+    result.deliveries = count
+    result.digest = digest.hexdigest()
+    result.log = log
+    return result
+
+
+def _check_actor(actor: Any) -> None:
+    if isinstance(actor, HiActor):
+        actor.check_invariants()
+
+
+def _scenario(name: str) -> Scenario:
+    try:
+        return SCENARIOS[name]
+    except KeyError:
+        raise ValueError(f"unknown scenario {name!r}; known: {', '.join(SCENARIOS)}") from None
+
+
+# -- many schedules ------------------------------------------------------------------------------
+
+
+def explore(
+    scenario: str = "standard",
+    strategy: str = "pct",
+    seeds: Iterable[int] = range(100),
+    depth: int = 3,
+    mutant_name: str | None = None,
+    stop_at_first: bool = False,
+    on_schedule: Callable[[ScheduleResult], None] | None = None,
+) -> ExploreReport:
+    seed_list = list(seeds)
+    failures: list[ScheduleResult] = []
+    deliveries = 0
+    deterministic = True
+    t0 = time.perf_counter()
+    for i, seed in enumerate(seed_list):
+        res = run_schedule(scenario, seed, strategy, depth, mutant_name)
+        deliveries += res.deliveries
+        if i == 0:  # the nondeterminism self-check: the same schedule twice, the same log
+            again = run_schedule(scenario, seed, strategy, depth, mutant_name)
+            deterministic = again.digest == res.digest and again.choices == res.choices
+        if on_schedule is not None:
+            on_schedule(res)
+        if res.failed:
+            failures.append(res)
+            if stop_at_first:
+                seed_list = seed_list[: i + 1]
+                break
+    return ExploreReport(scenario, strategy, len(seed_list), failures, time.perf_counter() - t0, deliveries,
+                         deterministic)
+
+
+def write_failure(res: ScheduleResult, out_dir: Path) -> tuple[Path, Path]:
+    """The schedule trace and the delivery log of a failed schedule; returns their paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"{res.scenario}-{res.strategy}-seed{res.seed}" + (f"-{res.mutant}" if res.mutant else "")
+    trace = out_dir / f"{stem}.trace.json"
+    logf = out_dir / f"{stem}.log.jsonl"
+    trace.write_text(json.dumps({
+        "version": TRACE_VERSION, "scenario": res.scenario, "seed": res.seed, "strategy": res.strategy,
+        "depth": res.depth, "mutant": res.mutant, "error": res.error, "choices": res.choices,
+    }))
+    full = res if res.log else run_schedule(res.scenario, res.seed, choices=res.choices,
+                                            mutant_name=res.mutant, keep_log=True)
+    logf.write_text("".join(json.dumps(line) + "\n" for line in full.log))
+    return trace, logf
+
+
+def replay(trace_path: Path, keep_log: bool = False) -> ScheduleResult:
+    """Run the schedule recorded in a trace file again, choice for choice."""
+    try:
+        data = json.loads(Path(trace_path).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"cannot read schedule trace {trace_path}: {err}") from err
+    if data.get("version") != TRACE_VERSION:
+        raise ValueError(f"{trace_path}: trace version {data.get('version')!r}, this hicache reads {TRACE_VERSION}")
+    return run_schedule(data["scenario"], int(data["seed"]), data.get("strategy", "pct"), int(data.get("depth", 3)),
+                        data.get("mutant"), choices=list(data["choices"]), keep_log=keep_log)
+
+
+@dataclass(frozen=True, slots=True)
+class MutantResult:
+    mutant: str
+    bug: str
+    caught: bool
+    schedules_to_first_failure: int | None
+    error: str | None
+
+
+def hunt_mutants(scenario: str = "standard", schedules: int = 50, depth: int = 3,
+                 on_result: Callable[[MutantResult], None] | None = None) -> list[MutantResult]:
+    """For each mutant, PCT schedules until the first failure (at most `schedules`)."""
+    out = []
+    for m in MUTANTS:
+        found: MutantResult | None = None
+        for n, seed in enumerate(range(schedules), start=1):
+            res = run_schedule(m.scenario if m.scenario != "standard" else scenario, seed, "pct", depth, m.name)
+            if res.failed:
+                found = MutantResult(m.name, m.bug, True, n, res.error)
+                break
+        result = found or MutantResult(m.name, m.bug, False, None, None)
+        out.append(result)
+        if on_result is not None:
+            on_result(result)
+    return out
