@@ -159,10 +159,12 @@ class FileBackend:
         check_keys(keys)
         starts = page_starts(keys, host, slots)
         pages = self._host_pages(host)
-        if self._index.leading(keys) < len(keys):
+        runs = self._index.runs(keys, _PAGES_PER_CALL_MAX)
+        if sum(n for _, _, n in runs) < len(keys):
             self._refresh(listing=True)
+            runs = self._index.runs(keys, _PAGES_PER_CALL_MAX)
         done = 0
-        for seg, first, n in self._index.runs(keys, _PAGES_PER_CALL_MAX):
+        for seg, first, n in runs:
             good, error = self._read_run(seg, first, keys[done : done + n], starts[done : done + n], pages)
             done += good
             if error:
@@ -223,15 +225,18 @@ class FileBackend:
         index = self._index
         if index.leading(keys) < len(keys):
             self._refresh(listing=self._directory_changed())  # another instance may have stored some
-        todo = index.missing(keys)
-        if len({keys[i] for i in todo}) < len(todo):  # a key twice in one call is written once
-            seen: set[str] = set()
+        if index.none_of(keys) and len(set(keys)) == len(keys):  # a backup's pages: all new, each once
+            todo_keys, todo_starts = keys, starts
+        else:
+            todo = index.missing(keys)
+            seen: set[str] = set()  # a key twice in one call is written once
             todo = [i for i in todo if not (keys[i] in seen or seen.add(keys[i]))]
+            todo_keys, todo_starts = [keys[i] for i in todo], [starts[i] for i in todo]
         per_call = min(_PAGES_PER_CALL_MAX, IOV_MAX // (1 + pages.runs_per_page))
         written = 0
-        for b in range(0, len(todo), per_call):
-            batch = todo[b : b + per_call]
-            error = self._append([keys[i] for i in batch], [starts[i] for i in batch], pages)
+        for b in range(0, len(todo_keys), per_call):
+            batch = todo_keys[b : b + per_call]
+            error = self._append(batch, todo_starts[b : b + per_call], pages)
             if error:
                 return StorageIO(pages=index.leading(keys), written=written,
                                  bytes=written * self.fmt.payload_bytes, error=error)

@@ -100,8 +100,9 @@ def check_keys(keys: Sequence[str]) -> None:
         joined = "\n".join(keys).encode("ascii")
     except (TypeError, UnicodeEncodeError):
         joined = None
-    if not keys or (joined is not None and joined.translate(None, _KEY_BYTES) == b"\n" * (len(keys) - 1)
-                    and 0 < min(map(len, keys)) and max(map(len, keys)) <= KEY_CHARS_MAX):
+    if not keys or (joined and joined.translate(None, _KEY_BYTES) == b"\n" * (len(keys) - 1)
+                    and b"\n\n" not in joined and joined[0] != 10 and joined[-1] != 10  # no empty key
+                    and max(map(len, keys)) <= KEY_CHARS_MAX):
         return
     for key in keys:
         if not isinstance(key, str) or _KEY.fullmatch(key) is None:
@@ -320,6 +321,7 @@ class HostPages:
             self._runs = [(k * kv * item + l_ * layer * item, run) for k in range(2) for l_ in range(s.layers)]
             self._slot_step = s.heads * s.head_dim * item
         self.runs_per_page = len(self._runs)
+        self._run_slices = [slice(off, off + n) for off, n in self._runs]
 
     def spans(self, start: int) -> list[tuple[int, int]]:
         """(offset in the buffer, length) of each run of the page whose first slot is `start`."""
@@ -338,8 +340,8 @@ class HostPages:
         if self.runs_per_page == 1:
             size = self._page_bytes
             return [m[a : a + size] for a in map(step.__mul__, starts)]
-        runs = self._runs
-        return [[m[b + off : b + off + n] for off, n in runs] for b in map(step.__mul__, starts)]
+        runs = self._run_slices  # slices of the view from the page's start: no index arithmetic a run
+        return [list(map(m[b:].__getitem__, runs)) for b in map(step.__mul__, starts)]
 
     def records(self, headers: Sequence[memoryview], payloads: list[Any]) -> list[memoryview]:
         """The buffers of the pages' records in file order: each header, then its payload's runs."""
@@ -352,8 +354,12 @@ class HostPages:
         return bufs
 
     def checksums(self, payloads: list[Any]) -> list[int]:
-        """XXH3-64 of each of `payloads`."""
-        return list(map(xxhash.xxh3_64_intdigest if self.runs_per_page == 1 else checksum, payloads))
+        """XXH3-64 of each of `payloads` (`checksum`), each a map over the batch (no Python loop)."""
+        if self.runs_per_page == 1:
+            return list(map(xxhash.xxh3_64_intdigest, payloads))
+        if self._page_bytes <= _JOIN_BYTES_MAX:
+            return list(map(xxhash.xxh3_64_intdigest, map(b"".join, payloads)))
+        return list(map(checksum, payloads))
 
 
 _SLOTS_BY_LIST_MAX: Final = 256
