@@ -355,7 +355,7 @@ class HostPages:
         payloads = self.payloads(starts)
         return list(map(b"".join, payloads)) if self.joins else payloads
 
-    def records(self, headers: Sequence[memoryview], payloads: list[Any]) -> list[memoryview]:
+    def records(self, headers: Sequence[memoryview], payloads: list[Any]) -> list[Any]:
         """The buffers of the pages' records in file order: each header, then its payload's runs."""
         if not payloads or not isinstance(payloads[0], list):
             return list(chain.from_iterable(zip(headers, payloads)))
