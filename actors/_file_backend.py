@@ -2,9 +2,10 @@
 
 Each backend instance (a writer) appends the records of its pages to segment files of
 its own (`_segments.py`: names, records, scans, crash safety). A backup's pages go out
-in one `pwritev` per batch straight from the host runs (no staging copy, no file per
-page), and a read is one `preadv` per run of adjacent records straight into the
-reserved host slots, verified there before they count: the headers received must equal,
+in one `pwritev` per batch straight from the host runs (no file per page; a small page
+of several runs goes out as the joined copy its checksum took), and a read is one
+`preadv` per run of adjacent records straight into the reserved host slots, verified
+there before they count: the headers received must equal,
 byte for byte, the headers that the keys and the checksums of the payloads received
 give (`Headers`). A run is at most `READ_RUN_BYTES`, so the bytes a `preadv` just
 brought in are still in the CPU's cache when they are checksummed.
@@ -159,10 +160,12 @@ class FileBackend:
         check_keys(keys)
         starts = page_starts(keys, host, slots)
         pages = self._host_pages(host)
-        if self._index.leading(keys) < len(keys):
+        runs = self._index.runs(keys, _PAGES_PER_CALL_MAX)
+        if sum(n for _, _, n in runs) < len(keys):
             self._refresh(listing=True)
+            runs = self._index.runs(keys, _PAGES_PER_CALL_MAX)
         done = 0
-        for seg, first, n in self._index.runs(keys, _PAGES_PER_CALL_MAX):
+        for seg, first, n in runs:
             good, error = self._read_run(seg, first, keys[done : done + n], starts[done : done + n], pages)
             done += good
             if error:
@@ -223,15 +226,18 @@ class FileBackend:
         index = self._index
         if index.leading(keys) < len(keys):
             self._refresh(listing=self._directory_changed())  # another instance may have stored some
-        todo = index.missing(keys)
-        if len({keys[i] for i in todo}) < len(todo):  # a key twice in one call is written once
-            seen: set[str] = set()
+        if index.none_of(keys) and len(set(keys)) == len(keys):  # a backup's pages: all new, each once
+            todo_keys, todo_starts = keys, starts
+        else:
+            todo = index.missing(keys)
+            seen: set[str] = set()  # a key twice in one call is written once
             todo = [i for i in todo if not (keys[i] in seen or seen.add(keys[i]))]
-        per_call = min(_PAGES_PER_CALL_MAX, IOV_MAX // (1 + pages.runs_per_page))
+            todo_keys, todo_starts = [keys[i] for i in todo], [starts[i] for i in todo]
+        per_call = min(_PAGES_PER_CALL_MAX, IOV_MAX // pages.buffers_out)
         written = 0
-        for b in range(0, len(todo), per_call):
-            batch = todo[b : b + per_call]
-            error = self._append([keys[i] for i in batch], [starts[i] for i in batch], pages)
+        for b in range(0, len(todo_keys), per_call):
+            batch = todo_keys[b : b + per_call]
+            error = self._append(batch, todo_starts[b : b + per_call], pages)
             if error:
                 return StorageIO(pages=index.leading(keys), written=written,
                                  bytes=written * self.fmt.payload_bytes, error=error)
@@ -240,7 +246,7 @@ class FileBackend:
 
     def _append(self, keys: list[str], starts: list[int], pages: HostPages) -> str:
         """Append the records of these pages to this writer's segment in one `pwritev`."""
-        payloads = pages.payloads(starts)
+        payloads = pages.outgoing(starts)
         self._sent.fill(keys, pages.checksums(payloads))
         bufs = pages.records(self._sent.views, payloads)
         need = len(keys) * self.fmt.stored_bytes

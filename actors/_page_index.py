@@ -94,6 +94,10 @@ class PageIndex:
                 return i
         return len(keys)
 
+    def none_of(self, keys: Sequence[str]) -> bool:
+        """The index holds none of `keys`."""
+        return self._where.keys().isdisjoint(keys)
+
     def missing(self, keys: Sequence[str]) -> list[int]:
         """The positions of the keys the index does not hold."""
         where = self._where

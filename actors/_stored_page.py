@@ -100,8 +100,9 @@ def check_keys(keys: Sequence[str]) -> None:
         joined = "\n".join(keys).encode("ascii")
     except (TypeError, UnicodeEncodeError):
         joined = None
-    if not keys or (joined is not None and joined.translate(None, _KEY_BYTES) == b"\n" * (len(keys) - 1)
-                    and 0 < min(map(len, keys)) and max(map(len, keys)) <= KEY_CHARS_MAX):
+    if not keys or (joined and joined.translate(None, _KEY_BYTES) == b"\n" * (len(keys) - 1)
+                    and b"\n\n" not in joined and joined[0] != 10 and joined[-1] != 10  # no empty key
+                    and max(map(len, keys)) <= KEY_CHARS_MAX):
         return
     for key in keys:
         if not isinstance(key, str) or _KEY.fullmatch(key) is None:
@@ -298,7 +299,9 @@ class HostPages:
     A page's payload is its `[2, L, P, H, D]` block: in page_first the page itself, one
     run; in layer_first the K or V of one layer of its `P` slots is one run, so `2 x L`
     runs. Backends read into and write from these runs directly (`readv`/`writev`, a
-    Mooncake multi-buffer get or put), so a page is never copied through a staging buffer.
+    Mooncake multi-buffer get or put), so a page is never copied through a staging buffer;
+    only a small page of several runs (`joins`) is checksummed as a joined copy, which a
+    file write then sends as it is (`outgoing`).
     """
 
     def __init__(self, host: KVBuffer) -> None:
@@ -320,6 +323,11 @@ class HostPages:
             self._runs = [(k * kv * item + l_ * layer * item, run) for k in range(2) for l_ in range(s.layers)]
             self._slot_step = s.heads * s.head_dim * item
         self.runs_per_page = len(self._runs)
+        self._run_slices = [slice(off, off + n) for off, n in self._runs]
+        self.joins = self.runs_per_page > 1 and self._page_bytes <= _JOIN_BYTES_MAX
+        """A page of several runs this small is checksummed, and written, as one joined copy of its runs."""
+        self.buffers_out = 2 if self.joins else 1 + self.runs_per_page
+        """Buffers a record takes in a write (`outgoing`): its header, then its payload's."""
 
     def spans(self, start: int) -> list[tuple[int, int]]:
         """(offset in the buffer, length) of each run of the page whose first slot is `start`."""
@@ -338,12 +346,18 @@ class HostPages:
         if self.runs_per_page == 1:
             size = self._page_bytes
             return [m[a : a + size] for a in map(step.__mul__, starts)]
-        runs = self._runs
-        return [[m[b + off : b + off + n] for off, n in runs] for b in map(step.__mul__, starts)]
+        runs = self._run_slices  # slices of the view from the page's start: no index arithmetic a run
+        return [list(map(m[b:].__getitem__, runs)) for b in map(step.__mul__, starts)]
 
-    def records(self, headers: Sequence[memoryview], payloads: list[Any]) -> list[memoryview]:
+    def outgoing(self, starts: Sequence[int]) -> list[Any]:
+        """What a write sends of each page: its `payloads`, but for a page that `joins`, the
+        joined copy of its runs that its checksum needs anyway (one buffer instead of 2 x L)."""
+        payloads = self.payloads(starts)
+        return list(map(b"".join, payloads)) if self.joins else payloads
+
+    def records(self, headers: Sequence[memoryview], payloads: list[Any]) -> list[Any]:
         """The buffers of the pages' records in file order: each header, then its payload's runs."""
-        if self.runs_per_page == 1:
+        if not payloads or not isinstance(payloads[0], list):
             return list(chain.from_iterable(zip(headers, payloads)))
         bufs: list[memoryview] = []
         for header, runs in zip(headers, payloads):
@@ -352,8 +366,13 @@ class HostPages:
         return bufs
 
     def checksums(self, payloads: list[Any]) -> list[int]:
-        """XXH3-64 of each of `payloads`."""
-        return list(map(xxhash.xxh3_64_intdigest if self.runs_per_page == 1 else checksum, payloads))
+        """XXH3-64 of each of `payloads` or `outgoing` (`checksum`), each a map over the batch (no
+        Python loop)."""
+        if not payloads or not isinstance(payloads[0], list):
+            return list(map(xxhash.xxh3_64_intdigest, payloads))
+        if self.joins:
+            return list(map(xxhash.xxh3_64_intdigest, map(b"".join, payloads)))
+        return list(map(checksum, payloads))
 
 
 _SLOTS_BY_LIST_MAX: Final = 256

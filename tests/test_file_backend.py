@@ -107,6 +107,21 @@ def test_a_call_of_more_pages_than_one_system_call_takes_moves_them_all(tmp_path
     assert torch.equal(dst.tensor.view(torch.uint8), src.tensor.view(torch.uint8))
 
 
+def test_a_write_stores_each_new_key_once_whatever_else_the_call_holds(tmp_path: Path, opened: Any) -> None:
+    backend = opened()
+    config = _config(tmp_path)
+    src, dst = _host(config, seed=5), _host(config)
+    first = backend.write(["k-1", "k-2", "k-1"], src, _slots([0, 1, 6]))  # all new, one twice
+    assert (first.pages, first.written, first.error) == (3, 2, "")
+    again = backend.write(["k-3", "k-1", "k-3", "k-4"], src, _slots([2, 3, 4, 5]))  # one stored, one twice
+    assert (again.pages, again.written, again.error) == (4, 2, "")
+    [segment] = [p for p in tmp_path.iterdir()]
+    assert segment.stat().st_size == 4 * backend.fmt.stored_bytes  # no page written twice
+    backend.check_invariants()
+    assert backend.read(["k-1", "k-2", "k-3", "k-4"], dst, _slots([0, 1, 2, 3])).pages == 4
+    assert _same(dst, [0, 1, 2, 3], src, [0, 1, 2, 5])
+
+
 def test_a_page_another_process_writes_after_this_one_opened_is_found(tmp_path: Path, opened: Any) -> None:
     reader = opened()
     assert reader.exists(["late-0"]) == 0
