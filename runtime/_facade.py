@@ -242,7 +242,8 @@ class HiCache:
         untrack(self)
         if writes or backups:
             drained = False
-            log.warning("closed with work in flight", writes_dropped=writes, backups_dropped=backups)
+            log.warning("closed with work in flight" if writes >= 0 else "closed after an actor failed: what was in "
+                        "flight is unknown", writes_dropped=writes, backups_dropped=backups)
         return Closed(drained=drained and not (writes or backups), writes_dropped=writes, backups_dropped=backups)
 
     def __enter__(self) -> HiCache:

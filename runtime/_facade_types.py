@@ -102,9 +102,10 @@ class Closed:
     drained: bool
     """Every write to host and backup to storage in flight landed before the actors stopped."""
     writes_dropped: int
-    """Writes to host memory still in flight when the actors stopped."""
+    """Writes to host memory still in flight when the actors stopped (-1: unknown, an actor had failed)."""
     backups_dropped: int
-    """Backups to storage still in flight when the actors stopped (their pages are not stored)."""
+    """Backups to storage still in flight when the actors stopped, their pages not stored (-1: unknown,
+    an actor had failed)."""
 
 
 @dataclass(frozen=True, slots=True)
