@@ -90,7 +90,7 @@ class HiActor(pykka.ThreadingActor, abc.ABC):
     # -- the single delivery point -------------------------------------------
 
     def on_receive(self, mail: Any) -> Any:
-        if not isinstance(mail, Mail):
+        if type(mail) is not Mail:
             raise TypeError(
                 f"{self.name.value} received {type(mail).__name__}; actors exchange Mail "
                 "(send through System.tell/ask or HiActor.send)"
@@ -116,10 +116,11 @@ class HiActor(pykka.ThreadingActor, abc.ABC):
 
     def _dispatch(self, mail: Mail) -> Message | None:
         message = mail.message
-        if isinstance(message, CheckInvariants):
+        kind = type(message)
+        if kind is CheckInvariants:
             self.check_invariants()
             return InvariantsHeld(actor=self.name)
-        if isinstance(message, GetStatistics):
+        if kind is GetStatistics:
             return self.statistics()
         return self.handle(mail.sender, message)
 

@@ -173,9 +173,8 @@ class Failures:
 
     def raise_first(self) -> None:
         """Raise `ActorFailedError` (caused by the original error) if an actor failed."""
-        failed = self.first()
-        if failed is not None:
-            name, error = failed
+        if self._items:  # read without the lock, as in `first`: the usual answer is no failure
+            name, error = self._items[0]
             raise ActorFailedError(f"the {name.value} actor failed: {error}") from error
 
 
