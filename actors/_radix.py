@@ -123,6 +123,8 @@ class RadixTree:
             child = node.children.get(data[at : at + step])
             if child is None:
                 if pos < own_from:
+                    for nd in out.path:  # their access times changed: keep the eviction index exact
+                        self.offer(nd)
                     raise InvariantError(
                         f"insert: the caller's cached prefix ({own_from} tokens) is no longer in the tree at "
                         f"{pos}; its nodes were locked and cannot have been evicted"
