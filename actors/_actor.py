@@ -90,7 +90,7 @@ class HiActor(pykka.ThreadingActor, abc.ABC):
     # -- the single delivery point -------------------------------------------
 
     def on_receive(self, mail: Any) -> Any:
-        if type(mail) is not Mail:
+        if not isinstance(mail, Mail):
             raise TypeError(
                 f"{self.name.value} received {type(mail).__name__}; actors exchange Mail "
                 "(send through System.tell/ask or HiActor.send)"
@@ -116,11 +116,10 @@ class HiActor(pykka.ThreadingActor, abc.ABC):
 
     def _dispatch(self, mail: Mail) -> Message | None:
         message = mail.message
-        kind = type(message)
-        if kind is CheckInvariants:
+        if isinstance(message, CheckInvariants):
             self.check_invariants()
             return InvariantsHeld(actor=self.name)
-        if kind is GetStatistics:
+        if isinstance(message, GetStatistics):
             return self.statistics()
         return self.handle(mail.sender, message)
 

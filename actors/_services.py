@@ -173,8 +173,9 @@ class Failures:
 
     def raise_first(self) -> None:
         """Raise `ActorFailedError` (caused by the original error) if an actor failed."""
-        if self._items:  # read without the lock, as in `first`: the usual answer is no failure
-            name, error = self._items[0]
+        failed = self.first()
+        if failed is not None:
+            name, error = failed
             raise ActorFailedError(f"the {name.value} actor failed: {error}") from error
 
 

@@ -32,8 +32,6 @@ from typing import Any
 import pykka
 from pykka._envelope import Envelope
 
-from hicache.actors import Mail
-
 
 class _ExecutorInbox:
     """The inbox pykka gives an actor: puts go to the executor's one queue."""
@@ -126,11 +124,8 @@ def _deliver(actor: pykka.Actor, envelope: Envelope[Any]) -> None:
                 dead = pykka.ActorDeadError(f"{actor} stopped before handling the message")
                 reply_to.set_exception(exc_info=(pykka.ActorDeadError, dead, None))
         return
-    message = envelope.message
     try:
-        # A Mail goes straight to the actor (pykka's own messages, a stop or a proxy call, are
-        # never a Mail): the same call pykka's dispatch ends in, without its type tests.
-        response = actor.on_receive(message) if type(message) is Mail else actor._handle_receive(message)
+        response = actor._handle_receive(envelope.message)
         if reply_to is not None:
             reply_to.set(response)
     except Exception:

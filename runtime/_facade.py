@@ -763,8 +763,6 @@ class HiCache:
 
     @staticmethod
     def _sequence(values: Any, what: str) -> Iterable[Any]:
-        if type(values) is list or type(values) is tuple:  # the usual case, without the ABC check below
-            return values
         if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
             raise RequestError(f"{what} must be a list, got {type(values).__name__}")
         return values
