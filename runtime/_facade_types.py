@@ -7,7 +7,6 @@ and the value, and the actors never see it.
 
 from __future__ import annotations
 
-import ctypes
 
 import dataclasses
 import enum
@@ -258,12 +257,10 @@ def _tensor_token_bytes(t: torch.Tensor, what: str) -> bytes:
         raise RequestError(f"{what} must hold integer token ids, got a {t.dtype} tensor (use torch.int64)")
     if not len(t):
         return b""
-    if t.dtype is not torch.int64 or t.device.type != "cpu" or not t.is_contiguous():
-        t = t.detach().to(device="cpu", dtype=torch.int64).contiguous()
     low = int(t.min())
     if low < 0:
         raise RequestError(f"{what}: token ids must be in 0..{TOKEN_ID_MAX}, got {low}")
-    return ctypes.string_at(t.data_ptr(), 8 * len(t))  # little-endian int64, as `Tokens` holds them
+    return Tokens.from_tensor(t).to_bytes()  # one copy; it converts another dtype or device itself
 
 
 def demands(value: Any, what: str, maximum: int) -> dict[str, int]:
