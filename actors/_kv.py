@@ -127,6 +127,9 @@ class KVBuffer:
     def read(self, indices: torch.Tensor, *, layer: int | None = None) -> torch.Tensor:
         """A copy of the KV in `indices` as `[2, L, n, H, D]` on CPU, in index order
         (with `layer`: that layer only, as `[2, 1, n, H, D]`)."""
+        if not self.page_first and self.device.type == "cpu":  # slots are dim 2: one gather
+            t = self.tensor if layer is None else self.tensor[:, layer : layer + 1]
+            return t.index_select(2, self._checked(indices))
         out = KVBuffer.staging(self.shape, len(indices))
         copy_kv(self, indices, out, torch.arange(len(indices)), layer=layer)
         if layer is None:
@@ -135,10 +138,21 @@ class KVBuffer:
 
     def write(self, indices: torch.Tensor, data: torch.Tensor) -> None:
         """Write `data` (`[2, L, n, H, D]`) into `indices`."""
+        if not self.page_first and self.device.type == "cpu" and data.device.type == "cpu":
+            self.tensor.index_copy_(2, self._checked(indices), data.to(self.shape.dtype))  # one scatter
+            return
         n = len(indices)
         src = KVBuffer.staging(self.shape, n, device=self.device)
         src.tensor[:, :, :n].copy_(data)
         copy_kv(src, torch.arange(n), self, indices)
+
+
+    def _checked(self, indices: torch.Tensor) -> torch.Tensor:
+        """`indices` as an int64 CPU tensor, IndexError unless each is a slot of this buffer."""
+        idx = torch.as_tensor(indices, dtype=torch.int64)
+        if len(idx) and not _in_range(idx, self.slots):
+            raise IndexError(f"slot out of range 0..{self.slots - 1}")
+        return idx
 
 
 def _in_range(idx: Ints, cap: int) -> bool:

@@ -104,6 +104,26 @@ def test_write_then_read_gives_back_the_same_kv_in_index_order(layout: HostLayou
     assert float(buf.tensor.abs().sum()) == float(data.abs().sum())  # nothing else was touched
 
 
+@pytest.mark.parametrize("layout", [LF, PF], ids=["layer_first", "page_first"])
+def test_read_of_one_layer_is_that_layer_of_a_full_read(layout: HostLayout) -> None:
+    buf = KVBuffer.allocate(_shape(4), 32, layout, "cpu")
+    buf.tensor.copy_(torch.randn(buf.tensor.shape))
+    idx = torch.tensor([7, 8, 30, 1])
+    assert torch.equal(buf.read(idx, layer=1), buf.read(idx)[:, 1:2])
+
+
+@pytest.mark.parametrize("layout", [LF, PF], ids=["layer_first", "page_first"])
+@pytest.mark.parametrize("slot", [32, -1])
+def test_read_or_write_of_a_slot_outside_the_buffer_is_refused(layout: HostLayout, slot: int) -> None:
+    buf = KVBuffer.allocate(_shape(4), 32, layout, "cpu")
+    idx = torch.tensor([0, slot])
+    with pytest.raises(IndexError, match="out of range"):
+        buf.read(idx)
+    with pytest.raises(IndexError, match="out of range"):
+        buf.write(idx, torch.ones(2, 2, 2, 1, 8))
+    assert not buf.tensor.any()  # a refused write wrote nothing
+
+
 # -- copy_kv against the reference ------------------------------------------------------
 
 

@@ -17,7 +17,7 @@ import pytest
 from hicache.actors import SeededFaults
 from hicache.messages import HostSlotState
 from hicache.runtime import HiCache, WritePolicy
-from hicache.runtime.testing._scheduler import ReferenceScheduler, SchedulerConfig
+from hicache.runtime.testing._scheduler import FakeModel, ReferenceScheduler, SchedulerConfig
 from hicache.runtime.testing.explore import synthetic_workload
 
 from conftest import make_runtime, small_config
@@ -102,3 +102,24 @@ def test_a_failed_load_retracts_the_requests_admitted_with_it_that_had_no_step(s
         sched.run(on_tick=lambda s: hc.check_invariants())  # the oracle checks every cached prefix read
         assert sched.load_failures > 0
         assert all(o.finished for o in sched.outcomes.values())
+
+
+def test_a_fake_model_without_kv_serves_the_same_hits_and_writes_no_kv() -> None:
+    """The demo's comparison runs serve with `kv=False`: the same decisions, no KV written or checked."""
+    def serve(kv: bool) -> tuple[list[Any], FakeModel, bool]:
+        cfg = small_config(page_size=4, device_pages=32, host_pages=400, load_back_min_tokens=4)
+        with HiCache(cfg, runtime=make_runtime("deterministic", seed=3)) as hc:
+            model = FakeModel(hc, kv=kv)
+            sched = ReferenceScheduler(hc, SchedulerConfig(max_running=4, prefill_tokens_per_tick=24, chunk_tokens=8,
+                                                           seed=3), model=model)
+            sched.submit(synthetic_workload(3, 30, cfg.page_size, blocks=6, blocks_per_prompt=4, tail_pages=3,
+                                            outputs_max=4))
+            sched.run(on_tick=lambda s: hc.check_invariants())
+            written = bool(hc.device_kv.tensor.any())
+            return [(o.device_hit, o.host_hit, o.computed_prompt_tokens) for o in sched.outcomes.values()], model, written
+
+    with_kv, model_kv, written_kv = serve(True)
+    without, model, written = serve(False)
+    assert without == with_kv and any(hit for hit, _, _ in with_kv)
+    assert model_kv.verified_tokens > 0 and written_kv
+    assert model.verified_tokens == model.written_tokens == 0 and not written

@@ -9,7 +9,9 @@ started); a queued request waits for its prefetch up to the `timeout` policy's
 bound, so the L3 hits do not depend on how the threads happen to race. In the
 same run it serves them again with L1 + L2 (no storage) and
 with L1 alone (same device capacity), and computes what an infinite cache would
-hit (every page ever committed stays cached), the upper bound.
+hit (every page ever committed stays cached), the upper bound. Those two comparison runs
+count hits only: their fake model writes and checks no KV (the L1 + L2 + L3 run checks
+every cached token it reads, and the tests check every tier path).
 
 TTFT is modelled, not measured: a request's first token costs its recomputed
 prompt tokens at `prefill_tokens_per_s`, its L2 hits moved at `l2_gbps`, and its
@@ -34,7 +36,7 @@ from hicache.messages.config import Config, PrefetchPolicy
 
 from .._facade import HiCache
 from ._progress import progress
-from ..testing._scheduler import ReferenceScheduler, SchedulerConfig, ServeRequest
+from ..testing._scheduler import FakeModel, ReferenceScheduler, SchedulerConfig, ServeRequest
 from .._usage import UsageError
 from ..trace import TRACE_RECORDS, TraceRequest, load_trace
 
@@ -117,8 +119,8 @@ def run_demo(
         with progress() as bar:
             label = "L1 + L2 + L3" if storage != "none" else "L1 + L2"
             hier = _serve(served, cfg.replace(log_path=str(log_path)) if log_path else cfg, bar, label)
-            l2 = _serve(served, demo_config(), bar, "L1 + L2") if storage != "none" else hier
-            l1 = _serve(served, demo_config(host_tier=False), bar, "L1 only")
+            l2 = _serve(served, demo_config(), bar, "L1 + L2", kv=False) if storage != "none" else hier
+            l1 = _serve(served, demo_config(host_tier=False), bar, "L1 only", kv=False)
     infinite = _infinite_hits(served, cfg.page_size)
     figures = _figures(served, len(trace) - len(served), hier, l2, l1, infinite, cost, cfg)
     figures["evicted_tokens_l1"], figures["evicted_tokens_l2"] = hier.evicted_l1, hier.evicted_l2
@@ -147,13 +149,15 @@ class _Run:
     evicted_l2: int = 0
 
 
-def _serve(trace: list[TraceRequest], cfg: Config, bar: Any, label: str) -> _Run:
+def _serve(trace: list[TraceRequest], cfg: Config, bar: Any, label: str, kv: bool = True) -> _Run:
+    """Serve `trace` on `cfg`; with `kv=False` the fake model writes and checks no KV (the
+    comparison runs: only their hits count)."""
     reqs = [ServeRequest(f"r{r.index}", r.tokens(), max(1, min(r.output_length, DEMO_OUTPUT_TOKENS_MAX)))
             for r in trace]
     task = bar.add_task(f"serving {len(reqs)} trace requests, {label}", total=len(reqs))
     with HiCache(cfg) as hc:
         sched = ReferenceScheduler(hc, SchedulerConfig(max_running=8, prefill_tokens_per_tick=8192, chunk_tokens=4096,
-                                                   prefetch_window=16))
+                                                   prefetch_window=16), model=FakeModel(hc, kv=kv))
         sched.submit(reqs)
 
         def progress(s: ReferenceScheduler) -> None:

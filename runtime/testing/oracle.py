@@ -68,10 +68,14 @@ class FingerprintOracle:
         if base is None:
             h = self.prefix_hashes(tokens[:end])[start:end]
         else:
-            t = torch.as_tensor(tokens[start:end], dtype=torch.int64)
-            self._grow(end)
-            h = base + torch.cumsum((t + 1) * self._weights[start:end], dim=0)
+            h = self._extend(tokens, start, end, base)
         return self._values(h)
+
+    def _extend(self, tokens: Sequence[int] | torch.Tensor, start: int, end: int, base: int) -> torch.Tensor:
+        """The prefix hashes of positions `start..end`, from `base`, the hash of `start - 1`."""
+        t = torch.as_tensor(tokens[start:end], dtype=torch.int64)
+        self._grow(end)
+        return base + torch.cumsum((t + 1) * self._weights[start:end], dim=0)
 
     def _values(self, h: torch.Tensor) -> torch.Tensor:
         x = h.view(1, 1, -1) * _MIX_A + self._layer_salt
@@ -84,9 +88,16 @@ class FingerprintOracle:
     def write(
         self, buffer: KVBuffer, tokens: Sequence[int] | torch.Tensor, slots: torch.Tensor, start: int = 0,
         *, base: int | None = None,
-    ) -> None:
-        """Write the KV of positions `start .. start + len(slots)` into `slots`."""
-        buffer.write(slots, self.expected(tokens, start, start + len(slots), base=base))
+    ) -> int:
+        """Write the KV of positions `start .. start + len(slots)` into `slots`; the prefix hash
+        of the last of them (`hash_at`), which a caller extending the prefix passes as `base`."""
+        end = start + len(slots)
+        if base is None:
+            h = self.prefix_hashes(tokens[:end])[start:end]
+        else:
+            h = self._extend(tokens, start, end, base)
+        buffer.write(slots, self._values(h))
+        return int(h[-1]) if len(h) else self.hash_at(tokens, start - 1) if base is None else base
 
     def verify(
         self, buffer: KVBuffer, tokens: Sequence[int] | torch.Tensor, slots: torch.Tensor, start: int = 0,
