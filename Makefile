@@ -1,20 +1,26 @@
 # make demo: the main job on an embedded default.   make test: the whole suite.
 # Both create (or reuse) .venv, install torch==2.13.0 first (the local CPU wheel),
-# then the project with its test extras, and the Debian libraries that Mooncake's
-# `mooncake_master` (run by the storage tests) needs, when they are missing.
+# then the project; `make test` adds its test extras (Mooncake, transformers,
+# hypothesis...) and the Debian libraries that Mooncake's `mooncake_master` (run by the
+# storage tests) needs, when they are missing. The demo needs none of those.
 
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
+CORE   := $(VENV)/.installed-core
 STAMP  := $(VENV)/.installed
 DEBS   := libibverbs1 ibverbs-providers libnl-3-200 libnl-route-3-200
 
 .PHONY: demo test install debs clean
 
-$(STAMP): pyproject.toml
+$(CORE): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e .
+	touch $(CORE)
+
+$(STAMP): $(CORE)
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
@@ -29,7 +35,7 @@ debs:
 
 install: $(STAMP) debs
 
-demo: $(STAMP) debs
+demo: $(CORE)
 	$(BIN)/hicache demo
 
 test: $(STAMP) debs

@@ -1,6 +1,8 @@
 """`hicache demo` runs end to end on a small prefix of the trace."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -64,3 +66,11 @@ def test_demo_states_its_cost_model_in_the_json(capsys) -> None:
     assert main(["demo", "--requests", "3", "--json", "--prefill-tps", "1000", "--l2-gbps", "5"]) == 0
     f = json.loads(capsys.readouterr().out)
     assert f["cost_model"]["prefill_tokens_per_s"] == 1000.0 and f["cost_model"]["l2_gbps"] == 5.0
+
+
+def test_the_demo_and_simulate_load_without_the_model_extra() -> None:
+    """`make demo` installs the project without extras: nothing the demo imports may need transformers."""
+    code = ("import sys, hicache.runtime.demo._demo, hicache.runtime.demo._simulate, hicache.runtime.demo; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('transformers', 'mooncake')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out

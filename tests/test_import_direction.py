@@ -47,6 +47,7 @@ LAZY = {
 DYNAMIC = {
     "hicache.runtime": "the lazy exports (PEP 562) of its own modules and hicache.actors",
     "hicache.runtime.cli": "`hicache bench NAME` loads the bench module it runs",
+    "hicache.runtime.demo": "the lazy exports (PEP 562) of the model runner, so the demo runs without transformers",
     "hicache.messages._doc": "the generator of docs/messages.md reads each messages module of its own package by name",
 }
 """Modules allowed to call importlib.import_module."""
