@@ -47,16 +47,22 @@ class TraceRequest:
     hash_ids: tuple[int, ...]
 
     def tokens(self) -> torch.Tensor:
-        """The request's `input_length` prompt tokens (int64)."""
-        blocks = [block_tokens(h) for h in self.hash_ids]
-        if not blocks:
+        """The request's `input_length` prompt tokens (int64): its blocks' `block_tokens`, one
+        after the other, computed together."""
+        needed = self.hash_ids[: -(-self.input_length // BLOCK_TOKENS)]
+        if not needed:
             return torch.empty(0, dtype=torch.int64)
-        return torch.cat(blocks)[: self.input_length]
+        starts = torch.tensor([_wrap64((h + 1) * _MIX_B) for h in needed], dtype=torch.int64)
+        return _mix(torch.arange(BLOCK_TOKENS, dtype=torch.int64) + starts.unsqueeze(1)).view(-1)[: self.input_length]
 
 
 def block_tokens(hash_id: int, size: int = BLOCK_TOKENS) -> torch.Tensor:
     """The `size` tokens of one trace block: a pure function of its hash id (and size)."""
-    i = torch.arange(size, dtype=torch.int64) + _wrap64((hash_id + 1) * _MIX_B)
+    return _mix(torch.arange(size, dtype=torch.int64) + _wrap64((hash_id + 1) * _MIX_B))
+
+
+def _mix(i: torch.Tensor) -> torch.Tensor:
+    """Token ids of the positions `i` (int64, wrapping)."""
     x = i * _MIX_A
     x = (x ^ (x >> 31)) * _MIX_B
     x = x ^ (x >> 29)

@@ -27,6 +27,7 @@ import os
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from collections.abc import Iterable
 from typing import Any
 
 from rich.console import Console
@@ -116,12 +117,13 @@ def run_demo(
             fields["mooncake_metadata"] = mooncake_metadata
         cfg = demo_config(**fields)
         served = [r for r in trace if r.input_length <= cfg.device_slots // 2]
+        reqs = serve_requests(served)
         with progress() as bar:
             label = "L1 + L2 + L3" if storage != "none" else "L1 + L2"
-            hier = _serve(served, cfg.replace(log_path=str(log_path)) if log_path else cfg, bar, label)
-            l2 = _serve(served, demo_config(), bar, "L1 + L2", kv=False) if storage != "none" else hier
-            l1 = _serve(served, demo_config(host_tier=False), bar, "L1 only", kv=False)
-    infinite = _infinite_hits(served, cfg.page_size)
+            hier = _serve(reqs, cfg.replace(log_path=str(log_path)) if log_path else cfg, bar, label)
+            l2 = _serve(reqs, demo_config(), bar, "L1 + L2", kv=False) if storage != "none" else hier
+            l1 = _serve(reqs, demo_config(host_tier=False), bar, "L1 only", kv=False)
+    infinite = _infinite_hits(reqs, cfg.page_size)
     figures = _figures(served, len(trace) - len(served), hier, l2, l1, infinite, cost, cfg)
     figures["evicted_tokens_l1"], figures["evicted_tokens_l2"] = hier.evicted_l1, hier.evicted_l2
     if as_json:
@@ -149,11 +151,15 @@ class _Run:
     evicted_l2: int = 0
 
 
-def _serve(trace: list[TraceRequest], cfg: Config, bar: Any, label: str, kv: bool = True) -> _Run:
-    """Serve `trace` on `cfg`; with `kv=False` the fake model writes and checks no KV (the
-    comparison runs: only their hits count)."""
-    reqs = [ServeRequest(f"r{r.index}", r.tokens(), max(1, min(r.output_length, DEMO_OUTPUT_TOKENS_MAX)))
+def serve_requests(trace: Iterable[TraceRequest]) -> list[ServeRequest]:
+    """The trace's requests as the reference scheduler takes them (outputs capped)."""
+    return [ServeRequest(f"r{r.index}", r.tokens(), max(1, min(r.output_length, DEMO_OUTPUT_TOKENS_MAX)))
             for r in trace]
+
+
+def _serve(reqs: list[ServeRequest], cfg: Config, bar: Any, label: str, kv: bool = True) -> _Run:
+    """Serve `reqs` on `cfg`; with `kv=False` the fake model writes and checks no KV (the
+    comparison runs: only their hits count)."""
     task = bar.add_task(f"serving {len(reqs)} trace requests, {label}", total=len(reqs))
     with HiCache(cfg) as hc:
         sched = ReferenceScheduler(hc, SchedulerConfig(max_running=8, prefill_tokens_per_tick=8192, chunk_tokens=4096,
@@ -182,13 +188,13 @@ def _serve(trace: list[TraceRequest], cfg: Config, bar: Any, label: str, kv: boo
     )
 
 
-def _infinite_hits(trace: list[TraceRequest], page: int) -> int:
+def _infinite_hits(trace: list[ServeRequest], page: int) -> int:
     """Tokens an infinite page cache would hit, serving the requests in order. (Output
     tokens are committed too, but no later prompt of the trace repeats them.)"""
     seen: set[int] = set()
     hits = 0
     for r in trace:
-        tokens = r.tokens().tolist()
+        tokens = r.prompt.tolist()
         key = 0
         matched = True
         usable = (len(tokens) - 1) // page * page  # admission matches the prompt minus its last token

@@ -34,7 +34,7 @@ from hicache.actors import KVShape, PageFormat
 from hicache.messages import Tokens
 from hicache.messages.config import DTYPES, Config
 
-from ._demo import CostModel, _percentile, _Run, _serve
+from ._demo import CostModel, _percentile, _Run, _serve, serve_requests
 from ._simulate_plot import plot_sweep
 from ._progress import progress
 from ._simulate_cores import SimCores
@@ -244,7 +244,7 @@ def _run_actors(trace: list[SimRequest], point: Point, page: int, cost: CostMode
             stored = PageFormat(KVShape.of(cfg)).stored_bytes
             cfg = cfg.replace(storage_max_bytes=point.l3 // page * stored)
         served = [r for r in trace if r.input_length <= cfg.device_slots // 2]
-        run: _Run = _serve(served, cfg, bar, label)  # type: ignore[arg-type]
+        run: _Run = _serve(serve_requests(served), cfg, bar, label)  # type: ignore[arg-type]
     ttfts = [cost.ttft_s(*t) for t in run.ttfts]
     return Outcome(point, len(served), len(trace) - len(served), sum(r.input_length for r in served),
                    run.hits_l1, run.hits_l2, run.hits_l3, round(_percentile(ttfts, 0.5), 4),
