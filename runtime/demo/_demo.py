@@ -43,6 +43,9 @@ from ..trace import TRACE_RECORDS, TraceRequest, load_trace
 
 DEMO_REQUESTS = 600
 DEMO_OUTPUT_TOKENS_MAX = 16
+DEMO_CHECK_TICKS = 1000
+"""Every actor's `check_invariants()` runs every this many scheduler ticks and after each run
+(a check is O(pool): the host pool alone has a million slots)."""
 DEMO_PREFETCH_POLICY = PrefetchPolicy.TIMEOUT
 """A queued request waits for its prefetch, up to the timeout (base + per 1k tokens): with
 `best_effort` the L3 hits would depend on how fast the prefetcher's thread reads against the
@@ -169,7 +172,7 @@ def _serve(reqs: list[ServeRequest], cfg: Config, bar: Any, label: str, kv: bool
         def progress(s: ReferenceScheduler) -> None:
             done = sum(o.finished or o.aborted for o in s.outcomes.values())
             bar.update(task, completed=done)
-            if s.ticks % 200 == 0:
+            if s.ticks % DEMO_CHECK_TICKS == 0:
                 hc.check_invariants()
 
         sched.run(on_tick=progress)
