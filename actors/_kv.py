@@ -149,7 +149,7 @@ class KVBuffer:
 
     def _checked(self, indices: torch.Tensor) -> torch.Tensor:
         """`indices` as an int64 CPU tensor, IndexError unless each is a slot of this buffer."""
-        idx = torch.as_tensor(indices, dtype=torch.int64)
+        idx = torch.as_tensor(indices, dtype=torch.int64, device="cpu")
         if len(idx) and not _in_range(idx, self.slots):
             raise IndexError(f"slot out of range 0..{self.slots - 1}")
         return idx
