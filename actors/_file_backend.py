@@ -41,6 +41,7 @@ from hicache.messages.config import Config
 
 from ._kv import KVBuffer, KVShape
 from ._page_index import PageIndex
+from ._record_block import RecordBlock
 from ._segments import IOV_MAX, Segment, is_segment, preadv_all, punch, pwritev_all, scan, segment_name, writer_of
 from ._stored_page import (
     Headers,
@@ -91,6 +92,8 @@ class FileBackend:
         self._errors = 0
         self._hosts: tuple[KVBuffer, HostPages] | None = None
         self._sent = Headers.allocate(self.fmt, _PAGES_PER_CALL_MAX)
+        self._block_out: RecordBlock | None = None
+        """Made at the first write of pages small enough (`_record_block`)."""
         self._received = Headers.allocate(self.fmt, _PAGES_PER_CALL_MAX)
         self._expected = Headers.allocate(self.fmt, _PAGES_PER_CALL_MAX)
         self._block = self._probe_writable()
@@ -233,7 +236,8 @@ class FileBackend:
             seen: set[str] = set()  # a key twice in one call is written once
             todo = [i for i in todo if not (keys[i] in seen or seen.add(keys[i]))]
             todo_keys, todo_starts = [keys[i] for i in todo], [starts[i] for i in todo]
-        per_call = min(_PAGES_PER_CALL_MAX, IOV_MAX // pages.buffers_out)
+        block = self._record_block()
+        per_call = block.capacity if block else min(_PAGES_PER_CALL_MAX, IOV_MAX // (1 + pages.runs_per_page))
         written = 0
         for b in range(0, len(todo_keys), per_call):
             batch = todo_keys[b : b + per_call]
@@ -244,11 +248,21 @@ class FileBackend:
             written += len(batch)
         return StorageIO(pages=len(keys), written=written, bytes=written * self.fmt.payload_bytes)
 
+    def _record_block(self) -> RecordBlock | None:
+        """Where this writer gathers the records of small pages (None: its pages go out from the host runs)."""
+        if self._block_out is None and RecordBlock.fits(self.fmt):
+            self._block_out = RecordBlock(self.fmt)
+        return self._block_out
+
     def _append(self, keys: list[str], starts: list[int], pages: HostPages) -> str:
-        """Append the records of these pages to this writer's segment in one `pwritev`."""
-        payloads = pages.outgoing(starts)
-        self._sent.fill(keys, pages.checksums(payloads))
-        bufs = pages.records(self._sent.views, payloads)
+        """Append the records of these pages to this writer's segment in one `pwritev`: a record
+        block's, or each header and the page's runs in host memory."""
+        if self._block_out is not None:
+            bufs = [self._block_out.fill(keys, starts, pages)]
+        else:
+            payloads = pages.payloads(starts)
+            self._sent.fill(keys, pages.checksums(payloads))
+            bufs = pages.records(self._sent.views, payloads)
         need = len(keys) * self.fmt.stored_bytes
         self._make_room(need)
         seg, error = self._writable(need)

@@ -30,7 +30,6 @@ import functools
 import re
 import struct
 from array import array
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from itertools import chain, repeat
@@ -133,8 +132,11 @@ class PageFormat:
     MAGIC: Final = b"HKVP"
     VERSION: Final = 2
     HEADER: Final = struct.Struct(f"<4sHHQQ16sIIII24s{KEY_CHARS_MAX}sQ")
-    _SIGNED: Final = struct.Struct(f"<4sHHQQ56s{KEY_CHARS_MAX}s")
-    """The header up to its own checksum, with the KV shape as stored bytes (`Headers.fill`)."""
+    KEY_LENGTH_AT: Final = struct.calcsize("<4sH")
+    CHECKSUM_AT: Final = struct.calcsize("<4sHHQ")
+    KEY_AT: Final = struct.calcsize("<4sHHQQ16sIIII24s")
+    """Where the key length (u16), the payload checksum (u64) and the key lie in a header; the
+    checksum, the key and the header's own checksum are whole 8-byte words (`Headers.fill`)."""
 
     def __init__(self, shape: KVShape) -> None:
         self.shape = shape
@@ -149,6 +151,8 @@ class PageFormat:
                               b"", 0)
         self.shape_region = bytes(template[24:80])
         """The dtype, dims and payload layout, as stored."""
+        self.template = bytes(template)
+        """A header of this format and KV shape with an empty key and both checksums 0."""
         self.tag = f"{xxhash.xxh3_64_intdigest(repr((self.VERSION, self._shape_fields)).encode()) & 0xFFFFFFFF:08x}"
         """8 hex digits naming the format version and the KV shape, for backends that keep
         pages of different shapes apart by name (Mooncake object keys)."""
@@ -227,8 +231,9 @@ class Headers:
     A write fills them from the keys and the payload checksums and sends them out; a
     read receives the stored headers into one block and fills another from the keys and
     the checksums of the payloads it received: the pages are intact exactly when the two
-    blocks are equal, which one comparison of the batch tells (`same`). Filling is the
-    per-page work of both: one pack of the page's fields and the header's own XXH3-64.
+    blocks are equal, which one comparison of the batch tells (`same`). Filling builds
+    the batch's headers in bulk, as columns of 8-byte words over the block (the template,
+    the checksums, the keys); the one per-page call left is the header's own XXH3-64.
     """
 
     def __init__(self, fmt: PageFormat, memory: memoryview) -> None:
@@ -239,6 +244,7 @@ class Headers:
         self.views = [self.memory[i * h : (i + 1) * h] for i in range(self.capacity)]
         """Each header's bytes, for `preadv`/`pwritev` and Mooncake's buffers."""
         self._words = self.memory[: self.capacity * h].cast("Q")
+        self._halves = self.memory[: self.capacity * h].cast("H")
         self._signed = [v[: h - 8] for v in self.views]
         """What each header's own checksum covers."""
 
@@ -247,17 +253,38 @@ class Headers:
         return cls(fmt, memoryview(bytearray(capacity * fmt.header_bytes)))
 
     def fill(self, keys: Sequence[str], sums: Sequence[int]) -> None:
-        """Header `i` becomes the header of `keys[i]` with payload checksum `sums[i]`."""
+        """Header `i` becomes the header of `keys[i]` (checked: `check_keys`) with payload checksum `sums[i]`."""
         n, fmt = len(keys), self.fmt
         if n != len(sums) or n > self.capacity:
             raise ValueError(f"{n} keys, {len(sums)} checksums, room for {self.capacity} headers")
-        h, raw = fmt.header_bytes, list(map(str.encode, keys))
-        # One pack per header and one XXH3-64 per header, each a map over the batch (no Python loop).
-        deque(map(fmt._SIGNED.pack_into, repeat(self.memory), range(0, n * h, h), repeat(fmt.MAGIC),
-                  repeat(fmt.VERSION), map(len, raw), repeat(fmt.payload_bytes), sums, repeat(fmt.shape_region),
-                  raw), maxlen=0)
-        own, step = (h - 8) // 8, h // 8
-        self._words[own : own + n * step : step] = array("Q", map(xxhash.xxh3_64_intdigest, self._signed[:n]))
+        if not n:
+            return
+        h, lengths = fmt.header_bytes, list(map(len, keys))
+        longest, same = max(lengths), lengths.count(lengths[0]) == n
+        if longest > KEY_CHARS_MAX:
+            raise ValueError(f"storage key of {longest} characters; at most {KEY_CHARS_MAX} (check_keys)")
+        row = bytearray(fmt.template)  # every header's fields but its key and checksums
+        struct.pack_into("<H", row, fmt.KEY_LENGTH_AT, lengths[0] if same else 0)
+        self.memory[: n * h] = row * n
+        if not same:
+            self._column(self._halves, fmt.KEY_LENGTH_AT // 2, h // 2, n, array("H", lengths))
+        self._column(self._words, fmt.CHECKSUM_AT // 8, h // 8, n, array("Q", sums))
+        width = -(-longest // 8)  # words of key bytes, zero padded
+        if same:
+            pad = "\0" * (width * 8 - longest)
+            raw = (pad.join(keys) + pad).encode("ascii")
+        else:
+            raw = "".join(map(str.ljust, keys, repeat(width * 8), repeat("\0"))).encode("ascii")
+        key_words = memoryview(raw).cast("Q")
+        for j in range(width):
+            self._column(self._words, fmt.KEY_AT // 8 + j, h // 8, n, key_words[j::width])
+        own = array("Q", list(map(xxhash.xxh3_64_intdigest, self._signed[:n])))
+        self._column(self._words, (h - 8) // 8, h // 8, n, own)
+
+    @staticmethod
+    def _column(view: memoryview, first: int, step: int, n: int, values: Any) -> None:
+        """Item `first` of each of the first `n` headers (`step` items each) becomes the next of `values`."""
+        view[first : first + n * step : step] = values
 
     def same(self, other: Headers, n: int) -> bool:
         """The first `n` headers of both are byte for byte equal."""
