@@ -35,6 +35,7 @@ from dataclasses import dataclass, replace
 from itertools import chain, repeat
 from typing import Any, Final, Protocol
 
+import numpy as np
 import torch
 import xxhash
 
@@ -423,7 +424,9 @@ def page_starts(keys: Sequence[str], host: KVBuffer, slots: torch.Tensor) -> lis
         first = listed[0]
         run = listed == list(range(first, first + n * p))  # one run of pages, as a fresh allocation often is
     else:
-        run = torch.equal(slots, torch.arange(first := int(slots[0]), first + n * p))  # a few tensor ops
+        values = slots.numpy()  # one comparison, without torch's per-op cost
+        first = int(values[0])
+        run = bool((values == np.arange(first, first + n * p)).all())
     if run:
         whole, low, high = first % p == 0, first, first + n * p
     elif n * p <= _SLOTS_BY_LIST_MAX:
