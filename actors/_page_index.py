@@ -167,9 +167,10 @@ class PageIndex:
 
     def unclaim(self, seg: Segment, n: int) -> None:
         """Take back the last `claim`, of the `n` last records of `seg`: their write failed."""
-        last = self._fresh.pop() if self._fresh else None
+        last = self._fresh[-1] if self._fresh else None
         if last is None or last[1] != seg.id or last[3] != len(seg.keys) or last[3] - last[2] != n:
             raise InvariantError(f"page index: unclaim of {n} records of {seg.name} that its last claim did not add")
+        self._fresh.pop()
         for key in seg.keys[-n:]:
             del self._where[key]
         del seg.keys[-n:]
