@@ -2,8 +2,12 @@
 
 Each backend instance (a writer) appends the records of its pages to segment files of
 its own (`_segments.py`: names, records, scans, crash safety). A backup's pages go out
-in one `pwritev` per batch straight from the host runs (no file per page; a small page
-of several runs goes out as the joined copy its checksum took), and a read is one
+in one write per batch, no file per page: small pages (`RecordBlock.fits`) as a record
+block, the batch's records gathered by one copy beside headers built in bulk
+(`_record_block.py`); larger ones in one `pwritev` straight from the host runs. The keys
+of a batch are claimed in the index before it is written (`PageIndex.claim`: one dict
+probe a key tells a stored or repeated key and indexes a new one) and given back if the
+write fails: after each call the index holds only pages written whole. A read is one
 `preadv` per run of adjacent records straight into the reserved host slots, verified
 there before they count: the headers received must equal,
 byte for byte, the headers that the keys and the checksums of the payloads received

@@ -1,18 +1,22 @@
 """A batch of page records laid out as a segment file holds them, gathered from host memory.
 
 A write of small pages pays per page for every buffer it hands the kernel and every
-Python call it makes; a `RecordBlock` makes those costs per batch instead. One tensor
-copy gathers the payloads of the batch's pages from the host buffer into the rows of
-the block (a layer_first page's 2 x L runs become one row: the copy of `[2, L, pages,
-run]` into `[pages, 2, L, run]`), each row is checksummed while it is in the CPU's cache,
-the batch's headers are built in bulk (`Headers.fill`) and copied into the rows' heads
-by one more tensor copy, and the block goes out in one write: byte for byte the records
-a write of each header and payload in turn would give (`PageFormat`).
+Python call it makes; a `RecordBlock` makes those costs per batch instead. One copy
+gathers the payloads of the batch's pages from the host buffer into the rows of the
+block (a layer_first page's 2 x L runs become one row: `[2, L, pages, run]` copied into
+`[pages, 2, L, run]`), each row is checksummed while it is in the CPU's cache, the
+batch's headers are built in bulk (`Headers.fill`) and copied into the rows' heads, and
+the block goes out in one write: byte for byte the records that a write of each header
+and payload in turn gives (`PageFormat`), so readers and scans see no difference.
+
+The copies are numpy's: single-threaded, at a small fixed cost a call. A torch
+copy of this size is split across torch's intra-op threads, whose fork and join, on a
+machine whose cores are busy with other work, can cost more than the copy.
 
 The block is bounded (`RECORD_BLOCK_BYTES`) so that what the copy brought in is still in
 cache for the checksums and the write; pages larger than `STAGED_PAGE_BYTES_MAX` are
-written straight from the host runs instead, where one more copy would cost more than
-the buffers it saves.
+written straight from the host runs instead: one more copy of each byte would cost more
+than the buffers and calls it saves.
 """
 
 from __future__ import annotations

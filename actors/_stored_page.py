@@ -19,7 +19,7 @@ The checksum is XXH3-64 (the `xxhash` wheel): it only has to catch torn or flipp
 bytes, not an adversary (whoever can write the storage can write a valid checksum
 too), and it streams over the runs of a layer_first page without copying them (a
 small page's runs are joined first: one call instead of one per run). A batch's
-headers are built and checked as one block (`Headers`). The backends are in `_file_backend.py` and
+headers are built in bulk and checked as one block (`Headers`). The backends are in `_file_backend.py` and
 `_mooncake.py`, each knowing only this module; `open_backend` (`_storage.py`) picks one.
 """
 
@@ -327,9 +327,9 @@ class HostPages:
     A page's payload is its `[2, L, P, H, D]` block: in page_first the page itself, one
     run; in layer_first the K or V of one layer of its `P` slots is one run, so `2 x L`
     runs. Backends read into and write from these runs directly (`readv`/`writev`, a
-    Mooncake multi-buffer get or put), so a page is never copied through a staging buffer;
-    only a small page of several runs (`joins`) is checksummed as a joined copy, which a
-    file write then sends as it is (`outgoing`).
+    Mooncake multi-buffer get or put); only a small page of several runs (`joins`) is
+    checksummed as a joined copy, and the file backend writes small pages through a record
+    block (`_record_block.py`), one copy of a batch's payloads beside their headers.
     """
 
     def __init__(self, host: KVBuffer) -> None:
@@ -353,9 +353,7 @@ class HostPages:
         self.runs_per_page = len(self._runs)
         self._run_slices = [slice(off, off + n) for off, n in self._runs]
         self.joins = self.runs_per_page > 1 and self._page_bytes <= _JOIN_BYTES_MAX
-        """A page of several runs this small is checksummed, and written, as one joined copy of its runs."""
-        self.buffers_out = 2 if self.joins else 1 + self.runs_per_page
-        """Buffers a record takes in a write (`outgoing`): its header, then its payload's."""
+        """A page of several runs this small is checksummed as one joined copy of its runs."""
 
     def spans(self, start: int) -> list[tuple[int, int]]:
         """(offset in the buffer, length) of each run of the page whose first slot is `start`."""
@@ -377,12 +375,6 @@ class HostPages:
         runs = self._run_slices  # slices of the view from the page's start: no index arithmetic a run
         return [list(map(m[b:].__getitem__, runs)) for b in map(step.__mul__, starts)]
 
-    def outgoing(self, starts: Sequence[int]) -> list[Any]:
-        """What a write sends of each page: its `payloads`, but for a page that `joins`, the
-        joined copy of its runs that its checksum needs anyway (one buffer instead of 2 x L)."""
-        payloads = self.payloads(starts)
-        return list(map(b"".join, payloads)) if self.joins else payloads
-
     def records(self, headers: Sequence[memoryview], payloads: list[Any]) -> list[Any]:
         """The buffers of the pages' records in file order: each header, then its payload's runs."""
         if not payloads or not isinstance(payloads[0], list):
@@ -394,8 +386,7 @@ class HostPages:
         return bufs
 
     def checksums(self, payloads: list[Any]) -> list[int]:
-        """XXH3-64 of each of `payloads` or `outgoing` (`checksum`), each a map over the batch (no
-        Python loop)."""
+        """XXH3-64 of each of `payloads` (`checksum`), each a map over the batch (no Python loop)."""
         if not payloads or not isinstance(payloads[0], list):
             return list(map(xxhash.xxh3_64_intdigest, payloads))
         if self.joins:
