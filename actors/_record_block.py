@@ -63,7 +63,7 @@ class RecordBlock:
         if n != len(starts) or not 0 < n <= self.capacity:
             raise ValueError(f"{n} keys, {len(starts)} pages, room for 1 to {self.capacity} records")
         rows = self._rows[:n]
-        gather(pages, self._bytes_of(pages), starts, rows[:, h:])
+        _gather(pages, self._bytes_of(pages), starts, rows[:, h:])
         self._headers.fill(keys, list(map(xxhash.xxh3_64_intdigest, self._payloads[:n])))
         rows[:, :h] = self._header_rows[:n]
         return self._memory[: n * self.fmt.stored_bytes]
@@ -75,7 +75,7 @@ class RecordBlock:
         return self._host[1]
 
 
-def gather(pages: HostPages, raw: np.ndarray, starts: Sequence[int], into: np.ndarray) -> None:
+def _gather(pages: HostPages, raw: np.ndarray, starts: Sequence[int], into: np.ndarray) -> None:
     """Copy the payloads (`[2, L, P, H, D]` bytes) of the host pages whose first slots are
     `starts` into the rows of `into` (`[len(starts), payload bytes]`); `raw` is the host
     buffer's bytes. One copy, straight from the host buffer when the pages are adjacent there."""
