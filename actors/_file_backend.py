@@ -233,6 +233,8 @@ class FileBackend:
         pages = self._host_pages(host)
         if self._index.leading(keys) < len(keys):
             self._refresh(listing=self._directory_changed())  # another instance may have stored some
+        if keys and self._index.leading(keys) == len(keys):
+            return StorageIO(pages=len(keys))  # all stored: nothing to make room for, no segment to start
         block = self._record_block()
         per_call = block.capacity if block else min(_PAGES_PER_CALL_MAX, IOV_MAX // (1 + pages.runs_per_page))
         todo_keys, todo_starts, filtered = keys, starts, False
