@@ -2,8 +2,12 @@
 
 Each backend instance (a writer) appends the records of its pages to segment files of
 its own (`_segments.py`: names, records, scans, crash safety). A backup's pages go out
-in one `pwritev` per batch straight from the host runs (no file per page; a small page
-of several runs goes out as the joined copy its checksum took), and a read is one
+in one write per batch, no file per page: small pages (`RecordBlock.fits`) as a record
+block, the batch's records gathered by one copy beside headers built in bulk
+(`_record_block.py`); larger ones in one `pwritev` straight from the host runs. The keys
+of a batch are claimed in the index before it is written (`PageIndex.claim`: one dict
+probe a key tells a stored or repeated key and indexes a new one) and given back if the
+write fails: after each call the index holds only pages written whole. A read is one
 `preadv` per run of adjacent records straight into the reserved host slots, verified
 there before they count: the headers received must equal,
 byte for byte, the headers that the keys and the checksums of the payloads received
@@ -39,8 +43,10 @@ import torch
 
 from hicache.messages.config import Config
 
+from ._errors import InvariantError
 from ._kv import KVBuffer, KVShape
 from ._page_index import PageIndex
+from ._record_block import RecordBlock
 from ._segments import IOV_MAX, Segment, is_segment, preadv_all, punch, pwritev_all, scan, segment_name, writer_of
 from ._stored_page import (
     Headers,
@@ -91,6 +97,8 @@ class FileBackend:
         self._errors = 0
         self._hosts: tuple[KVBuffer, HostPages] | None = None
         self._sent = Headers.allocate(self.fmt, _PAGES_PER_CALL_MAX)
+        self._block_out: RecordBlock | None = None
+        """Made at the first write of pages small enough (`_record_block`)."""
         self._received = Headers.allocate(self.fmt, _PAGES_PER_CALL_MAX)
         self._expected = Headers.allocate(self.fmt, _PAGES_PER_CALL_MAX)
         self._block = self._probe_writable()
@@ -223,47 +231,69 @@ class FileBackend:
         check_keys(keys)
         starts = page_starts(keys, host, slots)
         pages = self._host_pages(host)
-        index = self._index
-        if index.leading(keys) < len(keys):
+        if self._index.leading(keys) < len(keys):
             self._refresh(listing=self._directory_changed())  # another instance may have stored some
-        if index.none_of(keys) and len(set(keys)) == len(keys):  # a backup's pages: all new, each once
-            todo_keys, todo_starts = keys, starts
-        else:
-            todo = index.missing(keys)
-            seen: set[str] = set()  # a key twice in one call is written once
-            todo = [i for i in todo if not (keys[i] in seen or seen.add(keys[i]))]
-            todo_keys, todo_starts = [keys[i] for i in todo], [starts[i] for i in todo]
-        per_call = min(_PAGES_PER_CALL_MAX, IOV_MAX // pages.buffers_out)
-        written = 0
-        for b in range(0, len(todo_keys), per_call):
+        if keys and self._index.leading(keys) == len(keys):
+            return StorageIO(pages=len(keys))  # all stored: nothing to make room for, no segment to start
+        block = self._record_block()
+        per_call = block.capacity if block else min(_PAGES_PER_CALL_MAX, IOV_MAX // (1 + pages.runs_per_page))
+        todo_keys, todo_starts, filtered = keys, starts, False
+        b = written = 0
+        while b < len(todo_keys):
             batch = todo_keys[b : b + per_call]
-            error = self._append(batch, todo_starts[b : b + per_call], pages)
+            appended, error = self._append(batch, todo_starts[b : b + per_call], pages)
             if error:
-                return StorageIO(pages=index.leading(keys), written=written,
+                return StorageIO(pages=self._index.leading(keys), written=written,
                                  bytes=written * self.fmt.payload_bytes, error=error)
-            written += len(batch)
+            if appended:
+                written += len(batch)
+                b += len(batch)
+            elif filtered:
+                raise InvariantError(f"file storage: page index refused new, distinct keys ({batch[0]} ..)")
+            else:  # some are stored already or repeated: from here on, write only the others
+                todo_keys, todo_starts = self._unstored(todo_keys[b:], todo_starts[b:])
+                b, filtered = 0, True
         return StorageIO(pages=len(keys), written=written, bytes=written * self.fmt.payload_bytes)
 
-    def _append(self, keys: list[str], starts: list[int], pages: HostPages) -> str:
-        """Append the records of these pages to this writer's segment in one `pwritev`."""
-        payloads = pages.outgoing(starts)
-        self._sent.fill(keys, pages.checksums(payloads))
-        bufs = pages.records(self._sent.views, payloads)
+    def _unstored(self, keys: Sequence[str], starts: Sequence[int]) -> tuple[list[str], list[int]]:
+        """The keys the index does not hold, each once (a key twice in one call is written once), and their pages."""
+        seen: set[str] = set()
+        todo = [i for i in self._index.missing(keys) if not (keys[i] in seen or seen.add(keys[i]))]
+        return [keys[i] for i in todo], [starts[i] for i in todo]
+
+    def _record_block(self) -> RecordBlock | None:
+        """Where this writer gathers the records of small pages (None: its pages go out from the host runs)."""
+        if self._block_out is None and RecordBlock.fits(self.fmt):
+            self._block_out = RecordBlock(self.fmt)
+        return self._block_out
+
+    def _append(self, keys: list[str], starts: list[int], pages: HostPages) -> tuple[bool, str]:
+        """Append the records of these pages to this writer's segment in one `pwritev`: a record
+        block's, or each header and the page's runs in host memory. (appended, error); not
+        appended, without an error, when a key is stored already or repeated (`PageIndex.claim`)."""
         need = len(keys) * self.fmt.stored_bytes
         self._make_room(need)
         seg, error = self._writable(need)
         if seg is None:
-            return f"page {keys[0]}: {error}"
+            return False, f"page {keys[0]}: {error}"
+        if not self._index.claim(seg, keys):
+            return False, ""
+        if self._block_out is not None:
+            bufs = [self._block_out.fill(keys, starts, pages)]
+        else:
+            payloads = pages.payloads(starts)
+            self._sent.fill(keys, pages.checksums(payloads))
+            bufs = pages.records(self._sent.views, payloads)
         try:
             pwritev_all(seg.fd, bufs, seg.scanned)
         except OSError as e:
+            self._index.unclaim(seg, len(keys))
             self._cut_tail(seg)
-            return f"page {keys[0]}: " + self._error("writing", seg.path, e, keys[0])
-        self._index.append(seg, keys)
+            return False, f"page {keys[0]}: " + self._error("writing", seg.path, e, keys[0])
         seg.scanned += need
         if self.max_bytes:
             self._restat(seg)
-        return ""
+        return True, ""
 
     def _writable(self, need: int) -> tuple[Segment | None, str]:
         """This writer's segment with room for `need` more bytes: a new one when there is none,

@@ -94,10 +94,6 @@ class PageIndex:
                 return i
         return len(keys)
 
-    def none_of(self, keys: Sequence[str]) -> bool:
-        """The index holds none of `keys`."""
-        return self._where.keys().isdisjoint(keys)
-
     def missing(self, keys: Sequence[str]) -> list[int]:
         """The positions of the keys the index does not hold."""
         where = self._where
@@ -145,13 +141,40 @@ class PageIndex:
 
     def append(self, seg: Segment, keys: Sequence[str]) -> None:
         """Index keys not yet indexed, written as the next records of `seg`."""
-        first = len(seg.keys)
+        if not self.claim(seg, keys):
+            raise InvariantError(f"page index: appending {len(keys)} keys to {seg.name}, some of them indexed "
+                                 "already or repeated (write only the keys `missing` gives, each once)")
+
+    def claim(self, seg: Segment, keys: Sequence[str]) -> bool:
+        """Index `keys` as the next records of `seg`, about to be written there, when none of
+        them is indexed and none is repeated; whether it did (else the index is unchanged).
+        One dict probe a key, for the test and the entry both; `unclaim` takes it back."""
+        n, first = len(keys), len(seg.keys)
         loc = seg.id << _SHIFT | first
-        self._where.update(zip(keys, range(loc, loc + len(keys))))
+        locs = list(range(loc, loc + n))
+        where = self._where
+        got = list(map(where.setdefault, keys, locs))
+        if got != locs:  # a key held elsewhere, or a repeat given the location of its first
+            for key, mine, found in zip(keys, locs, got):
+                if found == mine:
+                    del where[key]
+            return False
         seg.keys += keys
-        seg.live += len(keys)
-        self._fresh.append([self._tick, seg.id, first, first + len(keys)])
+        seg.live += n
+        self._fresh.append([self._tick, seg.id, first, first + n])
         self._tick += 1
+        return True
+
+    def unclaim(self, seg: Segment, n: int) -> None:
+        """Take back the last `claim`, of the `n` last records of `seg`: their write failed."""
+        last = self._fresh[-1] if self._fresh else None
+        if last is None or last[1] != seg.id or last[3] != len(seg.keys) or last[3] - last[2] != n:
+            raise InvariantError(f"page index: unclaim of {n} records of {seg.name} that its last claim did not add")
+        self._fresh.pop()
+        for key in seg.keys[-n:]:
+            del self._where[key]
+        del seg.keys[-n:]
+        seg.live -= n
 
     def touch(self, keys: Sequence[str]) -> None:
         """`keys` were read: the most recently used now."""

@@ -19,7 +19,7 @@ The checksum is XXH3-64 (the `xxhash` wheel): it only has to catch torn or flipp
 bytes, not an adversary (whoever can write the storage can write a valid checksum
 too), and it streams over the runs of a layer_first page without copying them (a
 small page's runs are joined first: one call instead of one per run). A batch's
-headers are built and checked as one block (`Headers`). The backends are in `_file_backend.py` and
+headers are built in bulk and checked as one block (`Headers`). The backends are in `_file_backend.py` and
 `_mooncake.py`, each knowing only this module; `open_backend` (`_storage.py`) picks one.
 """
 
@@ -30,12 +30,12 @@ import functools
 import re
 import struct
 from array import array
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from itertools import chain, repeat
 from typing import Any, Final, Protocol
 
+import numpy as np
 import torch
 import xxhash
 
@@ -133,8 +133,11 @@ class PageFormat:
     MAGIC: Final = b"HKVP"
     VERSION: Final = 2
     HEADER: Final = struct.Struct(f"<4sHHQQ16sIIII24s{KEY_CHARS_MAX}sQ")
-    _SIGNED: Final = struct.Struct(f"<4sHHQQ56s{KEY_CHARS_MAX}s")
-    """The header up to its own checksum, with the KV shape as stored bytes (`Headers.fill`)."""
+    KEY_LENGTH_AT: Final = struct.calcsize("<4sH")
+    CHECKSUM_AT: Final = struct.calcsize("<4sHHQ")
+    KEY_AT: Final = struct.calcsize("<4sHHQQ16sIIII24s")
+    """Where the key length (u16), the payload checksum (u64) and the key lie in a header; the
+    checksum, the key and the header's own checksum are whole 8-byte words (`Headers.fill`)."""
 
     def __init__(self, shape: KVShape) -> None:
         self.shape = shape
@@ -149,6 +152,8 @@ class PageFormat:
                               b"", 0)
         self.shape_region = bytes(template[24:80])
         """The dtype, dims and payload layout, as stored."""
+        self.template = bytes(template)
+        """A header of this format and KV shape with an empty key and both checksums 0."""
         self.tag = f"{xxhash.xxh3_64_intdigest(repr((self.VERSION, self._shape_fields)).encode()) & 0xFFFFFFFF:08x}"
         """8 hex digits naming the format version and the KV shape, for backends that keep
         pages of different shapes apart by name (Mooncake object keys)."""
@@ -227,8 +232,9 @@ class Headers:
     A write fills them from the keys and the payload checksums and sends them out; a
     read receives the stored headers into one block and fills another from the keys and
     the checksums of the payloads it received: the pages are intact exactly when the two
-    blocks are equal, which one comparison of the batch tells (`same`). Filling is the
-    per-page work of both: one pack of the page's fields and the header's own XXH3-64.
+    blocks are equal, which one comparison of the batch tells (`same`). Filling builds
+    the batch's headers in bulk, as columns of 8-byte words over the block (the template,
+    the checksums, the keys); the one per-page call left is the header's own XXH3-64.
     """
 
     def __init__(self, fmt: PageFormat, memory: memoryview) -> None:
@@ -239,6 +245,7 @@ class Headers:
         self.views = [self.memory[i * h : (i + 1) * h] for i in range(self.capacity)]
         """Each header's bytes, for `preadv`/`pwritev` and Mooncake's buffers."""
         self._words = self.memory[: self.capacity * h].cast("Q")
+        self._halves = self.memory[: self.capacity * h].cast("H")
         self._signed = [v[: h - 8] for v in self.views]
         """What each header's own checksum covers."""
 
@@ -247,17 +254,38 @@ class Headers:
         return cls(fmt, memoryview(bytearray(capacity * fmt.header_bytes)))
 
     def fill(self, keys: Sequence[str], sums: Sequence[int]) -> None:
-        """Header `i` becomes the header of `keys[i]` with payload checksum `sums[i]`."""
+        """Header `i` becomes the header of `keys[i]` (checked: `check_keys`) with payload checksum `sums[i]`."""
         n, fmt = len(keys), self.fmt
         if n != len(sums) or n > self.capacity:
             raise ValueError(f"{n} keys, {len(sums)} checksums, room for {self.capacity} headers")
-        h, raw = fmt.header_bytes, list(map(str.encode, keys))
-        # One pack per header and one XXH3-64 per header, each a map over the batch (no Python loop).
-        deque(map(fmt._SIGNED.pack_into, repeat(self.memory), range(0, n * h, h), repeat(fmt.MAGIC),
-                  repeat(fmt.VERSION), map(len, raw), repeat(fmt.payload_bytes), sums, repeat(fmt.shape_region),
-                  raw), maxlen=0)
-        own, step = (h - 8) // 8, h // 8
-        self._words[own : own + n * step : step] = array("Q", map(xxhash.xxh3_64_intdigest, self._signed[:n]))
+        if not n:
+            return
+        h, lengths = fmt.header_bytes, list(map(len, keys))
+        longest, same = max(lengths), lengths.count(lengths[0]) == n
+        if longest > KEY_CHARS_MAX:
+            raise ValueError(f"storage key of {longest} characters; at most {KEY_CHARS_MAX} (check_keys)")
+        row = bytearray(fmt.template)  # every header's fields but its key and checksums
+        struct.pack_into("<H", row, fmt.KEY_LENGTH_AT, lengths[0] if same else 0)
+        self.memory[: n * h] = row * n
+        if not same:
+            self._column(self._halves, fmt.KEY_LENGTH_AT // 2, h // 2, n, array("H", lengths))
+        self._column(self._words, fmt.CHECKSUM_AT // 8, h // 8, n, array("Q", sums))
+        width = -(-longest // 8)  # words of key bytes, zero padded
+        if same:
+            pad = "\0" * (width * 8 - longest)
+            raw = (pad.join(keys) + pad).encode("ascii")
+        else:
+            raw = "".join(map(str.ljust, keys, repeat(width * 8), repeat("\0"))).encode("ascii")
+        key_words = memoryview(raw).cast("Q")
+        for j in range(width):
+            self._column(self._words, fmt.KEY_AT // 8 + j, h // 8, n, key_words[j::width])
+        own = array("Q", list(map(xxhash.xxh3_64_intdigest, self._signed[:n])))
+        self._column(self._words, (h - 8) // 8, h // 8, n, own)
+
+    @staticmethod
+    def _column(view: memoryview, first: int, step: int, n: int, values: Any) -> None:
+        """Item `first` of each of the first `n` headers (`step` items each) becomes the next of `values`."""
+        view[first : first + n * step : step] = values
 
     def same(self, other: Headers, n: int) -> bool:
         """The first `n` headers of both are byte for byte equal."""
@@ -299,9 +327,9 @@ class HostPages:
     A page's payload is its `[2, L, P, H, D]` block: in page_first the page itself, one
     run; in layer_first the K or V of one layer of its `P` slots is one run, so `2 x L`
     runs. Backends read into and write from these runs directly (`readv`/`writev`, a
-    Mooncake multi-buffer get or put), so a page is never copied through a staging buffer;
-    only a small page of several runs (`joins`) is checksummed as a joined copy, which a
-    file write then sends as it is (`outgoing`).
+    Mooncake multi-buffer get or put); only a small page of several runs (`joins`) is
+    checksummed as a joined copy, and the file backend writes small pages through a record
+    block (`_record_block.py`), one copy of a batch's payloads beside their headers.
     """
 
     def __init__(self, host: KVBuffer) -> None:
@@ -325,9 +353,7 @@ class HostPages:
         self.runs_per_page = len(self._runs)
         self._run_slices = [slice(off, off + n) for off, n in self._runs]
         self.joins = self.runs_per_page > 1 and self._page_bytes <= _JOIN_BYTES_MAX
-        """A page of several runs this small is checksummed, and written, as one joined copy of its runs."""
-        self.buffers_out = 2 if self.joins else 1 + self.runs_per_page
-        """Buffers a record takes in a write (`outgoing`): its header, then its payload's."""
+        """A page of several runs this small is checksummed as one joined copy of its runs."""
 
     def spans(self, start: int) -> list[tuple[int, int]]:
         """(offset in the buffer, length) of each run of the page whose first slot is `start`."""
@@ -349,12 +375,6 @@ class HostPages:
         runs = self._run_slices  # slices of the view from the page's start: no index arithmetic a run
         return [list(map(m[b:].__getitem__, runs)) for b in map(step.__mul__, starts)]
 
-    def outgoing(self, starts: Sequence[int]) -> list[Any]:
-        """What a write sends of each page: its `payloads`, but for a page that `joins`, the
-        joined copy of its runs that its checksum needs anyway (one buffer instead of 2 x L)."""
-        payloads = self.payloads(starts)
-        return list(map(b"".join, payloads)) if self.joins else payloads
-
     def records(self, headers: Sequence[memoryview], payloads: list[Any]) -> list[Any]:
         """The buffers of the pages' records in file order: each header, then its payload's runs."""
         if not payloads or not isinstance(payloads[0], list):
@@ -366,8 +386,7 @@ class HostPages:
         return bufs
 
     def checksums(self, payloads: list[Any]) -> list[int]:
-        """XXH3-64 of each of `payloads` or `outgoing` (`checksum`), each a map over the batch (no
-        Python loop)."""
+        """XXH3-64 of each of `payloads` (`checksum`), each a map over the batch (no Python loop)."""
         if not payloads or not isinstance(payloads[0], list):
             return list(map(xxhash.xxh3_64_intdigest, payloads))
         if self.joins:
@@ -396,7 +415,9 @@ def page_starts(keys: Sequence[str], host: KVBuffer, slots: torch.Tensor) -> lis
         first = listed[0]
         run = listed == list(range(first, first + n * p))  # one run of pages, as a fresh allocation often is
     else:
-        run = torch.equal(slots, torch.arange(first := int(slots[0]), first + n * p))  # a few tensor ops
+        values = slots.numpy()  # one comparison, without torch's per-op cost
+        first = int(values[0])
+        run = bool((values == np.arange(first, first + n * p)).all())
     if run:
         whole, low, high = first % p == 0, first, first + n * p
     elif n * p <= _SLOTS_BY_LIST_MAX:

@@ -41,6 +41,7 @@ INTERNAL = {
     "hicache.actors._stored_page.page_starts": "both storage backends' check of the host slots of a read or write",
     "hicache.actors._stored_page.Headers": "both storage backends' page headers of a batch, filled and compared",
     "hicache.actors._page_index.PageIndex": "the file backend's index of pages in segments",
+    "hicache.actors._record_block.RecordBlock": "the file backend's batch of small page records for one write",
     "hicache.actors._segments.Segment": "the file backend's record of one segment file",
     "hicache.actors._segments.scan": "the file backend's scan of a segment's records",
     "hicache.actors._segments.segment_name": "the file backend's naming of its segment files",

@@ -91,3 +91,31 @@ def test_a_page_in_no_recency_order_is_an_invariant_error() -> None:
     index._fresh.clear()  # what a bug that lost it would leave
     with pytest.raises(InvariantError, match="no recency order"):
         index.check_invariants()
+
+
+def test_a_claim_with_a_held_or_repeated_key_refuses_them_all_and_changes_nothing() -> None:
+    index = PageIndex()
+    seg = _segment(index, 0)
+    assert index.claim(seg, ["a", "b"])
+    seg.scanned = 2 * RECORD
+    for keys in (["c", "a", "d"], ["c", "d", "c"]):
+        assert not index.claim(seg, keys)
+        assert len(index) == 2 and seg.keys == ["a", "b"] and "c" not in index and "d" not in index
+        assert index.locate("a") == (seg, 0)
+        index.check_invariants()
+    with pytest.raises(InvariantError, match="indexed already or repeated"):
+        index.append(seg, ["e", "e"])
+    assert index.claim(seg, ["c", "d"]) and index.locate("d") == (seg, 3)
+
+
+def test_unclaim_takes_back_the_last_claim_whose_write_failed() -> None:
+    index = PageIndex()
+    seg = _segment(index, 0)
+    assert index.claim(seg, ["a"])
+    seg.scanned = RECORD
+    assert index.claim(seg, ["b", "c"])
+    index.unclaim(seg, 2)
+    index.check_invariants()
+    assert len(index) == 1 and seg.keys == ["a"] and seg.live == 1 and index.oldest() == "a"
+    with pytest.raises(InvariantError, match="last claim did not add"):
+        index.unclaim(seg, 3)

@@ -1,0 +1,91 @@
+"""A batch of page records laid out as a segment file holds them, gathered from host memory.
+
+A write of small pages pays per page for every buffer it hands the kernel and every
+Python call it makes; a `RecordBlock` makes those costs per batch instead. One copy
+gathers the payloads of the batch's pages from the host buffer into the rows of the
+block (a layer_first page's 2 x L runs become one row: `[2, L, pages, run]` copied into
+`[pages, 2, L, run]`), each row is checksummed while it is in the CPU's cache, the
+batch's headers are built in bulk (`Headers.fill`) and copied into the rows' heads, and
+the block goes out in one write: byte for byte the records that a write of each header
+and payload in turn gives (`PageFormat`), so readers and scans see no difference.
+
+The copies are numpy's: single-threaded, at a small fixed cost a call. A torch
+copy of this size is split across torch's intra-op threads, whose fork and join, on a
+machine whose cores are busy with other work, can cost more than the copy.
+
+The block is bounded (`RECORD_BLOCK_BYTES`) so that what the copy brought in is still in
+cache for the checksums and the write; pages larger than `STAGED_PAGE_BYTES_MAX` are
+written straight from the host runs instead: one more copy of each byte would cost more
+than the buffers and calls it saves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Final
+
+import numpy as np
+import torch
+import xxhash
+
+from ._stored_page import Headers, HostPages, PageFormat
+
+RECORD_BLOCK_BYTES: Final = 1 << 20
+"""Most bytes of records one block holds (one write)."""
+STAGED_PAGE_BYTES_MAX: Final = 64 << 10
+"""Pages up to this payload size are written through a record block."""
+
+
+class RecordBlock:
+    """Room for the records of up to `capacity` pages of `fmt`, one after another (module docstring)."""
+
+    def __init__(self, fmt: PageFormat) -> None:
+        h, record = fmt.header_bytes, fmt.stored_bytes
+        self.fmt = fmt
+        self.capacity = max(1, RECORD_BLOCK_BYTES // record)
+        self._rows = np.empty((self.capacity, record), dtype=np.uint8)
+        self._memory = memoryview(self._rows).cast("B")
+        self._payloads = [self._memory[i * record + h : (i + 1) * record] for i in range(self.capacity)]
+        """Each row's payload, for its checksum."""
+        self._headers = Headers.allocate(fmt, self.capacity)
+        self._header_rows = np.frombuffer(self._headers.memory, dtype=np.uint8).reshape(self.capacity, h)
+        self._host: tuple[HostPages, np.ndarray] | None = None
+
+    @staticmethod
+    def fits(fmt: PageFormat) -> bool:
+        """Pages of `fmt` are written through a record block."""
+        return fmt.payload_bytes <= STAGED_PAGE_BYTES_MAX
+
+    def fill(self, keys: Sequence[str], starts: Sequence[int], pages: HostPages) -> memoryview:
+        """The records of the pages of `keys`, whose first host slots are `starts`, as one
+        block of bytes (valid until the next `fill`)."""
+        n, h = len(keys), self.fmt.header_bytes
+        if n != len(starts) or not 0 < n <= self.capacity:
+            raise ValueError(f"{n} keys, {len(starts)} pages, room for 1 to {self.capacity} records")
+        rows = self._rows[:n]
+        _gather(pages, self._bytes_of(pages), starts, rows[:, h:])
+        self._headers.fill(keys, list(map(xxhash.xxh3_64_intdigest, self._payloads[:n])))
+        rows[:, :h] = self._header_rows[:n]
+        return self._memory[: n * self.fmt.stored_bytes]
+
+    def _bytes_of(self, pages: HostPages) -> np.ndarray:
+        """The host buffer's bytes (kept for the buffer last written from)."""
+        if self._host is None or self._host[0] is not pages:
+            self._host = (pages, pages.host.tensor.view(-1).view(torch.uint8).numpy())
+        return self._host[1]
+
+
+def _gather(pages: HostPages, raw: np.ndarray, starts: Sequence[int], into: np.ndarray) -> None:
+    """Copy the payloads (`[2, L, P, H, D]` bytes) of the host pages whose first slots are
+    `starts` into the rows of `into` (`[len(starts), payload bytes]`); `raw` is the host
+    buffer's bytes. One copy, straight from the host buffer when the pages are adjacent there."""
+    host, n = pages.host, len(starts)
+    p, layers = host.shape.page_size, host.shape.layers
+    first, last = starts[0], starts[-1]
+    adjacent = last - first == (n - 1) * p and list(starts) == list(range(first, last + 1, p))
+    pick = slice(first // p, first // p + n) if adjacent else [a // p for a in starts]
+    if host.page_first:
+        into[...] = raw.reshape(host.slots // p, -1)[pick]
+    else:  # [2, L, pages, run] in the host, [pages, 2, L, run] in the records
+        dst = np.reshape(into, (n, 2, layers, -1), copy=False).transpose(1, 2, 0, 3)
+        dst[...] = raw.reshape(2, layers, host.slots // p, -1)[:, :, pick]
