@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import sys
 from importlib import resources
 from pathlib import Path
 
@@ -153,3 +154,14 @@ def test_a_sweep_that_cannot_run_is_one_line(mooncake_file: Path, capsys: pytest
     assert main(["simulate", "--trace", str(mooncake_file), *argv]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and says in err, err
+
+
+def test_a_plot_without_matplotlib_is_one_line(mooncake_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """matplotlib is the `plot` extra: without it `--plot` is refused before anything runs."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    plot = tmp_path / "sweep.png"
+    assert main(["simulate", "--trace", str(mooncake_file), "--l1", "64k", "--no-kv", "--plot", str(plot)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "needs matplotlib" in err and "hicache[plot]" in err, err
+    assert not plot.exists()

@@ -236,6 +236,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _simulate(args: argparse.Namespace) -> int:
     from ..demo._demo import CostModel
     from ..demo._simulate import Sweep, kv_bytes_of_shape, parse_sizes, run_simulate
+    from ..demo._simulate_plot import check_plot_available
     from ..demo._simulate_trace import read_trace
 
     kv = kv_bytes_of_shape(args.model_shape) if args.model_shape else args.kv_bytes_per_token
@@ -250,6 +251,8 @@ def _simulate(args: argparse.Namespace) -> int:
     sweep.points()  # a capacity that cannot work is refused before the trace is read
     if args.plot is not None and args.plot.suffix.lower() != ".png":
         raise UsageError(f"--plot {args.plot}: give a .png file name")
+    if args.plot is not None:
+        check_plot_available(args.plot)
     trace = read_trace(args.trace, args.format, args.block_size, args.requests)
     cost = CostModel(prefill_tokens_per_s=args.prefill_tps, l2_gbps=args.l2_gbps, l3_gbps=args.l3_gbps,
                      kv_bytes_per_token=kv)

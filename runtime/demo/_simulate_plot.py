@@ -14,6 +14,15 @@ from typing import Any
 from .._usage import UsageError
 
 
+def check_plot_available(path: Path) -> None:
+    """UsageError unless matplotlib (the `plot` extra) can be imported."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UsageError(f"--plot {path}: drawing needs matplotlib, which is not installed; "
+                         "pip install 'hicache[plot]' (or matplotlib)") from None
+
+
 def plot_sweep(outcomes: list[Any], path: Path) -> None:
     import matplotlib
 
