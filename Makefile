@@ -3,6 +3,8 @@
 # then the project; `make test` adds its test extras (Mooncake, transformers,
 # hypothesis...) and the Debian libraries that Mooncake's `mooncake_master` (run by the
 # storage tests) needs, when they are missing. The demo needs none of those.
+# --no-compile: pip does not byte-compile every installed module (torch and its
+# dependencies are thousands); Python compiles, and caches, only what is imported.
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -15,13 +17,13 @@ DEBS   := libibverbs1 ibverbs-providers libnl-3-200 libnl-route-3-200
 
 $(CORE): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e .
+	$(BIN)/python -m pip install --quiet --no-compile --upgrade pip
+	$(BIN)/python -m pip install --quiet --no-compile torch==2.13.0
+	$(BIN)/python -m pip install --quiet --no-compile -e .
 	touch $(CORE)
 
 $(STAMP): $(CORE)
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet --no-compile -e '.[test]'
 	touch $(STAMP)
 
 # Only the missing ones, so a machine that has them needs neither apt nor root.
