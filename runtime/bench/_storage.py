@@ -14,8 +14,8 @@ smaller shapes), it times:
   `write_pages` pages (the prefetcher hands the backend one backup, a node's pages, per
   call; the reference scheduler's 4096-token prefill chunks make nodes of up to 256
   pages of 16 tokens);
-- **raw write**: the same number of stored bytes, from the same host buffer as one
-  region, in one sequential write appended to a file in the same directory (file), or
+- **raw write**: the same number of stored bytes, from the same host buffer (the one
+  the backend's writes send from) as one region, in one sequential write appended to a file in the same directory (file), or
   a `batch_put_from` per batch under new keys (Mooncake).
 Sides are interleaved rep by rep after a warm-up; the median of each counts; every rate
 is payload bytes over time, so a ratio is the raw time over the backend's. File I/O goes
@@ -127,8 +127,10 @@ class RawFile:
     records, written by appending them to one file of its own in one sequential write (the
     backend appends to its segments too)."""
 
-    def __init__(self, backend: FileBackend, keys: list[str], host: KVBuffer) -> None:
+    def __init__(self, backend: FileBackend, keys: list[str], host: KVBuffer, source: KVBuffer) -> None:
         self.memory = _whole(host)
+        self.source = _whole(source)
+        """What a write sends: the buffer the backend's writes send from."""
         self.runs: list[tuple[str, int, int]] = []  # (path, offset, bytes), adjacent records merged
         stored = backend.fmt.stored_bytes
         for key in keys:
@@ -152,7 +154,7 @@ class RawFile:
             at += n
 
     def write(self, rep: int) -> None:
-        view, done = self.memory[: self.nbytes], 0
+        view, done = self.source[: self.nbytes], 0
         while done < self.nbytes:
             done += os.write(self.fd, view[done:])
 
@@ -168,27 +170,29 @@ class RawMooncake:
     """`batch_get_into` / `batch_put_from` of the same stored bytes through the backend's client,
     into or out of one region of the (registered) host buffer."""
 
-    def __init__(self, backend: MooncakeBackend, keys: list[str], host: KVBuffer) -> None:
+    def __init__(self, backend: MooncakeBackend, keys: list[str], host: KVBuffer, source: KVBuffer) -> None:
         self.client = backend.client
         self.objects = [backend.object_key(k) for k in keys]
         self.stored = backend.fmt.stored_bytes
         self.base = host.tensor.data_ptr()
+        self.source = source.tensor.data_ptr()
+        """What a write sends: the buffer the backend's writes send from."""
 
-    def _batches(self) -> list[tuple[list[str], list[int]]]:
+    def _batches(self, base: int) -> list[tuple[list[str], list[int]]]:
         out = []
         for b in range(0, len(self.objects), BATCH_PAGES):
             keys = self.objects[b : b + BATCH_PAGES]
-            out.append((keys, [self.base + (b + i) * self.stored for i in range(len(keys))]))
+            out.append((keys, [base + (b + i) * self.stored for i in range(len(keys))]))
         return out
 
     def read(self) -> None:
-        for keys, ptrs in self._batches():
+        for keys, ptrs in self._batches(self.base):
             got = self.client.batch_get_into(keys, ptrs, [self.stored] * len(keys))
             if any(n != self.stored for n in got):
                 raise StorageError(f"bench storage: raw Mooncake get returned {got}")
 
     def write(self, rep: int) -> None:
-        for keys, ptrs in self._batches():
+        for keys, ptrs in self._batches(self.source):
             raw = [f"raw{rep}-{k}" for k in keys]
             if any(self.client.batch_put_from(raw, ptrs, [self.stored] * len(keys))):
                 raise StorageError("bench storage: raw Mooncake put failed")
@@ -241,7 +245,7 @@ def _measure(backend: StorageBackend, config: Config, layout: HostLayout, page: 
     dst = KVBuffer.allocate(shape, config.host_slots, layout, "cpu")
     keys = page_keys(range(seed << 40, (seed << 40) + pages), rank=0)
     _batched(backend.write, keys, src, slots, write_pages)
-    raw = RawFile(backend, keys, dst) if isinstance(backend, FileBackend) else RawMooncake(backend, keys, dst)
+    raw = (RawFile if isinstance(backend, FileBackend) else RawMooncake)(backend, keys, dst, src)
     times: dict[str, list[float]] = {"read": [], "raw_read": [], "write": [], "raw_write": []}
     for rep in range(WARMUP + REPS):
         fresh = page_keys(range((seed << 40) + (rep + 1) * pages, (seed << 40) + (rep + 2) * pages), rank=0)
