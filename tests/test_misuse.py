@@ -282,7 +282,7 @@ def test_a_call_whose_wait_times_out_has_its_late_reply_adopted_and_the_next_cal
 
 
 def test_ctrl_c_during_a_call_lands_where_the_call_may_give_up_and_leaks_nothing(
-    make_config: Callable[..., Config],
+    make_config: Callable[..., Config], request: pytest.FixtureRequest,
 ) -> None:
     """SIGINT at random moments of a workload: each lands as KeyboardInterrupt at a point
     where the facade can give up (never inside an actor's handler), an interrupted admission
@@ -290,6 +290,9 @@ def test_ctrl_c_during_a_call_lands_where_the_call_may_give_up_and_leaks_nothing
     from hicache.runtime._calls import _GATE
 
     assert threading.current_thread() is threading.main_thread()
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # a background job: Python's handler, as in a terminal
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        request.addfinalizer(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     assert signal.getsignal(signal.SIGINT) in (signal.default_int_handler, _GATE._handle)
     config = make_config(device_pages=32, host_pages=128)
     interrupts = 0
