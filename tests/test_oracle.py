@@ -171,3 +171,7 @@ def test_positions_outside_the_tokens_are_refused(cfg: Config) -> None:
         oracle.expected(TOKENS, 5, 50)
     with pytest.raises(ValueError, match="positions 6..5"):
         oracle.expected(TOKENS, 6, 5)
+    buffer = KVBuffer.allocate(KVShape.of(cfg), cfg.device_slots, HostLayout.LAYER_FIRST, "cpu")
+    with pytest.raises(ValueError, match="positions 30..50 outside a prefix of 40 tokens"):
+        oracle.write(buffer, TOKENS, torch.arange(20), start=30, base=0)  # with a base as without
+    assert not buffer.tensor.any()

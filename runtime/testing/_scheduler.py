@@ -202,8 +202,6 @@ class FakeModel:
             run = st.run
             end = st.start + st.count
             if self.kv:
-                if run.hash_base is None:
-                    run.hash_base = self.oracle.hash_at(run.seq, st.start - 1)
                 run.hash_base = self.oracle.write(self.hc.device_kv, run.seq[:end], st.slots[st.start :],
                                                   start=st.start, base=run.hash_base)
                 self.written_tokens += st.count

@@ -63,16 +63,14 @@ class FingerprintOracle:
         """The KV of positions `start..end` of `tokens`, as `[2, L, end - start, H, D]`.
 
         `base`, if given, is `hash_at(tokens, start - 1)`: only `tokens[start:end]` are read."""
+        return self._values(self._hashes(tokens, start, end, base))
+
+    def _hashes(self, tokens: Sequence[int] | torch.Tensor, start: int, end: int, base: int | None) -> torch.Tensor:
+        """The prefix hashes of positions `start..end`; from `base`, the hash of `start - 1`, if given."""
         if not 0 <= start <= end <= len(tokens):
             raise ValueError(f"positions {start}..{end} outside a prefix of {len(tokens)} tokens")
         if base is None:
-            h = self.prefix_hashes(tokens[:end])[start:end]
-        else:
-            h = self._extend(tokens, start, end, base)
-        return self._values(h)
-
-    def _extend(self, tokens: Sequence[int] | torch.Tensor, start: int, end: int, base: int) -> torch.Tensor:
-        """The prefix hashes of positions `start..end`, from `base`, the hash of `start - 1`."""
+            return self.prefix_hashes(tokens[:end])[start:end]
         t = torch.as_tensor(tokens[start:end], dtype=torch.int64)
         self._grow(end)
         return base + torch.cumsum((t + 1) * self._weights[start:end], dim=0)
@@ -91,13 +89,11 @@ class FingerprintOracle:
     ) -> int:
         """Write the KV of positions `start .. start + len(slots)` into `slots`; the prefix hash
         of the last of them (`hash_at`), which a caller extending the prefix passes as `base`."""
-        end = start + len(slots)
-        if base is None:
-            h = self.prefix_hashes(tokens[:end])[start:end]
-        else:
-            h = self._extend(tokens, start, end, base)
+        h = self._hashes(tokens, start, start + len(slots), base)
         buffer.write(slots, self._values(h))
-        return int(h[-1]) if len(h) else self.hash_at(tokens, start - 1) if base is None else base
+        if len(h):
+            return int(h[-1])
+        return self.hash_at(tokens, start - 1) if base is None else base
 
     def verify(
         self, buffer: KVBuffer, tokens: Sequence[int] | torch.Tensor, slots: torch.Tensor, start: int = 0,
