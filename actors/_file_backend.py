@@ -231,9 +231,11 @@ class FileBackend:
         check_keys(keys)
         starts = page_starts(keys, host, slots)
         pages = self._host_pages(host)
-        if self._index.leading(keys) < len(keys):
+        stored = self._index.leading(keys)
+        if stored < len(keys):
             self._refresh(listing=self._directory_changed())  # another instance may have stored some
-        if keys and self._index.leading(keys) == len(keys):
+            stored = self._index.leading(keys)
+        if keys and stored == len(keys):
             return StorageIO(pages=len(keys))  # all stored: nothing to make room for, no segment to start
         block = self._record_block()
         per_call = block.capacity if block else min(_PAGES_PER_CALL_MAX, IOV_MAX // (1 + pages.runs_per_page))
