@@ -146,7 +146,6 @@ class KVBuffer:
         src.tensor[:, :, :n].copy_(data)
         copy_kv(src, torch.arange(n), self, indices)
 
-
     def _checked(self, indices: torch.Tensor) -> torch.Tensor:
         """`indices` as an int64 CPU tensor, IndexError unless each is a slot of this buffer."""
         idx = torch.as_tensor(indices, dtype=torch.int64, device="cpu")

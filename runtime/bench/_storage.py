@@ -15,8 +15,9 @@ smaller shapes), it times:
   call; the reference scheduler's 4096-token prefill chunks make nodes of up to 256
   pages of 16 tokens);
 - **raw write**: the same number of stored bytes, from the same host buffer (the one
-  the backend's writes send from) as one region, in one sequential write appended to a file in the same directory (file), or
-  a `batch_put_from` per batch under new keys (Mooncake).
+  the backend's writes send from) as one region, in one sequential write appended to a
+  file in the same directory (file), or a `batch_put_from` per batch under new keys
+  (Mooncake).
 Sides are interleaved rep by rep after a warm-up; the median of each counts; every rate
 is payload bytes over time, so a ratio is the raw time over the backend's. File I/O goes
 through the page cache (no fsync on either side): this measures the backend's own cost,
