@@ -10,13 +10,14 @@ held and every device and host slot is accounted for.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
 from hicache.actors import SeededFaults
 from hicache.messages import HostSlotState
-from hicache.runtime import HiCache, WritePolicy
+from hicache.runtime import HiCache, Insufficient, WritePolicy
 from hicache.runtime.testing._scheduler import FakeModel, ReferenceScheduler, SchedulerConfig
 from hicache.runtime.testing.explore import synthetic_workload
 
@@ -123,3 +124,36 @@ def test_a_fake_model_without_kv_serves_the_same_hits_and_writes_no_kv() -> None
     assert without == with_kv and any(hit for hit, _, _ in with_kv)
     assert model_kv.verified_tokens > 0 and written_kv
     assert model.verified_tokens == model.written_tokens == 0 and not written
+
+
+@pytest.mark.parametrize("pending", [True, False], ids=["writes-in-flight", "nothing-in-flight"])
+def test_a_lone_step_short_of_memory_waits_for_writes_in_flight_and_fails_only_without_them(pending: bool) -> None:
+    """With several ranks an eviction answers without waiting for write-backs; memory they will
+    free on a later tick is worth waiting for, a pool that cannot hold the step is an error."""
+    cfg = small_config(page_size=4, device_pages=32, host_pages=400)
+    with HiCache(cfg, runtime=make_runtime("deterministic", seed=1)) as hc:
+        sched = ReferenceScheduler(hc, SchedulerConfig(max_running=1, prefill_tokens_per_tick=24, chunk_tokens=8))
+        sched.submit(synthetic_workload(1, 1, cfg.page_size, blocks=2, blocks_per_prompt=2, tail_pages=1,
+                                        outputs_max=2))
+        real_allocate, real_statistics = hc.allocate, hc.statistics
+        refusals = [2]  # the first two allocations find the pool short
+
+        def allocate(demands: Any, *, commit: Any = None) -> Any:
+            if refusals[0]:
+                refusals[0] -= 1
+                real_allocate({}, commit=commit)  # the commit holds, as in a refused allocation
+                return Insufficient(requested_slots=sum(demands.values()), free_slots=0)
+            return real_allocate(demands, commit=commit)
+
+        def statistics() -> Any:
+            s = real_statistics()
+            return replace(s, tree=replace(s.tree, writes_in_flight=1)) if pending else s
+
+        hc.allocate, hc.statistics = allocate, statistics  # type: ignore[method-assign]
+        if not pending:
+            with pytest.raises(RuntimeError, match="cannot hold one step"):
+                sched.run()
+            return
+        sched.run(on_tick=lambda s: hc.check_invariants())
+        [outcome] = sched.outcomes.values()
+        assert outcome.finished and outcome.retractions == 0 and refusals == [0]

@@ -388,6 +388,11 @@ class ReferenceScheduler:
                 return steps
             victim = self._retraction_victim()
             if victim is None or (len(self.running) == 1 and not self.waiting and len(steps) == 1):
+                if self.hc.statistics().tree.writes_in_flight:
+                    # With several ranks an eviction cannot wait for write-backs (their acks apply
+                    # only at the next agreement): nothing computes this tick; the next one's
+                    # `sync` applies them, frees what they hold and plans again.
+                    return []
                 raise RuntimeError(
                     f"the device pool cannot hold one step of request {steps[0].run.spec.request_id!r} "
                     f"({got.shortfall_slots} slots short after eviction); use a larger device_slots"
