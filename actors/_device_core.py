@@ -27,6 +27,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy
 import torch
 
 from hicache.messages import EMPTY, Indices, LedgerEntry, ReleaseReason
@@ -103,6 +104,8 @@ class DeviceCore:
         self._owner = torch.frombuffer(self._owner_table, dtype=torch.int64)
         """The same memory as `_owner_table` (both are written, neither is copied): per page its
         `PageOwner`, or the number of the ledger that holds it."""
+        self._owner_np = self._owner.numpy()
+        """The same memory once more, for numpy's gathers (cheaper calls than torch's)."""
         self._ledgers: dict[str, _Ledger] = {}
         self._next_ledger = _FIRST_LEDGER
         self._distinct = Distinct(config.device_pages)
@@ -255,7 +258,7 @@ class DeviceCore:
         if isinstance(pages, list):
             ok = holds(self._owner_table, pages, frozenset((number,)))
         else:
-            ok = within(pages, len(self._owner)) and bool((self._owner.index_select(0, pages) == number).all())
+            ok = within(pages, len(self._owner)) and bool((self._owner_np[pages.numpy()] == number).all())
         if ok:
             put(self._owner_table, self._owner, pages, PageOwner.TREE)
             rest = self._held(ledger)
@@ -279,8 +282,8 @@ class DeviceCore:
         if len(pages) <= FEW_MAX:
             table, number = self._owner_table, ledger.number
             return [pg for pg in pages if table[pg] == number]
-        mine = torch.frombuffer(pages, dtype=torch.int64)
-        return mine[self._owner.index_select(0, mine) == ledger.number]
+        mine = numpy.frombuffer(pages, dtype=numpy.int64)
+        return torch.from_numpy(mine[self._owner_np[mine] == ledger.number])
 
     def _distinct_live(self, rids: list[str], what: str, *, new_ok: bool = False) -> list[_Ledger]:
         if len(set(rids)) != len(rids):
@@ -405,10 +408,11 @@ class DeviceCore:
             raise SlotStateError(f"cannot {what}: page number out of range 0..{len(self._owner) - 1}")
         if not self._distinct(pages):
             raise SlotStateError(f"{what}: a page appears twice in {pages.tolist()}")
-        have = self._owner.index_select(0, pages)
-        low, high = (int(x) for x in torch.aminmax(have))
-        if low == high and low in owners:  # pages of one owner, as the tree's calls are
+        owned = self._owner_np[pages.numpy()]
+        low = int(owned.min())
+        if low in owners and low == int(owned.max()):  # pages of one owner, as the tree's calls are
             return
+        have = torch.from_numpy(owned)
         ok = torch.zeros_like(have, dtype=torch.bool)
         for o in owners:
             ok |= have == o

@@ -26,6 +26,7 @@ from __future__ import annotations
 from array import array
 from typing import TypeAlias
 
+import numpy
 import torch
 
 from hicache.messages import Indices
@@ -91,32 +92,40 @@ def holds(table: bytearray, at: list[int], allowed: frozenset[int]) -> bool:
 def put(table: bytearray | array, view: torch.Tensor, at: Ints, value: int) -> None:
     """Write `value` at `at` into `table`, whose memory `view` (a tensor) also shows."""
     if isinstance(at, torch.Tensor):
-        view.index_fill_(0, at, value)  # a scatter of one value: several times cheaper than view[at] = value
+        # numpy's scatter of one value over the same memory: several times cheaper than torch's
+        # index_fill_ (and view[at] = value) on this path
+        view.numpy()[at.numpy()] = value
         return
     for i in at:
         table[i] = value
 
 
 def within(at: torch.Tensor, size: int) -> bool:
-    """Whether every number of `at` is a position of a table of `size` (one reduction)."""
+    """Whether every number of `at` is a position of a table of `size` (two numpy reductions)."""
     if not len(at):
         return True
-    low, high = torch.aminmax(at)
-    return int(low) >= 0 and int(high) < size
+    a = at.numpy()
+    return int(a.min()) >= 0 and int(a.max()) < size
 
 
 class Distinct:
     """Tells whether a tensor of positions holds each at most once, in O(len) and without a
     sort: each position's index is scattered into a scratch table and read back; a position
-    named twice reads back the later index at the earlier one."""
+    named twice reads back the later index at the earlier one. The positions must be in range
+    (`within`)."""
 
     def __init__(self, size: int) -> None:
-        self._scratch = torch.empty(size, dtype=torch.int64)
+        self._scratch = numpy.empty(size, dtype=numpy.int64)
+        self._order = numpy.arange(0, dtype=numpy.int64)
+        """0, 1, 2, ... as long as the longest call so far (read-only)."""
 
     def __call__(self, at: torch.Tensor) -> bool:
-        order = torch.arange(len(at))
-        self._scratch.index_copy_(0, at, order)
-        return torch.equal(self._scratch.index_select(0, at), order)
+        n = len(at)
+        if len(self._order) < n:
+            self._order = numpy.arange(max(n, 2 * len(self._order)), dtype=numpy.int64)
+        order, a = self._order[:n], at.numpy()
+        self._scratch[a] = order
+        return bool(numpy.array_equal(self._scratch[a], order))
 
 
 # -- pages and slots ---------------------------------------------------------------------
@@ -162,14 +171,24 @@ def slots_of_pages(pages: Ints, page_size: int) -> Ints:
         return pages
     if isinstance(pages, list):
         return [slot for page in pages for slot in range(page * page_size, page * page_size + page_size)]
+    if pages.device.type != "cpu" or pages.dtype != torch.int64:
+        return (pages.unsqueeze(1) * page_size + torch.arange(page_size, device=pages.device)).reshape(-1)
+    # Each page's first slot repeated page_size times, plus the offsets 0..page_size-1 over and
+    # over: two passes whose inner loops run the whole length (a broadcast add's inner loop is one
+    # page long, several times slower), in numpy (cheaper calls than torch's).
+    n = len(pages) * page_size
     offsets = _OFFSETS.get(page_size)
-    if offsets is None:
-        offsets = _OFFSETS[page_size] = torch.arange(page_size)
-    return (pages.unsqueeze(1) * page_size + offsets).reshape(-1)
+    if offsets is None or len(offsets) < n:
+        offsets = _OFFSETS[page_size] = numpy.tile(numpy.arange(page_size, dtype=numpy.int64),
+                                                   max(n, 1 << 16) // page_size + 1)
+    slots = numpy.repeat(pages.numpy() * page_size, page_size)
+    slots += offsets[:n]
+    return torch.from_numpy(slots)
 
 
-_OFFSETS: dict[int, torch.Tensor] = {}
-"""`arange(page_size)` per page size, made once (read-only)."""
+_OFFSETS: dict[int, numpy.ndarray] = {}
+"""Per page size, `0, 1, ..., page_size - 1` repeated (at least 64 Ki slots long, grown to the
+longest call; read-only)."""
 
 
 # -- the free list -----------------------------------------------------------------------
@@ -184,6 +203,8 @@ class PagePool:
         self._stack = array("q", bytes(8 * pages))
         self._stack_view = torch.frombuffer(self._stack, dtype=torch.int64)
         """The same memory as `_stack` (never resized, so the view stays valid)."""
+        self._stack_np = self._stack_view.numpy()
+        """The same memory again, for numpy's slicing and reversed copies (cheaper calls than torch's)."""
         # Reversed so that a fresh pool hands out pages 0, 1, 2, ... in order.
         torch.arange(pages - 1, -1, -1, out=self._stack_view)
         self._top = pages
@@ -208,7 +229,7 @@ class PagePool:
             got = self._stack[top : top + k].tolist()
             got.reverse()
             return got
-        return self._stack_view[top : top + k].flip(0).clone()
+        return torch.from_numpy(self._stack_np[top : top + k][::-1].copy())
 
     def free(self, pages: Ints) -> None:
         """Push pages back. The caller has checked they were allocated."""
@@ -221,7 +242,7 @@ class PagePool:
         if isinstance(pages, list):
             self._stack[top : top + k] = array("q", reversed(pages))
         else:
-            self._stack_view[top : top + k] = pages.flip(0)
+            self._stack_np[top : top + k] = pages.numpy()[::-1]
         self._top = top + k
 
     def free_page_set(self) -> torch.Tensor:

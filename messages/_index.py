@@ -71,8 +71,11 @@ class Indices:
         if tensor.dtype.is_floating_point or tensor.dtype == torch.bool:
             raise TypeError(f"Indices need an integer tensor, got {tensor.dtype}")
         n = len(tensor)
-        if n <= _PACK_MAX and tensor.dtype == torch.int64 and tensor.device.type == "cpu":
-            return cls(struct.pack(f"<{n}q", *tensor.tolist()))
+        if tensor.dtype == torch.int64 and tensor.device.type == "cpu":
+            if n <= _PACK_MAX:
+                return cls(struct.pack(f"<{n}q", *tensor.tolist()))
+            if _LITTLE:  # numpy's view and copy cost less than torch's calls of the same work
+                return cls._wrap(tensor.detach().numpy().tobytes())
         flat = tensor.detach().to(device="cpu", dtype=torch.int64).contiguous()
         if not _LITTLE:  # pragma: no cover - every supported host is little-endian
             flat = flat.byteswap()  # type: ignore[attr-defined]

@@ -349,6 +349,21 @@ def test_free_tree_of_a_page_twice_in_one_call_is_refused(core: Any) -> None:
     assert _owners(core)[TREE] == 4
 
 
+def test_a_vectorised_free_tree_of_a_page_twice_is_refused_and_frees_nothing(
+    make_config: Callable[..., Config], checked: Callable[[Any], Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    big = checked(DeviceCore(make_config(page_size=4, device_pages=1024, host_pages=1100)))
+    got = big.allocate_pages([("a", 4 * 600)])["a"].as_tensor()  # more pages than FEW_MAX
+    big.release("a", got, ReleaseReason.FINISHED)
+    twice = torch.cat([got[:300], got[299:]])
+    assert len(twice) > device_core_module.FEW_MAX
+    with pytest.raises(SlotStateError, match=r"free device pages: a page appears twice in \[0, 1, 2, "):
+        big.free_tree(twice)
+    assert _owners(big)[TREE] == 4 * 600
+    big.free_tree(got)
+    assert _owners(big)[FREE] == 4 * 1024
+
+
 @pytest.mark.parametrize("pages", [[-1], [16], [0, 1, 16]])
 def test_free_tree_of_pages_outside_the_buffer_is_refused(core: Any, pages: list[int]) -> None:
     got = core.allocate_pages([("a", 64)])["a"]

@@ -148,6 +148,29 @@ def test_a_finished_prefix_is_a_device_hit_for_the_next_request(open_cache: Call
     s.assert_quiet()
 
 
+@pytest.mark.parametrize("form", ["int64", "int32", "uint8", "strided"])
+def test_token_ids_in_any_integer_tensor_are_the_same_tokens_as_a_list(
+    open_cache: Callable[..., Scheduler], form: str
+) -> None:
+    s = open_cache()
+    hc = s.hc
+    tokens = seq(10, 3)
+    hc.finish([s.run("a", tokens).handle])
+    given = {"int64": torch.tensor(tokens), "int32": torch.tensor(tokens, dtype=torch.int32),
+             "uint8": torch.tensor(tokens, dtype=torch.uint8),
+             "strided": torch.tensor(tokens).repeat_interleave(2)[::2]}[form]
+    assert given.is_contiguous() == (form != "strided")
+    [b] = hc.admit([Request("b", given)])
+    assert b.cached_tokens == 8  # its whole pages
+    assert hc.committed_tokens("b") == tokens[:8]
+    got = hc.allocate({"b": 2})
+    assert isinstance(got, dict)
+    hc.commit({"b": given[8:]})
+    assert hc.committed_tokens("b") == tokens
+    _freed_once(hc.finish([b.handle]))
+    s.assert_quiet()
+
+
 def test_a_prefix_evicted_from_the_device_is_a_host_hit_loaded_back_layer_by_layer(
     open_cache: Callable[..., Scheduler],
 ) -> None:

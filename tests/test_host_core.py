@@ -237,6 +237,18 @@ def test_free_of_a_page_twice_in_one_call_is_refused_and_frees_nothing(core: Any
     assert core.allocate(8 * PAGE).tolist() == list(range(8))  # the free list holds each page once
 
 
+def test_a_vectorised_free_of_a_page_twice_is_refused_and_frees_nothing(
+    make_config: Callable[..., Config], checked: Callable[[Any], Any]
+) -> None:
+    big = checked(HostCore(make_config(page_size=PAGE, device_pages=4, host_pages=1024)))
+    pages = big.allocate(600 * PAGE)  # more pages than FEW_MAX: the vectorised check
+    with pytest.raises(SlotStateError, match="host free: a page appears twice in one call"):
+        big.free(torch.cat([pages[:300], pages[299:]]))
+    assert big.states(pages).unique().tolist() == [int(S.RESERVED)]
+    big.free(pages)
+    assert big.free_slots == 1024 * PAGE
+
+
 def test_free_of_pages_with_one_in_flight_frees_nothing(core: Any) -> None:
     pages = core.allocate(2 * PAGE)
     core.transition(pages[1:], S.WRITING)
