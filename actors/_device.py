@@ -77,12 +77,13 @@ def _commit(core: DeviceCore, m: CommitSlots) -> SlotsCommitted:
 
 
 def _release(core: DeviceCore, m: ReleaseRequests) -> RequestsReleased:
-    views = core.release_many([(r.request_id, r.adopt, r.reason) for r in m.releases])
+    views = core.release_many([(r.request_id, r.adopt, r.reason) for r in m.releases],
+                              commits=[(r.request_id, r.commits) for r in m.releases if r.commits])
     return RequestsReleased(op_id=m.op_id, entries=tuple(views))
 
 
 def _swap(core: DeviceCore, m: SwapRequestPages) -> RequestPagesSwapped:
-    return RequestPagesSwapped(op_id=m.op_id, entry=core.swap(m.request_id, m.adopt, m.free))
+    return RequestPagesSwapped(op_id=m.op_id, entry=core.swap(m.request_id, m.adopt, m.free, commits=m.commits))
 
 
 def _allocate_load(core: DeviceCore, m: AllocateLoadSlots) -> SlotsAllocated | SlotsInsufficient:

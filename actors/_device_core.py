@@ -191,9 +191,13 @@ class DeviceCore:
     def release(self, rid: str, adopt: Slots, reason: ReleaseReason) -> LedgerEntry:
         return self.release_many([(rid, adopt, reason)])[0]
 
-    def release_many(self, releases: Sequence[tuple[str, Slots, ReleaseReason]]) -> list[LedgerEntry]:
+    def release_many(self, releases: Sequence[tuple[str, Slots, ReleaseReason]],
+                     commits: Sequence[tuple[str, int]] = ()) -> list[LedgerEntry]:
         """Give back every page of each request: its `adopt` pages to the tree, the
-        rest to the free list. Exactly once per request; all or nothing."""
+        rest to the free list. Exactly once per request; all or nothing. `commits` are
+        applied first (as `commit_many`) and hold even when the release is refused."""
+        if commits:
+            self.commit_many(commits)
         # A request admitted and ended before it allocated has an empty ledger.
         ledgers = self._distinct_live([rid for rid, _, _ in releases], "release", new_ok=True)
         adopted: list[tuple[Ints, Ints]] = []
@@ -218,9 +222,12 @@ class DeviceCore:
             views.append(view)
         return views
 
-    def swap(self, rid: str, adopt: Slots, free: Slots) -> LedgerEntry:
+    def swap(self, rid: str, adopt: Slots, free: Slots, *, commits: int = 0) -> LedgerEntry:
         """Mid-life: whole committed pages of a live request go to the tree (`adopt`) or
-        back to the free list (`free`, duplicates of the tree's); the request stays live."""
+        back to the free list (`free`, duplicates of the tree's); the request stays live.
+        `commits` more of its slots are committed first (they hold even when the swap is refused)."""
+        if commits:
+            self.commit_many([(rid, commits)])
         ledger = self._live(rid, "swap pages of", new_ok=True)  # a full-prefix hit may not have allocated
         p = self.page_size
         adopt_pages = as_list(ints(adopt))

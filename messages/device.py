@@ -131,6 +131,8 @@ class SlotRelease(Message):
     """Pages of the request that the tree keeps (its cached prefix); may be empty."""
     reason: ReleaseReason
     """Finished and aborted ids are remembered as released; retracted ones may come back."""
+    commits: int
+    """More of its slots that hold real KV (as `CommitSlots`), applied before the release."""
 
 
 @message(109)
@@ -209,6 +211,8 @@ class SwapRequestPages(Message):
     """Whole committed pages (page numbers) the tree now owns."""
     free: Indices
     """Whole committed pages (page numbers) that duplicate the tree's and are freed."""
+    commits: int
+    """More of its slots that hold real KV (as `CommitSlots`), applied before the swap."""
 
 
 @message(116)

@@ -77,6 +77,10 @@ class FinishItem(Message):
     """The device pages of the committed tokens, in token order (the last may be partly committed)."""
     reason: ReleaseReason
     """Why it leaves."""
+    commits: int
+    """Slots it committed that the device was not told of yet (the caller's `commit` is
+    local; the device hears of it with the next message about the request): passed on with its
+    release."""
 
 
 @message(405)
@@ -111,6 +115,8 @@ class CacheItem(Message):
     """Tokens committed so far."""
     device: Indices
     """Their device pages, in token order (the last may be partly committed)."""
+    commits: int
+    """Slots it committed that the device was not told of yet: passed on with its swap."""
 
 
 @message(408)

@@ -134,6 +134,9 @@ class _Live:
     """The last of `pages` (-1: none yet), whose free slots the next allocation fills first."""
     caching: bool = False
     """A `cache_unfinished` of it is in flight: its handle is being replaced."""
+    unsent: int = 0
+    """Committed slots the device has not been told of: `commit` is local, and the next message
+    about the request (an allocation, a swap, its release) carries them."""
 
     def token_data(self) -> bytes:
         if len(self.tokens) != 1:
@@ -309,7 +312,7 @@ class HiCache:
             self._live.pop(adm.request_id, None)
         ends = tuple(
             FinishItem(request_id=it.request_id, handle=adm.handle, reason=ReleaseReason.RETRACTED,
-                       tokens=it.tokens[: adm.device_hit + adm.host_hit], device=adm.device)
+                       tokens=it.tokens[: adm.device_hit + adm.host_hit], device=adm.device, commits=0)
             for it, adm in zip(items, reply.admissions, strict=True)
         )
         self._ask(ActorName.TREE, FinishRequests(op_id=self._op(), items=ends), Finished)
@@ -452,32 +455,38 @@ class HiCache:
         short, the tree evicts (waiting for writes in flight that hold evictable memory) and
         the allocation is tried once more.
 
-        `commit` first records tokens whose KV was written (as `commit` does), in the same
-        round trip: a decode tick is `allocate({rid: 1, ...}, commit={rid: [last_token], ...})`.
-        The commit holds even when the allocation does not fit."""
+        `commit` first records tokens whose KV was written (as `commit` does): a decode tick is
+        `allocate({rid: 1, ...}, commit={rid: [last_token], ...})`, one round trip. The commit
+        holds even when the allocation does not fit."""
         with self._call():
             want = check.demands(demands, "demands", check.COUNT_MAX)
             for rid in want:
                 self._req(rid)
-            commits = self._commits(commit or {})
-            reply = self._allocate(want, commits)
+            self._record(self._commits(commit or {}))
+            if not want:
+                return {}
+            reply = self._allocate(want)
             if isinstance(reply, SlotsInsufficient) and want:
                 self._ask(ActorName.TREE, EvictDevice(op_id=self._op(), tokens=reply.shortfall_slots), Evicted)
-                reply = self._allocate(want, [])
+                reply = self._allocate(want)
             if isinstance(reply, SlotsInsufficient):
                 return Insufficient(requested_slots=reply.requested_slots, free_slots=reply.free_slots)
             return self._granted(reply, want, to_caller=True)
 
-    def _allocate(self, want: Mapping[str, int], commits: list[tuple[str, bytes]]) -> Any:
+    def _allocate(self, want: Mapping[str, int]) -> Any:
+        """Ask the device for `want`; the message carries the commits of those requests that
+        the device has not heard of yet (certain once sent: the facade checked them)."""
+        commits = []
+        for rid in want:
+            live = self._live[rid]
+            if live.unsent:
+                commits.append(SlotDemand(request_id=rid, tokens=live.unsent))
+                live.unsent = 0
         message = AllocateSlots(
             op_id=self._op(),
             demands=tuple(SlotDemand(request_id=r, tokens=n) for r, n in want.items()),
-            commits=tuple(SlotDemand(request_id=r, tokens=len(data) // 8) for r, data in commits),
+            commits=tuple(commits),
         )
-        for rid, data in commits:  # certain once sent: the facade checked it against the ledger
-            live = self._live[rid]
-            live.tokens.append(data)
-            live.committed += len(data) // 8
         return self._ask(ActorName.DEVICE, message, (SlotsAllocated, SlotsInsufficient),
                          late=lambda r: self._granted(r, want))
 
@@ -502,11 +511,18 @@ class HiCache:
         return out
 
     def commit(self, tokens: Mapping[str, Sequence[int] | torch.Tensor]) -> None:
-        """Record that the KV of these new tokens (per request, in order) is written."""
+        """Record that the KV of these new tokens (per request, in order) is written. No
+        message: the device learns of it with the next allocation, swap or release of the request."""
         with self._call():
-            commits = self._commits(tokens)
-            if commits:  # nothing to record for an empty commit (a full hit may have no ledger yet)
-                self._allocate({}, commits)
+            self._record(self._commits(tokens))
+
+    def _record(self, commits: list[tuple[str, bytes]]) -> None:
+        for rid, data in commits:
+            live = self._live[rid]
+            n = len(data) // 8
+            live.tokens.append(data)
+            live.committed += n
+            live.unsent += n
 
     def _commits(self, tokens: Mapping[str, Sequence[int] | torch.Tensor]) -> list[tuple[str, bytes]]:
         if not isinstance(tokens, Mapping):
@@ -591,7 +607,7 @@ class HiCache:
     def _finish_item(self, h: CacheHandle, reason: ReleaseReason) -> FinishItem:
         live = self._live[h.request_id]
         return FinishItem(request_id=h.request_id, handle=h._token, reason=reason,
-                          tokens=Tokens(live.token_data()), device=self._committed_pages(live))
+                          tokens=Tokens(live.token_data()), device=self._committed_pages(live), commits=live.unsent)
 
     def _end(self, rid: str, reason: ReleaseReason) -> None:
         self._ended[rid] = reason.value
@@ -603,32 +619,34 @@ class HiCache:
         tree's slots and move its lock. Returns the new handles (the old ones expire)."""
         with self._call():
             hs = self._check_handles(handles)
+            lives = [self._live[h.request_id] for h in hs]
             items = tuple(
-                CacheItem(request_id=h.request_id, handle=h._token, tokens=Tokens(self._live[h.request_id].token_data()),
-                          device=self._committed_pages(self._live[h.request_id]))
-                for h in hs
+                CacheItem(request_id=h.request_id, handle=h._token, tokens=Tokens(live.token_data()),
+                          device=self._committed_pages(live), commits=live.unsent)
+                for h, live in zip(hs, lives, strict=True)
             )
-            for h in hs:
-                self._live[h.request_id].caching = True
+            for live in lives:
+                live.caching = True
             reply = self._ask(ActorName.TREE, CacheUnfinished(op_id=self._op(), items=items), Cached,
-                              late=lambda r: self._cached(hs, r))
+                              late=lambda r: self._cached(hs, r, items))
             if reply.refused:
-                self._cached(hs, reply)
+                self._cached(hs, reply, items)
                 raise RequestError(
                     f"request(s) {list(reply.refused)}: the cached prefix was lost to a failed load-back, so "
                     "nothing was cached; abort or retract them (the whole batch was refused)"
                 )
-            return self._cached(hs, reply)  # if cut short, the new handles are there through handle()
+            return self._cached(hs, reply, items)  # if cut short, the new handles are there through handle()
 
-    def _cached(self, hs: list[CacheHandle], reply: Cached) -> list[CacheHandle]:
+    def _cached(self, hs: list[CacheHandle], reply: Cached, items: Sequence[CacheItem]) -> list[CacheHandle]:
         out = []
         for h in hs:
             if (live := self._live.get(h.request_id)) is not None:
                 live.caching = False
-        if reply.refused:
+        if reply.refused:  # no swap: the device has not heard of the commits the items carried
             return out
-        for h, prefix in zip(hs, reply.prefixes, strict=True):
+        for h, prefix, item in zip(hs, reply.prefixes, items, strict=True):
             live = self._live[h.request_id]
+            live.unsent -= item.commits  # the swap applied them (more may have come since)
             rest = live.page_indices()[len(prefix.device):]
             live.pages = [Indices.concat((prefix.device, rest))]
             live.handle = CacheHandle(h.request_id, prefix.handle)

@@ -281,7 +281,7 @@ class TreeSide:
 
     def release(self, request_id: str, adopt: Indices, reason: ReleaseReason) -> Any:
         op = self.next_op()
-        release = SlotRelease(request_id=request_id, adopt=adopt, reason=reason)
+        release = SlotRelease(request_id=request_id, adopt=adopt, reason=reason, commits=0)
         reply = self.ask(ActorName.DEVICE, ReleaseRequests(op_id=op, releases=(release,)))
         assert isinstance(reply, RequestsReleased) and reply.op_id == op
         return reply.entries[0]

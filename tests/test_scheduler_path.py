@@ -111,6 +111,41 @@ def test_a_decode_step_with_its_commit_is_one_message_from_the_facade(make_confi
         hc.check_invariants()
 
 
+def test_a_commit_sends_nothing_and_the_next_message_about_the_request_carries_it(
+    make_config: Callable[..., Config]
+) -> None:
+    sent: list[tuple[str, Any]] = []
+
+    def observe(receiver: ActorName, mail: Any) -> None:
+        if mail.sender is ActorName.FACADE or receiver is ActorName.DEVICE:
+            sent.append((type(mail.message).__name__, mail.message))
+
+    page = make_config().page_size
+    with HiCache(make_config(), runtime=make_runtime("threads", observe=observe)) as hc:
+        [a] = hc.admit([Request("a", seq(3 * page, 1))])
+        assert isinstance(hc.allocate({"a": 3 * page}), dict)
+        sent.clear()
+        hc.commit({"a": seq(2 * page, 1)})  # a prefill chunk
+        assert sent == []
+        [a_handle] = hc.cache_unfinished([a.handle])  # the swap carries the chunk's commits
+        [swap] = [m for name, m in sent if name == "SwapRequestPages"]
+        assert swap.commits == 2 * page
+        hc.check_invariants()
+        sent.clear()
+        hc.commit({"a": seq(page, 2 * page + 1)})
+        got = hc.allocate({"a": 1})  # the allocation carries the last chunk's commits
+        assert isinstance(got, dict)
+        [alloc] = [m for name, m in sent if name == "AllocateSlots"]
+        assert [(d.request_id, d.tokens) for d in alloc.commits] == [("a", page)]
+        hc.commit({"a": [7]})
+        sent.clear()
+        entry = hc.finish([a_handle])[0]
+        [release] = [m for name, m in sent if name == "ReleaseRequests"]
+        assert [(r.request_id, r.commits) for r in release.releases] == [("a", 1)]
+        assert (entry.allocated, entry.committed, entry.freed) == (3 * page + 1,) * 3
+        hc.check_invariants()
+
+
 def test_a_reference_scheduler_decode_tick_is_one_message(make_config: Callable[..., Config]) -> None:
     per_tick: list[list[str]] = [[]]
 

@@ -184,9 +184,6 @@ class DirectCores:
             raise RuntimeError(f"bench overhead: the device pool is sized for the run, yet {got}")
         return got
 
-    def commit(self, demands: list[tuple[str, int]]) -> None:
-        self.device.commit_many(demands)
-
     def finish(self, items: tuple[FinishItem, ...]) -> tuple[LedgerEntry, ...]:
         op = self._next_id()
         self.tree.finish(op, items)
@@ -297,10 +294,10 @@ def _tick_direct(cores: DirectCores, batch: list[tuple[str, torch.Tensor]]) -> N
     admitted = cores.admit(batch)
     cached = {a.request_id: a.device_hit + a.host_hit for a in admitted}
     got = cores.allocate([(rid, len(t) - cached[rid]) for rid, t in batch])
-    cores.commit([(rid, len(t) - cached[rid]) for rid, t in batch])
+    # committed as the facade does: the release carries the commits (the device hears of them there)
     items = tuple(
         FinishItem(request_id=rid, handle=a.handle, reason=ReleaseReason.FINISHED, tokens=Tokens.from_tensor(t),
-                   device=Indices.concat((a.device, got[rid])))
+                   device=Indices.concat((a.device, got[rid])), commits=len(t) - cached[rid])
         for (rid, t), a in zip(batch, admitted, strict=True)
     )
     cores.finish(items)

@@ -114,12 +114,11 @@ def _cores_tick(cores: DirectCores, tokens: list[Tokens], ids: list[int], side: 
     want = [(a.request_id, len(tokens[i]) - a.device_hit - a.host_hit) for i, a in zip(ids, admissions, strict=True)]
     got = cores.allocate_evicting(want)
     t2 = clock()
-    cores.commit(want)
-    t3 = clock()
+    t3 = clock()  # committed as the facade does: the release carries the commits
     items = tuple(
         FinishItem(request_id=a.request_id, handle=a.handle, reason=ReleaseReason.FINISHED, tokens=tokens[i],
-                   device=Indices.concat((a.device, got[a.request_id])))
-        for i, a in zip(ids, admissions, strict=True)
+                   device=Indices.concat((a.device, got[a.request_id])), commits=n)
+        for i, a, (_, n) in zip(ids, admissions, want, strict=True)
     )
     cores.finish(items)
     t4 = clock()
