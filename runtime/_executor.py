@@ -32,6 +32,8 @@ from typing import Any
 import pykka
 from pykka._envelope import Envelope
 
+from hicache.actors._actor import Mail
+
 
 class _ExecutorInbox:
     """The inbox pykka gives an actor: puts go to the executor's one queue."""
@@ -124,8 +126,10 @@ def _deliver(actor: pykka.Actor, envelope: Envelope[Any]) -> None:
                 dead = pykka.ActorDeadError(f"{actor} stopped before handling the message")
                 reply_to.set_exception(exc_info=(pykka.ActorDeadError, dead, None))
         return
+    message = envelope.message
     try:
-        response = actor._handle_receive(envelope.message)
+        # Mail goes straight to the actor's handler; pykka's own messages (a stop) take its path.
+        response = actor.on_receive(message) if type(message) is Mail else actor._handle_receive(message)
         if reply_to is not None:
             reply_to.set(response)
     except Exception:

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy
 import torch
 
 from hicache.actors import Insufficient  # noqa: F401  (re-exported: the facade returns the device core's value)
@@ -257,9 +258,9 @@ def _tensor_token_bytes(t: torch.Tensor, what: str) -> bytes:
         raise RequestError(f"{what} must hold integer token ids, got a {t.dtype} tensor (use torch.int64)")
     if not len(t):
         return b""
-    if t.device.type == "cpu":  # numpy's view, minimum and copy: cheaper calls than torch's
-        a = t.detach().numpy()
-        low = int(a.min())
+    if t.is_cpu:  # numpy's view, minimum and copy: cheaper calls than torch's
+        a = (t.detach() if t.requires_grad else t).numpy()
+        low = int(numpy.minimum.reduce(a))
         data = a.astype("<i8", copy=False).tobytes()
     else:
         low = int(t.min())
