@@ -11,7 +11,8 @@ module of this package (the command line's parser, say) loads nothing else: torc
 the actors come in with the first name that needs them.
 """
 
-import importlib as _importlib
+from ._lazy import lazy_exports as _lazy_exports
+
 _EXPORTS: dict[str, tuple[str, ...]] = {
     "config": (
         "DTYPES", "Available", "Config", "ConfigError", "DeviceKind", "EvictionPolicy", "HostLayout",
@@ -35,19 +36,4 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
 }
 """Each private module, and the public names it defines."""
 
-_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
-
-__all__ = sorted(_MODULE_OF)
-
-
-def __getattr__(name: str) -> object:
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(_importlib.import_module(module if module.startswith("hicache.") else f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__all__, __getattr__, __dir__ = _lazy_exports(__name__, _EXPORTS)

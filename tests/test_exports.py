@@ -25,6 +25,7 @@ the commands themselves are in `hicache.runtime.cli`, `demo` and `bench`."""
 INTERNAL = {
     "hicache.messages._doc.main": "the command that writes docs/messages.md (`python -m hicache.messages._doc`)",
     "hicache.messages._doc.page": "docs/messages.md as the message classes make it; the docs test compares",
+    "hicache.runtime._lazy.lazy_exports": "the PEP 562 exports of hicache.runtime and hicache.runtime.demo",
     "hicache.actors._transfer_core.batch_indices": "stream actors' helper over a TransferQueue batch",
     "hicache.actors._transfer_core.op_problem": "stream actors' check of a WriteKV/LoadKV before queueing",
     "hicache.actors._pages.ints": "the pool cores' choice of slot-number form (Python ints or a tensor) for a call",

@@ -45,9 +45,9 @@ LAZY = {
 """(importing module, top package of what it imports) pairs allowed inside a function."""
 
 DYNAMIC = {
-    "hicache.runtime": "the lazy exports (PEP 562) of its own modules and hicache.actors",
+    "hicache.runtime._lazy": "the lazy exports (PEP 562) of hicache.runtime (its modules and hicache.actors) and of "
+                             "hicache.runtime.demo (the model runner, so the demo runs without transformers)",
     "hicache.runtime.cli": "`hicache bench NAME` loads the bench module it runs",
-    "hicache.runtime.demo": "the lazy exports (PEP 562) of the model runner, so the demo runs without transformers",
     "hicache.messages._doc": "the generator of docs/messages.md reads each messages module of its own package by name",
 }
 """Modules allowed to call importlib.import_module."""

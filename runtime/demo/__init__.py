@@ -5,7 +5,7 @@ The model names below need the `model` extra (transformers); each is imported fr
 module on first use (PEP 562), so `hicache demo` and `hicache simulate` run without it.
 """
 
-import importlib as _importlib
+from hicache.runtime._lazy import lazy_exports as _lazy_exports
 
 _EXPORTS: dict[str, tuple[str, ...]] = {
     "_model_runner": ("Generation", "KVObserver", "ModelRunner", "ModelRunnerError", "PoolCache"),
@@ -13,19 +13,4 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
 }
 """Each private module, and the public names it defines."""
 
-_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
-
-__all__ = sorted(_MODULE_OF)
-
-
-def __getattr__(name: str) -> object:
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(_importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__all__, __getattr__, __dir__ = _lazy_exports(__name__, _EXPORTS)
