@@ -105,7 +105,7 @@ class DeviceCore:
         """The same memory as `_owner_table` (both are written, neither is copied): per page its
         `PageOwner`, or the number of the ledger that holds it."""
         self._owner_np = self._owner.numpy()
-        """The same memory once more, for numpy's gathers (cheaper calls than torch's)."""
+        """The same memory once more, for numpy's gathers and scatters (cheaper calls than torch's)."""
         self._ledgers: dict[str, _Ledger] = {}
         self._next_ledger = _FIRST_LEDGER
         self._distinct = Distinct(config.device_pages)
@@ -164,7 +164,7 @@ class DeviceCore:
             return EMPTY
         new = self._pool.alloc(k)
         assert new is not None
-        put(self._owner_table, self._owner, new, ledger.number)
+        put(self._owner_table, self._owner_np, new, ledger.number)
         got = indices_of(new)
         ledger.pages.frombytes(got.to_bytes())
         return got
@@ -206,12 +206,12 @@ class DeviceCore:
                 adopted.append(self._hand_over(ledger, adopt))
         except LedgerError:
             for ledger, (pages, _) in zip(ledgers, adopted):
-                put(self._owner_table, self._owner, pages, ledger.number)  # all or nothing
+                put(self._owner_table, self._owner_np, pages, ledger.number)  # all or nothing
             raise
         views = []
         for ledger, (_, held), (rid, _, reason) in zip(ledgers, adopted, releases, strict=True):
             rest = self._rest(ledger, held)
-            put(self._owner_table, self._owner, rest, PageOwner.FREE)
+            put(self._owner_table, self._owner_np, rest, PageOwner.FREE)
             self._pool.free(rest)
             self._ledgers.pop(rid, None)
             view = self._view(ledger, freed=ledger.allocated)
@@ -259,7 +259,7 @@ class DeviceCore:
         number, held, k = ledger.number, ledger.pages, len(adopt)
         if isinstance(adopt, Indices) and k <= len(held) and adopt.to_bytes() == memoryview(held)[:k].tobytes():
             pages = ints(adopt)
-            put(self._owner_table, self._owner, pages, PageOwner.TREE)
+            put(self._owner_table, self._owner_np, pages, PageOwner.TREE)
             return pages, ints(Indices(memoryview(held)[k:].tobytes()))
         pages = ints(adopt)
         if isinstance(pages, list):
@@ -267,11 +267,11 @@ class DeviceCore:
         else:
             ok = within(pages, len(self._owner)) and bool((self._owner_np[pages.numpy()] == number).all())
         if ok:
-            put(self._owner_table, self._owner, pages, PageOwner.TREE)
+            put(self._owner_table, self._owner_np, pages, PageOwner.TREE)
             rest = self._held(ledger)
             if len(rest) == len(held) - k:
                 return pages, rest
-            put(self._owner_table, self._owner, pages, number)
+            put(self._owner_table, self._owner_np, pages, number)
         listed = as_list(pages)
         foreign = [pg for pg in listed if not 0 <= pg < len(self._owner_table) or self._owner_table[pg] != number]
         raise LedgerError(
@@ -402,7 +402,7 @@ class DeviceCore:
         raise LedgerError(f"cannot {what} request {rid!r}: it has no slots (unknown request)")
 
     def _set_owner(self, pages: Ints, owner: PageOwner) -> None:
-        put(self._owner_table, self._owner, pages, owner)
+        put(self._owner_table, self._owner_np, pages, owner)
 
     def _expect(self, pages: Ints, owners: tuple[PageOwner, ...], what: str) -> None:
         if isinstance(pages, list):

@@ -73,7 +73,7 @@ class HostCore:
         self._state = torch.frombuffer(self._state_bytes, dtype=torch.uint8)
         """The same memory as `_state_bytes` (both are written, neither is copied): a state per page."""
         self._state_np = self._state.numpy()
-        """The same memory once more, for numpy's gathers (cheaper calls than torch's)."""
+        """The same memory once more, for numpy's gathers and scatters (cheaper calls than torch's)."""
         self._distinct = Distinct(config.host_pages)
 
     @property
@@ -135,7 +135,7 @@ class HostCore:
         `fresh`: pages the free list just handed out (distinct and in range by its invariant)."""
         if isinstance(pages, list):
             if holds(self._state_bytes, pages, rules.sources[to]):
-                put(self._state_bytes, self._state, pages, to)
+                put(self._state_bytes, self._state_np, pages, to)
                 return
             pages = as_tensor(pages)  # refused: the check below names why
         if not fresh and not within(pages, self._pages):
@@ -147,7 +147,7 @@ class HostCore:
         owned = self._state_np[pages.numpy()]
         low = int(owned.min())
         if low in rules.sources[to] and low == int(owned.max()):  # pages moved together: one state
-            put(self._state_bytes, self._state, pages, to)
+            put(self._state_bytes, self._state_np, pages, to)
             return
         have = torch.from_numpy(owned).to(torch.int64)
         legal = rules.table[have, int(to)]
@@ -165,4 +165,4 @@ class HostCore:
             elif bool((have[bad] == HostSlotState.FREE).any()):
                 hint = " (FREE pages are allocated with allocate(), not moved)"
             raise SlotStateError(f"illegal host page transition to {to.name} on {what}: {shown}{more}{hint}")
-        put(self._state_bytes, self._state, pages, to)
+        put(self._state_bytes, self._state_np, pages, to)

@@ -92,8 +92,8 @@ def test_holds_checks_distinct_positions_in_range_with_allowed_bytes_and_put_wri
                 and all(table[i] in allowed for i in at))
     assert holds(data, at, allowed) is expected
     if expected and at:
-        put(data, view, at, value)
-        put(data, view, torch.tensor(at[:1]), value)
+        put(data, view.numpy(), at, value)
+        put(data, view.numpy(), torch.tensor(at[:1]), value)
         assert [data[i] for i in at] == [value] * len(at)
         assert view.tolist() == list(data)
 
