@@ -7,16 +7,16 @@ committed` always, and `release` gives back every page of the request exactly
 once, in one place: pages the tree adopts change owner, all others are freed.
 Running out of pages is not an error but an `Insufficient` result.
 
-The owners are one table of int64 per page (an `array`, seen also as a tensor over
-the same memory): a `PageOwner`, or for a request's page the number of its ledger.
-So checking that pages belong to a request is one lookup per page, and a release is
-a few passes over the request's own pages, never over the pool.
+The owners are one table of int64 per page (a `PageTable`): a `PageOwner`, or for a
+request's page the number of its ledger. So checking that pages belong to a request
+is one lookup per page, and a release is a few passes over the request's own pages,
+never over the pool.
 
-Each call keeps its page and slot numbers in the form `_pages` chooses for their
-number (`Ints`): Python ints for a few slots (most calls: from the message's bytes to
-the reply's without a tensor), a tensor for many. Slots come in as tensors or
-`Indices`; the `*_indices` methods answer with the `Indices` a reply carries, the
-others with tensors (read-only views of those `Indices`).
+Each call keeps its page numbers in the form `_pages` chooses for their number
+(`Pages`): Python ints for a few (most calls: from the message's bytes to the reply's
+without an array), a numpy array for many. Pages come in as `Indices`, tensors or
+lists; the `*_pages` methods answer with the `Indices` a reply carries, the others
+with tensors (read-only views of those `Indices`).
 """
 
 from __future__ import annotations
@@ -37,18 +37,16 @@ from ._errors import InvariantError, LedgerError, SlotStateError
 from ._kv import KVBuffer, KVShape
 from ._pages import (
     FEW_MAX,
-    Ints,
     PagePool,
-    Distinct,
+    Pages,
+    PageTable,
     Slots,
     as_list,
+    as_pages,
     as_tensor,
-    holds,
     indices_of,
-    ints,
-    put,
+    pages_of_array,
     slots_of_pages,
-    within,
 )
 
 RELEASED_REMEMBERED_MAX = 1 << 16
@@ -100,15 +98,11 @@ class DeviceCore:
         device = "cuda" if config.device is DeviceKind.CUDA else "cpu"
         self.kv = KVBuffer.allocate(KVShape.of(config), config.device_slots, HostLayout.LAYER_FIRST, device)
         self._pool = PagePool(config.device_pages, config.page_size)
-        self._owner_table = array("q", bytes(8 * config.device_pages))
-        self._owner = torch.frombuffer(self._owner_table, dtype=torch.int64)
-        """The same memory as `_owner_table` (both are written, neither is copied): per page its
-        `PageOwner`, or the number of the ledger that holds it."""
-        self._owner_np = self._owner.numpy()
-        """The same memory once more, for numpy's gathers and scatters (cheaper calls than torch's)."""
+        self._owners = PageTable(config.device_pages, "q")
+        """Per page its `PageOwner`, or the number of the ledger that holds it."""
+        self._owner = self._owners.tensor
         self._ledgers: dict[str, _Ledger] = {}
         self._next_ledger = _FIRST_LEDGER
-        self._distinct = Distinct(config.device_pages)
         self._released: OrderedDict[str, LedgerEntry] = OrderedDict()
 
     # -- requests -------------------------------------------------------------
@@ -164,7 +158,7 @@ class DeviceCore:
             return EMPTY
         new = self._pool.alloc(k)
         assert new is not None
-        put(self._owner_table, self._owner_np, new, ledger.number)
+        self._owners.put(new, ledger.number)
         got = indices_of(new)
         ledger.pages.frombytes(got.to_bytes())
         return got
@@ -200,18 +194,18 @@ class DeviceCore:
             self.commit_many(commits)
         # A request admitted and ended before it allocated has an empty ledger.
         ledgers = self._distinct_live([rid for rid, _, _ in releases], "release", new_ok=True)
-        adopted: list[tuple[Ints, Ints]] = []
+        adopted: list[tuple[Pages, Pages]] = []
         try:
             for ledger, (rid, adopt, _) in zip(ledgers, releases, strict=True):
                 adopted.append(self._hand_over(ledger, adopt))
         except LedgerError:
             for ledger, (pages, _) in zip(ledgers, adopted):
-                put(self._owner_table, self._owner_np, pages, ledger.number)  # all or nothing
+                self._owners.put(pages, ledger.number)  # all or nothing
             raise
         views = []
         for ledger, (_, held), (rid, _, reason) in zip(ledgers, adopted, releases, strict=True):
             rest = self._rest(ledger, held)
-            put(self._owner_table, self._owner_np, rest, PageOwner.FREE)
+            self._owners.put(rest, PageOwner.FREE)
             self._pool.free(rest)
             self._ledgers.pop(rid, None)
             view = self._view(ledger, freed=ledger.allocated)
@@ -230,8 +224,8 @@ class DeviceCore:
             self.commit_many([(rid, commits)])
         ledger = self._live(rid, "swap pages of", new_ok=True)  # a full-prefix hit may not have allocated
         p = self.page_size
-        adopt_pages = as_list(ints(adopt))
-        free_pages = as_list(ints(free))
+        adopt_pages = as_list(as_pages(adopt))
+        free_pages = as_list(as_pages(free))
         both = adopt_pages + free_pages
         whole = ledger.committed // p - ledger.given // p if ledger.committed >= ledger.given else 0
         handed = set(both)
@@ -240,57 +234,50 @@ class DeviceCore:
                 f"request {rid!r}: pages {both} are not distinct, whole, committed pages of the "
                 "request (only committed pages can be handed over mid-life)"
             )
-        self._set_owner(adopt_pages, PageOwner.TREE)
-        self._set_owner(free_pages, PageOwner.FREE)
+        self._owners.put(adopt_pages, PageOwner.TREE)
+        self._owners.put(free_pages, PageOwner.FREE)
         self._pool.free(free_pages)
         ledger.pages = array("q", [pg for pg in ledger.pages if pg not in handed])
         ledger.given += len(both) * p
         return self._view(ledger, freed=ledger.given)
 
-    def _hand_over(self, ledger: _Ledger, adopt: Slots) -> tuple[Ints, Ints]:
+    def _hand_over(self, ledger: _Ledger, adopt: Slots) -> tuple[Pages, Pages]:
         """Give the `adopt` pages of the ledger to the tree; the pages, and those the ledger
         still holds. Refused (changing nothing) unless they are distinct pages it holds.
 
         Usually they are its first pages, in order (its own pages after its cached prefix,
         none a duplicate): then that is the check, one comparison of bytes, since a ledger's
         pages are its own (an invariant). Otherwise one lookup per page: each must carry the
-        ledger's number, and after the move the ledger must hold exactly that many pages
-        fewer (a page named twice moves once)."""
+        ledger's number, and be named once."""
         number, held, k = ledger.number, ledger.pages, len(adopt)
         if isinstance(adopt, Indices) and k <= len(held) and adopt.to_bytes() == memoryview(held)[:k].tobytes():
-            pages = ints(adopt)
-            put(self._owner_table, self._owner_np, pages, PageOwner.TREE)
-            return pages, ints(Indices(memoryview(held)[k:].tobytes()))
-        pages = ints(adopt)
-        if isinstance(pages, list):
-            ok = holds(self._owner_table, pages, frozenset((number,)))
-        else:
-            ok = within(pages, len(self._owner)) and bool((self._owner_np[pages.numpy()] == number).all())
-        if ok:
-            put(self._owner_table, self._owner_np, pages, PageOwner.TREE)
-            rest = self._held(ledger)
-            if len(rest) == len(held) - k:
-                return pages, rest
-            put(self._owner_table, self._owner_np, pages, number)
+            pages = as_pages(adopt)
+            self._owners.put(pages, PageOwner.TREE)
+            return pages, pages_of_array(held[k:])  # a copy of the rest: the ledger's array stays resizable
+        pages = as_pages(adopt)
+        if self._owners.fits(pages, frozenset((number,))):
+            self._owners.put(pages, PageOwner.TREE)
+            return pages, self._held(ledger)
         listed = as_list(pages)
-        foreign = [pg for pg in listed if not 0 <= pg < len(self._owner_table) or self._owner_table[pg] != number]
+        table = self._owners.items
+        foreign = [pg for pg in listed if not 0 <= pg < len(table) or table[pg] != number]
         raise LedgerError(
             f"request {ledger.request_id!r}: adopted pages {(foreign or listed)[:16]} are not distinct pages of "
             "this request"
         )
 
-    def _rest(self, ledger: _Ledger, held: Ints) -> Ints:
+    def _rest(self, ledger: _Ledger, held: Pages) -> Pages:
         """What a release frees: every page the ledger still holds once the tree took its share."""
         return held
 
-    def _held(self, ledger: _Ledger) -> Ints:
+    def _held(self, ledger: _Ledger) -> Pages:
         """The ledger's pages it still owns in the table, in token order."""
         pages = ledger.pages
         if len(pages) <= FEW_MAX:
-            table, number = self._owner_table, ledger.number
+            table, number = self._owners.items, ledger.number
             return [pg for pg in pages if table[pg] == number]
         mine = numpy.frombuffer(pages, dtype=numpy.int64)
-        return torch.from_numpy(mine[self._owner_np[mine] == ledger.number])
+        return mine[self._owners.view.take(mine) == ledger.number]  # a copy: no view of the ledger's array lives on
 
     def _distinct_live(self, rids: list[str], what: str, *, new_ok: bool = False) -> list[_Ledger]:
         if len(set(rids)) != len(rids):
@@ -318,20 +305,20 @@ class DeviceCore:
         new = self._pool.alloc(k)
         if new is None:
             return Insufficient(requested_slots=k * self.page_size, free_slots=self._pool.free_slots)
-        self._set_owner(new, PageOwner.LOADING)
+        self._owners.put(new, PageOwner.LOADING)
         return indices_of(new)
 
     def adopt_loaded(self, pages: Slots) -> None:
         """A load into `pages` completed: the tree owns them."""
-        pages = ints(pages)
-        self._expect(pages, (PageOwner.LOADING,), "adopt loaded pages")
-        self._set_owner(pages, PageOwner.TREE)
+        pages = as_pages(pages)
+        self._expect(pages, _LOADING, "adopt loaded pages")
+        self._owners.put(pages, PageOwner.TREE)
 
     def free_tree(self, pages: Slots) -> None:
         """Free pages the tree owns, or a load's pages whose load failed or was dropped."""
-        pages = ints(pages)
-        self._expect(pages, (PageOwner.TREE, PageOwner.LOADING), "free device pages")
-        self._set_owner(pages, PageOwner.FREE)
+        pages = as_pages(pages)
+        self._expect(pages, _TREE_OR_LOADING, "free device pages")
+        self._owners.put(pages, PageOwner.FREE)
         self._pool.free(pages)
 
     # -- checks and numbers ---------------------------------------------------
@@ -401,43 +388,38 @@ class DeviceCore:
             return _Ledger(rid, 0)
         raise LedgerError(f"cannot {what} request {rid!r}: it has no slots (unknown request)")
 
-    def _set_owner(self, pages: Ints, owner: PageOwner) -> None:
-        put(self._owner_table, self._owner_np, pages, owner)
-
-    def _expect(self, pages: Ints, owners: tuple[PageOwner, ...], what: str) -> None:
-        if isinstance(pages, list):
-            if holds(self._owner_table, pages, frozenset(owners)):
-                return
-            pages = as_tensor(pages)  # refused: the check below names why
-        if not len(pages):
+    def _expect(self, pages: Pages, owners: frozenset[PageOwner], what: str) -> None:
+        """Return if `pages` are distinct pages, each with an owner of `owners`; else raise, naming why."""
+        if self._owners.fits(pages, owners):
             return
-        if not within(pages, len(self._owner)):
-            raise SlotStateError(f"cannot {what}: page number out of range 0..{len(self._owner) - 1}")
-        if not self._distinct(pages):
-            raise SlotStateError(f"{what}: a page appears twice in {pages.tolist()}")
-        owned = self._owner_np[pages.numpy()]
-        low = int(owned.min())
-        if low in owners and low == int(owned.max()):  # pages of one owner, as the tree's calls are
-            return
-        have = torch.from_numpy(owned)
+        at = as_tensor(pages)
+        size = self._owners.size
+        if bool((at < 0).any()) or bool((at >= size).any()):
+            raise SlotStateError(f"cannot {what}: page number out of range 0..{size - 1}")
+        if len(torch.unique(at)) != len(at):
+            raise SlotStateError(f"{what}: a page appears twice in {at.tolist()}")
+        have = self._owner[at]
         ok = torch.zeros_like(have, dtype=torch.bool)
         for o in owners:
             ok |= have == o
-        if not bool(ok.all()):
-            bad = (~ok).nonzero().flatten()[:8]
-            detail = ", ".join(
-                f"slots {int(pages[i]) * self.page_size}..{int(pages[i]) * self.page_size + self.page_size - 1} "
-                f"owned by {_owner_name(int(have[i]))}"
-                for i in bad
-            )
-            allowed = " or ".join(o.name.lower() for o in owners)
-            hint = " (double free?)" if any(int(have[i]) == PageOwner.FREE for i in bad) else ""
-            raise SlotStateError(f"cannot {what}: {detail}; expected {allowed}{hint}")
+        bad = (~ok).nonzero().flatten()[:8]
+        detail = ", ".join(
+            f"slots {int(at[i]) * self.page_size}..{int(at[i]) * self.page_size + self.page_size - 1} "
+            f"owned by {_owner_name(int(have[i]))}"
+            for i in bad
+        )
+        allowed = " or ".join(o.name.lower() for o in sorted(owners))
+        hint = " (double free?)" if any(int(have[i]) == PageOwner.FREE for i in bad) else ""
+        raise SlotStateError(f"cannot {what}: {detail}; expected {allowed}{hint}")
 
     @staticmethod
     def _view(ledger: _Ledger, freed: int) -> LedgerEntry:
         return LedgerEntry(request_id=ledger.request_id, allocated=ledger.allocated, committed=ledger.committed,
                            freed=freed)
+
+
+_LOADING = frozenset((PageOwner.LOADING,))
+_TREE_OR_LOADING = frozenset((PageOwner.TREE, PageOwner.LOADING))
 
 
 def _owner_name(code: int) -> str:

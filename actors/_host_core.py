@@ -6,14 +6,13 @@ vectorised over the pages of the call (a lookup in an 8x8 table), so an illegal 
 raises at once, naming the pages, their states and the state asked for. This check
 is always on.
 
-The states are one `bytearray`, seen also as a uint8 tensor over the same memory.
-Each call keeps its page numbers in the form `_pages` chooses for their number
-(`Ints`): a move of a few pages (most moves) is checked and made on the bytearray with
-Python ints, from the message's bytes on, which costs a fraction of the dozen small
-torch calls of the vectorised check; a larger move, or one that fails the check, takes
-the vectorised path (which names what is wrong). Pages come in as tensors, `Indices`
-or lists; `allocate_pages` answers with the `Indices` a reply carries, `allocate` with
-a tensor.
+The states are one byte per page (a `PageTable`). Each call keeps its page numbers
+in the form `_pages` chooses for their number (`Pages`): a move of a few pages (most
+moves) is checked and made with Python ints, from the message's bytes on, which costs
+a fraction of the vectorised check's array calls; a larger move takes the vectorised
+path, and one that fails either check is explained by the tensor path below (which
+names what is wrong). Pages come in as tensors, `Indices` or lists; `allocate_pages`
+answers with the `Indices` a reply carries, `allocate` with a tensor.
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ from hicache.messages.config import Config, DeviceKind
 
 from ._errors import InvariantError, SlotStateError
 from ._kv import KVBuffer, KVShape
-from ._pages import Distinct, Ints, PagePool, Slots, as_tensor, holds, indices_of, ints, put, within
+from ._pages import PagePool, Pages, PageTable, Slots, as_pages, as_tensor, indices_of
 
 _N = len(HostSlotState)
 
@@ -69,12 +68,9 @@ class HostCore:
         self.kv = KVBuffer.allocate(KVShape.of(config), config.host_slots, config.host_layout, "cpu", pin=pin)
         self._pool = PagePool(config.host_pages, config.page_size)
         self._pages = config.host_pages
-        self._state_bytes = bytearray(config.host_pages)
-        self._state = torch.frombuffer(self._state_bytes, dtype=torch.uint8)
-        """The same memory as `_state_bytes` (both are written, neither is copied): a state per page."""
-        self._state_np = self._state.numpy()
-        """The same memory once more, for numpy's gathers and scatters (cheaper calls than torch's)."""
-        self._distinct = Distinct(config.host_pages)
+        self._states = PageTable(config.host_pages, "B")
+        """A `HostSlotState` per page."""
+        self._state = self._states.tensor
 
     @property
     def free_slots(self) -> int:
@@ -99,11 +95,11 @@ class HostCore:
         """Move every page of `pages` to `to`; all moves must be legal."""
         if to is HostSlotState.FREE:
             raise SlotStateError("freeing goes through free(), which returns the pages to the free list")
-        self._move(ints(pages), to, _MOVE_TO[to], _MOVABLE)
+        self._move(as_pages(pages), to, _MOVE_TO[to], _MOVABLE)
 
     def free(self, pages: Slots) -> None:
         """Free pages that hold no in-flight copy."""
-        pages = ints(pages)
+        pages = as_pages(pages)
         self._move(pages, HostSlotState.FREE, "free")
         self._pool.free(pages)
 
@@ -130,39 +126,27 @@ class HostCore:
             if bool((self._state[free_pages] != HostSlotState.FREE).any()) or len(torch.unique(free_pages)) != len(free_pages):
                 raise InvariantError("host: the free list holds a page that is not FREE, or a page twice")
 
-    def _move(self, pages: Ints, to: HostSlotState, what: str, rules: _Rules = _LEGAL, *, fresh: bool = False) -> None:
+    def _move(self, pages: Pages, to: HostSlotState, what: str, rules: _Rules = _LEGAL, *, fresh: bool = False) -> None:
         """Move `pages` to `to` if every move is legal, else change nothing and say why.
         `fresh`: pages the free list just handed out (distinct and in range by its invariant)."""
-        if isinstance(pages, list):
-            if holds(self._state_bytes, pages, rules.sources[to]):
-                put(self._state_bytes, self._state_np, pages, to)
-                return
-            pages = as_tensor(pages)  # refused: the check below names why
-        if not fresh and not within(pages, self._pages):
+        if self._states.fits(pages, rules.sources[to], fresh=fresh):
+            self._states.put(pages, to)
+            return
+        at = as_tensor(pages)
+        if bool((at < 0).any()) or bool((at >= self._pages).any()):
             raise SlotStateError(f"host {what}: page number out of range 0..{self._pages - 1}")
-        if not fresh and not self._distinct(pages):
+        if len(torch.unique(at)) != len(at):
             raise SlotStateError(f"host {what}: a page appears twice in one call")
-        if not len(pages):
-            return
-        owned = self._state_np[pages.numpy()]
-        low = int(owned.min())
-        if low in rules.sources[to] and low == int(owned.max()):  # pages moved together: one state
-            put(self._state_bytes, self._state_np, pages, to)
-            return
-        have = torch.from_numpy(owned).to(torch.int64)
+        have = self._state[at].to(torch.int64)
         legal = rules.table[have, int(to)]
-        if not bool(legal.all()):
-            bad = (~legal).nonzero().flatten()
-            shown = ", ".join(
-                f"page {int(pages[i])} is {HostSlotState(int(have[i])).name}" for i in bad[:8]
-            )
-            more = f" (and {len(bad) - 8} more)" if len(bad) > 8 else ""
-            hint = ""
-            if to is HostSlotState.FREE and bool((have[bad] == HostSlotState.FREE).any()):
-                hint = " (double free)"
-            elif to is HostSlotState.FREE:
-                hint = f" (only {', '.join(s.name for s in _FREEABLE)} pages may be freed)"
-            elif bool((have[bad] == HostSlotState.FREE).any()):
-                hint = " (FREE pages are allocated with allocate(), not moved)"
-            raise SlotStateError(f"illegal host page transition to {to.name} on {what}: {shown}{more}{hint}")
-        put(self._state_bytes, self._state_np, pages, to)
+        bad = (~legal).nonzero().flatten()
+        shown = ", ".join(f"page {int(at[i])} is {HostSlotState(int(have[i])).name}" for i in bad[:8])
+        more = f" (and {len(bad) - 8} more)" if len(bad) > 8 else ""
+        hint = ""
+        if to is HostSlotState.FREE and bool((have[bad] == HostSlotState.FREE).any()):
+            hint = " (double free)"
+        elif to is HostSlotState.FREE:
+            hint = f" (only {', '.join(s.name for s in _FREEABLE)} pages may be freed)"
+        elif bool((have[bad] == HostSlotState.FREE).any()):
+            hint = " (FREE pages are allocated with allocate(), not moved)"
+        raise SlotStateError(f"illegal host page transition to {to.name} on {what}: {shown}{more}{hint}")

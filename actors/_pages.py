@@ -1,24 +1,30 @@
-"""Page and slot numbers for both slot allocators: the free-page stack and the conversions.
+"""Page and slot numbers for both slot allocators: the free-page stack, the page tables
+and the conversions.
 
-A call on a pool works on its slot (or page) numbers in one of two forms (`Ints`),
-chosen from the call's size when its numbers come in (`ints`) or are made
+A call on a pool core works on its page numbers in one of two forms (`Pages`), chosen
+from the call's size when its numbers come in (`as_pages`) or are made
 (`PagePool.alloc`), and kept to the end of the call:
 
-- a few numbers (at most `FEW_MAX` pages, or slots where a call names slots): a
-  `list[int]`. Checked, computed and written in plain Python, from a message's bytes
-  to the reply's bytes without a tensor: on a few numbers each torch call costs a microsecond or more of overhead,
-  more than the whole Python computation;
-- more: an int64 tensor, vectorised.
+- a few numbers (at most `FEW_MAX`): a `list[int]`. Checked, computed and written in
+  plain Python, from a message's bytes to the reply's bytes without an array: on a few
+  numbers each array call costs more than the whole Python computation;
+- more: a 1-D int64 numpy array (a view of a message's bytes where they came in one),
+  vectorised. numpy rather than torch: the bookkeeping makes many small calls, and
+  numpy's cost a half to a quarter of torch's.
 
 Every helper here takes either form and answers in the form it was given (or, when
 it makes numbers, the form for their size), so the cores' logic is written once.
-A list that a check refuses is handed to the vectorised check as a tensor, which
-names what is wrong: the errors are phrased in one place.
+A list that a check refuses is handed to the vectorised check, which names what is
+wrong: the errors are phrased in one place.
+
+The copies of KV take slot numbers as tensors (`Ints`: a list or a tensor), since
+torch indexes the buffers.
 
 `PagePool` is the free list of pages behind both allocators: a stack of free page
 numbers; allocating `k` pages takes the top `k`, freeing pushes them back. O(1) per
-page; ownership and double-free checks belong to the pool's owner (which knows each
-page's state).
+page. `PageTable` is the value per page each pool's core keeps (the device's owner,
+the host's state), with the one checked move both make: only distinct pages in range,
+each holding an allowed value, change.
 """
 
 from __future__ import annotations
@@ -32,20 +38,23 @@ import torch
 from hicache.messages import Indices
 
 FEW_MAX = 256
-"""Calls on at most this many numbers (pages, or slots) take the `list[int]` form of `Ints`; larger
-ones the tensor form. A torch call costs several microseconds whatever its size, Python about 30 to
-60 ns a number per pass: up to a few hundred numbers, the few passes a call makes cost less in
-Python than its tensor calls."""
+"""Calls on at most this many numbers (pages, or slots) take the `list[int]` form; larger ones
+the array form. An array call costs a microsecond or more whatever its size (several, with cold
+caches between calls), Python about 30 to 60 ns a number per pass: up to a few hundred numbers,
+the few passes a call makes cost less in Python than its array calls."""
 
 Ints: TypeAlias = list[int] | torch.Tensor
-"""Slot or page numbers of one call: Python ints for a few slots, else a 1-D int64 tensor."""
+"""Slot numbers of a copy: Python ints for a few slots, else a 1-D int64 tensor."""
 
-
-# -- the two forms ---------------------------------------------------------------------
-
+Pages: TypeAlias = "list[int] | numpy.ndarray"
+"""Page numbers of one call on a pool core: Python ints for a few, else a 1-D int64 numpy array."""
 
 Slots: TypeAlias = "torch.Tensor | Indices | list[int]"
-"""Slot numbers as they come in: a 1-D int64 tensor, `Indices` as a message carried them, or Python ints."""
+"""Slot or page numbers as they come in: a 1-D int64 tensor, `Indices` as a message carried
+them, or Python ints."""
+
+
+# -- the forms ---------------------------------------------------------------------------
 
 
 def ints(slots: Slots) -> Ints:
@@ -58,73 +67,158 @@ def ints(slots: Slots) -> Ints:
     return slots.tolist() if few else slots
 
 
-def as_list(numbers: Ints) -> list[int]:
+def as_pages(numbers: Slots | numpy.ndarray) -> Pages:
+    """`numbers` in the form for their number: Python ints when few, else an int64 array
+    (a read-only view of `Indices`' bytes, a tensor's numpy view)."""
+    if len(numbers) <= FEW_MAX:
+        return numbers if isinstance(numbers, list) else numbers.tolist()
+    if isinstance(numbers, Indices):
+        return numpy.frombuffer(numbers.to_bytes(), dtype=numpy.int64)
+    if isinstance(numbers, numpy.ndarray):
+        return numbers.astype(numpy.int64, copy=False)
+    if isinstance(numbers, torch.Tensor):
+        return numbers.detach().to(device="cpu", dtype=torch.int64).numpy()
+    return numpy.array(numbers, dtype=numpy.int64)
+
+
+def pages_of_array(held: array) -> Pages:
+    """The numbers of an `array("q")` that nobody resizes while the result lives (viewed when many)."""
+    return held.tolist() if len(held) <= FEW_MAX else numpy.frombuffer(held, dtype=numpy.int64)
+
+
+def as_list(numbers: Ints | Pages) -> list[int]:
     return numbers if isinstance(numbers, list) else numbers.tolist()
 
 
-def as_tensor(numbers: Slots) -> torch.Tensor:
-    """`numbers` as a 1-D int64 tensor (zero-copy for a tensor and for `Indices`)."""
+def as_tensor(numbers: Slots | numpy.ndarray) -> torch.Tensor:
+    """`numbers` as a 1-D int64 tensor (zero-copy for a tensor, a writable int64 array and `Indices`)."""
     if isinstance(numbers, torch.Tensor):
         return numbers
     if isinstance(numbers, Indices):
         return numbers.as_tensor()
+    if isinstance(numbers, numpy.ndarray):  # torch takes only writable arrays: a view of bytes is copied
+        return torch.from_numpy(numbers.astype(numpy.int64, copy=not numbers.flags.writeable))
     return torch.tensor(numbers, dtype=torch.int64)
 
 
-def indices_of(numbers: Ints) -> Indices:
+def indices_of(numbers: Ints | Pages) -> Indices:
     """`numbers` as the `Indices` a message carries."""
-    return Indices.from_tensor(numbers) if isinstance(numbers, torch.Tensor) else Indices.of(numbers)
+    if isinstance(numbers, list):
+        return Indices.of(numbers)
+    if isinstance(numbers, numpy.ndarray):
+        return Indices(numbers.astype("<i8", copy=False).tobytes())
+    return Indices.from_tensor(numbers)
 
 
-# -- byte tables (page owners, slot states) ----------------------------------------------
+# -- page tables (page owners, page states) ------------------------------------------------
 
 
-def holds(table: bytearray, at: list[int], allowed: frozenset[int]) -> bool:
-    """Whether `at` are distinct positions of `table` whose bytes are all in `allowed`
-    (the check of a few positions; a False sends the caller to its vectorised check)."""
-    if not at:
-        return True
-    if len(set(at)) != len(at) or min(at) < 0 or max(at) >= len(table):
-        return False
-    return allowed.issuperset(map(table.__getitem__, at))
+class PageTable:
+    """One small integer per page of a pool (`typecode` "q": int64, "B": uint8) in one buffer
+    seen three ways: `items` (an `array`, for Python's reads and writes of a few pages), `view`
+    (numpy's, for the vectorised ones) and `tensor` (for counts and invariant checks).
 
+    `fits` is the check before every move: distinct pages, in range, each holding an allowed
+    value. Over an array it is a gather and two reductions when the pages all hold one value
+    (as pages moved together do), plus the distinct check: each page's position scattered
+    into a scratch table and read back (a page named twice reads back the later position at
+    the earlier one), in O(len) and without a sort."""
 
-def put(table: bytearray | array, view: numpy.ndarray, at: Ints, value: int) -> None:
-    """Write `value` at `at` into `table`, whose memory `view` (a numpy array) also shows."""
-    if isinstance(at, torch.Tensor):
-        # numpy's scatter of one value: several times cheaper than torch's index_fill_ on this path
-        view[at.numpy()] = value
-        return
-    for i in at:
-        table[i] = value
-
-
-def within(at: torch.Tensor, size: int) -> bool:
-    """Whether every number of `at` is a position of a table of `size` (two numpy reductions)."""
-    if not len(at):
-        return True
-    a = at.numpy()
-    return int(a.min()) >= 0 and int(a.max()) < size
-
-
-class Distinct:
-    """Tells whether a tensor of positions holds each at most once, in O(len) and without a
-    sort: each position's index is scattered into a scratch table and read back; a position
-    named twice reads back the later index at the earlier one. The positions must be in range
-    (`within`)."""
-
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, typecode: str) -> None:
+        self.items = array(typecode, bytes(size * array(typecode).itemsize))
+        self.view = numpy.frombuffer(self.items, dtype=numpy.int64 if typecode == "q" else numpy.uint8)
+        self.tensor = torch.from_numpy(self.view)
+        self.size = size
         self._scratch = numpy.empty(size, dtype=numpy.int64)
         self._order = numpy.arange(0, dtype=numpy.int64)
         """0, 1, 2, ... as long as the longest call so far (read-only)."""
 
-    def __call__(self, at: torch.Tensor) -> bool:
+    def fits(self, at: Pages, allowed: frozenset[int], *, fresh: bool = False) -> bool:
+        """Whether `at` are distinct pages of the table that each hold a value in `allowed`.
+        `fresh`: pages the free list just handed out (distinct and in range by its invariant)."""
+        if isinstance(at, list):
+            if not at:
+                return True
+            if not fresh and (len(set(at)) != len(at) or min(at) < 0 or max(at) >= self.size):
+                return False
+            return allowed.issuperset(map(self.items.__getitem__, at))
+        if not len(at):
+            return True
+        if not fresh and numpy.minimum.reduce(at) < 0:
+            return False
+        try:
+            got = self.view.take(at)
+        except IndexError:  # a page past the end
+            return False
+        low = int(numpy.minimum.reduce(got))
+        if (low != numpy.maximum.reduce(got) or low not in allowed) and not numpy.isin(got, tuple(allowed)).all():
+            return False
+        return fresh or self._distinct(at)
+
+    def _distinct(self, at: numpy.ndarray) -> bool:
         n = len(at)
         if len(self._order) < n:
             self._order = numpy.arange(max(n, 2 * len(self._order)), dtype=numpy.int64)
-        order, a = self._order[:n], at.numpy()
-        self._scratch[a] = order
-        return bool(numpy.array_equal(self._scratch[a], order))
+        order = self._order[:n]
+        self._scratch[at] = order
+        return bool((self._scratch.take(at) == order).all())
+
+    def put(self, at: Pages, value: int) -> None:
+        """Write `value` at the pages `at`."""
+        if isinstance(at, list):
+            items = self.items
+            for i in at:
+                items[i] = value
+        else:
+            self.view[at] = value
+
+
+# -- the free list ---------------------------------------------------------------------------
+
+
+class PagePool:
+    def __init__(self, pages: int, page_size: int) -> None:
+        if pages <= 0 or page_size <= 0:
+            raise ValueError(f"pages={pages} and page_size={page_size} must be > 0")
+        self.pages = pages
+        self.page_size = page_size
+        self._stack = numpy.arange(pages - 1, -1, -1, dtype=numpy.int64)
+        """The free pages at [0, top), the next to hand out on top; reversed so that a fresh pool
+        hands out pages 0, 1, 2, ... in order."""
+        self._top = pages
+
+    @property
+    def free_pages(self) -> int:
+        return self._top
+
+    @property
+    def free_slots(self) -> int:
+        return self._top * self.page_size
+
+    def alloc(self, k: int) -> Pages | None:
+        """`k` free page numbers (new, in the form for `k` pages), or None if fewer are free."""
+        if k < 0:
+            raise ValueError(f"cannot allocate {k} pages")
+        if k > self._top:
+            return None
+        self._top -= k
+        got = self._stack[self._top : self._top + k][::-1]
+        return got.tolist() if k <= FEW_MAX else got.copy()
+
+    def free(self, pages: Pages) -> None:
+        """Push pages back. The caller has checked they were allocated."""
+        k = len(pages)
+        top = self._top
+        if top + k > self.pages:
+            raise AssertionError(
+                f"freeing {k} pages would give {top + k} free of {self.pages}: double free"
+            )
+        self._stack[top : top + k] = pages[::-1]
+        self._top = top + k
+
+    def free_page_set(self) -> torch.Tensor:
+        """The free page numbers (for invariant checks)."""
+        return torch.from_numpy(self._stack[: self._top])
 
 
 # -- pages and slots ---------------------------------------------------------------------
@@ -190,60 +284,20 @@ _OFFSETS: dict[int, numpy.ndarray] = {}
 longest call; read-only)."""
 
 
-# -- the free list -----------------------------------------------------------------------
+class SlotTable:
+    """Every slot of one pool, page by page: the slots of many pages are one gather of rows
+    (a copy of `page_size` slots per page, where `slots_of_pages` makes three passes). For
+    a caller that turns the pages a pool gave it into slots on every call (the facade);
+    it costs 8 bytes per slot of the pool, a small part of that slot's KV."""
 
-
-class PagePool:
     def __init__(self, pages: int, page_size: int) -> None:
-        if pages <= 0 or page_size <= 0:
-            raise ValueError(f"pages={pages} and page_size={page_size} must be > 0")
-        self.pages = pages
         self.page_size = page_size
-        self._stack = array("q", bytes(8 * pages))
-        self._stack_view = torch.frombuffer(self._stack, dtype=torch.int64)
-        """The same memory as `_stack` (never resized, so the view stays valid)."""
-        self._stack_np = self._stack_view.numpy()
-        """The same memory again, for numpy's slicing and reversed copies (cheaper calls than torch's)."""
-        # Reversed so that a fresh pool hands out pages 0, 1, 2, ... in order.
-        torch.arange(pages - 1, -1, -1, out=self._stack_view)
-        self._top = pages
+        self._rows = numpy.arange(pages * page_size, dtype=numpy.int64).reshape(pages, page_size)
+        self._rows.flags.writeable = False
 
-    @property
-    def free_pages(self) -> int:
-        return self._top
-
-    @property
-    def free_slots(self) -> int:
-        return self._top * self.page_size
-
-    def alloc(self, k: int) -> Ints | None:
-        """`k` free page numbers (new, in the form for `k` pages' slots), or None if fewer are free."""
-        if k < 0:
-            raise ValueError(f"cannot allocate {k} pages")
-        if k > self._top:
-            return None
-        self._top -= k
-        top = self._top
-        if k <= FEW_MAX:
-            got = self._stack[top : top + k].tolist()
-            got.reverse()
-            return got
-        return torch.from_numpy(self._stack_np[top : top + k][::-1].copy())
-
-    def free(self, pages: Ints) -> None:
-        """Push pages back. The caller has checked they were allocated."""
-        k = len(pages)
-        top = self._top
-        if top + k > self.pages:
-            raise AssertionError(
-                f"freeing {k} pages would give {top + k} free of {self.pages}: double free"
-            )
-        if isinstance(pages, list):
-            self._stack[top : top + k] = array("q", reversed(pages))
-        else:
-            self._stack_np[top : top + k] = pages.numpy()[::-1]
-        self._top = top + k
-
-    def free_page_set(self) -> torch.Tensor:
-        """The free page numbers (for invariant checks)."""
-        return self._stack_view[: self._top]
+    def slots(self, pages: Indices, n: int) -> torch.Tensor:
+        """The first `n` slots of `pages` (page numbers of this pool), as a new tensor."""
+        if self.page_size == 1:
+            return pages[:n].to_tensor()
+        at = numpy.frombuffer(pages.to_bytes(), dtype=numpy.int64)
+        return torch.from_numpy(self._rows.take(at, axis=0).reshape(-1)[:n])

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 from hicache.actors._logging import logger
-from hicache.actors._pages import slots_of_pages
+from hicache.actors._pages import SlotTable
 from hicache.messages import (
     ActorName,
     AdmitItem,
@@ -182,6 +182,8 @@ class HiCache:
         self.reply_timeout_s = reply_timeout_s
         self.system = System(self.config, runtime=runtime, actor_classes=actor_classes)
         self._ops = self.system.services.ids
+        self._slot_table: SlotTable | None = None
+        """Built at the first start: 8 bytes per device slot."""
         self._interrupts = Interrupts(on_enter=self._collect)
         self._caller = 0
         self._kv: DeviceKV | None = None
@@ -212,6 +214,8 @@ class HiCache:
         if self.config.metrics:  # first: a clash with another exporting instance leaves nothing started
             track(self)
         self._reset()
+        if self._slot_table is None:
+            self._slot_table = SlotTable(self.config.device_pages, self.config.page_size)
         try:
             self.system.start()
         except BaseException:
@@ -301,10 +305,8 @@ class HiCache:
 
     def _slots(self, pages: Indices, n: int) -> torch.Tensor:
         """The engine's view: the first `n` slots of `pages`, as a tensor the caller owns."""
-        p = self.config.page_size
-        if p == 1:
-            return pages[:n].to_tensor()
-        return slots_of_pages(pages.as_tensor(), p)[:n]  # a new tensor: the pages' bytes stay unshared
+        assert self._slot_table is not None  # built by start()
+        return self._slot_table.slots(pages, n)
 
     def _undo_admit(self, items: Sequence[AdmitItem], reply: Admitted) -> None:
         """An admission whose caller never saw it: release its locks (retracted: the ids stay usable)."""

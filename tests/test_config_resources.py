@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from hicache.actors import DeviceCore, HostCore
+from hicache.actors._pages import SlotTable
 from hicache.messages._resources import host_available_bytes, needs
 from hicache.runtime import Available, Config, ConfigError, check_resources
 
@@ -58,7 +59,7 @@ def test_a_device_buffer_larger_than_free_device_memory_names_device_slots_and_w
 def test_a_host_buffer_larger_than_free_host_memory_names_host_slots_and_what_fits() -> None:
     config = Config(**SHAPE, device_slots=1024, host_slots=2**30)
     available = Available(cuda=False, device_free_bytes=None, host_free_bytes=4 * GIB)
-    with pytest.raises(ConfigError, match=r"^the cache needs 512\.1 GiB of host memory but 4\.0 GiB is free: ") as info:
+    with pytest.raises(ConfigError, match=r"^the cache needs 513\.1 GiB of host memory but 4\.0 GiB is free: ") as info:
         check_resources(config, available)
     fit = int(re.search(r"lower host_slots to at most (\d+),", str(info.value)).group(1))  # type: ignore[union-attr]
     check_resources(config.replace(host_slots=fit), available)
@@ -95,9 +96,14 @@ def test_the_counted_sizes_are_what_the_pools_allocate() -> None:
     for n in needs(config):
         counted[n.field] = counted.get(n.field, 0) + n.nbytes
     device, host = DeviceCore(config), HostCore(config)
-    tables = device._owner.nbytes + device._pool._stack_view.nbytes
-    assert counted["device_slots"] == device.kv.tensor.nbytes + tables
-    assert counted["host_slots"] == host.kv.tensor.nbytes + len(host._state_bytes)
+
+    def table_bytes(core: DeviceCore | HostCore) -> int:
+        table = core._owners if isinstance(core, DeviceCore) else core._states
+        return table.view.nbytes + table._scratch.nbytes + core._pool._stack.nbytes
+
+    slot_table = SlotTable(config.device_pages, config.page_size)._rows.nbytes  # the facade's
+    assert counted["device_slots"] == device.kv.tensor.nbytes + table_bytes(device) + slot_table
+    assert counted["host_slots"] == host.kv.tensor.nbytes + table_bytes(host)
     assert "storage_batch_pages" not in counted  # storage reads and writes host slots in place: no buffer
 
 
@@ -105,5 +111,5 @@ def test_this_machine_reports_its_free_host_memory_and_refuses_half_a_petabyte()
     free = host_available_bytes()
     assert free is not None and 0 < free < 2**49
     check_resources(Config())
-    with pytest.raises(ConfigError, match=r"^the cache needs 512\.1 TiB of host memory but .* is free: "):
+    with pytest.raises(ConfigError, match=r"^the cache needs 513\.1 TiB of host memory but .* is free: "):
         check_resources(Config(**SHAPE, device_slots=16, host_slots=2**40))

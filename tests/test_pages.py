@@ -1,8 +1,8 @@
 """`PagePool` (the free-page stack behind both allocators), the page/slot conversions and
-the two forms of `Ints`.
+the two forms of `Pages`.
 
-The pool answers a few pages as Python ints and many as a tensor (`FEW_MAX`
-counts the pages' slots); `as_list` reads either form. tests/test_pool_fast_paths.py
+The pool answers a few pages as Python ints and many as a numpy array (`FEW_MAX`
+counts pages); `as_list` reads either form. tests/test_pool_fast_paths.py
 checks that both forms give the same results. The cores and messages name pages; slots
 are the pages' `slots_of_pages` (what the KV buffers and the oracle take).
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 
+import numpy
 import pytest
 import torch
 
@@ -44,12 +45,12 @@ def test_allocating_zero_pages_gives_nothing() -> None:
     assert pool.free_pages == 4
 
 
-def test_a_few_pages_come_as_python_ints_and_many_as_a_tensor() -> None:
+def test_a_few_pages_come_as_python_ints_and_many_as_an_array() -> None:
     pool = PagePool(3 * FEW_MAX, 1)
     few = pool.alloc(FEW_MAX)
     assert few == list(range(FEW_MAX))
     many = pool.alloc(FEW_MAX + 1)
-    assert isinstance(many, torch.Tensor) and many.dtype == torch.int64
+    assert isinstance(many, numpy.ndarray) and many.dtype == numpy.int64
     assert many.tolist() == list(range(FEW_MAX, 2 * FEW_MAX + 1))
     assert isinstance(PagePool(FEW_MAX, 16).alloc(FEW_MAX // 2 + 1), list)  # pages count, not slots
     pool.free(many)
@@ -71,13 +72,13 @@ def test_freed_pages_are_handed_out_again_first_in_the_same_order() -> None:
     assert pool.alloc(3) == middle
 
 
-@pytest.mark.parametrize("pages", [2, FEW_MAX + 1], ids=["ints", "tensor"])
+@pytest.mark.parametrize("pages", [2, FEW_MAX + 1], ids=["ints", "array"])
 def test_alloc_returns_pages_the_pool_does_not_keep(pages: int) -> None:
     pool = PagePool(pages + 2, 1)
     got = pool.alloc(pages)
     got[:] = [99] * pages if isinstance(got, list) else 99
     assert sorted(pool.free_page_set().tolist()) == [pages, pages + 1]
-    pool.free(torch.arange(pages))
+    pool.free(numpy.arange(pages))
     assert sorted(pool.free_page_set().tolist()) == list(range(pages + 2))
 
 
@@ -98,7 +99,7 @@ def test_random_alloc_and_free_keep_every_page_exactly_once() -> None:
         if held and rng.random() < 0.5:
             rng.shuffle(held)
             k = rng.randint(1, len(held))
-            pool.free(held[:k] if rng.random() < 0.5 else torch.tensor(held[:k]))
+            pool.free(held[:k] if rng.random() < 0.5 else numpy.array(held[:k]))
             held = held[k:]
         else:
             got = pool.alloc(rng.choice([rng.randint(0, 6), rng.randint(0, 20)]))

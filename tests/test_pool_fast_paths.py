@@ -23,7 +23,9 @@ from hypothesis import strategies as st
 import hicache.actors._device_core as device_core_module
 import hicache.actors._pages as pages_module
 from hicache.actors import DeviceCore, HostCore
-from hicache.actors._pages import FEW_MAX, as_list, holds, indices_of, ints, put
+import numpy
+
+from hicache.actors._pages import FEW_MAX, PageTable, as_list, as_pages, indices_of, ints
 from hicache.messages import HostSlotState, Indices, ReleaseReason
 from hicache.runtime import Config
 
@@ -69,33 +71,38 @@ def _played(calls: list[Any], step: Callable[..., Any], check: Callable[[], Any]
 
 @settings(max_examples=200, deadline=None)
 @given(values=st.lists(st.integers(-(2**40), 2**40), max_size=2 * FEW_MAX))
-def test_indices_and_python_ints_convert_both_ways_as_tensors_do(values: list[int]) -> None:
+def test_indices_and_python_ints_convert_both_ways_as_tensors_and_arrays_do(values: list[int]) -> None:
     tensor = torch.tensor(values, dtype=torch.int64)
     idx = Indices.from_tensor(tensor)
-    assert indices_of(values) == idx == indices_of(tensor)
+    assert indices_of(values) == idx == indices_of(tensor) == indices_of(numpy.array(values, dtype=numpy.int64))
     assert idx.tolist() == values == idx.as_tensor().tolist()
     for given_as in (idx, tensor):
         got = ints(given_as)
+        assert isinstance(got, list) == (len(values) <= FEW_MAX)
+        assert as_list(got) == values
+    for given_as in (idx, tensor, values, numpy.array(values, dtype=numpy.int64)):
+        got = as_pages(given_as)
         assert isinstance(got, list) == (len(values) <= FEW_MAX)
         assert as_list(got) == values
 
 
 @settings(max_examples=300, deadline=None)
 @given(table=st.lists(st.integers(0, 3), min_size=1, max_size=12), at=st.lists(st.integers(-3, 14), max_size=8),
-       allowed=st.frozensets(st.integers(0, 3)), value=st.integers(0, 3))
-def test_holds_checks_distinct_positions_in_range_with_allowed_bytes_and_put_writes_both_views(
-    table: list[int], at: list[int], allowed: frozenset[int], value: int
+       allowed=st.frozensets(st.integers(0, 3)), value=st.integers(0, 3), typecode=st.sampled_from(["B", "q"]))
+def test_a_page_table_takes_distinct_pages_in_range_with_allowed_values_in_either_form(
+    table: list[int], at: list[int], allowed: frozenset[int], value: int, typecode: str
 ) -> None:
-    data = bytearray(table)
-    view = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    pt = PageTable(len(table), typecode)
+    pt.view[:] = table
     expected = (len(set(at)) == len(at) and all(0 <= i < len(table) for i in at)
                 and all(table[i] in allowed for i in at))
-    assert holds(data, at, allowed) is expected
+    assert pt.fits(at, allowed) is expected
+    assert pt.fits(numpy.array(at, dtype=numpy.int64), allowed) is expected
     if expected and at:
-        put(data, view.numpy(), at, value)
-        put(data, view.numpy(), torch.tensor(at[:1]), value)
-        assert [data[i] for i in at] == [value] * len(at)
-        assert view.tolist() == list(data)
+        pt.put(at[:1], value)
+        pt.put(numpy.array(at[1:], dtype=numpy.int64), value)
+        assert [pt.items[i] for i in at] == [value] * len(at)
+        assert pt.view.tolist() == pt.tensor.tolist() == list(pt.items)
 
 
 # -- the device pool -----------------------------------------------------------------------

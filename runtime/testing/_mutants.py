@@ -25,7 +25,7 @@ from hicache.actors import (
     WriteStreamActor,
 )
 from hicache.actors._actor import HiActor
-from hicache.actors._pages import Ints, as_list
+from hicache.actors._pages import Pages, as_list
 from hicache.actors._tree_prefetch import PrefetchBook, _Prefetch
 from hicache.actors._tree_writes import WriteBack
 from hicache.messages import (
@@ -84,7 +84,7 @@ class _InferredLengthCore(DeviceCore):
     """Frees the pages that cover the committed length, as `len(input) + len(output) - 1`
     did: over-allocated pages (speculative lookahead) leak."""
 
-    def _rest(self, ledger: Any, held: Ints) -> Ints:
+    def _rest(self, ledger: Any, held: Pages) -> Pages:
         rest = super()._rest(ledger, held)
         p = self.page_size
         inferred = -(-max(ledger.committed - ledger.given, 0) // p)
