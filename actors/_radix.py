@@ -100,23 +100,25 @@ class RadixTree:
         return path
 
     def insert(
-        self, namespace: str, tokens: Indices, device: Indices, *, own_from: int = 0, priority: int = 0
+        self, namespace: str, tokens: Indices, device: Indices, *, own_from: int = 0, priority: int = 0,
+        length: int | None = None,
     ) -> InsertOutcome:
-        """Insert `tokens` (whole pages) whose KV sits in the `device` pages (one per page of tokens).
+        """Insert `tokens` (whole pages) whose KV sits in the `device` pages (one per page of tokens);
+        with `length`, only the first `length` tokens (whole pages; `tokens` is not copied).
 
         Pages of positions below `own_from` came from the tree itself (the caller's
         cached prefix): they are never adopted or reported as duplicates."""
         p = self.page_size
-        n = len(tokens)
+        n = len(tokens) if length is None else length
         u = self.index_tokens
-        if n % p or len(device) * u != n:
+        if n % p or len(device) * u != n or not 0 <= n <= len(tokens):
             raise ValueError(f"insert needs whole pages and an index per {u} tokens, got {n} tokens, "
                              f"{len(device)} indices")
         self._tick += 1
         out = InsertOutcome(path=[], present=0, adopted=[], duplicates=[], revived=[])
         node = self.root(namespace)
         data = tokens.to_bytes()
-        step = self._page_bytes
+        step, end = self._page_bytes, 8 * n
         pos = 0
         while pos < n:
             at = 8 * pos
@@ -129,7 +131,7 @@ class RadixTree:
                         f"insert: the caller's cached prefix ({own_from} tokens) is no longer in the tree at "
                         f"{pos}; its nodes were locked and cannot have been evicted"
                     )
-                new = self._new_node(node, data[at:], NodeState.DEVICE, priority)
+                new = self._new_node(node, data[at:end], NodeState.DEVICE, priority)
                 new.device = device[pos // u : n // u]
                 self._attach(new)  # offers it for eviction
                 out.adopted.append(new.device)
@@ -137,7 +139,7 @@ class RadixTree:
                     self.offer(nd)
                 out.path.append(new)
                 return out
-            same = self._common(child.key, data, at, len(data))
+            same = self._common(child.key, data, at, end)
             if pos < own_from < pos + same:
                 same = own_from - pos  # keep the tree's part and the caller's part in separate nodes
             if same < child.tokens:

@@ -298,7 +298,7 @@ class Admissions:
         """Insert a request's committed page-aligned prefix (checked by `_take_handles`)."""
         p = self.s.page_size
         n = len(tokens) - len(tokens) % p
-        out = self.s.tree.insert(h.namespace, tokens[:n], device[: n // p], own_from=h.prefix_tokens)
+        out = self.s.tree.insert(h.namespace, tokens, device[: n // p], own_from=h.prefix_tokens, length=n)
         if out.revived:
             self.s.emit(HOST, SetHostState(pages=cat([nd.host for nd in out.revived]), state=HostSlotState.SYNCED))
         adopted.extend(out.adopted)

@@ -123,8 +123,9 @@ __all__ = [
 class _Live:
     handle: CacheHandle
     namespace: str
-    tokens: list[bytes]
-    """Committed token ids (int64 bytes) in order, the cached prefix first; joined on demand."""
+    tokens: list[bytes | memoryview]
+    """Committed token ids (int64 bytes) in order, the cached prefix first (a view of the admitted
+    prompt's bytes); joined on demand."""
     committed: int
     pages: list[Indices]
     """The device pages of its positions, in token order (the cached prefix's first); joined on demand."""
@@ -139,9 +140,11 @@ class _Live:
     about the request (an allocation, a swap, its release) carries them."""
 
     def token_data(self) -> bytes:
-        if len(self.tokens) != 1:
-            self.tokens = [b"".join(self.tokens)]
-        return self.tokens[0]
+        first = self.tokens[0]
+        if len(self.tokens) != 1 or type(first) is not bytes:
+            first = b"".join(self.tokens)
+            self.tokens = [first]
+        return first
 
     def page_indices(self) -> Indices:
         if len(self.pages) != 1:
@@ -297,7 +300,7 @@ class HiCache:
         storage = min(self._stored.pop(rid, 0), adm.host_hit)
         self._storage_hit_tokens += storage
         handle = CacheHandle(rid, adm.handle)
-        live = _Live(handle, item.namespace, [item.tokens.to_bytes()[: 8 * cached]], cached, [], cached, -1)
+        live = _Live(handle, item.namespace, [memoryview(item.tokens.to_bytes())[: 8 * cached]], cached, [], cached, -1)
         live.add_pages(adm.device)
         self._live[rid] = live
         return AdmitResult(rid, handle, self._slots(adm.device, cached), adm.device_hit, adm.host_hit,

@@ -146,6 +146,20 @@ def test_insert_refuses_partial_pages_and_a_page_count_that_differs(tree: Any) -
     assert tree.nodes == 0
 
 
+def test_insert_of_a_length_takes_only_that_many_tokens_as_a_slice_would(
+        make_tree: Callable[..., Any]) -> None:
+    whole, cut = make_tree(), make_tree()
+    for t in (whole, cut):
+        t.insert("", toks(8), pages(2))
+    got = whole.insert("", toks(14), pages(3), length=12)  # two pages present, one new; the partial page left out
+    want = cut.insert("", toks(14)[:12], pages(3))
+    assert (got.present, [a.tolist() for a in got.adopted]) == (want.present, [a.tolist() for a in want.adopted])
+    assert [(nd.key, nd.tokens) for nd in got.path] == [(nd.key, nd.tokens) for nd in want.path]
+    assert [nd.tokens for nd in whole.match("", toks(14))] == [8, 4]
+    with pytest.raises(ValueError, match="got 16 tokens, 4 indices"):  # longer than the tokens
+        whole.insert("", toks(14), pages(4), length=16)
+
+
 def test_a_tree_of_slots_takes_one_index_per_token_and_splits_them_per_token() -> None:
     """The default tree holds slots (one index per token), as SGLang's radix cache does."""
     tree = RadixTree(P, EvictionPolicy.LRU)
