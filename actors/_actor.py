@@ -49,24 +49,25 @@ class Directory:
     """Actor name -> pykka ref, for one system. Filled once at start."""
 
     def __init__(self) -> None:
-        self._refs: dict[ActorName, pykka.ActorRef[Any]] = {}
+        self.refs: dict[ActorName, pykka.ActorRef[Any]] = {}
+        """Read-only to all but `register` (a send looks its receiver up here)."""
 
     def register(self, name: ActorName, ref: pykka.ActorRef[Any]) -> None:
-        if name in self._refs:
+        if name in self.refs:
             raise RuntimeError(f"an actor named {name.value} is already registered")
-        self._refs[name] = ref
+        self.refs[name] = ref
 
     def ref(self, name: ActorName) -> pykka.ActorRef[Any]:
         try:
-            return self._refs[name]
+            return self.refs[name]
         except KeyError:
             raise LookupError(
                 f"no actor named {name.value!r} in this system; running: "
-                f"{', '.join(sorted(n.value for n in self._refs))}"
+                f"{', '.join(sorted(n.value for n in self.refs))}"
             ) from None
 
     def names(self) -> tuple[ActorName, ...]:
-        return tuple(self._refs)
+        return tuple(self.refs)
 
 
 class WrongSenderError(RuntimeError):
@@ -90,16 +91,21 @@ class HiActor(pykka.ThreadingActor, abc.ABC):
     # -- the single delivery point -------------------------------------------
 
     def on_receive(self, mail: Any) -> Any:
-        if not isinstance(mail, Mail):
+        if type(mail) is not Mail:
             raise TypeError(
                 f"{self.name.value} received {type(mail).__name__}; actors exchange Mail "
                 "(send through System.tell/ask or HiActor.send)"
             )
         services = self._services
-        services.observe(self.name, mail)
+        if services.observe is not None:
+            services.observe(self.name, mail)
         log = services.log
         if log is None:
-            reply = self._dispatch(mail)
+            message = mail.message
+            if type(message) is CheckInvariants or type(message) is GetStatistics:
+                reply = self._dispatch(mail)
+            else:
+                reply = self.handle(mail.sender, message)
         else:
             seq, t = log.next_seq(), services.clock.now_s()
             try:
@@ -136,8 +142,9 @@ class HiActor(pykka.ThreadingActor, abc.ABC):
 
     def send(self, to: ActorName, message: Message) -> None:
         """Tell another actor (or this one) a message; never waits."""
+        ref = self._directory.refs.get(to) or self._directory.ref(to)
         try:
-            self._directory.ref(to).tell(Mail(self.name, message))
+            ref.tell(Mail(self.name, message))
         except pykka.ActorDeadError:
             if not self._services.stopping:  # at shutdown the receiver may have stopped first
                 raise

@@ -163,9 +163,13 @@ class Failures:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _items: list[tuple[ActorName, BaseException]] = field(default_factory=list)
 
+    any: bool = False
+    """Whether an actor failed (a flag the senders read before each message)."""
+
     def report(self, actor: ActorName, error: BaseException) -> None:
         with self._lock:
             self._items.append((actor, error))
+            self.any = True
 
     def first(self) -> tuple[ActorName, BaseException] | None:
         items = self._items  # read without the lock: a list only grows, and reading it is atomic
@@ -188,7 +192,8 @@ class Services:
     seed: int
     faults: FaultPlan
     failures: Failures
-    observe: DeliveryObserver
+    observe: DeliveryObserver | None
+    """Told of every delivery before it is handled (None: nobody watches)."""
     new_layer_ring: Callable[[int, int], Any]
     """`(ring_size, layers) -> LayerDoneRing` (threaded or deterministic)."""
     call_later: Callable[[float, ActorName, Any, Any], None]

@@ -47,7 +47,7 @@ class _ExecutorInbox:
     def put(self, envelope: Envelope[Any], /) -> None:
         actor = self.actor
         assert actor is not None, "mail for an actor the executor has not started"
-        self._executor.submit(actor, envelope)
+        self._executor.submit(actor, envelope.message, envelope.reply_to)
 
     def empty(self) -> bool:
         return True
@@ -56,11 +56,26 @@ class _ExecutorInbox:
         raise RuntimeError("an executor actor's inbox is read by the executor only")
 
 
+class _ExecutorRef(pykka.ActorRef[Any]):
+    """The ref of an actor on the executor: a tell goes straight to the executor's queue
+    (pykka's own puts an envelope into the actor's inbox, which then does the same)."""
+
+    def __init__(self, actor: pykka.Actor, executor: SerialExecutor) -> None:
+        super().__init__(actor)
+        self._inbox = actor.actor_inbox
+        self._submit = executor.submit
+
+    def tell(self, message: Any) -> None:
+        if self.actor_stopped.is_set():
+            raise pykka.ActorDeadError(f"{self} not found")
+        self._submit(self._inbox.actor, message, None)
+
+
 class SerialExecutor:
-    """One FIFO of (actor, envelope); handlers run one at a time on a delivering thread."""
+    """One FIFO of (actor, message, reply future); handlers run one at a time on a delivering thread."""
 
     def __init__(self) -> None:
-        self._queue: deque[tuple[pykka.Actor, Envelope[Any]]] = deque()
+        self._queue: deque[tuple[pykka.Actor, Any, Any]] = deque()
         self._lock = threading.Lock()
         self._drainer = 0
         """The ident of the thread running handlers now (0: none)."""
@@ -75,6 +90,12 @@ class SerialExecutor:
             executor = self
 
             class OnExecutor(cls):  # type: ignore[valid-type, misc]
+                def __init__(self, *args: Any, **kwargs: Any) -> None:
+                    super().__init__(*args, **kwargs)
+                    urn = self.actor_ref.actor_urn
+                    self._actor_ref = _ExecutorRef(self, executor)
+                    self.actor_ref.actor_urn = urn
+
                 @staticmethod
                 def _create_actor_inbox() -> _ExecutorInbox:
                     return _ExecutorInbox(executor)
@@ -89,9 +110,10 @@ class SerialExecutor:
 
     # -- delivery --------------------------------------------------------------
 
-    def submit(self, actor: pykka.Actor, envelope: Envelope[Any]) -> None:
-        """Queue a delivery; run the queue now unless a thread is already running it."""
-        self._queue.append((actor, envelope))
+    def submit(self, actor: pykka.Actor, message: Any, reply_to: Any) -> None:
+        """Queue a delivery (`reply_to`: the asker's future, or None); run the queue now unless
+        a thread is already running it."""
+        self._queue.append((actor, message, reply_to))
         if self._drainer != threading.get_ident():  # a handler's own tells wait for its return
             self.run()
 
@@ -104,8 +126,7 @@ class SerialExecutor:
             self._drainer = threading.get_ident()
             try:
                 while queue:
-                    actor, envelope = queue.popleft()
-                    _deliver(actor, envelope)
+                    _deliver(*queue.popleft())
             finally:
                 self._drainer = 0
                 lock.release()
@@ -115,18 +136,16 @@ class SerialExecutor:
         return bool(self._queue) or self._lock.locked()
 
 
-def _deliver(actor: pykka.Actor, envelope: Envelope[Any]) -> None:
-    """The body of pykka's actor loop for one envelope."""
-    reply_to = envelope.reply_to
+def _deliver(actor: pykka.Actor, message: Any, reply_to: Any) -> None:
+    """The body of pykka's actor loop for one message."""
     if actor.actor_stopped.is_set():
         if reply_to is not None:
-            if isinstance(envelope.message, pykka.messages._ActorStop):
+            if isinstance(message, pykka.messages._ActorStop):
                 reply_to.set(None)
             else:
                 dead = pykka.ActorDeadError(f"{actor} stopped before handling the message")
                 reply_to.set_exception(exc_info=(pykka.ActorDeadError, dead, None))
         return
-    message = envelope.message
     try:
         # Mail goes straight to the actor's handler; pykka's own messages (a stop) take its path.
         response = actor.on_receive(message) if type(message) is Mail else actor._handle_receive(message)

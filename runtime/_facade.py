@@ -772,7 +772,10 @@ class HiCache:
             self._late(reply)
 
     def _collect(self) -> None:
-        """Apply every late reply that has arrived."""
+        """Apply every late reply that has arrived (none can but to a call given up; one that
+        answers no call is caught by the next wait, which sees every reply)."""
+        if not self._pending:
+            return
         while (reply := self.system.next_reply(0.0, block=False)) is not None:
             self._late(reply)
 

@@ -72,7 +72,7 @@ class ThreadedRuntime:
             seed=seed,
             faults=faults or NoFaults(),
             failures=Failures(),
-            observe=observe or _ignore,
+            observe=observe,
             new_layer_ring=LayerDoneRing,
             call_later=self._call_later,
         )
@@ -144,10 +144,6 @@ class _QueueMailbox:
         return len(self._items)
 
 
-def _ignore(receiver: ActorName, mail: Any) -> None:
-    return None
-
-
 def actor_specs(
     cfg: Config, ring: LayerDoneRing, *, storage: bool = True
 ) -> tuple[list[tuple[type[HiActor], dict[str, Any]]], Any, Any]:
@@ -184,7 +180,8 @@ class _CallerRef:
 
     def tell(self, mail: Mail) -> None:
         services = self._services
-        services.observe(ActorName.FACADE, mail)
+        if services.observe is not None:
+            services.observe(ActorName.FACADE, mail)
         if services.log is not None:
             services.log.delivery(services.log.next_seq(), services.clock.now_s(), ActorName.FACADE,
                                   mail.sender, mail.message, False, None, None)
@@ -338,8 +335,10 @@ class System:
     # -- talking to actors from outside --------------------------------------
 
     def tell(self, to: ActorName, message: Message, *, sender: ActorName = ActorName.FACADE) -> None:
-        self.raise_if_failed()
-        self._ref(to).tell(Mail(sender, message))
+        if self.services.failures.any:
+            self.raise_if_failed()
+        ref = self.directory.refs.get(to) if self._started else None
+        (ref or self._ref(to)).tell(Mail(sender, message))
 
     def ask(
         self,
@@ -362,7 +361,8 @@ class System:
     def next_reply(self, timeout_s: float | None, *, block: bool = True) -> Message | None:
         """The next message told to the caller (the facade), waiting up to `timeout_s`
         (`block=False`: only one already there); None if none came. Raises if an actor failed."""
-        self.raise_if_failed()
+        if self.services.failures.any:
+            self.raise_if_failed()
         inbox = self.probes[ActorName.FACADE]
         if not block and not inbox.pending():
             return None

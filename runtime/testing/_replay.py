@@ -184,7 +184,7 @@ class Rebuilt:
             if name not in run.replayed:
                 continue
             services = Services(clock=self.clock, ids=IdSource(), seed=run.seed, faults=self.faults,
-                                failures=Failures(), observe=lambda r, m: None, new_layer_ring=LayerDoneRing,
+                                failures=Failures(), observe=None, new_layer_ring=LayerDoneRing,
                                 call_later=lambda delay, receiver, ref, mail: ref.tell(mail))
             directory = Directory()
             for other in ActorName:
