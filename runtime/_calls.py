@@ -98,9 +98,12 @@ class Interrupts:
         """Run first in every outermost call (the facade applies late replies there)."""
         self._depth = 0
         self._main = False
+        self._on_main = False
+        """Calls come from the main thread (one thread makes them: the one that started the cache)."""
         self._on_interrupt: list[Callable[[], None]] = []
 
     def start(self) -> None:
+        self._on_main = threading.get_ident() == _MAIN
         _GATE.acquire()
 
     def stop(self) -> None:
@@ -109,7 +112,7 @@ class Interrupts:
     def __enter__(self) -> Interrupts:
         self._depth += 1
         if self._depth == 1:
-            self._main = threading.get_ident() == _MAIN and _GATE.users > 0
+            self._main = self._on_main and _GATE.users > 0
             if self._main:
                 _GATE.depth += 1
             try:

@@ -19,7 +19,9 @@ scheduler).
 
 A drainer holds the executor's lock while it runs handlers and re-checks the queue
 after releasing it, so an envelope put by another thread while the lock was held is
-never left behind: either the holder sees it, or the putter gets the lock.
+never left behind: either the holder sees it, or the putter gets the lock. A put while
+the lock is held (by a handler of this thread, or by another thread) leaves the
+delivery to the holder.
 """
 
 from __future__ import annotations
@@ -77,8 +79,7 @@ class SerialExecutor:
     def __init__(self) -> None:
         self._queue: deque[tuple[pykka.Actor, Any, Any]] = deque()
         self._lock = threading.Lock()
-        self._drainer = 0
-        """The ident of the thread running handlers now (0: none)."""
+        """Held by the thread running handlers."""
         self._classes: dict[type, type] = {}
 
     # -- pykka's hooks ---------------------------------------------------------
@@ -114,7 +115,9 @@ class SerialExecutor:
         """Queue a delivery (`reply_to`: the asker's future, or None); run the queue now unless
         a thread is already running it."""
         self._queue.append((actor, message, reply_to))
-        if self._drainer != threading.get_ident():  # a handler's own tells wait for its return
+        # Held: by this thread, in a handler (its tells wait for its return), or by another,
+        # which delivers this too (it looks at the queue again after it lets go).
+        if not self._lock.locked():
             self.run()
 
     def run(self) -> None:
@@ -123,12 +126,10 @@ class SerialExecutor:
         while queue:
             if not lock.acquire(blocking=False):
                 return
-            self._drainer = threading.get_ident()
             try:
                 while queue:
                     _deliver(*queue.popleft())
             finally:
-                self._drainer = 0
                 lock.release()
 
     @property

@@ -719,8 +719,9 @@ class HiCache:
 
     def _call(self) -> Interrupts:
         """A facade call: its caller's thread is checked; entering it applies late replies first."""
-        self._check_caller()
-        self._started()
+        if threading.get_ident() != self._caller or not self.system.started:
+            self._check_caller()
+            self._started()
         return self._interrupts
 
     def _check_caller(self) -> None:
