@@ -9,7 +9,10 @@ from hicache.messages import (
     AllocateSlots,
     CommitSlots,
     DeviceStatistics,
+    Evicted,
+    EvictForAllocation,
     FreeDeviceSlots,
+    Indices,
     Message,
     ReleaseRequests,
     RequestPagesSwapped,
@@ -25,6 +28,7 @@ from ._services import Services
 from hicache.messages.config import Config
 
 from ._device_core import DeviceCore, Insufficient, PageOwner
+from ._errors import LedgerError
 from ._routes import Routes
 
 
@@ -36,7 +40,16 @@ class DeviceAllocatorActor(HiActor):
         self.core = core
 
     def handle(self, sender: ActorName, message: Message) -> Message | None:
-        return DEVICE_ROUTES.deliver(self.core, sender, message)
+        reply = DEVICE_ROUTES.deliver(self.core, sender, message)
+        if self.core.outbox:
+            out, self.core.outbox = self.core.outbox, []
+            for to, msg in out:
+                self.send(to, msg)
+        return reply
+
+    def awaiting(self) -> tuple[str, ...]:
+        n = len(self.core.waiting)
+        return (f"{n} evictions for allocations",) if n else ()
 
     def check_invariants(self) -> None:
         self.core.check_invariants()
@@ -62,14 +75,36 @@ def _insufficient(op: int, got: Insufficient) -> SlotsInsufficient:
     )
 
 
-def _allocate(core: DeviceCore, m: AllocateSlots) -> SlotsAllocated | SlotsInsufficient:
+def _allocate(core: DeviceCore, m: AllocateSlots) -> SlotsAllocated | SlotsInsufficient | None:
     if m.commits:
         core.commit_many([(d.request_id, d.tokens) for d in m.commits])
     got = core.allocate_pages([(d.request_id, d.tokens) for d in m.demands])
+    if isinstance(got, Insufficient) and m.evict:  # answered once the tree has evicted
+        core.waiting[m.op_id] = (m, tuple(core.mark(d.request_id) for d in m.demands))
+        core.outbox.append((TREE, EvictForAllocation(op_id=m.op_id, tokens=got.shortfall_slots)))
+        return None
+    return _allocated(m, got)
+
+
+def _allocated(m: AllocateSlots, got: dict[str, Indices] | Insufficient) -> SlotsAllocated | SlotsInsufficient:
     if isinstance(got, Insufficient):
         return _insufficient(m.op_id, got)
     return SlotsAllocated(op_id=m.op_id, grants=tuple(SlotGrant(request_id=d.request_id, pages=got[d.request_id])
                                                       for d in m.demands))
+
+
+def _evicted(core: DeviceCore, e: Evicted) -> None:
+    """The tree evicted for a waiting allocation: try it once more and answer the facade. If one
+    of its requests was released or allocated for meanwhile (the facade gave up on the call
+    and went on), nothing is allocated: the answer goes to a call nobody waits for."""
+    if e.op_id not in core.waiting:
+        raise LedgerError(f"Evicted for op {e.op_id}, but no allocation waits for an eviction under that op")
+    m, marks = core.waiting.pop(e.op_id)
+    if any(core.mark(d.request_id) != mark for d, mark in zip(m.demands, marks, strict=True)):
+        got: dict[str, Indices] | Insufficient = Insufficient(requested_slots=0, free_slots=core.free_slots)
+    else:
+        got = core.allocate_pages([(d.request_id, d.tokens) for d in m.demands])
+    core.outbox.append((FACADE, _allocated(m, got)))
 
 
 def _commit(core: DeviceCore, m: CommitSlots) -> SlotsCommitted:
@@ -103,6 +138,7 @@ DEVICE_ROUTES: Routes[DeviceCore] = Routes(ActorName.DEVICE, {
     AllocateLoadSlots: (TREE, _allocate_load, "reserving device slots for a load-back"),
     AdoptLoadedSlots: (TREE, lambda core, m: core.adopt_loaded(m.pages), "adopting loaded device slots"),
     FreeDeviceSlots: (TREE, lambda core, m: core.free_tree(m.pages), "freeing tree-owned device slots"),
+    Evicted: (TREE, _evicted, "the tree's eviction for an allocation that waits for it"),
 })
 """Each message the device allocator handles: who may send it, and the call on the core it
 becomes, with the reply the sender gets. The scheduler owns its requests' slots; the tree

@@ -26,6 +26,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy
 import torch
@@ -104,6 +105,11 @@ class DeviceCore:
         self._ledgers: dict[str, _Ledger] = {}
         self._next_ledger = _FIRST_LEDGER
         self._released: OrderedDict[str, LedgerEntry] = OrderedDict()
+        self.waiting: dict[int, tuple[Any, tuple[tuple[int, bool], ...]]] = {}
+        """Allocations waiting for the tree's eviction (the actor's routes keep them here): by
+        op id, the `AllocateSlots` and each of its requests' `mark` when it was put aside."""
+        self.outbox: list[tuple[Any, Any]] = []
+        """(receiver, message) for the actor to send once its route returns."""
 
     # -- requests -------------------------------------------------------------
 
@@ -284,6 +290,16 @@ class DeviceCore:
             twice = sorted({r for r in rids if rids.count(r) > 1})
             raise LedgerError(f"cannot {what} request(s) {twice} twice in one call")
         return [self._live(rid, what, new_ok=new_ok) for rid in rids]
+
+    @property
+    def free_slots(self) -> int:
+        return self._pool.free_slots
+
+    def mark(self, rid: str) -> tuple[int, bool]:
+        """What tells a request's ledger apart from any it had or will have: its number (0: none
+        now) and whether it was released. Equal marks at two times: nothing of it changed owner."""
+        ledger = self._ledgers.get(rid)
+        return (ledger.number if ledger is not None else 0, rid in self._released)
 
     def ledger(self, rid: str) -> LedgerEntry:
         if rid in self._ledgers:

@@ -29,6 +29,7 @@ from hicache.messages import (
     TerminatePrefetches,
     CacheUnfinished,
     EvictDevice,
+    EvictForAllocation,
     EvictHost,
     FinishRequests,
     HostAllocated,
@@ -79,6 +80,8 @@ TREE_ROUTES: Routes[TreeCore] = Routes(ActorName.TREE, {
     ReportFacts: (FACADE, lambda core, m: core.report_facts(m.op_id)),
     ApplyFacts: (FACADE, _apply_facts),
     DigestTree: (FACADE, lambda core, m: core.digest(m.op_id)),
+    # the device allocator's
+    EvictForAllocation: (DEVICE, lambda core, m: core.evict_device(m.op_id, m.tokens, reply_to=DEVICE)),
     # replies and acks
     SlotsAllocated: (DEVICE, lambda core, m: core.on_load_slots(m.op_id, m.grants[0].pages, 0)),
     SlotsInsufficient: (DEVICE, lambda core, m: core.on_load_slots(m.op_id, None, m.shortfall_slots)),

@@ -97,8 +97,8 @@ class TreeCore:
     def cache_unfinished(self, op_id: int, items: Sequence[CacheItem]) -> None:
         self.admission.cache_unfinished(op_id, items)
 
-    def evict_device(self, op_id: int, tokens: int) -> None:
-        self.writes.evict_device(op_id, tokens)
+    def evict_device(self, op_id: int, tokens: int, reply_to: ActorName = ActorName.FACADE) -> None:
+        self.writes.evict_device(op_id, tokens, reply_to)
 
     def evict_host(self, op_id: int, tokens: int) -> None:
         freed = self.writes.evict_host(tokens)

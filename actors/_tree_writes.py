@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hicache.messages import (
+    ActorName,
     AllocateHost,
     Evicted,
     FreeDeviceSlots,
@@ -61,7 +62,10 @@ class _Eviction:
     waiting: set[int] = field(default_factory=set)
     """Writes whose landing lets it go on."""
     reply_op: int = 0
-    """The facade's EvictDevice to answer with Evicted, if any."""
+    """The EvictDevice (of the facade) or EvictForAllocation (of the device) to answer with
+    Evicted, if any."""
+    reply_to: ActorName = ActorName.FACADE
+    """Who asked."""
     then: Callable[[], None] | None = None
     """What to do once it ends (an admission sends its AllocateLoadSlots again), if anything."""
 
@@ -80,9 +84,9 @@ class WriteBack:
 
     # == eviction ==========================================================================
 
-    def evict_device(self, op_id: int, tokens: int) -> None:
-        """Reply once `tokens` are free or nothing more can be: see `_Eviction`."""
-        self.evict_until(_Eviction(tokens, reply_op=op_id))
+    def evict_device(self, op_id: int, tokens: int, reply_to: ActorName = ActorName.FACADE) -> None:
+        """Answer `reply_to` once `tokens` are free or nothing more can be: see `_Eviction`."""
+        self.evict_until(_Eviction(tokens, reply_op=op_id, reply_to=reply_to))
 
     def evict_for(self, tokens: int, then: Callable[[], None]) -> None:
         """Free `tokens` of device memory as far as possible, then call `then`."""
@@ -126,7 +130,7 @@ class WriteBack:
                 "(eviction goes on until the demand is met or nothing evictable remains)"
             )
         if ev.reply_op:
-            self.s.emit(FACADE, Evicted(op_id=ev.reply_op, device_tokens=ev.freed, host_tokens=0))
+            self.s.emit(ev.reply_to, Evicted(op_id=ev.reply_op, device_tokens=ev.freed, host_tokens=0))
         if ev.then is not None:
             ev.then()
 

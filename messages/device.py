@@ -50,6 +50,10 @@ class AllocateSlots(Message):
     commits: tuple[SlotDemand, ...]
     """Per request, how many more of its slots hold real KV (as `CommitSlots`), applied first:
     a decode tick commits the tokens it wrote and allocates the next ones in one message."""
+    evict: bool
+    """If the free pages are short: ask the tree to evict the shortfall (`EvictForAllocation`)
+    and try once more when it answers, before replying (the facade's allocations: one round
+    trip where it would take three)."""
 
 
 @message(102)

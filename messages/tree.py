@@ -175,7 +175,7 @@ class EvictHost(Message):
 
 @message(413)
 class Evicted(Message):
-    """Reply to `EvictDevice` / `EvictHost`."""
+    """Reply to `EvictDevice` / `EvictHost` (to the facade) and `EvictForAllocation` (to the device)."""
 
     op_id: int
     """The `op_id` of the request."""
@@ -183,6 +183,17 @@ class Evicted(Message):
     """Device slots freed (the frees are queued at the device allocator before this reply)."""
     host_tokens: int
     """Host slots freed."""
+
+
+@message(429)
+class EvictForAllocation(Message):
+    """From the device allocator, short of free pages for an allocation: free at least `tokens`
+    device slots held by the tree if it can, as `EvictDevice` does, and answer it `Evicted`."""
+
+    op_id: int
+    """The allocation's `op_id`, echoed in `Evicted`."""
+    tokens: int
+    """How many slots the allocation is short of."""
 
 
 @message(414)

@@ -471,16 +471,14 @@ class HiCache:
             if not want:
                 return {}
             reply = self._allocate(want)
-            if isinstance(reply, SlotsInsufficient) and want:
-                self._ask(ActorName.TREE, EvictDevice(op_id=self._op(), tokens=reply.shortfall_slots), Evicted)
-                reply = self._allocate(want)
             if isinstance(reply, SlotsInsufficient):
                 return Insufficient(requested_slots=reply.requested_slots, free_slots=reply.free_slots)
             return self._granted(reply, want, to_caller=True)
 
     def _allocate(self, want: Mapping[str, int]) -> Any:
-        """Ask the device for `want`; the message carries the commits of those requests that
-        the device has not heard of yet (certain once sent: the facade checked them)."""
+        """Ask the device for `want` (if the pool is short, the device has the tree evict and
+        tries once more before it answers); the message carries the commits of those requests
+        that the device has not heard of yet (certain once sent: the facade checked them)."""
         commits = []
         for rid in want:
             live = self._live[rid]
@@ -491,6 +489,7 @@ class HiCache:
             op_id=self._op(),
             demands=tuple(SlotDemand(request_id=r, tokens=n) for r, n in want.items()),
             commits=tuple(commits),
+            evict=True,
         )
         return self._ask(ActorName.DEVICE, message, (SlotsAllocated, SlotsInsufficient),
                          late=lambda r: self._granted(r, want))

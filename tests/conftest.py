@@ -261,7 +261,7 @@ class TreeSide:
         reply = self.ask(
             ActorName.DEVICE,
             AllocateSlots(op_id=op, demands=tuple(SlotDemand(request_id=r, tokens=n) for r, n in demands.items()),
-                          commits=()),
+                          commits=(), evict=False),
             sender=ActorName.FACADE,
         )
         assert reply.op_id == op

@@ -18,10 +18,13 @@ from hicache.actors import FailedTransfers, Mail
 from hicache.messages import (
     ActorName,
     AllocateHost,
+    AllocateSlots,
     CheckInvariants,
     CopyLayer,
     DeviceStatistics,
     DrainWrites,
+    Evicted,
+    EvictForAllocation,
     HostAllocated,
     HostSlotState,
     HostStatistics,
@@ -32,6 +35,9 @@ from hicache.messages import (
     LoadKV,
     LoadsStarted,
     ReleaseReason,
+    SlotDemand,
+    SlotsAllocated,
+    SlotsInsufficient,
     StartLoads,
     StreamStatistics,
     WriteDone,
@@ -408,6 +414,49 @@ def test_an_allocation_that_does_not_fit_is_answered_insufficient(
     assert tree.statistics(DEVICE).free_slots == 64
     assert tree.allocate_load(65) is None
     assert tree.host_allocate(4 * 33) is None
+
+
+def _allocate_evicting(tree: Any, op: int, demands: dict[str, int]) -> None:
+    """The facade's allocation: told (its answer comes to the facade's inbox), evicting if short."""
+    message = AllocateSlots(op_id=op, demands=tuple(SlotDemand(request_id=r, tokens=n) for r, n in demands.items()),
+                            commits=(), evict=True)
+    tree.system.tell(DEVICE, message, sender=ActorName.FACADE)
+
+
+def test_a_short_allocation_has_the_tree_evict_and_is_answered_once_it_has(
+    make_config: Callable[..., Config], start_system: Callable[..., Any]
+) -> None:
+    tree = start_system(make_config(page_size=4, device_pages=4))
+    held = tree.allocate({"a": 16})["a"]
+    tree.release("a", held[:3], ReleaseReason.FINISHED)  # the tree keeps 3 pages, one is free
+    _allocate_evicting(tree, 7, {"b": 8})  # two pages: one short
+    ask = tree.expect(EvictForAllocation)
+    assert (ask.op_id, ask.tokens) == (7, 4)
+    assert tree.system.next_reply(0.0, block=False) is None  # nothing answered while the tree evicts
+    tree.free_device(held[:1])
+    tree.tell(DEVICE, Evicted(op_id=7, device_tokens=4, host_tokens=0))
+    reply = tree.system.next_reply(5.0)
+    assert isinstance(reply, SlotsAllocated) and reply.op_id == 7 and len(reply.grants[0].pages) == 2
+    assert tree.statistics(DEVICE).request_slots == 8
+
+
+def test_an_allocation_whose_request_was_released_while_the_tree_evicted_takes_nothing(
+    make_config: Callable[..., Config], start_system: Callable[..., Any]
+) -> None:
+    """A facade that gave up on the call (its reply timeout) may finish the request meanwhile:
+    the retry must not hand pages to a ledger that is closed."""
+    tree = start_system(make_config(page_size=4, device_pages=4))
+    held = tree.allocate({"a": 8})["a"]
+    _allocate_evicting(tree, 9, {"a": 12})  # three more pages: one short
+    assert tree.expect(EvictForAllocation).tokens == 4
+    tree.release("a", Indices(), ReleaseReason.FINISHED)
+    tree.tell(DEVICE, Evicted(op_id=9, device_tokens=0, host_tokens=0))
+    reply = tree.system.next_reply(5.0)
+    assert isinstance(reply, SlotsInsufficient) and reply.op_id == 9
+    assert tree.statistics(DEVICE) == DeviceStatistics(
+        capacity_slots=16, free_slots=16, request_slots=0, tree_slots=0, loading_slots=0, live_requests=0
+    )
+    assert len(held) == 2
 
 
 def test_replies_to_tells_go_back_to_the_sender(

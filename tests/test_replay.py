@@ -96,7 +96,7 @@ def test_changing_one_logged_body_is_a_divergence_at_that_delivery(threaded_log:
                   and decode(base64.b64decode(x["body"]), blobs).demands)
     msg = decode(base64.b64decode(target["body"]), blobs)
     assert isinstance(msg, AllocateSlots)
-    changed = AllocateSlots(op_id=msg.op_id, commits=msg.commits, demands=tuple(  # a page more
+    changed = AllocateSlots(op_id=msg.op_id, commits=msg.commits, evict=msg.evict, demands=tuple(  # a page more
         SlotDemand(request_id=d.request_id, tokens=d.tokens + header["config"]["page_size"]) for d in msg.demands))
 
     def edit(rec: dict[str, Any]) -> dict[str, Any]:

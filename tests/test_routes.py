@@ -36,8 +36,9 @@ ANSWERED_BY_EVERY_ACTOR = {CheckInvariants, GetStatistics}
 """In no table: `HiActor` answers them from anyone."""
 
 NOT_DELIVERED_TO_ACTORS = {
-    # what the actors answer the facade (its inbox, or the reply to its ask)
-    "Admitted", "Cached", "Evicted", "Finished", "FactsApplied", "LocalFacts", "PrefetchReadiness",
+    # what the actors answer the facade (its inbox, or the reply to its ask); `Evicted` answers
+    # the device too (an allocation's eviction), so it is routed
+    "Admitted", "Cached", "Finished", "FactsApplied", "LocalFacts", "PrefetchReadiness",
     "PrefetchesSettled", "PrefetchesStarted", "PrefetchesStopped", "TreeDigest", "SlotsCommitted",
     "LoadsStarted", "InvariantsHeld",
     # statistics records, the answer to GetStatistics

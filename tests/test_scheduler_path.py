@@ -108,6 +108,33 @@ def test_a_decode_step_with_its_commit_is_one_message_from_the_facade(make_confi
         hc.commit({"a": [14]})
         entry = hc.finish([a.handle])[0]
         assert (entry.committed, entry.freed) == (14, 14)
+
+
+def test_an_allocation_that_needs_an_eviction_is_one_message_from_the_facade(
+    make_config: Callable[..., Config], runtime_kind: str
+) -> None:
+    """The device has the tree evict and tries again itself: no Insufficient, no EvictDevice
+    and no second AllocateSlots from the facade."""
+    sent: list[tuple[str, str]] = []
+
+    def observe(receiver: ActorName, mail: Any) -> None:
+        sent.append((mail.sender.value, type(mail.message).__name__))
+
+    config = make_config(device_pages=12, host_pages=48)
+    with HiCache(config, runtime=make_runtime(runtime_kind, observe=observe)) as hc:
+        for i in range(3):  # 3 x 3 pages cached: 3 pages free
+            _serve(hc, f"r{i}", seq(12, 100 * i + 1) + [7])
+        hc.quiesce()
+        [b] = hc.admit([Request("b", seq(20, 1000))])
+        sent.clear()
+        got = hc.allocate({"b": 20})  # 5 pages: 2 short
+        assert isinstance(got, dict) and len(got["b"]) == 20
+        from_facade = [name for sender, name in sent if sender == "facade"]
+        assert from_facade == ["AllocateSlots"]
+        assert ("device", "EvictForAllocation") in sent and ("tree", "Evicted") in sent
+        assert hc.statistics().tree.evicted_device_tokens >= 8
+        hc.check_invariants()
+        hc.finish([b.handle])
         hc.check_invariants()
 
 
