@@ -256,7 +256,7 @@ def _tensor_token_bytes(t: torch.Tensor, what: str) -> bytes:
         raise RequestError(f"{what} must be one sequence of token ids, got a tensor of shape {tuple(t.shape)}")
     if t.dtype not in _TOKEN_DTYPES:
         raise RequestError(f"{what} must hold integer token ids, got a {t.dtype} tensor (use torch.int64)")
-    if not len(t):
+    if not t.shape[0]:  # the shape, not len(): torch's __len__ is a Python wrapper
         return b""
     if t.is_cpu:  # numpy's view, minimum and copy: cheaper calls than torch's
         a = (t.detach() if t.requires_grad else t).numpy()
