@@ -64,7 +64,7 @@ class _Eviction:
     reply_op: int = 0
     """The EvictDevice (of the facade) or EvictForAllocation (of the device) to answer with
     Evicted, if any."""
-    reply_to: ActorName = ActorName.FACADE
+    reply_to: ActorName = FACADE
     """Who asked."""
     then: Callable[[], None] | None = None
     """What to do once it ends (an admission sends its AllocateLoadSlots again), if anything."""
@@ -84,7 +84,7 @@ class WriteBack:
 
     # == eviction ==========================================================================
 
-    def evict_device(self, op_id: int, tokens: int, reply_to: ActorName = ActorName.FACADE) -> None:
+    def evict_device(self, op_id: int, tokens: int, reply_to: ActorName = FACADE) -> None:
         """Answer `reply_to` once `tokens` are free or nothing more can be: see `_Eviction`."""
         self.evict_until(_Eviction(tokens, reply_op=op_id, reply_to=reply_to))
 
