@@ -149,6 +149,13 @@ class HiActor(pykka.ThreadingActor, abc.ABC):
             if not self._services.stopping:  # at shutdown the receiver may have stopped first
                 raise
 
+    def send_outbox(self, core: Any) -> None:
+        """Send, in order, what `core` put in its `outbox` (receiver, message) while it handled
+        a message, and empty it (the tree's and the device's cores answer third parties so)."""
+        out, core.outbox = core.outbox, []
+        for to, message in out:
+            self.send(to, message)
+
     def send_later(self, delay_s: float, to: ActorName, message: Message) -> None:
         """Tell `to` a message after `delay_s` seconds of runtime time (virtual when deterministic)."""
         self._services.call_later(delay_s, to, self._directory.ref(to), Mail(self.name, message))

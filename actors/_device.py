@@ -42,9 +42,7 @@ class DeviceAllocatorActor(HiActor):
     def handle(self, sender: ActorName, message: Message) -> Message | None:
         reply = DEVICE_ROUTES.deliver(self.core, sender, message)
         if self.core.outbox:
-            out, self.core.outbox = self.core.outbox, []
-            for to, msg in out:
-                self.send(to, msg)
+            self.send_outbox(self.core)
         return reply
 
     def awaiting(self) -> tuple[str, ...]:

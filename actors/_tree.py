@@ -112,13 +112,8 @@ class TreeActor(HiActor):
 
     def handle(self, sender: ActorName, message: Message) -> Message | None:
         TREE_ROUTES.deliver(self.core, sender, message)
-        self._flush()
+        self.send_outbox(self.core)
         return None
-
-    def _flush(self) -> None:
-        out, self.core.outbox = self.core.outbox, []
-        for to, msg in out:
-            self.send(to, msg)
 
     def awaiting(self) -> tuple[str, ...]:
         s = self.core.statistics()
