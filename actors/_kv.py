@@ -2,7 +2,10 @@
 
 Copies run per contiguous run of slots, never per token with fancy indexing: a
 per-token gather moves an order of magnitude fewer bytes a second than a slice copy
-of a run (the figures are in docs/benchmarks.md, "Copy costs").
+of a run (the figures are in docs/benchmarks.md, "Copy costs"). The one exception is a
+page-granular copy on CPU whose blocks are many and tiny (a page of a small KV, scattered):
+there each block's Python call, not the bytes, sets the speed, and a gather of whole
+pages and a scatter cost less.
 
 Layouts (`H` heads, `D` head_dim, `P` page size, `L` layers):
 - layer_first: `[2, L, slots, H, D]` (the device buffer, and one host layout);
@@ -25,6 +28,7 @@ import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy
 import torch
 
 from hicache.messages.config import Config, HostLayout
@@ -124,6 +128,18 @@ class KVBuffer:
             return t[page, :, :, offset : offset + span].unsqueeze(2)
         return t[page, :, layer, offset : offset + span].unsqueeze(1)
 
+    def page_rows(self, layer: int | None) -> list[torch.Tensor]:
+        """One `[pages, P * H * D]` view per K and V of each layer (or of the given one): row
+        `i` is page `i`'s block there (contiguous rows in layer_first, strided in page_first)."""
+        t, s = self.tensor, self.shape
+        row, pages = s.page_size * s.heads * s.head_dim, self.slots // s.page_size
+        layers = range(s.layers) if layer is None else (layer,)
+        if self.page_first:
+            v = t.view(pages, 2, s.layers, row)
+            return [v[:, kv, i] for i in layers for kv in (0, 1)]
+        v = t.view(2, s.layers, pages, row)
+        return [v[kv, i] for i in layers for kv in (0, 1)]
+
     def read(self, indices: torch.Tensor, *, layer: int | None = None) -> torch.Tensor:
         """A copy of the KV in `indices` as `[2, L, n, H, D]` on CPU, in index order
         (with `layer`: that layer only, as `[2, 1, n, H, D]`)."""
@@ -158,6 +174,9 @@ def _in_range(idx: Ints, cap: int) -> bool:
     """Whether every index is in `0 .. cap - 1` (`idx` not empty)."""
     if isinstance(idx, list):
         return min(idx) >= 0 and max(idx) < cap
+    if idx.device.type == "cpu":  # numpy's reductions cost less a call than torch's
+        x = idx.numpy()
+        return int(x.min()) >= 0 and int(x.max()) < cap
     return int(idx.min()) >= 0 and int(idx.max()) < cap
 
 
@@ -169,19 +188,29 @@ def runs(a: Slots, b: Slots) -> list[tuple[int, int, int]]:
     if n == 0:
         return []
     src, dst = ints(a), ints(b)
-    if isinstance(src, list) and isinstance(dst, list):  # with Python ints: see `_pages.FEW_MAX`
-        out, start = [], 0
-        for i in range(1, n):
-            if src[i] != src[i - 1] + 1 or dst[i] != dst[i - 1] + 1:
-                out.append((src[start], dst[start], i - start))
-                start = i
-        out.append((src[start], dst[start], n - start))
-        return out
-    ta, tb = as_tensor(src), as_tensor(dst)
-    brk = ((ta[1:] - ta[:-1]) != 1) | ((tb[1:] - tb[:-1]) != 1)
-    starts = torch.cat([torch.zeros(1, dtype=torch.int64), brk.nonzero().flatten() + 1])
-    ends = torch.cat([starts[1:], torch.tensor([n])])
-    return list(zip(ta[starts].tolist(), tb[starts].tolist(), (ends - starts).tolist(), strict=True))
+    return _runs_at(src, dst, _run_starts(src, dst))
+
+
+def _run_starts(a: Ints, b: Ints) -> list[int] | numpy.ndarray:
+    """Where each maximal run of `a` and `b` (one length, not empty) starts: 0 first."""
+    if isinstance(a, list) and isinstance(b, list):  # with Python ints: see `_pages.FEW_MAX`
+        return [0, *(i for i in range(1, len(a)) if a[i] != a[i - 1] + 1 or b[i] != b[i - 1] + 1)]
+    x, y = as_tensor(a).numpy(), as_tensor(b).numpy()
+    step = x[1:] - x[:-1]
+    step ^= 1
+    step |= (y[1:] - y[:-1]) ^ 1  # zero exactly where both step by one
+    return numpy.flatnonzero(numpy.concatenate(([1], step)))
+
+
+def _runs_at(a: Ints, b: Ints, starts: list[int] | numpy.ndarray) -> list[tuple[int, int, int]]:
+    """The runs that start at `starts` (of `_run_starts(a, b)`)."""
+    n = len(a)
+    if isinstance(starts, list):
+        ends = [*starts[1:], n]
+        return [(a[i], b[i], e - i) for i, e in zip(starts, ends, strict=True)]
+    x, y = as_tensor(a).numpy(), as_tensor(b).numpy()
+    at = starts.tolist()
+    return list(zip(x[starts].tolist(), y[starts].tolist(), [e - i for i, e in zip(at, [*at[1:], n])], strict=True))
 
 
 def _pieces(rs: list[tuple[int, int, int]], pf_is_src: bool | None, p: int) -> list[tuple[int, int, int, int]]:
@@ -212,7 +241,8 @@ class _Route:
     stream actor keeps the route of its two buffers and plans each batch on it
     (`plan`); `CopyPlan(...)` and `copy_kv` make one per copy."""
 
-    __slots__ = ("dst", "layers", "page_size", "per_slot", "pf_is_src", "rows", "slot_elements", "src")
+    __slots__ = ("block", "dst", "gather", "layers", "page_size", "per_slot", "pf_is_src", "rows", "slot_elements",
+                 "src")
 
     def __init__(self, src: KVBuffer, dst: KVBuffer) -> None:
         self.src, self.dst = src, dst
@@ -225,6 +255,10 @@ class _Route:
         same = shape == dst.shape and src.tensor.dtype == dst.tensor.dtype
         sr, dr = (src._rows, dst._rows) if same else (None, None)
         self.rows = None if sr is None or dr is None else (sr, dr)
+        # Whole pages can be gathered and scattered by torch between CPU buffers of one shape.
+        self.gather = same and src.device.type == "cpu" and dst.device.type == "cpu"
+        self.block = shape.page_size * shape.heads * shape.head_dim * shape.dtype.itemsize
+        """Bytes of one page's K (or V) in one layer: the smallest block of a page-granular copy."""
 
     def plan(self, src_idx: Slots, dst_idx: Slots) -> CopyPlan:
         """The plan of copying slot `src_idx[i]` to `dst_idx[i]`, on this route."""
@@ -237,14 +271,35 @@ class _Route:
         each), on this route: its runs are found over pages, `page_size` times fewer numbers."""
         p = self.page_size
         a, b = ints(src_pages), ints(dst_pages)
-        rs = runs(a, b)
-        if rs:
+        n = len(a)
+        if n != len(b) or n == 0:
+            rs = runs(a, b)  # none, or the lengths' mismatch named
+            gather = False
+        else:
+            starts = _run_starts(a, b)  # the runs' number says which way pays before they are listed
+            k = len(starts)
+            gather = self.gather and k >= _GATHER_RUNS_MIN and self.block * n <= _GATHER_BLOCK_BYTES_MAX * k
+            rs = [] if gather else _runs_at(a, b, starts)
             for what, idx, buf in (("source", a, self.src), ("destination", b, self.dst)):
                 if not _in_range(idx, buf.slots // p):
                     raise IndexError(f"copy: {what} page out of range 0..{buf.slots // p - 1}")
         plan = CopyPlan.__new__(CopyPlan)
-        plan._set(self, [(s * p, d * p, n * p) for s, d, n in rs], len(a) * p)
+        plan._set(self, [(s * p, d * p, n * p) for s, d, n in rs], n * p)
+        if gather:
+            plan._gather = (as_tensor(a), as_tensor(b))
         return plan
+
+
+_GATHER_RUNS_MIN = 16
+"""A page-granular copy on CPU gathers and scatters whole pages with torch (two calls per K
+and V of a layer, about 15 µs together, plus some 60 ns a page) when its pages make at
+least this many runs of at most `_GATHER_BLOCK_BYTES_MAX` bytes a block on average: copied
+block by block, each run costs a Python call (about half a microsecond) per K and V of a layer."""
+
+_GATHER_BLOCK_BYTES_MAX = 1024
+"""Above about 1 to 2 KiB a block, copying block by block beats the gather and scatter
+(which move the bytes twice, and torch's index kernels move large rows slower than memcpy):
+docs/benchmarks.md, "Copy costs"."""
 
 
 class CopyPlan:
@@ -256,7 +311,12 @@ class CopyPlan:
     it layer by layer. Hold a plan only while its copy is in flight: it keeps both
     buffers alive.
 
-    Two ways to copy, each worked out at its first use and kept:
+    A page-granular plan (`_Route.plan_pages`) on CPU whose blocks would be many and
+    tiny (see `_GATHER_RUNS_MIN`) copies instead by a torch gather of whole pages and a
+    scatter per K and V of each layer (`KVBuffer.page_rows`), all layers or one; it lists
+    no runs.
+
+    Otherwise two ways to copy, each worked out at its first use and kept:
     - memmove (`_Blocks`): on CPU, between contiguous buffers of one KV shape, one
       copy per contiguous block (K or V of one layer of a run of slots within one
       page), at offsets worked out with Python ints from the buffers' strides; a Python
@@ -276,7 +336,7 @@ class CopyPlan:
     layers, CUDA, another dtype) torch copies. Both give the same bytes (tested).
     """
 
-    __slots__ = ("_blocks", "_pieces", "_planned", "_route", "_views", "slots")
+    __slots__ = ("_blocks", "_gather", "_pieces", "_planned", "_route", "_views", "slots")
 
     def __init__(self, src: KVBuffer, src_idx: Slots, dst: KVBuffer, dst_idx: Slots) -> None:
         self._plan(_Route(src, dst), src_idx, dst_idx)
@@ -301,11 +361,20 @@ class CopyPlan:
         self._views: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
         self._blocks: _Blocks | None = None
         self._planned = False
+        self._gather: tuple[torch.Tensor, torch.Tensor] | None = None
+        """Source and destination pages, when the copy gathers and scatters whole pages."""
 
     def run(self, *, layer: int | None = None, non_blocking: bool = False) -> int:
         """Copy every piece, all layers or one; returns the number of bytes copied."""
         route = self._route
         layers = route.layers
+        if self._gather is not None:
+            if layer is not None and not -layers <= layer < layers:
+                raise IndexError(f"layer {layer} out of range 0..{layers - 1}")
+            src_pages, dst_pages = self._gather
+            for sv, dv in zip(route.src.page_rows(layer), route.dst.page_rows(layer), strict=True):
+                dv.index_copy_(0, dst_pages, sv.index_select(0, src_pages))
+            return self.slots * (route.per_slot if layer is None else route.per_slot // layers)
         if layer is None:
             blocks = self._memmove_blocks() if _memmove_pays(self._pieces, route) else None
             if blocks is not None:

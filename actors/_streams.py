@@ -130,7 +130,7 @@ class WriteStreamActor(HiActor):
         self._device = device_kv
         self._host = host_kv
         self._route = _Route(device_kv, host_kv)
-        self._queue = TransferQueue(config.transfer_pages_max, config.transfer_queue_ops_max)
+        self._queue = TransferQueue(config.transfer_batch_pages, config.transfer_queue_ops_max)
         self._page = config.page_size
         self._cuda = _CudaStream(device_kv.device)
         self._drain_pending = False

@@ -171,8 +171,11 @@ class Config:
                                "need distinct names or ranks.")
 
     # -- transfer bounds -----------------------------------------------------
-    transfer_pages_max: int = _field(64, Count(1, 1 << 16),
+    transfer_pages_max: int = _field(4096, Count(1, 1 << 16),
                                      "Most pages one copy batch moves; larger operations are split, smaller merged.")
+    transfer_batch_mb: int = _field(128, Count(1, 1 << 20),
+                                    "Most MiB one write copy batch moves (at least one page): a batch ends at this "
+                                    "or at `transfer_pages_max`, whichever comes first.")
     transfer_queue_ops_max: int = _field(4096, Count(1, 1 << 20),
                                          "Most operations a stream holds queued; more are refused as failed.")
     load_ring_size: int = _field(4, Count(1, 256),
@@ -218,6 +221,13 @@ class Config:
     def bytes_per_slot(self) -> int:
         """Bytes of K and V of one token across all layers."""
         return 2 * self.layers * self.kv_heads * self.head_dim * self.torch_dtype.itemsize
+
+    @property
+    def transfer_batch_pages(self) -> int:
+        """Pages one write copy batch moves at most: `transfer_pages_max`, fewer where their KV
+        passes `transfer_batch_mb` (a batch bounds bytes; the page bound keeps its index lists short)."""
+        by_bytes = (self.transfer_batch_mb << 20) // (self.page_size * self.bytes_per_slot)
+        return max(1, min(self.transfer_pages_max, by_bytes))
 
     @property
     def device_pages(self) -> int:

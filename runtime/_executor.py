@@ -10,6 +10,10 @@ runs its whole cascade (tree -> device -> tree -> facade) on the scheduler's thr
 and an ack from a stream thread (`WriteDone`) is handled by that thread as soon as it
 arrives when the scheduler is not calling: acks never wait for the next facade call.
 
+On a CPU device the write stream runs here too (see `ThreadedRuntime`): a CPU copy is
+synchronous, so it costs the same on any thread, and on a thread of its own it would only
+take turns with the scheduler for the interpreter lock.
+
 Actor semantics stay those of pykka: each actor handles one envelope at a time, in the
 order its envelopes were put (the executor runs one handler at a time, full stop); a
 handler never blocks; an actor that fails stops, and what was queued for it is

@@ -53,17 +53,32 @@ DEFAULT_ASK_TIMEOUT_S = 60.0
 EXECUTOR_ACTORS = frozenset({ActorName.TREE, ActorName.DEVICE, ActorName.HOST})
 """The bookkeeping actors: they share a `SerialExecutor` and run on the threads that deliver
 their mail (the scheduler's, or a stream's for an ack). The streams and the prefetcher copy
-and do I/O: each has a thread of its own."""
+and do I/O: each has a thread of its own, except the write stream on a CPU device (see
+`ThreadedRuntime`)."""
 
 
 class ThreadedRuntime:
     """Production runtime: the bookkeeping actors on a serial executor, the copying ones on
-    their own threads; a monotonic clock, sequential ids."""
+    their own threads; a monotonic clock, sequential ids.
+
+    `write_stream_thread`: whether the write stream (device -> host) gets a thread of its
+    own. By default (None) it does on CUDA, where it waits on each copy's event, and does
+    not on a CPU device: there a copy is synchronous Python and memcpy, so on a thread of
+    its own it would only take turns with the scheduler for the interpreter lock (each
+    turn a thread switch, and its bookkeeping no cheaper); on the executor a write-through
+    is copied and acknowledged in the cascade of the call that started it. True gives it a
+    thread on CPU too (tests of the threaded stream); False is refused on CUDA."""
 
     def __init__(
-        self, *, seed: int = 0, faults: FaultPlan | None = None, observe: DeliveryObserver | None = None
+        self,
+        *,
+        seed: int = 0,
+        faults: FaultPlan | None = None,
+        observe: DeliveryObserver | None = None,
+        write_stream_thread: bool | None = None,
     ) -> None:
         self.executor = SerialExecutor()
+        self.write_stream_thread = write_stream_thread
         self._timers: list[threading.Timer] = []
         self._timers_lock = threading.Lock()
         self.services = Services(
@@ -78,9 +93,16 @@ class ThreadedRuntime:
         )
 
     def start(self, cls: type[HiActor], **kwargs: Any) -> pykka.ActorRef[Any]:
-        if cls.name in EXECUTOR_ACTORS:
+        if cls.name in EXECUTOR_ACTORS or (cls.name is ActorName.WRITE and not self._write_thread(kwargs)):
             return self.executor.actor_class(cls).start(**kwargs)
         return cls.start(**kwargs)
+
+    def _write_thread(self, kwargs: Mapping[str, Any]) -> bool:
+        cuda = kwargs["device_kv"].device.type != "cpu"
+        if self.write_stream_thread is False and cuda:
+            raise ValueError("write_stream_thread=False needs a CPU device: on CUDA the write stream waits "
+                             "on its copies' events on a thread of its own (leave it None)")
+        return cuda if self.write_stream_thread is None else self.write_stream_thread
 
     poll_s: float | None = 0.05
     """How long the caller waits on its inbox between checks for failed actors."""

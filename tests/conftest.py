@@ -361,8 +361,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 def make_runtime(kind: str, *, seed: int = 0, faults: FaultPlan | None = None, observe: Any = None) -> Any:
-    if kind == "threads":
-        return ThreadedRuntime(seed=seed, faults=faults, observe=observe)
+    if kind == "threads":  # the streams on threads of their own, as on CUDA (the facade's tests run the default)
+        return ThreadedRuntime(seed=seed, faults=faults, observe=observe, write_stream_thread=True)
     return DeterministicRuntime(seed=seed, faults=faults, observe=observe)
 
 

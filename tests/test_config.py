@@ -138,6 +138,18 @@ def test_every_integer_field_has_a_range_with_an_upper_bound(name: str) -> None:
                                                         f"{rule.lo}..{rule.hi}"
 
 
+def test_a_write_copy_batch_ends_at_its_pages_or_its_bytes_whichever_comes_first() -> None:
+    # 2 layers x 1 head x 8 dims x fp16 x K and V: 64 bytes a slot, 1 KiB a page of 16
+    small = Config(layers=2, kv_heads=1, head_dim=8, dtype="float16", page_size=16)
+    assert small.transfer_batch_pages == 4096  # 4 MiB: the page bound
+    assert small.replace(transfer_pages_max=7).transfer_batch_pages == 7
+    # 32 layers x 8 heads x 128 dims x fp16 x 2: 128 KiB a slot, 2 MiB a page: 128 MiB is 64 pages
+    large = Config(layers=32, kv_heads=8, head_dim=128, dtype="float16", page_size=16,
+                   device_slots=1 << 16, host_slots=1 << 17)
+    assert large.transfer_batch_pages == 64
+    assert large.replace(transfer_batch_mb=1).transfer_batch_pages == 1  # never less than a page
+
+
 def test_a_huge_storage_batch_is_refused_at_once() -> None:
     assert _same_through_every_path({"storage_batch_pages": 10**9}) == \
         "ConfigError: storage_batch_pages=1000000000 must be an integer in 1..4096"

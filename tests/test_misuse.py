@@ -254,7 +254,7 @@ def test_close_drains_backups_in_flight_so_a_next_instance_finds_every_page(
 def test_a_call_whose_wait_times_out_has_its_late_reply_adopted_and_the_next_call_works(
     make_config: Callable[..., Config],
 ) -> None:
-    """An allocation that must wait for a write in flight (its node is locked by the write)
+    """An allocation that must wait for a write in flight on the write stream's own thread (its node is locked by the write)
     times out; the write then lands, the device's retry allocates, and the next call adopts
     that late grant: the slots join the request, nothing leaks."""
     gate = threading.Event()
@@ -264,7 +264,7 @@ def test_a_call_whose_wait_times_out_has_its_late_reply_adopted_and_the_next_cal
             gate.wait(10)
 
     config = make_config(device_pages=8, host_pages=32)
-    hc = HiCache(config, runtime=ThreadedRuntime(observe=observe), reply_timeout_s=0.3)
+    hc = HiCache(config, runtime=ThreadedRuntime(observe=observe, write_stream_thread=True), reply_timeout_s=0.3)
     with hc:
         [a] = hc.admit([Request("a", seq(24))])
         hc.allocate({"a": 24})

@@ -235,3 +235,50 @@ def test_an_eviction_that_gives_up_after_one_round_is_what_that_test_catches(
             except Exception:  # noqa: BLE001 - the tree's invariant caught the short eviction
                 short += 1
     assert short > 0
+
+
+@pytest.mark.parametrize("write_stream_thread", [None, True])
+def test_on_cpu_a_write_through_is_copied_within_the_call_that_starts_it_unless_the_stream_has_a_thread(
+    make_config: Callable[..., Config], write_stream_thread: bool | None
+) -> None:
+    """On a CPU device the write stream runs on the executor by default: the finish that
+    starts a write-through returns with the pages in host memory (no wait, no other thread).
+    With a thread of its own (as on CUDA) its copies run there."""
+    import threading
+
+    from hicache.runtime import ThreadedRuntime
+
+    threads: set[int] = set()
+
+    def observe(receiver: ActorName, mail: Any) -> None:
+        if receiver is ActorName.WRITE:
+            threads.add(threading.get_ident())
+
+    config = make_config(device_pages=16, host_pages=64, write_policy=WritePolicy.WRITE_THROUGH)
+    runtime = ThreadedRuntime(observe=observe, write_stream_thread=write_stream_thread)
+    with HiCache(config, runtime=runtime) as hc:
+        _serve(hc, "a", seq(12, 1) + [7])
+        if write_stream_thread is None:
+            assert threads == {threading.get_ident()}
+            stats = hc.statistics()  # written and acknowledged before finish returned
+            assert (stats.tree.writes_in_flight, stats.write.ops_done, stats.tree.host_tokens) == (0, 1, 12)
+        else:
+            hc.quiesce()
+            assert threads and threading.get_ident() not in threads
+            stats = hc.statistics()
+            assert (stats.tree.writes_in_flight, stats.write.ops_done, stats.tree.host_tokens) == (0, 1, 12)
+        hc.check_invariants()
+
+
+def test_the_write_stream_cannot_be_put_on_the_executor_on_cuda() -> None:
+    from types import SimpleNamespace
+
+    from hicache.runtime import ThreadedRuntime
+
+    cuda = {"device_kv": SimpleNamespace(device=SimpleNamespace(type="cuda"))}
+    with pytest.raises(ValueError, match="write_stream_thread=False needs a CPU device"):
+        ThreadedRuntime(write_stream_thread=False)._write_thread(cuda)
+    assert ThreadedRuntime()._write_thread(cuda) is True
+    cpu = {"device_kv": SimpleNamespace(device=SimpleNamespace(type="cpu"))}
+    assert ThreadedRuntime()._write_thread(cpu) is False
+    assert ThreadedRuntime(write_stream_thread=True)._write_thread(cpu) is True

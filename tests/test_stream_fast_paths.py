@@ -39,6 +39,9 @@ _WAYS: dict[str, list[tuple[Any, str, Any]]] = {
                        (kv_module, "_GIL_HELD_BYTES_MAX", 0)],
     "torch": [(kv_module._Rows, "of", classmethod(lambda cls, buf: None))],  # no buffer offers its rows
     "vectorised-plan": [(pages_module, "FEW_MAX", 0)],
+    # Page-granular plans only: whole pages gathered and scattered by torch, or never.
+    "page-gather": [(kv_module, "_GATHER_RUNS_MIN", 0), (kv_module, "_GATHER_BLOCK_BYTES_MAX", _ALL)],
+    "no-page-gather": [(kv_module, "_GATHER_RUNS_MIN", _ALL)],
 }
 
 
@@ -120,6 +123,82 @@ def test_every_way_refuses_bad_indices_alike(
             assert torch.equal(dst.tensor, before), way
         outcomes[way] = got
     assert len(set(map(repr, outcomes.values()))) == 1, outcomes
+
+
+_PAGE_COPIES = st.tuples(
+    st.sampled_from([(LF, LF), (LF, PF), (PF, LF)]),
+    st.sampled_from([1, 2, 4]),  # page size
+    st.integers(1, 3),  # layers
+    st.one_of(st.none(), st.integers(-3, 2)),  # layer (None: all; negative counts from the end)
+    st.lists(st.tuples(st.integers(0, PAGES * 2 - 1), st.integers(0, PAGES * 2 - 1)), max_size=12),
+    st.sampled_from(sorted(_FORMS)),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(copy=_PAGE_COPIES)
+def test_every_way_of_copying_pages_moves_the_same_bytes_as_a_slot_by_slot_copy(copy: Any) -> None:
+    """What the streams run: `plan_pages` (which may gather whole pages) planned once, run for
+    all layers or for one, layer after layer, as a load does."""
+    (src_layout, dst_layout), page_size, layers, layer, pairs, form = copy
+    shape = KVShape(layers=layers, heads=2, head_dim=3, dtype=torch.float32, page_size=page_size)
+    if layer is not None and not -layers <= layer < layers:
+        layer = None
+    s_pages = [s % PAGES for s, _ in pairs]
+    d_pages = list(dict.fromkeys(d % PAGES for _, d in pairs))
+    s_pages = s_pages[: len(d_pages)]
+    s_slots = [s * page_size + k for s in s_pages for k in range(page_size)]
+    d_slots = [d * page_size + k for d in d_pages for k in range(page_size)]
+    want = reference_copy(_filled(shape, src_layout, 1), s_slots, _filled(shape, dst_layout, 2), d_slots, layer)
+    for way in [None, *_WAYS]:
+        src, dst = _filled(shape, src_layout, 1), _filled(shape, dst_layout, 2)
+        with _way(way):
+            plan = kv_module._Route(src, dst).plan_pages(_FORMS[form](s_pages), _FORMS[form](d_pages))
+            if way == "page-gather":
+                assert (plan._gather is not None) == bool(s_pages), way
+            nbytes = plan.run(layer=layer)
+        assert torch.equal(dst.tensor, want), way
+        assert nbytes == len(s_slots) * shape.bytes_per_slot // (1 if layer is None else layers), way
+        if layer is not None:  # the same plan, run again for one layer, copies the same bytes
+            assert plan.run(layer=layer) == nbytes and torch.equal(dst.tensor, want), way
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    s_pages=st.lists(st.integers(-2, 8), max_size=10),
+    d_pages=st.lists(st.integers(-2, 8), max_size=10),
+    layouts=st.sampled_from([(LF, LF), (LF, PF), (PF, LF), (PF, PF)]),
+    form=st.sampled_from(sorted(_FORMS)),
+)
+def test_every_way_refuses_bad_pages_alike(
+    s_pages: list[int], d_pages: list[int], layouts: tuple[HostLayout, HostLayout], form: str
+) -> None:
+    shape = KVShape(layers=2, heads=1, head_dim=4, dtype=torch.float32, page_size=2)
+    outcomes = {}
+    for way in [None, *_WAYS]:
+        src, dst = _filled(shape, layouts[0], 1), _filled(shape, layouts[1], 2)
+        before = dst.tensor.clone()
+        with _way(way):
+            route = kv_module._Route(src, dst)
+            got = _outcome(lambda: route.plan_pages(_FORMS[form](s_pages), _FORMS[form](d_pages)).run())
+        if isinstance(got, tuple):  # a refused copy touches nothing
+            assert torch.equal(dst.tensor, before), way
+        outcomes[way] = got
+    assert len(set(map(repr, outcomes.values()))) == 1, outcomes
+
+
+def test_scattered_pages_of_a_tiny_kv_are_gathered_and_large_or_contiguous_ones_are_not() -> None:
+    def gathers(heads: int, head_dim: int, pages: list[int], layers: int = 1) -> bool:
+        shape = KVShape(layers=layers, heads=heads, head_dim=head_dim, dtype=torch.float16, page_size=16)
+        src = KVBuffer.allocate(shape, 16 * 256, LF, "cpu")
+        dst = KVBuffer.allocate(shape, 16 * 256, PF, "cpu")
+        return kv_module._Route(src, dst).plan_pages(pages, list(range(len(pages))))._gather is not None
+
+    scattered = list(range(0, 256, 2))
+    assert gathers(1, 1, scattered)  # 32 bytes a block, 256 blocks: the peer harness's shape
+    assert not gathers(8, 128, scattered)  # 32 KiB a block: memcpy per block beats the gather
+    assert not gathers(1, 1, list(range(128)))  # one run: two blocks
+    assert not gathers(1, 1, [0, 2, 4])  # three runs
 
 
 def test_a_slot_out_of_range_is_named_before_anything_is_copied() -> None:

@@ -147,7 +147,7 @@ class DirectCores:
         self.host = HostCore(config)
         self._host = HostSide(self.host)
         # The write stream's op merger/splitter: the same copy batches as the actor's.
-        self.writes = TransferQueue(config.transfer_pages_max * config.page_size, config.transfer_queue_ops_max)
+        self.writes = TransferQueue(config.transfer_batch_pages * config.page_size, config.transfer_queue_ops_max)
         self._replies: dict[int, Message] = {}
 
     def admit(self, batch: list[tuple[str, torch.Tensor]]) -> tuple[Admission, ...]:
