@@ -255,8 +255,9 @@ class _Route:
         same = shape == dst.shape and src.tensor.dtype == dst.tensor.dtype
         sr, dr = (src._rows, dst._rows) if same else (None, None)
         self.rows = None if sr is None or dr is None else (sr, dr)
-        # Whole pages can be gathered and scattered by torch between CPU buffers of one shape.
-        self.gather = same and src.device.type == "cpu" and dst.device.type == "cpu"
+        # Whole pages can be gathered and scattered by torch between contiguous CPU buffers of one
+        # shape (`KVBuffer.page_rows` views them).
+        self.gather = same and all(b.device.type == "cpu" and b.tensor.is_contiguous() for b in (src, dst))
         self.block = shape.page_size * shape.heads * shape.head_dim * shape.dtype.itemsize
         """Bytes of one page's K (or V) in one layer: the smallest block of a page-granular copy."""
 

@@ -199,6 +199,10 @@ def test_scattered_pages_of_a_tiny_kv_are_gathered_and_large_or_contiguous_ones_
     assert not gathers(8, 128, scattered)  # 32 KiB a block: memcpy per block beats the gather
     assert not gathers(1, 1, list(range(128)))  # one run: two blocks
     assert not gathers(1, 1, [0, 2, 4])  # three runs
+    shape = KVShape(layers=1, heads=1, head_dim=1, dtype=torch.float16, page_size=16)
+    wide = KVBuffer(shape, torch.zeros(2, 1, 16 * 256, 1, 2, dtype=torch.float16)[..., :1], LF)  # not contiguous
+    plan = kv_module._Route(wide, KVBuffer.allocate(shape, 16 * 256, LF, "cpu")).plan_pages(scattered, scattered)
+    assert plan._gather is None and plan.run() == len(scattered) * 16 * shape.bytes_per_slot
 
 
 def test_a_slot_out_of_range_is_named_before_anything_is_copied() -> None:
