@@ -298,9 +298,9 @@ least this many runs of at most `_GATHER_BLOCK_BYTES_MAX` bytes a block on avera
 block by block, each run costs a Python call (about half a microsecond) per K and V of a layer."""
 
 _GATHER_BLOCK_BYTES_MAX = 1024
-"""Above about 1 to 2 KiB a block, copying block by block beats the gather and scatter
-(which move the bytes twice, and torch's index kernels move large rows slower than memcpy):
-docs/benchmarks.md, "Copy costs"."""
+"""Past about 2 to 4 KiB a block, copying block by block beats the gather and scatter (which
+move the bytes twice, and torch's index kernels move large rows slower than memcpy: 3-4x
+slower at a model's 32 KiB blocks); 1 KiB keeps a margin. docs/benchmarks.md, the host tier."""
 
 
 class CopyPlan:
