@@ -293,7 +293,7 @@ class _Route:
 
 _GATHER_RUNS_MIN = 16
 """A page-granular copy on CPU gathers and scatters whole pages with torch (two calls per K
-and V of a layer, about 15 µs together, plus some 60 ns a page) when its pages make at
+and V of a layer, about 15 µs together, plus some 0.1 µs a page) when its pages make at
 least this many runs of at most `_GATHER_BLOCK_BYTES_MAX` bytes a block on average: copied
 block by block, each run costs a Python call (about half a microsecond) per K and V of a layer."""
 
