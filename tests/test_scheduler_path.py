@@ -8,7 +8,9 @@ the node to host memory), not give up.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -16,7 +18,7 @@ import pytest
 import hicache.actors._radix as radix_module
 import hicache.actors._radix_node as node_module
 from hicache.messages import ActorName
-from hicache.runtime import Config, HiCache, Insufficient, Request, WritePolicy
+from hicache.runtime import Config, HiCache, Insufficient, Request, ThreadedRuntime, WritePolicy
 from hicache.runtime.testing import DeterministicRuntime, RandomStrategy, ReferenceScheduler, SchedulerConfig
 from hicache.runtime.testing._mutants import mutant
 from hicache.runtime.testing.explore import synthetic_workload
@@ -244,10 +246,6 @@ def test_on_cpu_a_write_through_is_copied_within_the_call_that_starts_it_unless_
     """On a CPU device the write stream runs on the executor by default: the finish that
     starts a write-through returns with the pages in host memory (no wait, no other thread).
     With a thread of its own (as on CUDA) its copies run there."""
-    import threading
-
-    from hicache.runtime import ThreadedRuntime
-
     threads: set[int] = set()
 
     def observe(receiver: ActorName, mail: Any) -> None:
@@ -271,10 +269,6 @@ def test_on_cpu_a_write_through_is_copied_within_the_call_that_starts_it_unless_
 
 
 def test_the_write_stream_cannot_be_put_on_the_executor_on_cuda() -> None:
-    from types import SimpleNamespace
-
-    from hicache.runtime import ThreadedRuntime
-
     cuda = {"device_kv": SimpleNamespace(device=SimpleNamespace(type="cuda"))}
     with pytest.raises(ValueError, match="write_stream_thread=False needs a CPU device"):
         ThreadedRuntime(write_stream_thread=False)._write_thread(cuda)
