@@ -77,6 +77,8 @@ class ThreadedRuntime:
         observe: DeliveryObserver | None = None,
         write_stream_thread: bool | None = None,
     ) -> None:
+        if write_stream_thread not in (None, True, False) or type(write_stream_thread) is int:
+            raise TypeError(f"write_stream_thread must be None, True or False, got {write_stream_thread!r}")
         self.executor = SerialExecutor()
         self.write_stream_thread = write_stream_thread
         self._timers: list[threading.Timer] = []

@@ -276,3 +276,6 @@ def test_the_write_stream_cannot_be_put_on_the_executor_on_cuda() -> None:
     cpu = {"device_kv": SimpleNamespace(device=SimpleNamespace(type="cpu"))}
     assert ThreadedRuntime()._write_thread(cpu) is False
     assert ThreadedRuntime(write_stream_thread=True)._write_thread(cpu) is True
+    for bad in ("no", 1, 0):
+        with pytest.raises(TypeError, match="write_stream_thread must be None, True or False"):
+            ThreadedRuntime(write_stream_thread=bad)  # type: ignore[arg-type]
