@@ -101,13 +101,18 @@ class RadixTree:
 
     def insert(
         self, namespace: str, tokens: Indices, device: Indices, *, own_from: int = 0, priority: int = 0,
-        length: int | None = None,
+        length: int | None = None, after: Node | None = None,
     ) -> InsertOutcome:
         """Insert `tokens` (whole pages) whose KV sits in the `device` pages (one per page of tokens);
         with `length`, only the first `length` tokens (whole pages; `tokens` is not copied).
 
         Pages of positions below `own_from` came from the tree itself (the caller's
-        cached prefix): they are never adopted or reported as duplicates."""
+        cached prefix): they are never adopted or reported as duplicates.
+
+        With `after` (a live node of `namespace`), `tokens` continue the cached prefix that
+        ends at `after`: the nodes from the root to it count as matched, as a walk over the
+        whole sequence would count them (hit count, access time, priority, `path`, `present`),
+        without their tokens being given or compared; `own_from` must then be 0."""
         p = self.page_size
         n = len(tokens) if length is None else length
         u = self.index_tokens
@@ -116,7 +121,10 @@ class RadixTree:
                              f"{len(device)} indices")
         self._tick += 1
         out = InsertOutcome(path=[], present=0, adopted=[], duplicates=[], revived=[])
-        node = self.root(namespace)
+        if after is None:
+            node = self.root(namespace)
+        else:
+            node = self._continue(namespace, after, own_from, priority, out)
         data = tokens.to_bytes()
         step, end = self._page_bytes, 8 * n
         pos = 0
@@ -157,6 +165,22 @@ class RadixTree:
         for nd in out.path:
             self.offer(nd)
         return out
+
+    def _continue(self, namespace: str, after: Node, own_from: int, priority: int, out: InsertOutcome) -> Node:
+        """`insert(after=...)`: the nodes from the root to `after`, used as matched; `after`."""
+        if own_from:
+            raise ValueError(f"insert after a node takes no own_from (got {own_from}): every page given is the caller's")
+        if not after.alive or after.namespace != namespace or after.is_root:
+            raise InvariantError(f"insert after {after}: it must be a live node of namespace {namespace!r}")
+        path = list(after.path())
+        path.reverse()
+        for nd in path:
+            nd.hit_count += 1
+            nd.last_access = self._tick
+            nd.priority = max(nd.priority, priority)
+            out.present += nd.tokens
+        out.path = path
+        return after
 
     def _absorb(self, node: Node, mine: Indices, out: InsertOutcome) -> None:
         """The caller's pages for an existing node: the node's own, duplicates, or a revival."""

@@ -295,10 +295,12 @@ class Admissions:
         self, h: _Handle, tokens: Tokens, device: Indices,
         adopted: list[Indices], duplicates: list[Indices],
     ) -> list[Node]:
-        """Insert a request's committed page-aligned prefix (checked by `_take_handles`)."""
+        """Insert a request's committed page-aligned prefix: `tokens` and `device` are what it
+        committed after the cached prefix its handle locks (checked by `_take_handles`), so only
+        they are walked and compared; the prefix's nodes count as matched."""
         p = self.s.page_size
         n = len(tokens) - len(tokens) % p
-        out = self.s.tree.insert(h.namespace, tokens, device[: n // p], own_from=h.prefix_tokens, length=n)
+        out = self.s.tree.insert(h.namespace, tokens, device[: n // p], length=n, after=h.node)
         if out.revived:
             self.s.emit(HOST, SetHostState(pages=cat([nd.host for nd in out.revived]), state=HostSlotState.SYNCED))
         adopted.extend(out.adopted)
@@ -325,21 +327,16 @@ class Admissions:
                 raise HandleError(f"lock handle {it.handle} belongs to request {h.request_id!r}, not {it.request_id!r}")
             if it.handle in seen:
                 raise HandleError(f"lock handle {it.handle} of request {it.request_id!r} appears twice in one batch")
-            self._check_item(it.request_id, h, it.tokens, it.device)
+            self._check_item(it.request_id, it.tokens, it.device)
             seen.add(it.handle)
         return [self.handles.pop(it.handle) for it in items]
 
-    def _check_item(self, rid: str, h: _Handle, tokens: Tokens, device: Indices) -> None:
-        """A request's committed tokens come with the pages that hold them, and cover at
-        least the prefix it was admitted with."""
+    def _check_item(self, rid: str, tokens: Tokens, device: Indices) -> None:
+        """The tokens a request committed after its cached prefix come with the pages that hold them."""
         p = self.s.page_size
         if -(-len(tokens) // p) != len(device):
-            raise ValueError(f"request {rid!r}: {len(tokens)} tokens need {-(-len(tokens) // p)} pages of {p}, "
-                             f"got {len(device)}")
-        n = len(tokens) - len(tokens) % p
-        if n < h.prefix_tokens:
-            raise ValueError(f"request {rid!r}: {n} committed page-aligned tokens, fewer than the "
-                             f"{h.prefix_tokens} it was admitted with")
+            raise ValueError(f"request {rid!r}: {len(tokens)} tokens after its cached prefix need "
+                             f"{-(-len(tokens) // p)} pages of {p}, got {len(device)}")
 
     def _unlock_finished(self, h: _Handle) -> None:
         """The one lock release of a request that leaves, whatever the reason."""

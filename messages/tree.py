@@ -72,9 +72,10 @@ class FinishItem(Message):
     handle: int
     """Its lock handle."""
     tokens: Tokens
-    """Every token whose KV was committed, in order."""
+    """The tokens whose KV was committed after the cached prefix its handle locks, in order
+    (the prefix itself the tree has: it is not sent again)."""
     device: Indices
-    """The device pages of the committed tokens, in token order (the last may be partly committed)."""
+    """The device pages of those tokens, in token order (the last may be partly committed)."""
     reason: ReleaseReason
     """Why it leaves."""
     commits: int
@@ -112,7 +113,7 @@ class CacheItem(Message):
     handle: int
     """Its lock handle (released; a new one is returned)."""
     tokens: Tokens
-    """Tokens committed so far."""
+    """Tokens committed so far after the cached prefix its handle locks."""
     device: Indices
     """Their device pages, in token order (the last may be partly committed)."""
     commits: int

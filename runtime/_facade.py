@@ -48,6 +48,7 @@ from hicache.messages import (
     CacheItem,
     CacheUnfinished,
     DigestTree,
+    EMPTY,
     EvictDevice,
     Evicted,
     EvictHost,
@@ -138,6 +139,9 @@ class _Live:
     unsent: int = 0
     """Committed slots the device has not been told of: `commit` is local, and the next message
     about the request (an allocation, a swap, its release) carries them."""
+    prefix: int = 0
+    """Tokens of the cached prefix its handle locks (whole pages): the tree has them, so a
+    finish or a `cache_unfinished` sends only what comes after."""
 
     def token_data(self) -> bytes:
         first = self.tokens[0]
@@ -145,6 +149,34 @@ class _Live:
             first = b"".join(self.tokens)
             self.tokens = [first]
         return first
+
+    def tokens_after_prefix(self) -> Tokens:
+        """The committed tokens after the cached prefix: a commit's bytes as they are when they
+        are all of it (as a prefill's are), else one join."""
+        skip, chunks = 8 * self.prefix, self.tokens
+        i = 0
+        while i < len(chunks) and skip >= len(chunks[i]):
+            skip -= len(chunks[i])
+            i += 1
+        rest = chunks[i:]
+        if len(rest) == 1 and not skip and type(rest[0]) is bytes:
+            return Tokens(rest[0])
+        if skip:
+            rest = [memoryview(rest[0])[skip:], *rest[1:]]
+        return Tokens(b"".join(rest))
+
+    def pages_after_prefix(self, page_size: int) -> Indices:
+        """The pages of the committed tokens after the cached prefix (the last maybe partly committed)."""
+        first, stop, parts = self.prefix // page_size, -(-self.committed // page_size), self.pages
+        i = 0
+        while i < len(parts) and first >= len(parts[i]):
+            first -= len(parts[i])
+            stop -= len(parts[i])
+            i += 1
+        rest = parts[i:]
+        if not rest:
+            return EMPTY
+        return (rest[0] if len(rest) == 1 else Indices.concat(rest))[first:stop]
 
     def page_indices(self) -> Indices:
         if len(self.pages) != 1:
@@ -300,7 +332,8 @@ class HiCache:
         storage = min(self._stored.pop(rid, 0), adm.host_hit)
         self._storage_hit_tokens += storage
         handle = CacheHandle(rid, adm.handle)
-        live = _Live(handle, item.namespace, [memoryview(item.tokens.to_bytes())[: 8 * cached]], cached, [], cached, -1)
+        live = _Live(handle, item.namespace, [memoryview(item.tokens.to_bytes())[: 8 * cached]], cached, [], cached, -1,
+                     prefix=cached)
         live.add_pages(adm.device)
         self._live[rid] = live
         return AdmitResult(rid, handle, self._slots(adm.device, cached), adm.device_hit, adm.host_hit,
@@ -317,7 +350,7 @@ class HiCache:
             self._live.pop(adm.request_id, None)
         ends = tuple(
             FinishItem(request_id=it.request_id, handle=adm.handle, reason=ReleaseReason.RETRACTED,
-                       tokens=it.tokens[: adm.device_hit + adm.host_hit], device=adm.device, commits=0)
+                       tokens=Tokens(), device=EMPTY, commits=0)
             for it, adm in zip(items, reply.admissions, strict=True)
         )
         self._ask(ActorName.TREE, FinishRequests(op_id=self._op(), items=ends), Finished)
@@ -604,14 +637,10 @@ class HiCache:
                     self._end(h.request_id, reason)
             return list(self._ask(ActorName.TREE, FinishRequests(op_id=self._op(), items=ends), Finished).entries)
 
-    def _committed_pages(self, live: _Live) -> Indices:
-        """The pages holding a request's committed tokens (the last one maybe partly)."""
-        return live.page_indices()[: -(-live.committed // self.config.page_size)]
-
     def _finish_item(self, h: CacheHandle, reason: ReleaseReason) -> FinishItem:
         live = self._live[h.request_id]
-        return FinishItem(request_id=h.request_id, handle=h._token, reason=reason,
-                          tokens=Tokens(live.token_data()), device=self._committed_pages(live), commits=live.unsent)
+        return FinishItem(request_id=h.request_id, handle=h._token, reason=reason, tokens=live.tokens_after_prefix(),
+                          device=live.pages_after_prefix(self.config.page_size), commits=live.unsent)
 
     def _end(self, rid: str, reason: ReleaseReason) -> None:
         self._ended[rid] = reason.value
@@ -625,8 +654,8 @@ class HiCache:
             hs = self._check_handles(handles)
             lives = [self._live[h.request_id] for h in hs]
             items = tuple(
-                CacheItem(request_id=h.request_id, handle=h._token, tokens=Tokens(live.token_data()),
-                          device=self._committed_pages(live), commits=live.unsent)
+                CacheItem(request_id=h.request_id, handle=h._token, tokens=live.tokens_after_prefix(),
+                          device=live.pages_after_prefix(self.config.page_size), commits=live.unsent)
                 for h, live in zip(hs, lives, strict=True)
             )
             for live in lives:
@@ -653,6 +682,7 @@ class HiCache:
             live.unsent -= item.commits  # the swap applied them (more may have come since)
             rest = live.page_indices()[len(prefix.device):]
             live.pages = [Indices.concat((prefix.device, rest))]
+            live.prefix = len(prefix.device) * self.config.page_size
             live.handle = CacheHandle(h.request_id, prefix.handle)
             out.append(live.handle)
         return out
@@ -699,10 +729,11 @@ class HiCache:
             self.system.check_invariants()
             for rid, live in self._live.items():
                 if live.committed != len(live.token_data()) // 8 or live.committed > live.allocated \
-                        or -(-live.allocated // self.config.page_size) != len(live.page_indices()):
+                        or -(-live.allocated // self.config.page_size) != len(live.page_indices()) \
+                        or live.prefix % self.config.page_size or live.prefix > live.committed:
                     raise AssertionError(f"facade: request {rid!r} has {live.committed} committed, "
                                          f"{len(live.token_data()) // 8} tokens, {live.allocated} allocated, "
-                                         f"{len(live.page_indices())} pages")
+                                         f"{len(live.page_indices())} pages, a cached prefix of {live.prefix}")
             held = self.system.ask(ActorName.TREE, GetStatistics()).live_handles
             if held != len(self._live) and not self._pending:
                 raise AssertionError(

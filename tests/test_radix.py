@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hicache.actors import NODE_TRANSITIONS, InvariantError, Node, NodeState, NodeStateError, RadixTree
 from hicache.messages import Indices, Tokens
@@ -199,6 +201,59 @@ def test_insert_with_own_from_inside_a_node_splits_it_so_only_the_callers_part_i
     assert out.present == 16
     assert [d.tolist() for d in out.duplicates] == [pages(2, 10).tolist()]  # only positions 8..15
     assert out.adopted == []
+
+
+def _state(tree: RadixTree) -> list[tuple[Any, ...]]:
+    """Every node of the tree, depth first by key: what an insert may change."""
+    out, todo = [], [tree.root("")]
+    while todo:
+        node = todo.pop()
+        if not node.is_root:
+            out.append((node.key, node.device.tolist(), node.hit_count, node.last_access, node.priority))
+        todo.extend(sorted(node.children.values(), key=lambda nd: nd.key, reverse=True))
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(before=st.lists(st.lists(st.integers(1, 3), min_size=1, max_size=5), max_size=5),
+       final=st.lists(st.integers(1, 3), min_size=1, max_size=6), priority=st.integers(0, 2))
+def test_insert_after_the_cached_prefix_does_what_a_whole_insert_with_own_from_does(
+    before: list[list[int]], final: list[int], priority: int,
+) -> None:
+    """Sequences of pages (each page's 4 tokens one repeated id, so that they share prefixes)."""
+    def tokens(page_ids: list[int]) -> Tokens:
+        return Tokens.of([t for i in page_ids for t in [i] * P])
+
+    trees, outcomes = [], []
+    for after in (False, True):
+        tree = RadixTree(P, EvictionPolicy.LRU, index_tokens=P)
+        for k, ids in enumerate(before):
+            tree.insert("", tokens(ids), pages(len(ids), 100 * k))
+        whole = tokens(final)
+        path = tree.match("", whole)  # the request's admission: its cached prefix
+        prefix = sum(nd.tokens for nd in path)
+        device = pages(len(final), 1000)  # the request's own pages (a duplicate of each cached one)
+        if after and path:
+            out = tree.insert("", whole[prefix:], device[prefix // P :], priority=priority, after=path[-1])
+        else:
+            out = tree.insert("", whole, device, own_from=prefix, priority=priority)
+        tree.check_invariants()
+        trees.append(_state(tree))
+        outcomes.append(([nd.key for nd in out.path], out.present, [a.tolist() for a in out.adopted],
+                         [d.tolist() for d in out.duplicates]))
+    assert trees[0] == trees[1]
+    assert outcomes[0] == outcomes[1]
+
+
+def test_insert_after_a_node_takes_no_own_from_and_needs_a_live_node_of_the_namespace(tree: Any) -> None:
+    [node] = tree.insert("", toks(8), pages(2)).path
+    with pytest.raises(ValueError, match="insert after a node takes no own_from"):
+        tree.insert("", toks(4, 9), pages(1, 5), own_from=4, after=node)
+    with pytest.raises(InvariantError, match="must be a live node of namespace 'other'"):
+        tree.insert("other", toks(4, 9), pages(1, 5), after=node)
+    tree.remove(node)
+    with pytest.raises(InvariantError, match="must be a live node of namespace ''"):
+        tree.insert("", toks(4, 9), pages(1, 5), after=node)
 
 
 def test_insert_refuses_a_cached_prefix_that_is_no_longer_in_the_tree(tree: Any) -> None:

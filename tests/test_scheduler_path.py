@@ -112,6 +112,43 @@ def test_a_decode_step_with_its_commit_is_one_message_from_the_facade(make_confi
         assert (entry.committed, entry.freed) == (14, 14)
 
 
+def test_a_finish_and_a_cache_unfinished_send_only_what_follows_the_cached_prefix(
+    make_config: Callable[..., Config],
+) -> None:
+    """The tree has the prefix a handle locks: the items carry the tokens and pages after it,
+    and what gets cached is still the whole sequence."""
+    items: list[Any] = []
+
+    def observe(receiver: ActorName, mail: Any) -> None:
+        if mail.sender is ActorName.FACADE and hasattr(mail.message, "items") and receiver is ActorName.TREE:
+            items.extend(mail.message.items)
+
+    config = make_config()
+    p = config.page_size
+    with HiCache(config, runtime=make_runtime("threads", observe=observe)) as hc:
+        _serve(hc, "a", seq(2 * p, 1) + [99])  # two pages cached
+        prompt = seq(2 * p, 1) + seq(3 * p, 500)
+        [b] = hc.admit([Request("b", prompt)])
+        assert b.cached_tokens == 2 * p
+        got = hc.allocate({"b": 3 * p + 1})
+        assert isinstance(got, dict)
+        hc.commit({"b": prompt[2 * p : 3 * p]})  # one chunk of the prefill
+        items.clear()
+        [b2] = hc.cache_unfinished([b.handle])
+        [cached] = [it for it in items if type(it).__name__ == "CacheItem"]
+        assert cached.tokens.tolist() == prompt[2 * p : 3 * p] and len(cached.device) == 1
+        hc.commit({"b": prompt[3 * p :] + [7]})
+        items.clear()
+        hc.finish([b2])
+        [done] = [it for it in items if type(it).__name__ == "FinishItem"]
+        assert done.tokens.tolist() == prompt[3 * p :] + [7]  # after the 3 pages cache_unfinished cached
+        assert len(done.device) == 3  # 2 whole pages and the partly committed last one
+        [c] = hc.admit([Request("c", prompt + [7] + seq(p, 900))])
+        assert c.cached_tokens == 5 * p  # the whole of b's page-aligned sequence is in the tree
+        hc.finish([c.handle])
+        hc.check_invariants()
+
+
 def test_an_allocation_that_needs_an_eviction_is_one_message_from_the_facade(
     make_config: Callable[..., Config], runtime_kind: str
 ) -> None:

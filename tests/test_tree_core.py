@@ -108,6 +108,8 @@ class Req:
     device_hit: int = 0
     host_hit: int = 0
     host_miss: int = 0
+    prefix: int = 0
+    """Tokens of the cached prefix its handle locks (the tree has them; items send what follows)."""
 
     @property
     def slots(self) -> torch.Tensor:
@@ -115,9 +117,13 @@ class Req:
         return pages_to_slots(self.pages, P)[: self.allocated]
 
     def device(self) -> Indices:
-        """The pages of the committed tokens (the last maybe partly committed), as a
-        `FinishItem` or `CacheItem` names them."""
-        return Indices.of(self.pages[: -(-len(self.tokens) // P)])
+        """The pages of the committed tokens after the cached prefix (the last maybe partly
+        committed), as a `FinishItem` or `CacheItem` names them."""
+        return Indices.of(self.pages[self.prefix // P : -(-len(self.tokens) // P)])
+
+    def after_prefix(self) -> Tokens:
+        """The committed tokens after the cached prefix, as a `FinishItem` or `CacheItem` names them."""
+        return Tokens.of(self.tokens[self.prefix :])
 
 
 class _Refusals(NoFaults):
@@ -243,7 +249,7 @@ class Player:
             cached = a.device_hit + a.host_hit
             assert len(a.device) * P == cached  # the cached prefix is whole pages
             out.append(Req(a.request_id, items[len(out)].namespace, list(r[1])[:cached], a.device.tolist(),
-                           cached, a.handle, a.device_hit, a.host_hit, a.host_miss))
+                           cached, a.handle, a.device_hit, a.host_hit, a.host_miss, prefix=cached))
         return out
 
     def extend(self, req: Req, new: Sequence[int], *, extra: int = 0) -> None:
@@ -277,13 +283,13 @@ class Player:
 
     @staticmethod
     def _finish_item(r: Req, reason: ReleaseReason) -> FinishItem:
-        return FinishItem(request_id=r.rid, handle=r.handle, tokens=Tokens.of(r.tokens), device=r.device(),
+        return FinishItem(request_id=r.rid, handle=r.handle, tokens=r.after_prefix(), device=r.device(),
                           reason=reason, commits=0)
 
     def cache(self, *reqs: Req) -> tuple[str, ...]:
         """Cache the requests' committed prefixes; returns the ids the tree refused (then nothing changed)."""
         op = next(self._ops)
-        items = [CacheItem(request_id=r.rid, handle=r.handle, tokens=Tokens.of(r.tokens), device=r.device(), commits=0)
+        items = [CacheItem(request_id=r.rid, handle=r.handle, tokens=r.after_prefix(), device=r.device(), commits=0)
                  for r in reqs]
         self.to_tree(ActorName.FACADE, CacheUnfinished(op_id=op, items=tuple(items)))
         self.pump()
@@ -294,6 +300,7 @@ class Player:
             tree_pages = prefix.device.tolist()
             r.pages = tree_pages + r.pages[len(tree_pages):]
             r.handle = prefix.handle
+            r.prefix = len(tree_pages) * P
         return ()
 
     def evict_device(self, tokens: int) -> int:
@@ -854,14 +861,17 @@ def test_another_requests_handle_is_a_handle_error_and_the_whole_batch_is_refuse
     p.assert_idle()
 
 
-def test_finishing_with_fewer_tokens_than_admitted_is_refused(play: Callable[..., Player]) -> None:
+def test_a_finish_names_only_what_follows_the_cached_prefix_and_the_prefix_counts_as_matched(
+    play: Callable[..., Player],
+) -> None:
     p = play()
     p.finish(p.run("a", seq(8, 1)))
-    [b] = p.admit(("b", seq(8, 1)))
-    short = replace(b, tokens=b.tokens[:4], pages=b.pages[:1], allocated=4)
-    with pytest.raises(ValueError, match="request 'b': 4 committed page-aligned tokens, fewer than the 8"):
-        p.finish(short)
+    b = p.run("b", seq(16, 1))
+    assert b.prefix == 8 and b.after_prefix().tolist() == seq(8, 9) and len(b.device()) == 2
     p.finish(b)
+    path = p.tree.tree.match("", Tokens.of(seq(16, 1)))
+    assert [nd.tokens for nd in path] == [8, 8]
+    assert [nd.hit_count for nd in path] == [2, 1]  # a's insert, then b's finish through it
     p.complete_writes()
     p.assert_idle()
 
@@ -873,10 +883,10 @@ def test_an_item_whose_pages_do_not_cover_its_tokens_is_refused_and_changes_noth
     a = p.run("a", seq(10, 1))  # 10 committed tokens: 3 pages, the last partly committed
     slots = FinishItem(request_id="a", handle=a.handle, tokens=Tokens.of(a.tokens),
                        device=Indices.from_tensor(a.slots), reason=ReleaseReason.FINISHED, commits=0)  # one per token
-    with pytest.raises(ValueError, match="request 'a': 10 tokens need 3 pages of 4, got 10"):
+    with pytest.raises(ValueError, match="request 'a': 10 tokens after its cached prefix need 3 pages of 4, got 10"):
         p.tree.finish(next(p._ops), [slots])
     p.check()
-    with pytest.raises(ValueError, match="request 'a': 10 tokens need 3 pages of 4, got 2"):
+    with pytest.raises(ValueError, match="request 'a': 10 tokens after its cached prefix need 3 pages of 4, got 2"):
         p.cache(replace(a, pages=a.pages[:2]))
     p.check()
     assert p.tree.statistics().live_handles == 1 and p.tree.tree.nodes == 0 and p.tree.outbox == []

@@ -296,8 +296,8 @@ def _tick_direct(cores: DirectCores, batch: list[tuple[str, torch.Tensor]]) -> N
     got = cores.allocate([(rid, len(t) - cached[rid]) for rid, t in batch])
     # committed as the facade does: the release carries the commits (the device hears of them there)
     items = tuple(
-        FinishItem(request_id=rid, handle=a.handle, reason=ReleaseReason.FINISHED, tokens=Tokens.from_tensor(t),
-                   device=Indices.concat((a.device, got[rid])), commits=len(t) - cached[rid])
+        FinishItem(request_id=rid, handle=a.handle, reason=ReleaseReason.FINISHED,
+                   tokens=Tokens.from_tensor(t[cached[rid]:]), device=got[rid], commits=len(t) - cached[rid])
         for (rid, t), a in zip(batch, admitted, strict=True)
     )
     cores.finish(items)

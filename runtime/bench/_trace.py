@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from rich.table import Table
 
-from hicache.messages import FinishItem, Indices, ReleaseReason, Tokens
+from hicache.messages import FinishItem, ReleaseReason, Tokens
 from hicache.messages.config import Config, DeviceKind
 
 from ._cli import progress_bar, report
@@ -116,8 +116,8 @@ def _cores_tick(cores: DirectCores, tokens: list[Tokens], ids: list[int], side: 
     t2 = clock()
     t3 = clock()  # committed as the facade does: the release carries the commits
     items = tuple(
-        FinishItem(request_id=a.request_id, handle=a.handle, reason=ReleaseReason.FINISHED, tokens=tokens[i],
-                   device=Indices.concat((a.device, got[a.request_id])), commits=n)
+        FinishItem(request_id=a.request_id, handle=a.handle, reason=ReleaseReason.FINISHED,
+                   tokens=tokens[i][a.device_hit + a.host_hit :], device=got[a.request_id], commits=n)
         for i, a, (_, n) in zip(ids, admissions, want, strict=True)
     )
     cores.finish(items)
