@@ -186,7 +186,7 @@ class _Live:
     def add_pages(self, new: Indices) -> None:
         if new:
             self.pages.append(new)
-            self.last_page = new[len(new) - 1 :].tolist()[0]
+            self.last_page = int.from_bytes(new.to_bytes()[-8:], "little", signed=True)
 
 
 def _ignore(reply: Any) -> None:
@@ -562,7 +562,7 @@ class HiCache:
             live.unsent += n
 
     def _commits(self, tokens: Mapping[str, Sequence[int] | torch.Tensor]) -> list[tuple[str, bytes]]:
-        if not isinstance(tokens, Mapping):
+        if type(tokens) is not dict and not isinstance(tokens, Mapping):
             raise RequestError(f"commit must map request ids to tokens, got {type(tokens).__name__}")
         out = []
         for rid, toks in tokens.items():
@@ -820,6 +820,8 @@ class HiCache:
 
     @staticmethod
     def _sequence(values: Any, what: str) -> Iterable[Any]:
+        if type(values) is list:  # the usual argument: no ABC check
+            return values
         if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
             raise RequestError(f"{what} must be a list, got {type(values).__name__}")
         return values

@@ -29,6 +29,7 @@ from hicache.messages import (
     StreamStatistics,
     TreeStatistics,
 )
+from hicache.messages._registry import frozen_fast_init
 
 TOKEN_ID_MAX = 2**63 - 1
 """Token ids travel as int64: 0 .. 2**63 - 1."""
@@ -53,6 +54,7 @@ class CacheStateError(RuntimeError):
     """The cache is not running (not started yet, or closed), or is called from a second thread."""
 
 
+@frozen_fast_init
 @dataclass(frozen=True, slots=True)
 class CacheHandle:
     """Opaque: what a request holds while it lives. Pass it to finish, abort, retract, cache."""
@@ -61,6 +63,7 @@ class CacheHandle:
     _token: int
 
 
+@frozen_fast_init
 @dataclass(frozen=True, slots=True)
 class Request:
     """A request to admit: its id, prompt tokens and namespace (model / LoRA / cache salt).
@@ -73,6 +76,7 @@ class Request:
     namespace: str = ""
 
 
+@frozen_fast_init
 @dataclass(frozen=True, slots=True)
 class AdmitResult:
     request_id: str
@@ -272,7 +276,7 @@ def _tensor_token_bytes(t: torch.Tensor, what: str) -> bytes:
 
 def demands(value: Any, what: str, maximum: int) -> dict[str, int]:
     """`{request_id: count}` with every key and count checked."""
-    if not isinstance(value, Mapping):
+    if type(value) is not dict and not isinstance(value, Mapping):
         raise RequestError(f"{what} must be a mapping of request id to count, got {type(value).__name__}")
     return {request_id(rid, f"a request id in {what}"): count(f"{what}[{rid!r}]", n, maximum)
             for rid, n in value.items()}
