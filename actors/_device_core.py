@@ -166,7 +166,7 @@ class DeviceCore:
         assert new is not None
         self._owners.put(new, ledger.number)
         got = indices_of(new)
-        ledger.pages.frombytes(got.to_bytes())
+        ledger.pages.frombytes(got.buffer())
         return got
 
     def commit(self, rid: str, n: int) -> LedgerEntry:

@@ -73,7 +73,7 @@ def as_pages(numbers: Slots | numpy.ndarray) -> Pages:
     if len(numbers) <= FEW_MAX:
         return numbers if isinstance(numbers, list) else numbers.tolist()
     if isinstance(numbers, Indices):
-        return numpy.frombuffer(numbers.to_bytes(), dtype=numpy.int64)
+        return numpy.frombuffer(numbers.buffer(), dtype=numpy.int64)
     if isinstance(numbers, numpy.ndarray):
         return numbers.astype(numpy.int64, copy=False)
     if isinstance(numbers, torch.Tensor):
@@ -298,7 +298,9 @@ class SlotTable:
 
     def slots(self, pages: Indices, n: int) -> torch.Tensor:
         """The first `n` slots of `pages` (page numbers of this pool), as a new tensor."""
+        if not n:  # an admission with nothing cached, say
+            return torch.empty(0, dtype=torch.int64)
         if self.page_size == 1:
             return pages[:n].to_tensor()
-        at = numpy.frombuffer(pages.to_bytes(), dtype=numpy.int64)
+        at = numpy.frombuffer(pages.buffer(), dtype=numpy.int64)
         return torch.from_numpy(self._rows.take(at, axis=0).reshape(-1)[:n])

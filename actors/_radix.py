@@ -79,9 +79,9 @@ class RadixTree:
         self._tick += 1
         path: list[Node] = []
         node = self.root(namespace)
-        data = tokens.to_bytes()
+        data, at, end = tokens.span()  # a slice of a larger value is read where it lies
         step = self._page_bytes
-        at, end = 0, len(data) - len(data) % step
+        end -= (end - at) % step
         while at < end:
             child = node.children.get(data[at : at + step])
             if child is None:
@@ -125,11 +125,11 @@ class RadixTree:
             node = self.root(namespace)
         else:
             node = self._continue(namespace, after, own_from, priority, out)
-        data = tokens.to_bytes()
-        step, end = self._page_bytes, 8 * n
+        data, lo, _ = tokens.span()  # a slice of a larger value is read where it lies
+        step, end = self._page_bytes, lo + 8 * n
         pos = 0
         while pos < n:
-            at = 8 * pos
+            at = lo + 8 * pos
             child = node.children.get(data[at : at + step])
             if child is None:
                 if pos < own_from:
@@ -401,15 +401,15 @@ class RadixTree:
             raise InvariantError(f"prefetch anchor {anchor} must be alive and backed up (or a root)")
         self._tick += 1
         out = HostInsert(new=[], unused=[])
-        data, step = tokens.to_bytes(), self._page_bytes
+        (data, lo, hi), step = tokens.span(), self._page_bytes
         node, pos = anchor, 0
         while pos < n:
-            at = 8 * pos
+            at = lo + 8 * pos
             child = node.children.get(data[at : at + step])
             if child is None:
                 if pos < held:  # a held page is gone: what follows has nowhere to hang
                     break
-                new = self._new_node(node, data[at:], NodeState.HOST_ONLY, 0)
+                new = self._new_node(node, data[at:hi], NodeState.HOST_ONLY, 0)
                 new.host = host[(pos - held) // u :]
                 new.stored = True
                 if hashes is not None:
@@ -420,7 +420,7 @@ class RadixTree:
                 return out
             if child.state not in BACKED:
                 break
-            same = self._common(child.key, data, at, len(data))
+            same = self._common(child.key, data, at, hi)
             if pos < held < pos + same:
                 same = held - pos  # the held part and the read part in separate nodes
             if same < child.tokens:

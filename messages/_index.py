@@ -3,6 +3,12 @@
 Inside it is the little-endian int64 bytes of the indices, so a message never
 holds a list or a tensor, the codec ships the bytes as they are, and a pool turns
 them back into a tensor without a copy.
+
+A slice that keeps most of a large value (`VIEW_FRACTION` of it, `VIEW_BYTES_MIN`
+bytes or more) is a read-only view of the same bytes, as a prompt without its last
+token is; any other slice is a copy of its part, so that a small slice never keeps a
+large value's bytes alive. Either way the value is immutable: its bytes are a
+`bytes` object's.
 """
 
 from __future__ import annotations
@@ -19,6 +25,11 @@ import torch
 
 _ITEM_BYTES: Final = 8
 _LITTLE: Final = sys.byteorder == "little"
+VIEW_BYTES_MIN: Final = 4096
+"""Slices of values at least this large may be views (smaller ones copy in the time a view takes)."""
+VIEW_FRACTION: Final = 0.5
+"""A slice keeping at least this fraction of the bytes under it is a view of them: what a
+view keeps alive beyond itself is at most as much again."""
 _PACK_MAX: Final = 64
 """A CPU int64 tensor of at most this many elements becomes bytes through Python ints
 (`tolist` and `struct.pack`, cheaper than a tensor copy's fixed cost); a longer one
@@ -40,9 +51,12 @@ class Indices:
     `as_tensor()` (zero-copy) or `tolist()`.
     """
 
-    __slots__ = ("_data",)
+    __slots__ = ("_at", "_data")
 
-    _data: bytes
+    _data: bytes | memoryview
+    """The bytes, or a read-only byte view of part of a `bytes` object (a large slice)."""
+    _at: int
+    """A view's: where its bytes start in that object (unset for a value of its own bytes)."""
 
     def __init__(self, data: bytes = b"") -> None:
         if not isinstance(data, bytes):
@@ -95,11 +109,14 @@ class Indices:
 
     @classmethod
     def concat(cls, parts: Iterable[Indices]) -> Indices:
-        """The indices of all parts, one after another."""
+        """The indices of all parts, one after another (a lone part of this class as it is)."""
+        parts = parts if type(parts) is list else list(parts)
+        if len(parts) == 1 and type(parts[0]) is cls:
+            return parts[0]  # as joining one bytes object would return it, and a view is not copied
         return cls._wrap(b"".join([p._data for p in parts]))
 
     @classmethod
-    def _wrap(cls, data: bytes) -> Indices:
+    def _wrap(cls, data: bytes | memoryview) -> Indices:
         """An instance over `data` already known to be whole int64s (the bytes of other
         instances, or a slice of them at item boundaries): no checks to repeat."""
         out = object.__new__(cls)
@@ -123,19 +140,45 @@ class Indices:
 
     def tolist(self) -> list[int]:
         """The indices as Python ints (read from the bytes, no tensor)."""
-        unpacked = array("q", self._data)
+        unpacked = array("q")
+        unpacked.frombytes(self._data)
         if not _LITTLE:  # pragma: no cover - every supported host is little-endian
             unpacked.byteswap()
         return unpacked.tolist()
 
     def to_bytes(self) -> bytes:
+        """The little-endian int64 bytes (a copy when this value is a view of a larger one's)."""
+        data = self._data
+        return data if type(data) is bytes else data.tobytes()
+
+    def buffer(self) -> bytes | memoryview:
+        """The bytes without a copy: `bytes`, or a read-only memoryview of them (a view's)."""
         return self._data
+
+    def span(self) -> tuple[bytes, int, int]:
+        """`(data, start, stop)`: the bytes are `data[start:stop]`, without a copy."""
+        data = self._data
+        if type(data) is bytes:
+            return data, 0, len(data)
+        return data.obj, self._at, self._at + len(data)
 
     def __getitem__(self, key: slice) -> Indices:
         if not isinstance(key, slice) or key.step not in (None, 1):
             raise TypeError("Indices support contiguous slices only, e.g. idx[2:10]")
-        start, stop, _ = key.indices(len(self._data) // _ITEM_BYTES)
-        return self._wrap(self._data[start * _ITEM_BYTES : max(start, stop) * _ITEM_BYTES])
+        data = self._data
+        start, stop, _ = key.indices(len(data) // _ITEM_BYTES)
+        lo, hi = start * _ITEM_BYTES, max(start, stop) * _ITEM_BYTES
+        if hi - lo == len(data):
+            return self
+        under = len(data) if type(data) is bytes else len(data.obj)
+        if hi - lo >= VIEW_BYTES_MIN and hi - lo >= VIEW_FRACTION * under:
+            if type(data) is bytes:
+                out, at = self._wrap(memoryview(data)[lo:hi]), lo
+            else:
+                out, at = self._wrap(data[lo:hi]), self._at + lo
+            object.__setattr__(out, "_at", at)
+            return out
+        return self._wrap(bytes(data[lo:hi]) if type(data) is not bytes else data[lo:hi])
 
     def __len__(self) -> int:
         return len(self._data) // _ITEM_BYTES
@@ -144,7 +187,7 @@ class Indices:
         return bool(self._data)
 
     def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and other._data == self._data
+        return type(other) is type(self) and other._data == self._data  # bytes and views compare by content
 
     def __hash__(self) -> int:
         return hash(self._data)
@@ -163,7 +206,7 @@ class Indices:
         return f"{type(self).__name__}([{', '.join(map(str, head))}, ...] n={n})"
 
     def __reduce__(self) -> tuple[type[Indices], tuple[bytes]]:
-        return (type(self), (self._data,))
+        return (type(self), (self.to_bytes(),))
 
 
 def _tensor_bytes(flat: torch.Tensor) -> bytes:

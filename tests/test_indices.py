@@ -11,7 +11,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hicache.messages import EMPTY, Indices
+from hicache.messages import EMPTY, Indices, Tokens
 
 int64s = st.integers(min_value=-(2**63), max_value=2**63 - 1)
 
@@ -139,6 +139,37 @@ def test_a_slice_owns_its_bytes_and_keeps_no_view_of_the_parent() -> None:
     assert len(part.to_bytes()) == 2 * 8
     lo = _address_of_bytes(parent.to_bytes())
     assert not lo <= part.as_tensor().data_ptr() < lo + len(parent.to_bytes())
+
+
+def test_a_slice_keeping_most_of_a_large_value_is_a_view_of_its_bytes_and_equals_the_copy() -> None:
+    parent = Tokens.of(range(2000))
+    lo = _address_of_bytes(parent.to_bytes())
+    view = parent[:-1]
+    assert lo == view.as_tensor().data_ptr()  # no copy
+    assert view.span() == (parent.to_bytes(), 0, 1999 * 8)
+    assert type(view) is Tokens and view == Tokens.of(range(1999)) and hash(view) == hash(Tokens.of(range(1999)))
+    assert view.tolist() == list(range(1999)) and view.to_tensor().tolist() == list(range(1999))
+    assert type(view.to_bytes()) is bytes and view.to_bytes() == parent.to_bytes()[: 1999 * 8]
+    assert pickle.loads(pickle.dumps(view)) == view and copy.deepcopy(view) == view
+    inner = view[100:]  # a view of a view: still of the parent's bytes, at its place there
+    assert inner.span() == (parent.to_bytes(), 800, 1999 * 8) and inner.tolist() == list(range(100, 1999))
+    assert Indices.concat([Indices.of(range(1000))[:-1], Indices.of([7])]).tolist() == [*range(999), 7]
+    small = view[:3]  # a small part of a view owns its bytes: it keeps nothing else alive
+    assert type(small.span()[0]) is bytes and len(small.span()[0]) == 24 and small.tolist() == [0, 1, 2]
+    assert parent[:] is parent
+
+
+@given(st.lists(int64s, min_size=512, max_size=1100), st.integers(-1200, 1200), st.integers(-1200, 1200),
+       st.integers(-1200, 1200), st.integers(-1200, 1200))
+def test_slices_of_large_values_and_of_their_slices_agree_with_list_slicing(
+    values: list[int], a: int, b: int, c: int, d: int
+) -> None:
+    first = Indices.of(values)[a:b]
+    assert first.tolist() == values[a:b]
+    second = first[c:d]
+    assert second.tolist() == values[a:b][c:d] and second == Indices.of(values[a:b][c:d])
+    data, start, stop = second.span()
+    assert data[start:stop] == second.to_bytes()
 
 
 @given(st.lists(int64s, max_size=40), st.integers(-50, 50), st.integers(-50, 50))

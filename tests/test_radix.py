@@ -245,6 +245,26 @@ def test_insert_after_the_cached_prefix_does_what_a_whole_insert_with_own_from_d
     assert outcomes[0] == outcomes[1]
 
 
+def test_views_of_a_larger_value_match_and_insert_as_their_copies_do(make_tree: Callable[..., Any]) -> None:
+    """Large slices are views of their parent's bytes (`Indices`): the tree reads them at
+    their place there, and what it keeps is its own copy of the part it keeps."""
+    base = toks(1100 * P)
+    view = base[8 * P : 1008 * P]  # 1,000 pages of the parent's 1,100, from page 8
+    assert view.span()[1] == 8 * P * 8
+    copy = Tokens(view.to_bytes())
+    trees = []
+    for tokens in (view, copy):
+        tree = make_tree()
+        tree.insert("", tokens[: 600 * P], pages(600))
+        out = tree.insert("", tokens, pages(1000, 5000))
+        assert out.present == 600 * P and [a.tolist() for a in out.adopted] == [pages(400, 5600).tolist()]
+        path = tree.match("", tokens[: 999 * P + 3])
+        assert [nd.tokens for nd in path] == [600 * P, 399 * P]
+        assert all(type(nd.key) is bytes for nd in path) and len(path[0].key) == 600 * P * 8
+        trees.append(_state(tree))
+    assert trees[0] == trees[1]
+
+
 def test_insert_after_a_node_takes_no_own_from_and_needs_a_live_node_of_the_namespace(tree: Any) -> None:
     [node] = tree.insert("", toks(8), pages(2)).path
     with pytest.raises(ValueError, match="insert after a node takes no own_from"):
