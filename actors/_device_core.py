@@ -256,7 +256,7 @@ class DeviceCore:
         pages are its own (an invariant). Otherwise one lookup per page: each must carry the
         ledger's number, and be named once."""
         number, held, k = ledger.number, ledger.pages, len(adopt)
-        if isinstance(adopt, Indices) and k <= len(held) and adopt.to_bytes() == memoryview(held)[:k].tobytes():
+        if isinstance(adopt, Indices) and k <= len(held) and _starts(adopt, held):
             pages = as_pages(adopt)
             self._owners.put(pages, PageOwner.TREE)
             return pages, pages_of_array(held[k:])  # a copy of the rest: the ledger's array stays resizable
@@ -432,6 +432,12 @@ class DeviceCore:
     def _view(ledger: _Ledger, freed: int) -> LedgerEntry:
         return LedgerEntry(request_id=ledger.request_id, allocated=ledger.allocated, committed=ledger.committed,
                            freed=freed)
+
+
+def _starts(pages: Indices, held: array) -> bool:
+    """`held` starts with `pages` (one memcmp, no copy of either)."""
+    data, start, stop = pages.span()
+    return data.startswith(memoryview(held).cast("B")[: stop - start], start, stop)
 
 
 _LOADING = frozenset((PageOwner.LOADING,))

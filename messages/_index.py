@@ -187,7 +187,16 @@ class Indices:
         return bool(self._data)
 
     def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and other._data == self._data  # bytes and views compare by content
+        if type(other) is not type(self):
+            return False
+        mine, theirs = self._data, other._data  # type: ignore[attr-defined]
+        if type(mine) is bytes and type(theirs) is bytes:
+            return mine == theirs
+        if len(mine) != len(theirs):
+            return False
+        # One memcmp where a view is involved (memoryview's own == compares item by item).
+        data, start, stop = self.span()
+        return data.startswith(theirs, start, stop)
 
     def __hash__(self) -> int:
         return hash(self._data)

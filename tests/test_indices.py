@@ -159,6 +159,13 @@ def test_a_slice_keeping_most_of_a_large_value_is_a_view_of_its_bytes_and_equals
     assert parent[:] is parent
 
 
+def test_views_compare_by_content_with_views_and_with_values_of_their_own_bytes() -> None:
+    a, b = Indices.of(range(1000)), Indices.of([*range(999), 5])
+    assert a[:-1] == b[:-1] and a[:-1] == Indices.of(range(999)) and Indices.of(range(999)) == b[:-1]
+    assert a[1:] != b[1:] and a[1:] != Indices.of([*range(1, 999), 5]) and a[:-1] != a[1:]
+    assert a[:-1] != a[:-2] and a[:-1] != Tokens(a[:-1].to_bytes())  # another length; another class
+
+
 @given(st.lists(int64s, min_size=512, max_size=1100), st.integers(-1200, 1200), st.integers(-1200, 1200),
        st.integers(-1200, 1200), st.integers(-1200, 1200))
 def test_slices_of_large_values_and_of_their_slices_agree_with_list_slicing(
