@@ -72,14 +72,19 @@ def _outcome(run: Callable[[], Any]) -> Any:
         return type(err).__name__, str(err)
 
 
-_COPIES = st.tuples(
-    st.sampled_from([(LF, LF), (LF, PF), (PF, LF)]),
-    st.sampled_from([1, 2, 4]),  # page size
-    st.integers(1, 3),  # layers
-    st.one_of(st.none(), st.integers(-3, 2)),  # layer (None: all; negative counts from the end)
-    st.lists(st.tuples(st.integers(0, PAGES * 4 - 1), st.integers(0, PAGES * 4 - 1)), max_size=20),
-    st.sampled_from(sorted(_FORMS)),
-)
+def _copies(index_max: int, pairs_max: int) -> st.SearchStrategy[Any]:
+    """Copies between two layouts: page size, layers, layer, (source, destination) index pairs, form."""
+    return st.tuples(
+        st.sampled_from([(LF, LF), (LF, PF), (PF, LF)]),
+        st.sampled_from([1, 2, 4]),  # page size
+        st.integers(1, 3),  # layers
+        st.one_of(st.none(), st.integers(-3, 2)),  # layer (None: all; negative counts from the end)
+        st.lists(st.tuples(st.integers(0, index_max), st.integers(0, index_max)), max_size=pairs_max),
+        st.sampled_from(sorted(_FORMS)),
+    )
+
+
+_COPIES = _copies(PAGES * 4 - 1, 20)
 
 
 @settings(max_examples=300, deadline=None)
@@ -133,14 +138,7 @@ def _same_outcome_every_way(
     assert len(set(map(repr, outcomes.values()))) == 1, outcomes
 
 
-_PAGE_COPIES = st.tuples(
-    st.sampled_from([(LF, LF), (LF, PF), (PF, LF)]),
-    st.sampled_from([1, 2, 4]),  # page size
-    st.integers(1, 3),  # layers
-    st.one_of(st.none(), st.integers(-3, 2)),  # layer (None: all; negative counts from the end)
-    st.lists(st.tuples(st.integers(0, PAGES * 2 - 1), st.integers(0, PAGES * 2 - 1)), max_size=12),
-    st.sampled_from(sorted(_FORMS)),
-)
+_PAGE_COPIES = _copies(PAGES * 2 - 1, 12)
 
 
 @settings(max_examples=300, deadline=None)
