@@ -153,12 +153,8 @@ class _Live:
     def tokens_after_prefix(self) -> Tokens:
         """The committed tokens after the cached prefix: a commit's bytes as they are when they
         are all of it (as a prefill's are), else one join."""
-        skip, chunks = 8 * self.prefix, self.tokens
-        i = 0
-        while i < len(chunks) and skip >= len(chunks[i]):
-            skip -= len(chunks[i])
-            i += 1
-        rest = chunks[i:]
+        i, skip = _past(self.tokens, 8 * self.prefix)
+        rest = self.tokens[i:]
         if len(rest) == 1 and not skip and type(rest[0]) is bytes:
             return Tokens(rest[0])
         if skip:
@@ -167,16 +163,13 @@ class _Live:
 
     def pages_after_prefix(self, page_size: int) -> Indices:
         """The pages of the committed tokens after the cached prefix (the last maybe partly committed)."""
-        first, stop, parts = self.prefix // page_size, -(-self.committed // page_size), self.pages
-        i = 0
-        while i < len(parts) and first >= len(parts[i]):
-            first -= len(parts[i])
-            stop -= len(parts[i])
-            i += 1
-        rest = parts[i:]
+        first = self.prefix // page_size
+        i, at = _past(self.pages, first)
+        rest = self.pages[i:]
         if not rest:
             return EMPTY
-        return (rest[0] if len(rest) == 1 else Indices.concat(rest))[first:stop]
+        stop = -(-self.committed // page_size) - (first - at)
+        return (rest[0] if len(rest) == 1 else Indices.concat(rest))[at:stop]
 
     def page_indices(self) -> Indices:
         if len(self.pages) != 1:
@@ -187,6 +180,16 @@ class _Live:
         if new:
             self.pages.append(new)
             self.last_page = int.from_bytes(new.to_bytes()[-8:], "little", signed=True)
+
+
+def _past(parts: Sequence[Any], skip: int) -> tuple[int, int]:
+    """(i, k): the first `skip` items of `parts` (sized pieces, one after another) end `k`
+    items into `parts[i]` (i == len(parts) when they cover them all)."""
+    i = 0
+    while i < len(parts) and skip >= len(parts[i]):
+        skip -= len(parts[i])
+        i += 1
+    return i, skip
 
 
 def _ignore(reply: Any) -> None:
