@@ -80,16 +80,16 @@ class Indices:
     @classmethod
     def from_tensor(cls, tensor: torch.Tensor) -> Indices:
         """Indices from a 1-D integer tensor (copied once into immutable bytes)."""
+        if tensor.dtype is torch.int64 and tensor.is_cpu and tensor.dim() == 1:  # the common case, few checks
+            n = tensor.shape[0]  # not len(): torch's __len__ is a Python wrapper
+            if n <= _PACK_MAX:
+                return cls(struct.pack(f"<{n}q", *tensor.tolist()))
+            if _LITTLE:  # numpy's view and copy cost less than torch's calls of the same work
+                return cls._wrap(tensor.numpy().tobytes())
         if tensor.dim() != 1:
             raise ValueError(f"Indices need a 1-D tensor, got shape {tuple(tensor.shape)}")
         if tensor.dtype.is_floating_point or tensor.dtype == torch.bool:
             raise TypeError(f"Indices need an integer tensor, got {tensor.dtype}")
-        n = len(tensor)
-        if tensor.dtype == torch.int64 and tensor.device.type == "cpu":
-            if n <= _PACK_MAX:
-                return cls(struct.pack(f"<{n}q", *tensor.tolist()))
-            if _LITTLE:  # numpy's view and copy cost less than torch's calls of the same work
-                return cls._wrap(tensor.detach().numpy().tobytes())
         flat = tensor.detach().to(device="cpu", dtype=torch.int64).contiguous()
         if not _LITTLE:  # pragma: no cover - every supported host is little-endian
             flat = flat.byteswap()  # type: ignore[attr-defined]
@@ -109,8 +109,10 @@ class Indices:
 
     @classmethod
     def concat(cls, parts: Iterable[Indices]) -> Indices:
-        """The indices of all parts, one after another (a lone part of this class as it is)."""
+        """The indices of all parts, one after another (a lone non-empty part of this class as it is)."""
         parts = parts if type(parts) is list else list(parts)
+        if len(parts) > 1:  # an empty part adds nothing: a cached prefix of none, say
+            parts = [p for p in parts if p._data]
         if len(parts) == 1 and type(parts[0]) is cls:
             return parts[0]  # as joining one bytes object would return it, and a view is not copied
         return cls._wrap(b"".join([p._data for p in parts]))

@@ -45,17 +45,20 @@ def test_from_tensor_accepts_every_integer_dtype_and_stores_int64() -> None:
         assert len(idx.to_bytes()) == 3 * 8
 
 
-def test_from_tensor_copies_so_later_writes_to_the_tensor_do_not_show() -> None:
-    t = torch.arange(5)
+@pytest.mark.parametrize("n", [5, 1000])  # packed from Python ints; copied by numpy
+def test_from_tensor_copies_so_later_writes_to_the_tensor_do_not_show(n: int) -> None:
+    t = torch.arange(n)
     idx = Indices.from_tensor(t)
     t[0] = 99
-    assert idx.tolist() == [0, 1, 2, 3, 4]
+    assert idx.tolist() == list(range(n))
 
 
-def test_from_tensor_reads_a_non_contiguous_tensor_in_logical_order() -> None:
-    t = torch.arange(10)[::2]
+@pytest.mark.parametrize("n", [10, 2000])
+def test_from_tensor_reads_a_non_contiguous_tensor_in_logical_order(n: int) -> None:
+    t = torch.arange(n)[::2]
     assert not t.is_contiguous()
-    assert Indices.from_tensor(t).tolist() == [0, 2, 4, 6, 8]
+    assert Indices.from_tensor(t).tolist() == list(range(0, n, 2))
+    assert Indices.from_tensor(torch.arange(n).view(2, -1).t()[0]).tolist() == [0, n // 2]  # a column
 
 
 def test_from_range_is_contiguous() -> None:
@@ -71,6 +74,14 @@ def test_from_pages_lists_every_slot_of_each_page_in_page_order() -> None:
 def test_concat_joins_parts_in_order() -> None:
     joined = Indices.concat([Indices.of([1]), EMPTY, Indices.of([2, 3])])
     assert joined.tolist() == [1, 2, 3]
+
+
+def test_concat_of_one_non_empty_part_and_empty_ones_is_that_part_without_a_copy() -> None:
+    big = Indices.of(range(1000))
+    assert Indices.concat([EMPTY, big]) is big and Indices.concat([big, EMPTY, EMPTY]) is big
+    assert Indices.concat([EMPTY, EMPTY]) == EMPTY and Indices.concat([]) == EMPTY
+    tokens = Tokens.of([1, 2])  # a part of another class is joined into a value of this one
+    assert type(Indices.concat([EMPTY, tokens])) is Indices and Indices.concat([EMPTY, tokens]).tolist() == [1, 2]
 
 
 def test_values_are_little_endian_int64_bytes() -> None:
