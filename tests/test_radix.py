@@ -474,6 +474,28 @@ def test_lru_evicts_the_least_recently_used_leaf_first(make_tree: Callable[..., 
     assert drain_device(tree) == [101, 1, 201]
 
 
+@pytest.mark.parametrize("access", ["match", "insert"])
+def test_an_access_that_cuts_a_node_touches_only_the_part_it_reached(
+    make_tree: Callable[..., Any], access: str,
+) -> None:
+    """A prompt that diverges inside a node reached the part above the cut; the part below
+    keeps its own access time, so it goes before a leaf used after it (SGLang's RadixCache
+    touches the whole node before it cuts it: docs/benchmarks.md has what that changes)."""
+    tree = make_tree(EvictionPolicy.LRU)
+    tree.insert("", toks(8, 1), pages(2))  # the node the access will cut: 1..8
+    tree.insert("", toks(4, 101), pages(1, 10))  # a leaf used after it
+    if access == "match":
+        tree.match("", cat(toks(4, 1), Tokens.of([7] * P)))
+    else:
+        tree.insert("", cat(toks(4, 1), Tokens.of([7] * P)), pages(2, 20))
+    upper = tree.root("").children[toks(4, 1).to_bytes()]  # children are keyed by their first page
+    lower = upper.children[toks(4, 5).to_bytes()]
+    assert upper.tokens == 4 and lower.last_access < upper.last_access
+    tree.check_invariants()
+    order = drain_device(tree)
+    assert order.index(5) < order.index(101)  # the remainder before the leaf used after it
+
+
 def test_stale_eviction_entries_are_compacted_and_the_order_survives(tree: Any) -> None:
     _three_leaves(tree)
     for _ in range(700):  # every access re-offers the leaf: 2,100 stale entries, past the bound
