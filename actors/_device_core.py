@@ -261,8 +261,7 @@ class DeviceCore:
             self._owners.put(pages, PageOwner.TREE)
             return pages, pages_of_array(held[k:])  # a copy of the rest: the ledger's array stays resizable
         pages = as_pages(adopt)
-        if self._owners.fits(pages, frozenset((number,))):
-            self._owners.put(pages, PageOwner.TREE)
+        if self._owners.move(pages, frozenset((number,)), PageOwner.TREE):
             return pages, self._held(ledger)
         listed = as_list(pages)
         table = self._owners.items
@@ -326,15 +325,12 @@ class DeviceCore:
 
     def adopt_loaded(self, pages: Slots) -> None:
         """A load into `pages` completed: the tree owns them."""
-        pages = as_pages(pages)
-        self._expect(pages, _LOADING, "adopt loaded pages")
-        self._owners.put(pages, PageOwner.TREE)
+        self._move(as_pages(pages), _LOADING, PageOwner.TREE, "adopt loaded pages")
 
     def free_tree(self, pages: Slots) -> None:
         """Free pages the tree owns, or a load's pages whose load failed or was dropped."""
         pages = as_pages(pages)
-        self._expect(pages, _TREE_OR_LOADING, "free device pages")
-        self._owners.put(pages, PageOwner.FREE)
+        self._move(pages, _TREE_OR_LOADING, PageOwner.FREE, "free device pages")
         self._pool.free(pages)
 
     # -- checks and numbers ---------------------------------------------------
@@ -404,9 +400,10 @@ class DeviceCore:
             return _Ledger(rid, 0)
         raise LedgerError(f"cannot {what} request {rid!r}: it has no slots (unknown request)")
 
-    def _expect(self, pages: Pages, owners: frozenset[PageOwner], what: str) -> None:
-        """Return if `pages` are distinct pages, each with an owner of `owners`; else raise, naming why."""
-        if self._owners.fits(pages, owners):
+    def _move(self, pages: Pages, owners: frozenset[PageOwner], to: PageOwner, what: str) -> None:
+        """Give `pages` the owner `to` if they are distinct pages, each with an owner of `owners`;
+        else change nothing and raise, naming why."""
+        if self._owners.move(pages, owners, to):
             return
         at = as_tensor(pages)
         size = self._owners.size

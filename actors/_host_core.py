@@ -129,8 +129,7 @@ class HostCore:
     def _move(self, pages: Pages, to: HostSlotState, what: str, rules: _Rules = _LEGAL, *, fresh: bool = False) -> None:
         """Move `pages` to `to` if every move is legal, else change nothing and say why.
         `fresh`: pages the free list just handed out (distinct and in range by its invariant)."""
-        if self._states.fits(pages, rules.sources[to], fresh=fresh):
-            self._states.put(pages, to)
+        if self._states.move(pages, rules.sources[to], to, fresh=fresh):
             return
         at = as_tensor(pages)
         if bool((at < 0).any()) or bool((at >= self._pages).any()):

@@ -118,11 +118,12 @@ class PageTable:
     seen three ways: `items` (a bytearray or an `array`, for Python's reads and writes of a few pages), `view`
     (numpy's, for the vectorised ones) and `tensor` (for counts and invariant checks).
 
-    `fits` is the check before every move: distinct pages, in range, each holding an allowed
-    value. Over an array it is a gather and two reductions when the pages all hold one value
-    (as pages moved together do), plus the distinct check: each page's position scattered
-    into a scratch table and read back (a page named twice reads back the later position at
-    the earlier one), in O(len) and without a sort."""
+    `move` is the checked move both pools make, `fits` its check alone: distinct pages, in
+    range, each holding an allowed value. Over an array it is a gather and two reductions
+    when the pages all hold one value (as pages moved together do), plus the distinct check:
+    each page's position scattered into a table and read back (a page named twice reads back
+    the later position at the earlier one), in O(len) and without a sort. The values of an
+    int64 table are never negative: `move` writes its positions there as negative numbers."""
 
     def __init__(self, size: int, typecode: str) -> None:
         # A bytearray where it can: its item writes cost about half an array's.
@@ -133,6 +134,8 @@ class PageTable:
         self._scratch = numpy.empty(size, dtype=numpy.int64)
         self._order = numpy.arange(0, dtype=numpy.int64)
         """0, 1, 2, ... as long as the longest call so far (read-only)."""
+        self._marks = numpy.arange(0, dtype=numpy.int64)
+        """-1, -2, -3, ... as long as the longest `move` so far (read-only)."""
 
     def fits(self, at: Pages, allowed: frozenset[int], *, fresh: bool = False) -> bool:
         """Whether `at` are distinct pages of the table that each hold a value in `allowed`.
@@ -145,16 +148,53 @@ class PageTable:
             return allowed.issuperset(map(self.items.__getitem__, at))
         if not len(at):
             return True
-        if not fresh and numpy.minimum.reduce(at) < 0:
+        return self._held(at, allowed, fresh) is not None and (fresh or self._distinct(at))
+
+    def move(self, at: Pages, allowed: frozenset[int], value: int, *, fresh: bool = False) -> bool:
+        """Write `value` at the pages `at` if they are distinct pages of the table that each
+        hold a value in `allowed` (what `fits` tells); else change nothing. Whether it wrote.
+
+        Over an array, an int64 table checks distinctness in its own entries, which the
+        gather of their values has just brought into the CPU's cache (a scratch table's are
+        not): each page's position, as a negative number no entry holds, is written into
+        its entry and read back, then `value` is written, or what the entries held when a
+        page is named twice."""
+        if isinstance(at, list) or fresh or self.view.dtype != numpy.int64:
+            if not self.fits(at, allowed, fresh=fresh):
+                return False
+            self.put(at, value)
+            return True
+        n = len(at)
+        if not n:
+            return True
+        held = self._held(at, allowed, False)
+        if held is None:
             return False
+        if len(self._marks) < n:
+            self._marks = numpy.negative(numpy.arange(1, max(n, 2 * len(self._marks)) + 1, dtype=numpy.int64))
+        marks = self._marks[:n]
+        view = self.view
+        view[at] = marks
+        if not bool((view.take(at) == marks).all()):
+            view[at] = held  # a page named twice: each entry gets back what it held
+            return False
+        view[at] = value
+        return True
+
+    def _held(self, at: numpy.ndarray, allowed: frozenset[int], fresh: bool) -> numpy.ndarray | None:
+        """The values at the pages `at` (an array, not empty) when they are all pages of the table
+        holding a value in `allowed`, else None: a gather and two reductions when they all hold
+        one value, as pages moved together do."""
+        if not fresh and numpy.minimum.reduce(at) < 0:
+            return None
         try:
             got = self.view.take(at)
         except IndexError:  # a page past the end
-            return False
+            return None
         low = int(numpy.minimum.reduce(got))
         if (low != numpy.maximum.reduce(got) or low not in allowed) and not numpy.isin(got, tuple(allowed)).all():
-            return False
-        return fresh or self._distinct(at)
+            return None
+        return got
 
     def _distinct(self, at: numpy.ndarray) -> bool:
         n = len(at)

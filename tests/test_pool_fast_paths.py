@@ -103,6 +103,11 @@ def test_a_page_table_takes_distinct_pages_in_range_with_allowed_values_in_eithe
         pt.put(numpy.array(at[1:], dtype=numpy.int64), value)
         assert [pt.items[i] for i in at] == [value] * len(at)
         assert pt.view.tolist() == pt.tensor.tolist() == list(pt.items)
+    after = [value if expected and i in at else v for i, v in enumerate(table)]
+    for form in (list, lambda xs: numpy.array(xs, dtype=numpy.int64)):
+        pt.view[:] = table
+        assert pt.move(form(at), allowed, value) is expected  # the check and the write: all or nothing
+        assert pt.view.tolist() == after
 
 
 # -- the device pool -----------------------------------------------------------------------
