@@ -131,7 +131,8 @@ class PageTable:
         self.view = numpy.frombuffer(self.items, dtype=numpy.uint8 if typecode == "B" else numpy.int64)
         self.tensor = torch.from_numpy(self.view)
         self.size = size
-        self._scratch = numpy.empty(size, dtype=numpy.int64)
+        self._scratch: numpy.ndarray | None = None
+        """A position per page for `_distinct`, made at its first use (an int64 table's moves need none)."""
         self._order = numpy.arange(0, dtype=numpy.int64)
         """0, 1, 2, ... as long as the longest call so far (read-only)."""
         self._marks = numpy.arange(0, dtype=numpy.int64)
@@ -201,6 +202,8 @@ class PageTable:
         if len(self._order) < n:
             self._order = numpy.arange(max(n, 2 * len(self._order)), dtype=numpy.int64)
         order = self._order[:n]
+        if self._scratch is None:
+            self._scratch = numpy.empty(self.size, dtype=numpy.int64)
         self._scratch[at] = order
         return bool((self._scratch.take(at) == order).all())
 
