@@ -122,8 +122,8 @@ class PageTable:
     range, each holding an allowed value. Over an array it is a gather and two reductions
     when the pages all hold one value (as pages moved together do), plus the distinct check:
     each page's position scattered into a table and read back (a page named twice reads back
-    the later position at the earlier one), in O(len) and without a sort. The values of an
-    int64 table are never negative: `move` writes its positions there as negative numbers."""
+    the later position at the earlier one), in O(len) and without a sort: a scratch table's,
+    or for `move` on an int64 table the entries themselves (see there)."""
 
     def __init__(self, size: int, typecode: str) -> None:
         # A bytearray where it can: its item writes cost about half an array's.
@@ -157,9 +157,9 @@ class PageTable:
 
         Over an array, an int64 table checks distinctness in its own entries, which the
         gather of their values has just brought into the CPU's cache (a scratch table's are
-        not): each page's position, as a negative number no entry holds, is written into
-        its entry and read back, then `value` is written, or what the entries held when a
-        page is named twice."""
+        not): each page's position is written into its entry and read back (as a negative
+        number, which no owner or state is), then `value` is written, or what the entries
+        held when a page is named twice."""
         if isinstance(at, list) or fresh or self.view.dtype != numpy.int64:
             if not self.fits(at, allowed, fresh=fresh):
                 return False
