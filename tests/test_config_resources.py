@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 
+import numpy
 import pytest
 import torch
 
@@ -96,10 +97,15 @@ def test_the_counted_sizes_are_what_the_pools_allocate() -> None:
     for n in needs(config):
         counted[n.field] = counted.get(n.field, 0) + n.nbytes
     device, host = DeviceCore(config), HostCore(config)
+    every = frozenset(range(256))
+    assert host._states.fits(numpy.arange(host._states.size), every)  # a first check of many pages makes its table
+    assert device._owners.move(numpy.arange(device._owners.size), every, 0)  # the device's check in place: none
+    assert device._owners._scratch is None
 
     def table_bytes(core: DeviceCore | HostCore) -> int:
         table = core._owners if isinstance(core, DeviceCore) else core._states
-        return table.view.nbytes + table._scratch.nbytes + core._pool._stack.nbytes
+        scratch = 0 if table._scratch is None else table._scratch.nbytes
+        return table.view.nbytes + scratch + core._pool._stack.nbytes
 
     slot_table = SlotTable(config.device_pages, config.page_size)._rows.nbytes  # the facade's
     assert counted["device_slots"] == device.kv.tensor.nbytes + table_bytes(device) + slot_table
