@@ -75,7 +75,7 @@ def _insufficient(op: int, got: Insufficient) -> SlotsInsufficient:
 
 def _allocate(core: DeviceCore, m: AllocateSlots) -> SlotsAllocated | SlotsInsufficient | None:
     if m.commits:
-        core.commit_many([(d.request_id, d.tokens) for d in m.commits])
+        core.commit_only([(d.request_id, d.tokens) for d in m.commits])
     got = core.allocate_pages([(d.request_id, d.tokens) for d in m.demands])
     if isinstance(got, Insufficient) and m.evict:  # answered once the tree has evicted
         core.waiting[m.op_id] = (m, tuple(core.mark(d.request_id) for d in m.demands))

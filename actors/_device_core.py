@@ -174,6 +174,10 @@ class DeviceCore:
 
     def commit_many(self, demands: Sequence[tuple[str, int]]) -> list[LedgerEntry]:
         """Commit for several requests, all or nothing: every demand is checked first."""
+        return [self._view(ledger, freed=ledger.given) for ledger in self.commit_only(demands)]
+
+    def commit_only(self, demands: Sequence[tuple[str, int]]) -> list[_Ledger]:
+        """`commit_many` without its answer (the commits an allocation or a release carries)."""
         ledgers = self._distinct_live([rid for rid, _ in demands], "commit")
         for (rid, n), ledger in zip(demands, ledgers, strict=True):
             if n < 0:
@@ -186,7 +190,7 @@ class DeviceCore:
                 )
         for (_, n), ledger in zip(demands, ledgers, strict=True):
             ledger.committed += n
-        return [self._view(ledger, freed=ledger.given) for ledger in ledgers]
+        return ledgers
 
     def release(self, rid: str, adopt: Slots, reason: ReleaseReason) -> LedgerEntry:
         return self.release_many([(rid, adopt, reason)])[0]
@@ -197,7 +201,7 @@ class DeviceCore:
         rest to the free list. Exactly once per request; all or nothing. `commits` are
         applied first (as `commit_many`) and hold even when the release is refused."""
         if commits:
-            self.commit_many(commits)
+            self.commit_only(commits)
         # A request admitted and ended before it allocated has an empty ledger.
         ledgers = self._distinct_live([rid for rid, _, _ in releases], "release", new_ok=True)
         adopted: list[tuple[Pages, Pages]] = []
@@ -227,7 +231,7 @@ class DeviceCore:
         back to the free list (`free`, duplicates of the tree's); the request stays live.
         `commits` more of its slots are committed first (they hold even when the swap is refused)."""
         if commits:
-            self.commit_many([(rid, commits)])
+            self.commit_only([(rid, commits)])
         ledger = self._live(rid, "swap pages of", new_ok=True)  # a full-prefix hit may not have allocated
         p = self.page_size
         adopt_pages = as_list(as_pages(adopt))

@@ -339,6 +339,32 @@ class SlotTable:
         self._rows = numpy.arange(pages * page_size, dtype=numpy.int64).reshape(pages, page_size)
         self._rows.flags.writeable = False
 
+    def split(self, parts: list[tuple[int, int, Indices, int]]) -> tuple[torch.Tensor, ...]:
+        """For each `(base, spare, pages, n)`, `n` slots: `base .. base + spare - 1` (the rest of
+        a partly used page), then the first `n - spare` slots of `pages`. Made as one tensor
+        and split into views: a decode tick's many one-slot answers cost one tensor, not one each."""
+        sizes = [n for _, _, _, n in parts]
+        if sum(sizes) <= FEW_MAX:
+            p, flat = self.page_size, array("q")
+            for base, spare, pages, n in parts:
+                flat.extend(range(base, base + spare))
+                left = n - spare
+                for page in pages.tolist()[: -(-left // p)] if left else ():
+                    take = min(p, left)
+                    flat.extend(range(page * p, page * p + take))
+                    left -= take
+            whole = torch.frombuffer(flat, dtype=torch.int64) if flat else torch.empty(0, dtype=torch.int64)
+            return whole.split(sizes)
+        pieces = []
+        for base, spare, pages, n in parts:
+            if spare:
+                pieces.append(numpy.arange(base, base + spare, dtype=numpy.int64))
+            if n > spare:
+                at = numpy.frombuffer(pages.buffer(), dtype=numpy.int64)
+                pieces.append(self._rows.take(at, axis=0).reshape(-1)[: n - spare])
+        whole = pieces[0] if len(pieces) == 1 else numpy.concatenate(pieces)
+        return torch.from_numpy(whole).split(sizes)
+
     def slots(self, pages: Indices, n: int) -> torch.Tensor:
         """The first `n` slots of `pages` (page numbers of this pool), as a new tensor."""
         if not n:  # an admission with nothing cached, say

@@ -374,7 +374,7 @@ class HiCache:
                 raise RequestError(f"request {rid!r} already {self._ended[rid]}; "
                                    "a finished or aborted request id is never admitted again")
             seen.add(rid)
-            data = check.token_bytes(r.tokens, f"tokens of request {rid!r}")
+            data = check.token_bytes(r.tokens, "tokens of request", rid)
             items.append(AdmitItem(request_id=rid, namespace=check.namespace(r.namespace), tokens=Tokens(data)))
         return items
 
@@ -501,8 +501,10 @@ class HiCache:
         holds even when the allocation does not fit."""
         with self._call():
             want = check.demands(demands, "demands", check.COUNT_MAX)
+            live = self._live
             for rid in want:
-                self._req(rid)
+                if rid not in live:
+                    self._req(rid)  # names why it is not live
             self._record(self._commits(commit or {}))
             if not want:
                 return {}
@@ -532,23 +534,25 @@ class HiCache:
 
     def _granted(self, reply: Any, demands: Mapping[str, int], *, to_caller: bool = False) -> dict[str, torch.Tensor]:
         """Record the pages each request got for its `demands`; to the caller, the slots."""
-        out = {}
         if not isinstance(reply, SlotsAllocated):
-            return out
+            return {}
         p = self.config.page_size
+        rids, parts = [], []
         for grant in reply.grants:
-            live = self._live.get(grant.request_id)
+            rid = grant.request_id
+            live = self._live.get(rid)
             if live is None:  # a late grant for a request that ended meanwhile: its release freed it
                 continue
-            start, n = live.allocated, demands[grant.request_id]
-            spare = min(n, (-start) % p)
-            base = live.last_page * p + start % p
+            start, n = live.allocated, demands[rid]
+            if to_caller:
+                rids.append(rid)
+                parts.append((live.last_page * p + start % p, min(n, (-start) % p), grant.pages, n))
             live.add_pages(grant.pages)
             live.allocated += n
-            if to_caller:
-                new = self._slots(grant.pages, n - spare)
-                out[grant.request_id] = torch.cat((torch.arange(base, base + spare), new)) if spare else new
-        return out
+        if not parts:
+            return {}
+        assert self._slot_table is not None  # built by start()
+        return dict(zip(rids, self._slot_table.split(parts)))
 
     def commit(self, tokens: Mapping[str, Sequence[int] | torch.Tensor]) -> None:
         """Record that the KV of these new tokens (per request, in order) is written. No
@@ -570,7 +574,7 @@ class HiCache:
         out = []
         for rid, toks in tokens.items():
             live = self._req(check.request_id(rid, "a request id in commit"))
-            data = check.token_bytes(toks, f"tokens committed for request {rid!r}")
+            data = check.token_bytes(toks, "tokens committed for request", rid)
             n = len(data) // 8
             if live.committed + n > live.allocated:
                 raise RequestError(

@@ -34,6 +34,9 @@ from hicache.messages._registry import frozen_fast_init
 TOKEN_ID_MAX = 2**63 - 1
 """Token ids travel as int64: 0 .. 2**63 - 1."""
 
+_FEW_TOKENS = 64
+"""Token lists up to this long are checked in plain Python (an array call costs more)."""
+
 COUNT_MAX = 2**62
 """Largest count of tokens or slots a call may name (more than any pool; fits every wire field)."""
 
@@ -221,6 +224,8 @@ def namespace(value: Any) -> str:
 
 def count(what: str, value: Any, maximum: int) -> int:
     """A number of tokens or slots: an int (not a bool) in 0..maximum."""
+    if type(value) is int and 0 <= value <= maximum:
+        return value
     if type(value) is bool or not hasattr(type(value), "__index__"):
         raise RequestError(f"{what} must be an int, got {value!r}")
     n = operator.index(value)
@@ -229,37 +234,57 @@ def count(what: str, value: Any, maximum: int) -> int:
     return n
 
 
-def token_bytes(tokens: Any, what: str) -> bytes:
+def token_bytes(tokens: Any, what: str, request_id: str | None = None) -> bytes:
     """Token ids as little-endian int64 bytes: a 1-D integer tensor, or a sequence of ints,
     every id in 0..2**63 - 1. Anything else (floats, bools, strings, None, a 2-D tensor,
-    an id out of range) is a `RequestError` naming `what`."""
-    if isinstance(tokens, torch.Tensor):
-        return _tensor_token_bytes(tokens, what)
-    if isinstance(tokens, (str, bytes, bytearray)) or not isinstance(tokens, (Sequence, array, range)):
-        raise RequestError(f"{what} must be a 1-D integer tensor or a sequence of ints, got {type(tokens).__name__}")
+    an id out of range) is a `RequestError` naming `what` (and `request_id`: the name is
+    put together only for the error)."""
+    try:
+        if isinstance(tokens, torch.Tensor):
+            return _tensor_token_bytes(tokens)
+        return _sequence_token_bytes(tokens)
+    except _BadTokens as bad:
+        name = what if request_id is None else f"{what} {request_id!r}"
+        raise RequestError(f"{name}{bad}") from None
+
+
+class _BadTokens(Exception):
+    """What is wrong with some token ids, as the end of a sentence naming them."""
+
+
+def _sequence_token_bytes(tokens: Any) -> bytes:
+    if type(tokens) is not list and (isinstance(tokens, (str, bytes, bytearray))
+                                     or not isinstance(tokens, (Sequence, array, range))):
+        raise _BadTokens(f" must be a 1-D integer tensor or a sequence of ints, got {type(tokens).__name__}")
     if type(tokens) is not array and type(tokens) is not range:
         odd = set(map(type, tokens)) - {int}
         if odd:
             for kind in odd:
                 if kind is bool or not hasattr(kind, "__index__"):
                     bad = next(t for t in tokens if type(t) is kind)
-                    raise RequestError(f"{what} must be int token ids, got {bad!r} ({kind.__name__})")
+                    raise _BadTokens(f" must be int token ids, got {bad!r} ({kind.__name__})")
             tokens = [operator.index(t) for t in tokens]  # numpy and other integer scalars
     try:
         packed = array("q", tokens)
     except (OverflowError, TypeError) as err:
-        raise RequestError(f"{what}: token ids must be ints in 0..{TOKEN_ID_MAX} ({err})") from None
-    data = packed.tobytes()
-    if data and int(torch.frombuffer(data, dtype=torch.int64).min()) < 0:
-        raise RequestError(f"{what}: token ids must be in 0..{TOKEN_ID_MAX}, got {min(packed)}")
-    return data
+        raise _BadTokens(f": token ids must be ints in 0..{TOKEN_ID_MAX} ({err})") from None
+    if packed and _lowest(packed) < 0:
+        raise _BadTokens(f": token ids must be in 0..{TOKEN_ID_MAX}, got {min(packed)}")
+    return packed.tobytes()
 
 
-def _tensor_token_bytes(t: torch.Tensor, what: str) -> bytes:
+def _lowest(packed: array) -> int:
+    """The smallest id: Python's `min` over a few (a decode tick commits one a request), numpy's over many."""
+    if len(packed) <= _FEW_TOKENS:
+        return min(packed)
+    return int(numpy.minimum.reduce(numpy.frombuffer(packed, dtype=numpy.int64)))
+
+
+def _tensor_token_bytes(t: torch.Tensor) -> bytes:
     if t.dim() != 1:
-        raise RequestError(f"{what} must be one sequence of token ids, got a tensor of shape {tuple(t.shape)}")
+        raise _BadTokens(f" must be one sequence of token ids, got a tensor of shape {tuple(t.shape)}")
     if t.dtype not in _TOKEN_DTYPES:
-        raise RequestError(f"{what} must hold integer token ids, got a {t.dtype} tensor (use torch.int64)")
+        raise _BadTokens(f" must hold integer token ids, got a {t.dtype} tensor (use torch.int64)")
     if not t.shape[0]:  # the shape, not len(): torch's __len__ is a Python wrapper
         return b""
     if t.is_cpu:  # numpy's view, minimum and copy: cheaper calls than torch's
@@ -270,7 +295,7 @@ def _tensor_token_bytes(t: torch.Tensor, what: str) -> bytes:
         low = int(t.min())
         data = Tokens.from_tensor(t).to_bytes()  # one copy; it converts the dtype and device itself
     if low < 0:
-        raise RequestError(f"{what}: token ids must be in 0..{TOKEN_ID_MAX}, got {low}")
+        raise _BadTokens(f": token ids must be in 0..{TOKEN_ID_MAX}, got {low}")
     return data
 
 

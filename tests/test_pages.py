@@ -16,7 +16,10 @@ import pytest
 import torch
 
 from hicache.actors import PagePool, pages_of, slots_of_pages
-from hicache.actors._pages import FEW_MAX, as_list
+from hicache.actors._pages import FEW_MAX, SlotTable, as_list
+from hicache.messages import Indices
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import pages_to_slots
 
@@ -172,3 +175,48 @@ def test_slots_of_a_page_out_of_order_are_refused() -> None:
 def test_slots_that_mix_two_pages_are_refused() -> None:
     with pytest.raises(ValueError, match="not one whole page"):
         pages_of(torch.tensor([0, 1, 6, 7]), 2 * 2, "test")
+
+
+# -- SlotTable -------------------------------------------------------------------------
+
+
+def _split_reference(page_size: int, parts: list[tuple[int, int, list[int], int]]) -> list[list[int]]:
+    """Each part's slots the plain way: the spare run, then the pages' slots, cut to `n`."""
+    out = []
+    for base, spare, pages, n in parts:
+        slots = list(range(base, base + spare))
+        slots += [pg * page_size + i for pg in pages for i in range(page_size)][: n - spare]
+        out.append(slots)
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data(), st.sampled_from([1, 4, 16]), st.integers(1, 40))
+def test_slot_table_split_gives_each_part_its_spare_slots_then_its_pages_slots(data, page_size, requests) -> None:
+    pages_total = 600
+    table = SlotTable(pages_total, page_size)
+    free = list(range(pages_total))
+    random.Random(data.draw(st.integers(0, 2**16))).shuffle(free)
+    parts = []
+    for _ in range(requests):
+        spare = data.draw(st.integers(0, page_size - 1))
+        base = data.draw(st.integers(0, pages_total - 1)) * page_size + (page_size - spare)
+        want = data.draw(st.integers(0, spare + 3 * page_size if data.draw(st.booleans()) else spare))
+        spare = min(spare, want)
+        k = -(-(want - spare) // page_size)
+        pages, free = free[:k], free[k:]
+        parts.append((base, spare, pages, want))
+    got = table.split([(b, s, Indices.of(pg), n) for b, s, pg, n in parts])
+    assert len(got) == len(parts)
+    for tensor, expected in zip(got, _split_reference(page_size, parts), strict=True):
+        assert tensor.dtype == torch.int64 and tensor.tolist() == expected
+
+
+def test_slot_table_split_makes_many_slots_by_row_gathers_and_few_in_python() -> None:
+    table = SlotTable(4096, 16)
+    big = [(0, 0, Indices.of(list(range(100, 100 + 3000))), 3000 * 16 - 5)]  # past FEW_MAX: the array form
+    few = [(35, 13, Indices.of([7]), 20), (64, 0, Indices.of([]), 0)]
+    for parts in (big, few, big + few):
+        got = table.split(parts)
+        expected = _split_reference(16, [(b, s, pg.tolist(), n) for b, s, pg, n in parts])
+        assert [t.tolist() for t in got] == expected

@@ -112,6 +112,28 @@ def test_a_decode_step_with_its_commit_is_one_message_from_the_facade(make_confi
         assert (entry.committed, entry.freed) == (14, 14)
 
 
+def test_a_decode_tick_of_many_requests_answers_each_its_own_next_slots(make_config: Callable[..., Config]) -> None:
+    """The answers of a tick are views of one tensor: each must be exactly the request's
+    next positions as `slots()` lists them, across page boundaries and mixed demands."""
+    with HiCache(make_config(page_size=4, device_slots=4096, host_slots=4096 + 4)) as hc:
+        lengths = {f"r{i}": 3 + i for i in range(12)}
+        adms = hc.admit([Request(rid, seq(n, 100 * i)) for i, (rid, n) in enumerate(lengths.items())])
+        assert isinstance(hc.allocate(dict(lengths)), dict)
+        hc.commit({a.request_id: seq(lengths[a.request_id], 7) for a in adms})
+        for tick in range(9):
+            want = {rid: 1 + (tick + i) % 3 for i, rid in enumerate(lengths)}  # one to three slots each
+            before = {rid: hc.allocated(rid) for rid in want}
+            got = hc.allocate(want)
+            assert isinstance(got, dict) and list(got) == list(want)
+            for rid, n in want.items():
+                assert got[rid].tolist() == hc.slots(rid)[before[rid] : before[rid] + n].tolist()
+            hc.commit({rid: seq(n, 50) for rid, n in want.items()})
+        taken = [s for rid in lengths for s in hc.slots(rid).tolist()]
+        assert len(taken) == len(set(taken))  # no slot handed to two requests
+        hc.finish([a.handle for a in adms])
+        hc.check_invariants()
+
+
 def test_a_finish_and_a_cache_unfinished_send_only_what_follows_the_cached_prefix(
     make_config: Callable[..., Config],
 ) -> None:
