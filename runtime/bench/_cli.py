@@ -9,7 +9,7 @@ import json
 import sys
 from typing import Any
 
-from rich.console import Console
+from rich.console import Console, RenderableType
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -22,7 +22,7 @@ def progress_bar(as_json: bool) -> Progress:
     )
 
 
-def report(table: Table, body: dict[str, Any], *, as_json: bool) -> int:
+def report(table: RenderableType, body: dict[str, Any], *, as_json: bool) -> int:
     """With `--json`, `body` as one JSON line on stdout and the table on stderr; otherwise the
     table on stdout. The command's exit status."""
     if as_json:

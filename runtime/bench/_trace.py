@@ -15,7 +15,14 @@ half the pool). Two sides see the same requests in the same order:
 
 It reports microseconds per request per phase (admit, allocate, commit, finish) and the
 facade's total over the cores'. Requests longer than half the pool are skipped (both
-sides skip the same). Not actor code: it reads `time.perf_counter`.
+sides skip the same).
+
+Then decode ticks: a batch of 1, 8 or 64 running requests (the trace's first prompts, cut to
+`DECODE_PROMPT_TOKENS`), each tick committing every request's last token and allocating its
+next slot in one call, `allocate({rid: 1, ...}, commit={rid: [token], ...})`, as a
+scheduler's decode loop does; against the device core's own commit and allocation of the
+same ticks (`DeviceCore.commit_only`, `allocate_pages`). It reports microseconds per tick
+and per request of a tick. Not actor code: it reads `time.perf_counter`.
 """
 
 from __future__ import annotations
@@ -26,8 +33,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from rich.console import Group
+from rich.markup import escape
 from rich.table import Table
 
+from hicache.actors import DeviceCore
 from hicache.messages import FinishItem, ReleaseReason, Tokens
 from hicache.messages.config import Config, DeviceKind
 
@@ -51,6 +61,12 @@ class Plan:
 FULL = Plan(requests=2000, pages=(1, 16, 64), capacities=(20_000, 100_000, 1_000_000), ticks=(1, 8, 64))
 QUICK = Plan(requests=60, pages=(16,), capacities=(100_000,), ticks=(1, 8))
 """A smoke test: its figures mean nothing."""
+
+DECODE_BATCHES = (1, 8, 64)
+DECODE_TICKS = 500
+"""Ticks timed per decode run (after `DECODE_WARMUP` untimed ones; `--quick`: a tenth)."""
+DECODE_WARMUP = 20
+DECODE_PROMPT_TOKENS = 512
 
 
 @dataclass(slots=True)
@@ -155,6 +171,59 @@ def _run(prompts: list[torch.Tensor], tokens: list[Tokens], page: int, capacity:
     }
 
 
+def _decode(prompts: list[torch.Tensor], page: int, batch: int, ticks: int) -> dict[str, Any]:
+    """`ticks` decode ticks of `batch` running requests through the facade and through the device core."""
+    starts = [prompts[i % len(prompts)][:DECODE_PROMPT_TOKENS] for i in range(batch)]
+    rids = [f"d{i}" for i in range(batch)]
+    config = _config(page, batch * (DECODE_PROMPT_TOKENS + DECODE_WARMUP + ticks + 2 * page))
+    clock = time.perf_counter
+    gc.collect()
+    with HiCache(config) as hc:
+        admitted = hc.admit([Request(rid, t) for rid, t in zip(rids, starts, strict=True)])
+        cached = {a.request_id: a.cached_tokens for a in admitted}
+        hc.allocate({rid: len(t) - cached[rid] for rid, t in zip(rids, starts, strict=True)})
+        commit: dict[str, Any] = {rid: t[cached[rid]:] for rid, t in zip(rids, starts, strict=True)}
+        facade = 0.0
+        for k in range(DECODE_WARMUP + ticks):
+            t0 = clock()
+            got = hc.allocate(dict.fromkeys(rids, 1), commit=commit)
+            if k >= DECODE_WARMUP:
+                facade += clock() - t0
+            if isinstance(got, Insufficient):
+                raise RuntimeError(f"bench trace: a decode tick did not fit: {got}")
+            commit = {rid: [k % 30_000] for rid in rids}
+        hc.finish([a.handle for a in admitted])
+    gc.collect()
+    core = DeviceCore(config)
+    core.allocate_pages([(rid, len(t)) for rid, t in zip(rids, starts, strict=True)])
+    commits = [(rid, len(t)) for rid, t in zip(rids, starts, strict=True)]
+    cores = 0.0
+    for k in range(DECODE_WARMUP + ticks):
+        t0 = clock()
+        core.commit_only(commits)
+        core.allocate_pages([(rid, 1) for rid in rids])
+        if k >= DECODE_WARMUP:
+            cores += clock() - t0
+        commits = [(rid, 1) for rid in rids]
+    return {
+        "page": page, "batch": batch, "ticks": ticks,
+        "facade_us_per_tick": round(1e6 * facade / ticks, 1), "cores_us_per_tick": round(1e6 * cores / ticks, 1),
+        "facade_us_per_request": round(1e6 * facade / ticks / batch, 2),
+        "facade_over_cores": round(facade / cores, 2),
+    }
+
+
+def _decode_table(rows: list[dict[str, Any]], machine: dict[str, object]) -> Table:
+    table = Table(title=escape("decode ticks: allocate({rid: 1, ...}, commit={rid: [token], ...}) of a batch"),
+                  caption=f"{machine}; µs per tick (facade: one call; cores: the device core's commit and allocation)")
+    for col in ("page", "batch", "ticks", "facade µs/tick", "facade µs/request", "cores µs/tick", "facade ÷ cores"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(str(r["page"]), str(r["batch"]), str(r["ticks"]), f"{r['facade_us_per_tick']:.0f}",
+                      f"{r['facade_us_per_request']:.1f}", f"{r['cores_us_per_tick']:.0f}", f"{r['facade_over_cores']:.2f}")
+    return table
+
+
 def _table(rows: list[dict[str, Any]], machine: dict[str, object]) -> Table:
     table = Table(title="conversation trace, per request: facade (actors) vs cores (no actors), L1 only",
                   caption=f"{machine}; µs per request, phases admit/allocate/commit/finish")
@@ -182,6 +251,13 @@ def run_bench_trace(*, as_json: bool, quick: bool, requests: int | None = None) 
         for page, capacity, tick in runs:
             rows.append(_run(prompts, tokens, page, capacity, tick))
             bar.advance(task)
+        decode_runs = [(p, b) for p in plan.pages for b in DECODE_BATCHES]
+        ticks = DECODE_TICKS // 10 if quick else DECODE_TICKS
+        task = bar.add_task("decode ticks", total=len(decode_runs))
+        decode = []
+        for page, batch in decode_runs:
+            decode.append(_decode(prompts, page, batch, ticks))
+            bar.advance(task)
     machine = _machine(DeviceKind.CPU)
-    body = {"requests": n, "machine": machine, "results": rows}
-    return report(_table(rows, machine), body, as_json=as_json)
+    body = {"requests": n, "machine": machine, "results": rows, "decode": decode}
+    return report(Group(_table(rows, machine), _decode_table(decode, machine)), body, as_json=as_json)
