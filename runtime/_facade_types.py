@@ -36,6 +36,8 @@ TOKEN_ID_MAX = 2**63 - 1
 
 _FEW_TOKENS = 64
 """Token lists up to this long are checked in plain Python (an array call costs more)."""
+_FEW_TENSOR_TOKENS = 16
+"""CPU tensors up to this long are read as a list (one torch call) and checked in Python."""
 
 COUNT_MAX = 2**62
 """Largest count of tokens or slots a call may name (more than any pool; fits every wire field)."""
@@ -285,9 +287,14 @@ def _tensor_token_bytes(t: torch.Tensor) -> bytes:
         raise _BadTokens(f" must be one sequence of token ids, got a tensor of shape {tuple(t.shape)}")
     if t.dtype not in _TOKEN_DTYPES:
         raise _BadTokens(f" must hold integer token ids, got a {t.dtype} tensor (use torch.int64)")
-    if not t.shape[0]:  # the shape, not len(): torch's __len__ is a Python wrapper
+    n = t.shape[0]  # the shape, not len(): torch's __len__ is a Python wrapper
+    if not n:
         return b""
-    if t.is_cpu:  # numpy's view, minimum and copy: cheaper calls than torch's
+    if n <= _FEW_TENSOR_TOKENS and t.is_cpu:  # a decode step's token: one torch call, then Python
+        packed = array("q", t.tolist())
+        low = min(packed)
+        data = packed.tobytes()
+    elif t.is_cpu:  # numpy's view, minimum and copy: cheaper calls than torch's
         a = (t.detach() if t.requires_grad else t).numpy()
         low = int(numpy.minimum.reduce(a))
         data = a.astype("<i8", copy=False).tobytes()

@@ -6,6 +6,7 @@ at 0 (every call vectorised), and compares results, final states and error messa
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +18,7 @@ from hypothesis import strategies as st
 import hicache.actors._device_core as device_core_module
 import hicache.actors._kv as kv_module
 import hicache.actors._pages as pages_module
+import hicache.runtime._facade_types as facade_types
 from hicache.actors import DeviceCore, HostCore
 from hicache.messages import HostSlotState, ReleaseReason
 from hicache.runtime import Config
@@ -140,3 +142,32 @@ def test_device_calls_agree(make_config: Callable[..., Config], calls: list[tupl
 
     small, vectorised = _both(run)
     assert small == vectorised
+
+
+_TOKEN_DTYPES = [torch.int64, torch.int32, torch.int16, torch.uint8]
+
+
+@settings(max_examples=200, deadline=None)
+@given(ids=st.lists(st.integers(-3, 120), max_size=40), dtype=st.sampled_from(_TOKEN_DTYPES),
+       as_list=st.booleans())
+def test_token_ids_are_checked_alike_in_python_and_in_arrays(ids: list[int], dtype: torch.dtype, as_list: bool) -> None:
+    """The facade's token check: a few ids in Python, many through numpy; the same bytes or the same error."""
+    tokens: Any = ids if as_list else torch.tensor(ids, dtype=torch.int64).to(dtype)
+
+    def convert() -> Any:
+        try:
+            return facade_types.token_bytes(tokens, "tokens of request", "r")
+        except facade_types.RequestError as err:
+            return str(err)
+
+    small = convert()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(facade_types, "_FEW_TOKENS", -1)
+        mp.setattr(facade_types, "_FEW_TENSOR_TOKENS", -1)
+        vectorised = convert()
+    assert small == vectorised
+    kept = ids if as_list else torch.tensor(ids, dtype=torch.int64).to(dtype).tolist()
+    if min(kept, default=0) < 0:
+        assert isinstance(small, str) and small.startswith("tokens of request 'r': token ids must be in 0..")
+    else:
+        assert small == array("q", kept).tobytes()
