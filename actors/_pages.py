@@ -354,16 +354,18 @@ class SlotTable:
                     flat.extend(range(page * p, page * p + take))
                     left -= take
             whole = torch.frombuffer(flat, dtype=torch.int64) if flat else torch.empty(0, dtype=torch.int64)
-            return whole.split(sizes)
-        pieces = []
-        for base, spare, pages, n in parts:
-            if spare:
-                pieces.append(numpy.arange(base, base + spare, dtype=numpy.int64))
-            if n > spare:
-                at = numpy.frombuffer(pages.buffer(), dtype=numpy.int64)
-                pieces.append(self._rows.take(at, axis=0).reshape(-1)[: n - spare])
-        whole = pieces[0] if len(pieces) == 1 else numpy.concatenate(pieces)
-        return torch.from_numpy(whole).split(sizes)
+        else:
+            pieces = []
+            for base, spare, pages, n in parts:
+                if spare:
+                    pieces.append(numpy.arange(base, base + spare, dtype=numpy.int64))
+                if n > spare:
+                    at = numpy.frombuffer(pages.buffer(), dtype=numpy.int64)
+                    pieces.append(at[: n - spare] if self.page_size == 1  # a slot is a page: copied below
+                                  else self._rows.take(at, axis=0).reshape(-1)[: n - spare])
+            whole = torch.from_numpy(numpy.concatenate(pieces) if len(pieces) > 1 or not pieces[0].flags.writeable
+                                     else pieces[0])
+        return (whole,) if len(sizes) == 1 else whole.split_with_sizes(sizes)
 
     def slots(self, pages: Indices, n: int) -> torch.Tensor:
         """The first `n` slots of `pages` (page numbers of this pool), as a new tensor."""
