@@ -11,7 +11,6 @@ from typing import Any
 
 from rich.console import Console, RenderableType
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 
 def progress_bar(as_json: bool) -> Progress:
