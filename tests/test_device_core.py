@@ -406,3 +406,16 @@ def test_allocate_after_a_mid_life_swap_answers_the_rest_of_the_last_page(core: 
     assert core.allocate([("a", 3)])["a"].tolist() == [6, 7, 8]  # the rest of page 1, then page 2
     assert core.ledger("a") == LedgerEntry(request_id="a", allocated=9, committed=4, freed=4)
     assert _owners(core) == {FREE: 52, REQUEST: 8, TREE: 4, LOADING: 0}
+
+
+def test_a_request_that_never_allocated_cannot_hand_free_pages_to_the_tree(make_config) -> None:
+    """Its ledger's number is 0, the code of a free page: the owner check alone would pass a free
+    page, which the tree would then own while it is on the free list (a later free of it frees twice)."""
+    core = DeviceCore(make_config(page_size=4, device_pages=16))
+    loaded = core.allocate_load(1)
+    core.free_tree(loaded)  # page 0 is free again
+    with pytest.raises(LedgerError, match=r"request 'r0': adopted pages \[0\] are not distinct pages of this request"):
+        core.release("r0", torch.tensor([0]), ReleaseReason.FINISHED)
+    core.check_invariants()
+    assert core.release("r0", torch.tensor([], dtype=torch.int64), ReleaseReason.FINISHED).freed == 0
+    core.check_invariants()

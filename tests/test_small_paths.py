@@ -147,12 +147,23 @@ def test_device_calls_agree(make_config: Callable[..., Config], calls: list[tupl
 _TOKEN_DTYPES = [torch.int64, torch.int32, torch.int16, torch.uint8]
 
 
-@settings(max_examples=200, deadline=None)
-@given(ids=st.lists(st.integers(-3, 120), max_size=40), dtype=st.sampled_from(_TOKEN_DTYPES),
-       as_list=st.booleans())
-def test_token_ids_are_checked_alike_in_python_and_in_arrays(ids: list[int], dtype: torch.dtype, as_list: bool) -> None:
-    """The facade's token check: a few ids in Python, many through numpy; the same bytes or the same error."""
-    tokens: Any = ids if as_list else torch.tensor(ids, dtype=torch.int64).to(dtype)
+def _token_tensor(ids: list[int], dtype: torch.dtype, layout: str) -> torch.Tensor:
+    """`ids` as a tensor laid out plainly, as every other element of a larger one, or past an offset."""
+    if layout == "strided":
+        return torch.tensor([x for i in ids for x in (i, 7)], dtype=torch.int64).to(dtype)[::2]
+    if layout == "offset":
+        return torch.tensor([5, *ids], dtype=torch.int64).to(dtype)[1:]
+    return torch.tensor(ids, dtype=torch.int64).to(dtype)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ids=st.lists(st.integers(-3, 120), max_size=90), dtype=st.sampled_from(_TOKEN_DTYPES),
+       form=st.sampled_from(["list", "plain", "strided", "offset"]))
+def test_token_ids_are_checked_alike_in_python_and_in_arrays(ids: list[int], dtype: torch.dtype, form: str) -> None:
+    """The facade's token check: a few ids in Python, many through numpy, a contiguous int64
+    tensor's bytes read in place; the same bytes or the same error every way."""
+    as_list = form == "list"
+    tokens: Any = ids if as_list else _token_tensor(ids, dtype, form)
 
     def convert() -> Any:
         try:
@@ -164,9 +175,10 @@ def test_token_ids_are_checked_alike_in_python_and_in_arrays(ids: list[int], dty
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(facade_types, "_FEW_TOKENS", -1)
         mp.setattr(facade_types, "_FEW_TENSOR_TOKENS", -1)
+        mp.setattr(facade_types, "_LITTLE_ENDIAN", False)  # every tensor through numpy's view and copy
         vectorised = convert()
     assert small == vectorised
-    kept = ids if as_list else torch.tensor(ids, dtype=torch.int64).to(dtype).tolist()
+    kept = ids if as_list else tokens.tolist()
     if min(kept, default=0) < 0:
         assert isinstance(small, str) and small.startswith("tokens of request 'r': token ids must be in 0..")
     else:
