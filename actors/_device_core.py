@@ -265,13 +265,13 @@ class DeviceCore:
             self._owners.put(pages, PageOwner.TREE)
             return pages, pages_of_array(held[k:])  # a copy of the rest: the ledger's array stays resizable
         pages = as_pages(adopt)
-        # A ledger that never held a page has number 0, the code of a free page: the table
-        # cannot tell its pages, and it has none.
-        if (number >= _FIRST_LEDGER or not k) and self._owners.move(pages, frozenset((number,)), PageOwner.TREE):
+        # A ledger that never held a page has number 0, a free page's code: no page is its own.
+        own = frozenset((number,)) if number >= _FIRST_LEDGER else frozenset()
+        if self._owners.move(pages, own, PageOwner.TREE):
             return pages, self._held(ledger)
         listed = as_list(pages)
         table = self._owners.items
-        foreign = [pg for pg in listed if not 0 <= pg < len(table) or table[pg] != number or number < _FIRST_LEDGER]
+        foreign = [pg for pg in listed if not 0 <= pg < len(table) or table[pg] not in own]
         raise LedgerError(
             f"request {ledger.request_id!r}: adopted pages {(foreign or listed)[:16]} are not distinct pages of "
             "this request"

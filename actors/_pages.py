@@ -344,15 +344,13 @@ class SlotTable:
         a partly used page), then the first `n - spare` slots of `pages`. Made as one tensor
         and split into views: a decode tick's many one-slot answers cost one tensor, not one each."""
         sizes = [n for _, _, _, n in parts]
+        p = self.page_size
         if sum(sizes) <= FEW_MAX:
-            p, flat = self.page_size, array("q")
+            flat = array("q")
             for base, spare, pages, n in parts:
                 flat.extend(range(base, base + spare))
-                left = n - spare
-                for page in pages.tolist()[: -(-left // p)] if left else ():
-                    take = min(p, left)
-                    flat.extend(range(page * p, page * p + take))
-                    left -= take
+                if n > spare:
+                    flat.extend(slots_of_pages(pages.tolist()[: -(-(n - spare) // p)], p)[: n - spare])
             whole = torch.frombuffer(flat, dtype=torch.int64) if flat else torch.empty(0, dtype=torch.int64)
         else:
             pieces = []
@@ -360,9 +358,7 @@ class SlotTable:
                 if spare:
                     pieces.append(numpy.arange(base, base + spare, dtype=numpy.int64))
                 if n > spare:
-                    at = numpy.frombuffer(pages.buffer(), dtype=numpy.int64)
-                    pieces.append(at[: n - spare] if self.page_size == 1  # a slot is a page: copied below
-                                  else self._rows.take(at, axis=0).reshape(-1)[: n - spare])
+                    pieces.append(self._gather(pages, n - spare))
             whole = torch.from_numpy(numpy.concatenate(pieces) if len(pieces) > 1 or not pieces[0].flags.writeable
                                      else pieces[0])
         return (whole,) if len(sizes) == 1 else whole.split_with_sizes(sizes)
@@ -371,7 +367,11 @@ class SlotTable:
         """The first `n` slots of `pages` (page numbers of this pool), as a new tensor."""
         if not n:  # an admission with nothing cached, say
             return torch.empty(0, dtype=torch.int64)
-        if self.page_size == 1:
-            return pages[:n].to_tensor()
+        got = self._gather(pages, n)
+        return torch.from_numpy(got if got.flags.writeable else got.copy())
+
+    def _gather(self, pages: Indices, n: int) -> numpy.ndarray:
+        """The first `n` slots of `pages`: one gather of rows, or at page size 1 (a slot is a
+        page) a read-only view of the pages' own bytes."""
         at = numpy.frombuffer(pages.buffer(), dtype=numpy.int64)
-        return torch.from_numpy(self._rows.take(at, axis=0).reshape(-1)[:n])
+        return at[:n] if self.page_size == 1 else self._rows.take(at, axis=0).reshape(-1)[:n]

@@ -275,25 +275,17 @@ def _sequence_token_bytes(tokens: Any) -> bytes:
         packed = array("q", tokens)
     except (OverflowError, TypeError) as err:
         raise _BadTokens(f": token ids must be ints in 0..{TOKEN_ID_MAX} ({err})") from None
-    if packed and _lowest(packed) < 0:
+    if packed and _lowest(packed, len(packed)) < 0:
         raise _BadTokens(f": token ids must be in 0..{TOKEN_ID_MAX}, got {min(packed)}")
     return packed.tobytes()
 
 
-def _lowest(packed: array) -> int:
-    """The smallest id: Python's `min` over a few (a decode tick commits one a request), numpy's over many."""
-    if len(packed) <= _FEW_TOKENS:
-        return min(packed)
-    return int(numpy.minimum.reduce(numpy.frombuffer(packed, dtype=numpy.int64)))
-
-
-def _lowest_of_bytes(data: bytes, n: int) -> int:
-    """The smallest of `n` int64 ids in `data`: in Python for a few, by numpy for many."""
+def _lowest(ids: array | bytes, n: int) -> int:
+    """The smallest of `n` int64 ids (an array, or their bytes): Python's `min` over a few (a
+    decode tick commits one a request), numpy's over many."""
     if n <= _FEW_TOKENS:
-        packed = array("q")
-        packed.frombytes(data)
-        return min(packed)
-    return int(numpy.minimum.reduce(numpy.frombuffer(data, dtype=numpy.int64)))
+        return min(memoryview(ids).cast("B").cast("q"))
+    return int(numpy.minimum.reduce(numpy.frombuffer(ids, dtype=numpy.int64)))
 
 
 def _tensor_token_bytes(t: torch.Tensor) -> bytes:
@@ -306,7 +298,7 @@ def _tensor_token_bytes(t: torch.Tensor) -> bytes:
         return b""
     if t.is_cpu and t.dtype is torch.int64 and _LITTLE_ENDIAN and t.is_contiguous():
         data = ctypes.string_at(t.data_ptr(), 8 * n)  # the one copy, straight from the tensor's memory
-        low = _lowest_of_bytes(data, n)
+        low = _lowest(data, n)
     elif n <= _FEW_TENSOR_TOKENS and t.is_cpu:  # a decode step's token: one torch call, then Python
         packed = array("q", t.tolist())
         low = min(packed)
