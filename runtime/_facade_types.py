@@ -284,7 +284,7 @@ def _lowest(ids: array | bytes, n: int) -> int:
     """The smallest of `n` int64 ids (an array, or their bytes): Python's `min` over a few (a
     decode tick commits one a request), numpy's over many."""
     if n <= _FEW_TOKENS:
-        return min(memoryview(ids).cast("B").cast("q"))
+        return min(ids if type(ids) is array else memoryview(ids).cast("q"))
     return int(numpy.minimum.reduce(numpy.frombuffer(ids, dtype=numpy.int64)))
 
 
