@@ -103,6 +103,20 @@ except ImportError:  # pragma: no cover - orjson is optional
 """Parse one log line (bytes); a ValueError (`json.JSONDecodeError`) when it is not JSON."""
 
 
+def _orjson_would_carry(value: Any) -> None:
+    """Raise TypeError where orjson would refuse what the standard library's json writes: an
+    integer outside 64 bits. A fault value is small; so the log reads the same with or without
+    the fast extra."""
+    if isinstance(value, int) and not -(2**63) <= value < 2**64:
+        raise TypeError(f"integer exceeds 64-bit range: {value}")
+    if isinstance(value, (list, tuple)):
+        for v in value:
+            _orjson_would_carry(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _orjson_would_carry(v)
+
+
 def _b64_stdlib(data: bytes) -> bytes:
     """Standard base64 of `data`, as ASCII bytes (what `base64.b64encode` gives)."""
     return binascii.b2a_base64(data, newline=False)
@@ -370,6 +384,8 @@ class DeliveryLog:
     def fault(self, actor: str, hook: str, value: Any) -> None:
         try:
             _dumps(value)
+            if not ORJSON:
+                _orjson_would_carry(value)
         except (TypeError, ValueError):  # a value JSON cannot carry: recorded as its text, never a failed delivery
             value = repr(value).encode("utf-8", "backslashreplace").decode("utf-8")
         self._log.msg("fault", actor=actor, hook=hook, value=value)
