@@ -5,7 +5,11 @@ per-token gather moves an order of magnitude fewer bytes a second than a slice c
 of a run (the figures are in docs/benchmarks.md, "Copy costs"). The one exception is a
 page-granular copy on CPU whose blocks are many and tiny (a page of a small KV, scattered):
 there each block's Python call, not the bytes, sets the speed, and a gather of whole
-pages and a scatter cost less.
+pages and a scatter cost less. On CUDA a page-granular copy is a gather and a scatter
+kernel of whole pages too: pinned host memory is mapped into the device's address space,
+so one kernel moves every scattered page over the bus, where a copy call a block would
+pay its launch a block (and, between strided views, staging copies through pageable
+memory: 1-8 GB/s of a 54 GB/s link on an H200, docs/benchmarks.md).
 
 Layouts (`H` heads, `D` head_dim, `P` page size, `L` layers):
 - layer_first: `[2, L, slots, H, D]` (the device buffer, and one host layout);
@@ -140,6 +144,35 @@ class KVBuffer:
         v = t.view(2, s.layers, pages, row)
         return [v[kv, i] for i in layers for kv in (0, 1)]
 
+    @functools.cached_property
+    def cuda_pages(self) -> torch.Tensor | None:
+        """The buffer as `[pages, 2, L, P * H * D]` for CUDA kernels: the tensor itself on a
+        CUDA device; on pinned host memory, the same bytes through the device's address
+        space (unified addressing maps pinned memory, so a kernel reads and writes it over
+        the bus with no staging copy); None where no kernel can reach it (pageable memory, a
+        device without unified addressing)."""
+        t = self.tensor
+        if not t.is_contiguous():
+            return None
+        if t.device.type == "cuda":
+            mapped = t
+        elif t.device.type == "cpu" and torch.cuda.is_available() and t.is_pinned():
+            mapped = _mapped(t)
+            if mapped is None:
+                return None
+        else:
+            return None
+        return self.page_major(mapped)
+
+    def page_major(self, t: torch.Tensor) -> torch.Tensor:
+        """`t`, this buffer's tensor or its bytes seen elsewhere, as `[pages, 2, L, P * H * D]`:
+        row `[i, kv, l]` is page `i`'s K or V block of layer `l`."""
+        s = self.shape
+        pages, row = self.slots // s.page_size, s.page_size * s.heads * s.head_dim
+        if self.page_first:
+            return t.view(pages, 2, s.layers, row)
+        return t.view(2, s.layers, pages, row).permute(2, 0, 1, 3)
+
     def read(self, indices: torch.Tensor, *, layer: int | None = None) -> torch.Tensor:
         """A copy of the KV in `indices` as `[2, L, n, H, D]` on CPU, in index order
         (with `layer`: that layer only, as `[2, 1, n, H, D]`)."""
@@ -168,6 +201,41 @@ class KVBuffer:
         if len(idx) and not _in_range(idx, self.slots):
             raise IndexError(f"slot out of range 0..{self.slots - 1}")
         return idx
+
+
+def _mapped_pair(src: KVBuffer, dst: KVBuffer) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`src` and `dst` as `KVBuffer.cuda_pages` on one device, when CUDA is on either side."""
+    if "cuda" not in (src.device.type, dst.device.type):
+        return None
+    a, b = src.cuda_pages, dst.cuda_pages
+    if a is None or b is None or a.device != b.device:
+        return None
+    return a, b
+
+
+class _CudaArray:
+    """Pinned host bytes described to torch as device memory (`__cuda_array_interface__`):
+    with unified addressing a pinned page's host address is also its device address. It
+    keeps the host tensor alive for as long as the device view lives."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.tensor = t
+        self.__cuda_array_interface__ = {
+            "shape": (t.numel() * t.element_size(),), "typestr": "|u1", "data": (t.data_ptr(), False),
+            "version": 3, "strides": None,
+        }
+
+
+def _mapped(t: torch.Tensor) -> torch.Tensor | None:
+    """Pinned, contiguous `t` as a CUDA tensor of the same shape and bytes, or None where the
+    device cannot address it (torch then says the pointer is not device memory)."""
+    try:
+        raw = torch.as_tensor(_CudaArray(t), device="cuda")
+    except (RuntimeError, TypeError, ValueError):
+        return None
+    if raw.data_ptr() != t.data_ptr():
+        return None
+    return raw.view(t.dtype).view(t.shape)
 
 
 def _in_range(idx: Ints, cap: int) -> bool:
@@ -241,8 +309,8 @@ class _Route:
     stream actor keeps the route of its two buffers and plans each batch on it
     (`plan`); `CopyPlan(...)` and `copy_kv` make one per copy."""
 
-    __slots__ = ("block", "dst", "gather", "layers", "page_size", "per_slot", "pf_is_src", "rows", "slot_elements",
-                 "src")
+    __slots__ = ("block", "dst", "gather", "layers", "mapped", "page_size", "per_slot", "pf_is_src", "rows",
+                 "slot_elements", "src")
 
     def __init__(self, src: KVBuffer, dst: KVBuffer) -> None:
         self.src, self.dst = src, dst
@@ -260,6 +328,12 @@ class _Route:
         self.gather = same and all(b.device.type == "cpu" and b.tensor.is_contiguous() for b in (src, dst))
         self.block = shape.page_size * shape.heads * shape.head_dim * shape.dtype.itemsize
         """Bytes of one page's K (or V) in one layer: the smallest block of a page-granular copy."""
+        self.mapped = _mapped_pair(src, dst) if same else None
+        """Both buffers as `KVBuffer.cuda_pages` when a copy between them involves CUDA and a
+        CUDA kernel reaches both (a device buffer, pinned host memory): then a page-granular
+        copy is one gather and one scatter kernel (all layers or one), however scattered its
+        pages. Each piece's own `copy_` would cost microseconds of launch apiece and, between
+        strided views of pinned and device memory, go through pageable staging copies."""
 
     def plan(self, src_idx: Slots, dst_idx: Slots) -> CopyPlan:
         """The plan of copying slot `src_idx[i]` to `dst_idx[i]`, on this route."""
@@ -277,13 +351,16 @@ class _Route:
             rs = runs(a, b)  # none, or the lengths' mismatch named
             gather = False
         else:
-            starts = _run_starts(a, b)  # the runs' number says which way pays before they are listed
-            k = len(starts)
-            gather = self.gather and k >= _GATHER_RUNS_MIN and self.block * n <= _GATHER_BLOCK_BYTES_MAX * k
-            rs = [] if gather else _runs_at(a, b, starts)
             for what, idx, buf in (("source", a, self.src), ("destination", b, self.dst)):
                 if not _in_range(idx, buf.slots // p):
                     raise IndexError(f"copy: {what} page out of range 0..{buf.slots // p - 1}")
+            if self.mapped is not None:
+                rs, gather = [], True
+            else:
+                starts = _run_starts(a, b)  # the runs' number says which way pays before they are listed
+                k = len(starts)
+                gather = self.gather and k >= _GATHER_RUNS_MIN and self.block * n <= _GATHER_BLOCK_BYTES_MAX * k
+                rs = [] if gather else _runs_at(a, b, starts)
         plan = CopyPlan.__new__(CopyPlan)
         plan._set(self, [(s * p, d * p, n * p) for s, d, n in rs], n * p)
         if gather:
@@ -311,6 +388,10 @@ class CopyPlan:
     `run` copies all layers or one, and the load stream plans a batch once and runs
     it layer by layer. Hold a plan only while its copy is in flight: it keeps both
     buffers alive.
+
+    A page-granular plan on a route that involves CUDA, when a kernel reaches both buffers
+    (`_Route.mapped`: the device buffer and pinned host memory), copies by one gather and one
+    scatter kernel of whole pages, all layers or one; it lists no runs.
 
     A page-granular plan (`_Route.plan_pages`) on CPU whose blocks would be many and
     tiny (see `_GATHER_RUNS_MIN`) copies instead by a torch gather of whole pages and a
@@ -372,6 +453,9 @@ class CopyPlan:
         if self._gather is not None:
             if layer is not None and not -layers <= layer < layers:
                 raise IndexError(f"layer {layer} out of range 0..{layers - 1}")
+            if route.mapped is not None:
+                self._run_mapped(route.mapped, layer)
+                return self.slots * (route.per_slot if layer is None else route.per_slot // layers)
             src_pages, dst_pages = self._gather
             for sv, dv in zip(route.src.page_rows(layer), route.dst.page_rows(layer), strict=True):
                 dv.index_copy_(0, dst_pages, sv.index_select(0, src_pages))
@@ -393,6 +477,19 @@ class CopyPlan:
             srcs, dsts = self._piece_views()
             _copy_pairs([v.select(1, layer) for v in dsts], [v.select(1, layer) for v in srcs], non_blocking)
         return self.slots * (route.per_slot // layers)
+
+    def _run_mapped(self, mapped: tuple[torch.Tensor, torch.Tensor], layer: int | None) -> None:
+        """One gather of the source pages and one scatter into the destination's, as CUDA
+        kernels on the current stream (queued, not waited for). The page numbers move to the
+        device at the first run, on that stream, and stay for the plan's other layers."""
+        sv, dv = mapped
+        src_pages, dst_pages = self._gather  # type: ignore[misc]
+        if src_pages.device != sv.device:
+            src_pages, dst_pages = src_pages.to(sv.device), dst_pages.to(sv.device)
+            self._gather = (src_pages, dst_pages)
+        if layer is not None:
+            sv, dv = sv[:, :, layer], dv[:, :, layer]
+        dv.index_copy_(0, dst_pages, sv.index_select(0, src_pages))
 
     def _memmove_blocks(self) -> _Blocks | None:
         if not self._planned:

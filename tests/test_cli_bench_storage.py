@@ -64,3 +64,34 @@ def test_a_master_that_cannot_start_is_an_error_row_not_a_crash(capsys, monkeypa
         row = rows[("mooncake", *cell)]
         assert "mooncake_master was not found" in row["error"]
         assert row["read_gbps"] is None and row["write_ratio"] is None
+
+
+@pytest.mark.timeout(120)
+def test_load_back_times_an_l3_hits_path_to_the_device_for_the_chosen_backend(capsys) -> None:
+    assert main(["bench", "storage", "--mib", "4", "--backend", "file", "--load-back", "--json"]) == 0
+    body = json.loads(capsys.readouterr().out)
+    assert {r["backend"] for r in body["results"]} == {"file"}
+    paths = body["load_back"]
+    assert [(r["backend"], r["layout"]) for r in paths] == [("file", "layer_first"), ("file", "page_first")]
+    for r in paths:
+        assert r["error"] == "" and r["device"] == body["machine"]["device"], r
+        for part in ("read", "load", "path"):
+            assert r[f"{part}_gbps"] > 0 and r[f"raw_{part}_gbps"] > 0, r
+        # the path's time is its read's and its load's: its rate is below either's
+        assert r["path_gbps"] <= min(r["read_gbps"], r["load_gbps"]) + ROUNDING, r
+        slack = ROUNDING + ROUNDING * (1 / r["raw_path_gbps"] + 2 / r["raw_path_gbps"] ** 2)
+        assert r["path_ratio"] == pytest.approx(r["path_gbps"] / r["raw_path_gbps"], abs=slack), r
+
+
+@pytest.mark.timeout(60)
+def test_load_back_on_a_backend_that_cannot_run_is_an_error_row(capsys, monkeypatch) -> None:
+    def no_master(self: object) -> None:
+        raise MasterStartError("mooncake_master was not found (test)")
+
+    monkeypatch.setattr(_bench_storage.MooncakeMaster, "start", no_master)
+    assert main(["bench", "storage", "--mib", "4", "--backend", "mooncake", "--load-back", "--json"]) == 0
+    body = json.loads(capsys.readouterr().out)
+    assert {r["backend"] for r in body["results"]} == {"mooncake"}
+    assert [r["layout"] for r in body["load_back"]] == ["layer_first", "page_first"]
+    for r in body["load_back"]:
+        assert "mooncake_master was not found" in r["error"] and r["path_ratio"] is None

@@ -95,3 +95,62 @@ def test_bench_transfer_runs_on_the_gpu(capsys: Any) -> None:
     assert main(["bench", "transfer", "--quick", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert all(r["gbps"] > 0 for r in out["results"])
+
+
+@pytest.mark.parametrize("layout", list(HostLayout))
+def test_a_pinned_host_buffer_is_mapped_and_pages_cross_in_one_kernel_each_way(layout: HostLayout) -> None:
+    """The streams' route between the GPU buffer and the pinned host buffer is mapped (one
+    gather and one scatter kernel a copy), and its copies are byte-exact both ways, all
+    layers at once (writes) and layer by layer (loads), for scattered pages."""
+    from hicache.actors._kv import _Route
+
+    shape = KVShape(layers=3, heads=2, head_dim=16, dtype=torch.bfloat16, page_size=8)
+    dev = KVBuffer.allocate(shape, 32 * 8, HostLayout.LAYER_FIRST, "cuda")
+    host = KVBuffer.allocate(shape, 48 * 8, layout, "cpu", pin=True)
+    g = torch.Generator().manual_seed(7)
+    dev.tensor.view(torch.int16).copy_(torch.randint(-(2**15), 2**15, dev.tensor.shape, generator=g, dtype=torch.int16))
+    host.tensor.view(torch.int16).random_(generator=g)
+    before = host.tensor.clone()
+    d_pages, h_pages = [5, 0, 31, 17, 2, 9], [40, 3, 11, 12, 47, 0]
+    down = _Route(dev, host)
+    assert down.mapped is not None and down.mapped[1].device.type == "cuda"
+    down.plan_pages(torch.tensor(d_pages), torch.tensor(h_pages)).run(non_blocking=True)
+    torch.cuda.synchronize()
+    want = before.clone()
+    want_buf = KVBuffer(shape, want, layout)
+    p = shape.page_size
+    for d, h in zip(d_pages, h_pages, strict=True):
+        dst, src = torch.arange(h * p, h * p + p), torch.arange(d * p, d * p + p)
+        want_buf.write(dst, dev.read(src))
+    assert torch.equal(host.tensor.view(torch.int16), want.view(torch.int16))
+
+    back = KVBuffer.allocate(shape, 32 * 8, HostLayout.LAYER_FIRST, "cuda")
+    up = _Route(host, back)
+    assert up.mapped is not None
+    plan = up.plan_pages(torch.tensor(h_pages), torch.tensor(d_pages))
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        for layer in range(shape.layers):
+            plan.run(layer=layer, non_blocking=True)
+    side.synchronize()
+    for d in d_pages:
+        s = torch.arange(d * p, d * p + p)
+        assert torch.equal(back.read(s).view(torch.int16), dev.read(s).view(torch.int16))
+    untouched = [pg for pg in range(32) if pg not in d_pages]
+    rest = torch.cat([torch.arange(pg * p, pg * p + p) for pg in untouched])
+    assert not back.read(rest).view(torch.int16).any()
+
+
+def test_pageable_host_memory_is_not_mapped_and_still_copies_exactly() -> None:
+    from hicache.actors._kv import _Route
+
+    shape = KVShape(layers=2, heads=1, head_dim=8, dtype=torch.float16, page_size=4)
+    dev = KVBuffer.allocate(shape, 16, HostLayout.LAYER_FIRST, "cuda")
+    dev.tensor.copy_(torch.randn(dev.tensor.shape))
+    host = KVBuffer.allocate(shape, 16, HostLayout.PAGE_FIRST, "cpu")
+    route = _Route(dev, host)
+    assert route.mapped is None
+    route.plan_pages(torch.tensor([3, 1]), torch.tensor([0, 2])).run()
+    torch.cuda.synchronize()
+    for d, h in ((3, 0), (1, 2)):
+        assert torch.equal(host.read(torch.arange(h * 4, h * 4 + 4)), dev.read(torch.arange(d * 4, d * 4 + 4)))

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from hicache.actors import KVBuffer, KVShape, copy_kv, runs
+from hicache.actors._kv import _Route
 from hicache.runtime import Config, HostLayout
 
 from conftest import filled_kv, kv_of_slot, reference_copy
@@ -204,3 +205,42 @@ def test_a_copy_with_unequal_index_lengths_is_refused() -> None:
     shape = _shape(4)
     with pytest.raises(ValueError, match="source has 4 slots but destination has 3"):
         copy_kv(_filled(shape, LF, 1), torch.arange(4), _filled(shape, LF, 2), torch.arange(3))
+
+
+# -- the one-kernel page copy of a CUDA route -------------------------------------------------
+
+
+def test_cuda_pages_is_none_where_no_kernel_reaches_the_buffer() -> None:
+    """On a CPU machine, or for pageable memory, there is no device view: copies keep runs."""
+    buf = KVBuffer.allocate(_shape(4), PAGES * 4, LF, "cpu")
+    assert buf.cuda_pages is None
+    if not torch.cuda.is_available():
+        assert _Route(buf, KVBuffer.allocate(_shape(4), PAGES * 4, PF, "cpu")).mapped is None
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize(("src_layout", "dst_layout"), DIRECTIONS, ids=DIRECTION_IDS)
+@pytest.mark.parametrize("layer", [None, 0, 1], ids=["all-layers", "layer-0", "layer-1"])
+def test_a_page_copy_by_one_gather_and_scatter_matches_a_slot_by_slot_copy(
+    page_size: int, src_layout: HostLayout, dst_layout: HostLayout, layer: int | None
+) -> None:
+    """The gather-and-scatter of a mapped route, its views standing on CPU tensors here (on
+    CUDA they are the device buffer and the pinned host buffer mapped; test_cuda.py): every
+    page's every layer lands where a slot-by-slot copy puts it, and nothing else changes."""
+    shape = _shape(page_size)
+    for seed in range(3):
+        rng = random.Random(f"mapped:{page_size}:{seed}")
+        src = _filled(shape, src_layout, seed)
+        dst = _filled(shape, dst_layout, seed + 100)
+        n = rng.randrange(1, PAGES + 1)
+        s_pages, d_pages = rng.sample(range(PAGES), n), rng.sample(range(PAGES), n)
+        slots = lambda pages: [pg * page_size + i for pg in pages for i in range(page_size)]  # noqa: E731
+        want = reference_copy(src, slots(s_pages), dst, slots(d_pages), layer)
+        route = _Route(src, dst)
+        route.mapped = (src.page_major(src.tensor), dst.page_major(dst.tensor))
+        plan = route.plan_pages(torch.tensor(s_pages), torch.tensor(d_pages))
+        assert plan.run(layer=layer) == n * page_size * (
+            shape.bytes_per_slot if layer is None else shape.bytes_per_slot // shape.layers)
+        assert torch.equal(dst.tensor, want)
+        with pytest.raises(IndexError, match="source page out of range"):
+            route.plan_pages(torch.tensor([PAGES]), torch.tensor([0]))

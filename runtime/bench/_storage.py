@@ -26,6 +26,13 @@ pages, the file system is synced before each timed write; both sides append fres
 to files (the backend to its segments, the raw side to a file of its own), and Mooncake
 objects are removed after each side. A backend that cannot run (no master) is an error row.
 
+With `--load-back`, it also times the path of an L3 hit, 2 MiB pages, each layout: the
+pages read from storage into host memory (pinned on CUDA) as a prefetch reads them, then
+loaded to the device as the load stream loads an admitted request's pages (one plan, a
+copy a layer on its side stream, waited for at the end), against a raw read of the same
+stored bytes into the same host buffer plus one contiguous copy of the payload to the
+device. On CUDA that is the PCIe path; on a CPU machine the "device" is CPU memory.
+
 This is not actor code: it reads `time.perf_counter` and runs the backends directly.
 """
 
@@ -43,6 +50,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from rich.console import Group
 from rich.table import Table
 
 from hicache.actors import (
@@ -56,6 +64,8 @@ from hicache.actors import (
     open_backend,
     page_keys,
 )
+from hicache.actors._kv import _Route
+from hicache.actors._streams import _CudaStream
 from hicache.messages.config import Config, DeviceKind, HostLayout
 
 from ._cli import progress_bar, report
@@ -78,6 +88,8 @@ WARMUP = 1
 REPS = 5
 DEFAULT_MIB = 256
 BACKENDS = ("file", "mooncake")
+LOAD_BACK_PAGE = "2MiB"
+"""The page size the L3-hit path is timed at: a model's pages."""
 LAYOUTS = (HostLayout.LAYER_FIRST, HostLayout.PAGE_FIRST)
 _FIGURES = ("read_gbps", "raw_read_gbps", "read_ratio", "write_gbps", "raw_write_gbps", "write_ratio")
 
@@ -103,6 +115,36 @@ class Result:
     def to_json(self) -> dict[str, object]:
         numbers = dict.fromkeys(_FIGURES) if self.error else {k: round(v, 3) for k, v in self.figures().items()}
         return {"backend": self.backend, "layout": self.layout.value, "page": self.page, **numbers,
+                "error": self.error}
+
+
+@dataclass(frozen=True, slots=True)
+class LoadBack:
+    """An L3 hit's path: storage -> host (read) -> device (load), and the raw path beside it."""
+
+    backend: str
+    layout: HostLayout
+    device: str
+    read_s: float = 0.0
+    load_s: float = 0.0
+    path_s: float = 0.0
+    raw_read_s: float = 0.0
+    raw_load_s: float = 0.0
+    raw_path_s: float = 0.0
+    payload_bytes: int = 0
+    error: str = ""
+
+    def figures(self) -> dict[str, float]:
+        gb = self.payload_bytes / 1e9
+        return {"read_gbps": gb / self.read_s, "load_gbps": gb / self.load_s, "path_gbps": gb / self.path_s,
+                "raw_read_gbps": gb / self.raw_read_s, "raw_load_gbps": gb / self.raw_load_s,
+                "raw_path_gbps": gb / self.raw_path_s, "path_ratio": self.raw_path_s / self.path_s}
+
+    def to_json(self) -> dict[str, object]:
+        keys = ("read_gbps", "load_gbps", "path_gbps", "raw_read_gbps", "raw_load_gbps", "raw_path_gbps",
+                "path_ratio")
+        numbers = dict.fromkeys(keys) if self.error else {k: round(v, 3) for k, v in self.figures().items()}
+        return {"backend": self.backend, "layout": self.layout.value, "device": self.device, **numbers,
                 "error": self.error}
 
 
@@ -274,6 +316,69 @@ def _measure(backend: StorageBackend, config: Config, layout: HostLayout, page: 
                   pages * PageFormat(shape).payload_bytes)
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _load(host: KVBuffer, device: KVBuffer, pages: torch.Tensor, stream: _CudaStream) -> None:
+    """Host pages -> the same device pages as the load stream copies an admitted request's:
+    one plan, a copy a layer on its side stream, done once the last layer's event has fired."""
+    plan = _Route(host, device).plan_pages(pages, pages)
+    event = None
+    for layer in range(host.shape.layers):
+        _, event = stream.run(plan, layer)
+    if event is not None:
+        event.synchronize()
+
+
+def _measure_load_back(backend: StorageBackend, config: Config, layout: HostLayout, pages: int, seed: int,
+                       device: torch.device) -> LoadBack:
+    shape = KVShape.of(config)
+    p = shape.page_size
+    slots, page_ids = torch.arange(pages * p), torch.arange(pages)
+    pin = device.type == "cuda"
+    src = KVBuffer.allocate(shape, config.host_slots, layout, "cpu")
+    src.tensor.view(torch.uint8).random_(generator=torch.Generator().manual_seed(seed))
+    host = KVBuffer.allocate(shape, config.host_slots, layout, "cpu", pin=pin)
+    dev = KVBuffer.allocate(shape, pages * p, HostLayout.LAYER_FIRST, device)
+    keys = page_keys(range(seed << 40, (seed << 40) + pages), rank=0)
+    _batched(backend.write, keys, src, slots, WRITE_PAGES)
+    raw = (RawFile if isinstance(backend, FileBackend) else RawMooncake)(backend, keys, host, src)
+    payload = pages * PageFormat(shape).payload_bytes
+    host_bytes = host.tensor.view(-1).view(torch.uint8)[:payload]
+    dev_bytes = dev.tensor.view(-1).view(torch.uint8)[:payload]
+    stream = _CudaStream(device)
+    times: dict[str, list[float]] = {k: [] for k in ("read", "load", "path", "raw_read", "raw_load", "raw_path")}
+    try:
+        for rep in range(WARMUP + REPS):
+            _sync(device)
+            t0 = time.perf_counter()
+            _batched(backend.read, keys, host, slots, BATCH_PAGES)
+            t1 = time.perf_counter()
+            _load(host, dev, page_ids, stream)
+            t2 = time.perf_counter()
+            raw.read()
+            t3 = time.perf_counter()
+            dev_bytes.copy_(host_bytes, non_blocking=pin)
+            _sync(device)
+            t4 = time.perf_counter()
+            if rep >= WARMUP:
+                for k, v in (("read", t1 - t0), ("load", t2 - t1), ("path", t2 - t0), ("raw_read", t3 - t2),
+                             ("raw_load", t4 - t3), ("raw_path", t4 - t2)):
+                    times[k].append(v)
+        _batched(backend.read, keys, host, slots, BATCH_PAGES)
+        _load(host, dev, page_ids, stream)
+        if not torch.equal(dev.read(slots).cpu().view(torch.uint8), src.read(slots).view(torch.uint8)):
+            raise StorageError("bench storage: the pages loaded to the device differ from those written")
+    finally:
+        raw.close()
+        _forget(backend, keys)
+    m = {k: statistics.median(v) for k, v in times.items()}
+    return LoadBack(backend.name, layout, str(device), m["read"], m["load"], m["path"], m["raw_read"],
+                    m["raw_load"], m["raw_path"], payload)
+
+
 def _pages(page: str, mib: int) -> int:
     payload = PageFormat(KVShape.of(_config(page, 1, LAYOUTS[0]))).payload_bytes
     return max(1, (min(mib, SMALL_MIB_MAX) if page != "2MiB" else mib) * 2**20 // payload)
@@ -289,13 +394,27 @@ def _storage_fields(kind: str, mib: int, stack: ExitStack) -> dict[str, Any]:
             **master.config_fields()}
 
 
-def _run_backend(kind: str, mib: int, write_pages: int, step: Callable[[], None]) -> list[Result]:
-    """Every layout and page size on one backend; error rows for what could not run."""
+def _run_backend(kind: str, mib: int, write_pages: int, step: Callable[[], None],
+                 load_back: torch.device | None = None) -> tuple[list[Result], list[LoadBack]]:
+    """Every layout and page size on one backend, then (given a device) the L3-hit path at
+    each layout; error rows for what could not run."""
     results: list[Result] = []
+    paths: list[LoadBack] = []
     cells = [(layout, page) for page in SHAPES for layout in LAYOUTS]
     try:
         with ExitStack() as stack:
             fields = _storage_fields(kind, mib, stack)
+            if load_back is not None:
+                page, pages = LOAD_BACK_PAGE, _pages(LOAD_BACK_PAGE, mib)
+                config = _config(page, pages, LAYOUTS[0], **fields)
+                backend = open_backend(config)
+                assert backend is not None
+                try:
+                    for j, layout in enumerate(LAYOUTS):
+                        paths.append(_measure_load_back(backend, config, layout, pages, 100 + j, load_back))
+                        step()
+                finally:
+                    backend.close()
             for i, page in enumerate(SHAPES):
                 config = _config(page, _pages(page, mib), LAYOUTS[0], **fields)
                 backend = open_backend(config)  # one per KV shape: the host layout is the buffer's alone
@@ -310,7 +429,11 @@ def _run_backend(kind: str, mib: int, write_pages: int, step: Callable[[], None]
     except (MasterStartError, StorageError) as e:
         done = {(r.layout, r.page) for r in results}
         results += [Result(kind, layout, page, error=str(e)) for layout, page in cells if (layout, page) not in done]
-    return results
+        if load_back is not None:
+            measured = {r.layout for r in paths}
+            paths += [LoadBack(kind, layout, str(load_back), error=str(e)) for layout in LAYOUTS
+                      if layout not in measured]
+    return results, paths
 
 
 # -- the command -----------------------------------------------------------------------------
@@ -333,20 +456,48 @@ def _table(results: list[Result], mib: int, write_pages: int, machine: dict[str,
     return t
 
 
-def run_bench_storage(*, as_json: bool, mib: int, write_pages: int = WRITE_PAGES) -> int:
+def _load_back_table(paths: list[LoadBack], mib: int, machine: dict[str, object]) -> Table:
+    t = Table(
+        title=f"L3 hit: {mib} MiB of {LOAD_BACK_PAGE} pages read from storage into host memory, then loaded to "
+              f"the device, median of {REPS}",
+        caption=(f"device {machine['device']}" + (f" ({machine['gpu']})" if "gpu" in machine else "")
+                 + "; raw: the same stored bytes read into the same host buffer, then one contiguous copy"),
+    )
+    for col in ("backend", "layout", "read GB/s", "load GB/s", "path GB/s", "raw read", "raw load", "raw path",
+                "ratio"):
+        t.add_column(col, justify="left" if col in ("backend", "layout") else "right")
+    for r in paths:
+        if r.error:
+            t.add_row(r.backend, r.layout.value, f"[red]error: {r.error}[/red]", *[""] * 6)
+        else:
+            t.add_row(r.backend, r.layout.value, *(f"{v:.2f}" for v in r.figures().values()))
+    return t
+
+
+def run_bench_storage(*, as_json: bool, mib: int, write_pages: int = WRITE_PAGES, backends: tuple[str, ...] = BACKENDS,
+                      load_back: bool = False) -> int:
     if mib < 2:
         raise SystemExit("hicache bench storage: --mib must be at least 2 (one 2 MiB page)")
     if write_pages < 1:
         raise SystemExit("hicache bench storage: --write-pages must be at least 1")
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # Mooncake's client logs every step at INFO
+    unknown = [b for b in backends if b not in BACKENDS]
+    if unknown or not backends:
+        raise SystemExit(f"hicache bench storage: unknown backend {unknown or backends}; choose from {BACKENDS}")
+    kind = DeviceKind.CUDA if load_back and torch.cuda.is_available() else DeviceKind.CPU
+    device = torch.device("cuda" if kind is DeviceKind.CUDA else "cpu") if load_back else None
     progress = progress_bar(as_json)
     results: list[Result] = []
+    paths: list[LoadBack] = []
+    per_backend = len(LAYOUTS) * len(SHAPES) * (WARMUP + REPS) + (len(LAYOUTS) if load_back else 0)
     with progress:
-        task = progress.add_task("storage", total=len(BACKENDS) * len(LAYOUTS) * len(SHAPES) * (WARMUP + REPS))
-        for kind in BACKENDS:
-            progress.update(task, description=kind)
-            results += _run_backend(kind, mib, write_pages, lambda: progress.advance(task))
-    machine = _machine(DeviceKind.CPU)
+        task = progress.add_task("storage", total=len(backends) * per_backend)
+        for name in backends:
+            progress.update(task, description=name)
+            r, lb = _run_backend(name, mib, write_pages, lambda: progress.advance(task), device)
+            results += r
+            paths += lb
+    machine = _machine(kind)
     body = {
         "machine": machine,
         "workload": {"shapes": SHAPES, "mib": mib, "small_mib": min(mib, SMALL_MIB_MAX),
@@ -354,4 +505,8 @@ def run_bench_storage(*, as_json: bool, mib: int, write_pages: int = WRITE_PAGES
                      "batch_pages": BATCH_PAGES, "write_pages": write_pages, "warmup": WARMUP, "reps": REPS},
         "results": [r.to_json() for r in results],
     }
-    return report(_table(results, mib, write_pages, machine), body, as_json=as_json)
+    table: Any = _table(results, mib, write_pages, machine)
+    if load_back:
+        body["load_back"] = [r.to_json() for r in paths]
+        table = Group(table, _load_back_table(paths, mib, machine))
+    return report(table, body, as_json=as_json)

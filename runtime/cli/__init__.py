@@ -186,6 +186,10 @@ def _bench_args(bench: argparse.ArgumentParser) -> None:
     st.add_argument("--json", action="store_true", help="print one JSON object with `results`")
     st.add_argument("--mib", type=_count, default=256, help="MiB of pages written and read per backend")
     st.add_argument("--write-pages", type=_count, default=256, help="pages per backend write call, a backup's size")
+    st.add_argument("--backend", choices=("file", "mooncake", "both"), default="both",
+                    help="the storage backends to time (default both)")
+    st.add_argument("--load-back", action="store_true",
+                    help="also time an L3 hit's path: storage -> host -> device (the GPU when CUDA is present)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -292,7 +296,9 @@ def _bench(args: argparse.Namespace) -> int:
     module, function = _BENCHES[args.bench]
     run = getattr(importlib.import_module(module), function)
     if args.bench == "storage":
-        return int(run(as_json=args.json, mib=args.mib, write_pages=args.write_pages))
+        backends = ("file", "mooncake") if args.backend == "both" else (args.backend,)
+        return int(run(as_json=args.json, mib=args.mib, write_pages=args.write_pages, backends=backends,
+                       load_back=args.load_back))
     if args.bench == "trace":
         return int(run(as_json=args.json, quick=args.quick, requests=args.requests))
     return int(run(as_json=args.json, quick=args.quick))
