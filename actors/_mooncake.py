@@ -181,7 +181,7 @@ class MooncakeBackend:
         self._config = config
         os.environ.update({k: v for k, v in _client_env(config).items() if k not in _USER_ENV})
         self.fmt = PageFormat(KVShape.of(config))
-        self._batch = config.storage_batch_pages
+        self._batch = config.storage_step_pages
         self._headers = torch.zeros(self._batch * self.fmt.header_bytes, dtype=torch.uint8)
         self._moved = Headers(self.fmt, _bytes_of(self._headers))
         """The headers a get receives into or a put sends from (registered with the client)."""

@@ -6,7 +6,7 @@ messages, and every prefetch ends with the tree's `StopPrefetch`, answered by th
 final page count, after which the prefetcher never writes those slots again. The
 tree alone then keeps or frees them.
 
-Reads go in steps of `storage_batch_pages`, each step a message to itself, so a
+Reads go in steps of `Config.storage_step_pages`, each step a message to itself, so a
 `StopPrefetch` waits for one step at most. The backend reads straight into the
 reserved slots and verifies the pages there; a page counts as complete only once
 it is verified. A backend call that overran its timeout may still be writing
@@ -96,7 +96,7 @@ class StoragePrefetcherActor(HiActor):
         self._backend = backend
         """A `StorageBackend`, or None when the config has no storage (every page is a miss)."""
         self._page = config.page_size
-        self._batch = config.storage_batch_pages
+        self._batch = config.storage_step_pages
         self._reads: dict[int, _Read] = {}
         self._n = _Counters()
 

@@ -64,6 +64,8 @@ SLOTS_MAX: Final = 1 << 40
 below where int64 slot indices overflow; `check_resources` holds sizes to the actual machine."""
 SECONDS_MAX: Final = 86_400.0
 """Longest duration a field may name: a day is no timeout, and larger ones overflow timer waits."""
+STORAGE_STEP_PAGES_MAX: Final = 4096
+"""Most pages of one prefetch step or one Mooncake call."""
 
 
 def _field(default: Any, rule: Rule, doc: str) -> Any:
@@ -131,9 +133,12 @@ class Config:
                                       "Memory this instance contributes to the Mooncake Store, in MiB.")
     storage_timeout_s: float = _field(5.0, Number(SECONDS_MAX),
                                       "Longest one storage call may take before it counts as failed (never a hang).")
-    storage_batch_pages: int = _field(16, Count(1, 4096),
-                                      "Pages the prefetcher reads or writes per step (a stop waits for at most "
-                                      "one step).")
+    storage_batch_pages: int = _field(16, Count(1, STORAGE_STEP_PAGES_MAX),
+                                      "Pages the prefetcher reads per step, and Mooncake moves per call, at least "
+                                      "(a stop waits for at most one step).")
+    storage_batch_mb: int = _field(1, Count(0, 1 << 10),
+                                   "A step also takes more pages while they hold at most this many MiB of KV "
+                                   "(small pages share a call's fixed cost); 0: `storage_batch_pages` exactly.")
     storage_max_bytes: int = _field(0, Count(0, 1 << 62),
                                     "File backend: most bytes its pages may take on disk (least recently used "
                                     "pages are evicted past it, within one segment file); 0: no bound.")
@@ -228,6 +233,15 @@ class Config:
         passes `transfer_batch_mb` (a batch bounds bytes; the page bound keeps its index lists short)."""
         by_bytes = (self.transfer_batch_mb << 20) // (self.page_size * self.bytes_per_slot)
         return max(1, min(self.transfer_pages_max, by_bytes))
+
+    @property
+    def storage_step_pages(self) -> int:
+        """Pages one prefetch step reads and one Mooncake call moves: `storage_batch_pages`, or
+        as many as `storage_batch_mb` of KV holds where that is more (at most
+        `STORAGE_STEP_PAGES_MAX`). A storage call has a fixed cost of tens of microseconds
+        (more for Mooncake); sixteen 2 KiB pages would pay it for 32 KiB."""
+        by_bytes = (self.storage_batch_mb << 20) // (self.page_size * self.bytes_per_slot)
+        return max(self.storage_batch_pages, min(STORAGE_STEP_PAGES_MAX, by_bytes))
 
     @property
     def device_pages(self) -> int:

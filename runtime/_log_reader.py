@@ -443,7 +443,9 @@ def _run_header(header: dict[str, Any], error: Any, where: str) -> RunHeader:
         raise error(f"stand_ins names every actor replay rebuilds ({', '.join(a.value for a in REPLAYED)}): "
                     "nothing of this run can be replayed")
     try:
-        config = Config.from_mapping({**header["config"], "log_path": ""}).replace(device=DeviceKind.CPU.value)
+        # A log written before `storage_batch_mb` existed read in steps of `storage_batch_pages` exactly.
+        config = Config.from_mapping({"storage_batch_mb": 0, **header["config"], "log_path": ""}).replace(
+            device=DeviceKind.CPU.value)
     except (ConfigError, TypeError, ValueError) as err:
         raise error(f"the logged config is not valid: {err}") from None
     return RunHeader(config, seed, stood_in, replayed, where)

@@ -58,7 +58,7 @@ def serve(group: Any, rank: int, size: int, storage_dir: str, write: str, prefet
 
     cfg = Config(layers=2, kv_heads=1, head_dim=8, page_size=4, device_slots=4 * 24, host_slots=4 * 48,
                  write_policy=WritePolicy[write], load_back_min_tokens=4, transfer_pages_max=2,
-                 storage=StorageKind.FILE, storage_dir=storage_dir, storage_batch_pages=2,
+                 storage=StorageKind.FILE, storage_dir=storage_dir, storage_batch_pages=2, storage_batch_mb=0,
                  prefetch_policy=PrefetchPolicy[prefetch], prefetch_threshold_pages=2, prefetch_rate_fraction=1.0,
                  prefetch_timeout_base_s=0.004, prefetch_timeout_per_1k_s=0.1,
                  tp_rank=rank, tp_size=size)

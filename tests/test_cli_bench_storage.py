@@ -33,6 +33,7 @@ def test_bench_storage_json_has_a_row_per_backend_layout_and_page_size_with_its_
 
     assert body["machine"]["cpu_count"] >= 1 and body["machine"]["torch"]
     assert body["workload"]["pages"] == {"2MiB": 2, "64KiB": 64, "2KiB": 2048}
+    assert body["workload"]["read_pages"] == {"2MiB": 16, "64KiB": 16, "2KiB": 512}  # a prefetch step's pages
     rows = body["results"]
     assert {(r["backend"], r["layout"], r["page"]) for r in rows} == set(
         itertools.product(("file", "mooncake"), ("layer_first", "page_first"), ("2MiB", "64KiB", "2KiB"))

@@ -367,3 +367,21 @@ def test_every_field_has_a_rule_and_a_description() -> None:
     for f in dataclasses.fields(Config):
         assert f.metadata["rule"].parse(f.name, f.default) == f.default
         assert f.metadata["doc"].strip(), f.name
+
+
+def test_a_storage_step_takes_at_least_storage_batch_pages_and_more_small_pages_up_to_the_byte_bound() -> None:
+    """`storage_step_pages`: model-sized pages keep `storage_batch_pages`; 2 KiB pages go as many
+    as fit in `storage_batch_mb`, at most STORAGE_STEP_PAGES_MAX; 0 MiB means pages alone."""
+    from hicache.messages.config import STORAGE_STEP_PAGES_MAX
+
+    model = Config(layers=32, kv_heads=8, head_dim=128, dtype="float16", page_size=16)  # 2 MiB pages
+    assert model.storage_step_pages == 16
+    assert model.replace(storage_batch_mb=64).storage_step_pages == 32
+    small = Config(layers=2, kv_heads=1, head_dim=32, dtype="float16", page_size=8)  # 2 KiB pages
+    assert small.storage_step_pages == 512
+    assert small.replace(storage_batch_mb=0).storage_step_pages == 16
+    assert small.replace(storage_batch_pages=1000).storage_step_pages == 1000
+    tiny = Config(layers=1, kv_heads=1, head_dim=1, dtype="float16", page_size=1)  # 4-byte pages
+    assert tiny.storage_step_pages == STORAGE_STEP_PAGES_MAX
+    assert _same_through_every_path({"storage_batch_mb": -1}) == \
+        "ConfigError: storage_batch_mb=-1 must be an integer in 0..1024"

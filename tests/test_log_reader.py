@@ -416,3 +416,18 @@ def test_a_gap_that_outlasts_the_reorder_bound_is_damage_in_a_closed_log_and_the
     cut = _rewrite(threaded_log, tmp_path / "gap-cut.log", _without(threaded_log, lost["n"], len(records)))
     code, out, _ = _replay(cut, capsys)
     assert code == 0 and f"up to delivery {lost['seq'] - 1}: the log has no end line" in out
+
+
+def test_a_log_from_before_the_byte_bound_on_storage_steps_replays_with_steps_of_pages(threaded_log: Path,
+                                                                                      tmp_path: Path) -> None:
+    """`storage_batch_mb` came later: a header without it is a run that read `storage_batch_pages`
+    a step, so replay builds it so; a header that names it keeps its value."""
+    def drop(rec: dict[str, Any]) -> dict[str, Any]:
+        if rec.get("event") != "header":
+            return rec
+        return {**rec, "config": {k: v for k, v in rec["config"].items() if k != "storage_batch_mb"}}
+
+    assert read_log(threaded_log).config.storage_batch_mb == Config().storage_batch_mb == 1
+    old = _rewrite(threaded_log, tmp_path / "old.log", edit=drop)
+    assert "storage_batch_mb" not in read_log(old).header["config"]
+    assert read_log(old).config.storage_batch_mb == 0

@@ -89,9 +89,9 @@ PROMPT = seq(40, 100)
 
 
 def config(storage_dir: Path, **changes: Any) -> Config:
-    """A tiny config with file storage in `storage_dir`; reads go two pages per step."""
+    """A tiny config with file storage in `storage_dir`; reads go two pages per step (no byte bound)."""
     values: dict[str, Any] = {"storage": "file", "storage_dir": str(storage_dir), "storage_batch_pages": 2,
-                              "prefetch_threshold_pages": 2}
+                              "storage_batch_mb": 0, "prefetch_threshold_pages": 2}
     values.update(changes)
     return small_config(**values)
 
@@ -414,6 +414,26 @@ def test_wait_complete_is_ready_only_once_every_page_arrived_and_keeps_them_all(
     assert ends(s) == {"complete": 1}
     assert (s.prefetch.pages_read, s.tree.host_tokens, s.tree.storage_hit_tokens) == (10, 40, 40)
 
+    res = b.admit("q", PROMPT)
+    assert (res.device_hit, res.host_hit) == (0, 40)
+    b.compute("q", PROMPT + [1, 2])
+    b.hc.finish([res.handle])
+    assert_drained(b.raw)
+
+
+@pytest.mark.parametrize(("batch_mb", "steps"), [(0, 5), (1, 1)], ids=["pages-only", "byte-bound"])
+def test_small_pages_are_read_in_steps_of_as_many_as_fit_the_byte_bound(
+    det_servers: Callable[..., Server], batch_mb: int, steps: int
+) -> None:
+    """Ten 256-byte pages: two a step by `storage_batch_pages` alone, all ten in one step
+    once `storage_batch_mb` lets a step take what fits in 1 MiB (`Config.storage_step_pages`)."""
+    populate(det_servers, [PROMPT])
+    plan = StoragePlan()
+    b = det_servers(plan, prefetch_policy="wait_complete", storage_batch_mb=batch_mb)
+    assert b.raw.system.config.storage_step_pages == (2 if batch_mb == 0 else 4096)
+    assert b.hc.prefetch([Request("q", PROMPT)]) == {"q": 40}
+    assert b.ready(["q"], 0.25) == {"q": 40}
+    assert list(plan._reads.values()) == [steps]
     res = b.admit("q", PROMPT)
     assert (res.device_hit, res.host_hit) == (0, 40)
     b.compute("q", PROMPT + [1, 2])

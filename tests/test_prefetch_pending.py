@@ -69,7 +69,7 @@ def master() -> Iterator[MooncakeMaster]:
 
 def _config(master: MooncakeMaster) -> Config:
     return small_config(page_size=PAGE, storage="mooncake", storage_timeout_s=TIMEOUT_S, storage_batch_pages=PAGES,
-                        mooncake_segment_mb=16, **master.config_fields())
+                        storage_batch_mb=0, mooncake_segment_mb=16, **master.config_fields())
 
 
 def test_a_stop_waits_for_a_mooncake_get_that_overran_its_timeout(master: MooncakeMaster, monkeypatch) -> None:

@@ -52,7 +52,7 @@ LAYOUTS = (HostLayout.LAYER_FIRST, HostLayout.PAGE_FIRST)
 def _config(**changes: Any) -> Config:
     values: dict[str, Any] = dict(
         layers=2, kv_heads=1, head_dim=8, page_size=PAGE, device_slots=8 * PAGE, host_slots=HOST_PAGES * PAGE,
-        storage_batch_pages=BATCH_PAGES, mooncake_segment_mb=16, storage_timeout_s=5.0,
+        storage_batch_pages=BATCH_PAGES, storage_batch_mb=0, mooncake_segment_mb=16, storage_timeout_s=5.0,
     )
     values.update(changes)
     return Config(**values)

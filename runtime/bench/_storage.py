@@ -5,7 +5,7 @@ For each backend (file, in a temporary directory; Mooncake Store, against a mast
 bench starts on 127.0.0.1), each host layout and each page size (2 MiB: a 32-layer,
 8-KV-head, head_dim-128 fp16 model with 16-token pages; then 64 KiB and 2 KiB pages of
 smaller shapes), it times:
-- **read**: `backend.read` of all pages, one call per `storage_batch_pages` pages as the
+- **read**: `backend.read` of all pages, one call per prefetch step (`Config.storage_step_pages`) as the
   prefetcher makes them: straight into the host pages, verified there;
 - **raw read**: the same stored bytes read into the same host buffer, one contiguous
   region, unchecked: a `preadv` per run of adjacent records (file), a `batch_get_into`
@@ -81,7 +81,8 @@ SHAPES: dict[str, dict[str, Any]] = {
 SMALL_MIB_MAX = 16
 """Small pages move at most this much (a page costs a fixed few microseconds)."""
 BATCH_PAGES = 16
-"""Pages per read call (`storage_batch_pages`' default) and per raw Mooncake call."""
+"""`storage_batch_pages`' default; a read call takes `Config.storage_step_pages` (16 pages at
+2 MiB and 64 KiB, 512 at 2 KiB, by `storage_batch_mb`'s default), and so does a raw Mooncake call."""
 WRITE_PAGES = 256
 """Pages per write call by default: a backup of a 4096-token prefill chunk of 16-token pages."""
 WARMUP = 1
@@ -213,8 +214,11 @@ class RawMooncake:
     """`batch_get_into` / `batch_put_from` of the same stored bytes through the backend's client,
     into or out of one region of the (registered) host buffer."""
 
-    def __init__(self, backend: MooncakeBackend, keys: list[str], host: KVBuffer, source: KVBuffer) -> None:
+    def __init__(self, backend: MooncakeBackend, keys: list[str], host: KVBuffer, source: KVBuffer,
+                 batch: int) -> None:
         self.client = backend.client
+        self.batch = batch
+        """Objects a call: the backend's own (`Config.storage_step_pages`)."""
         self.objects = [backend.object_key(k) for k in keys]
         self.stored = backend.fmt.stored_bytes
         self.base = host.tensor.data_ptr()
@@ -223,8 +227,8 @@ class RawMooncake:
 
     def _batches(self, base: int) -> list[tuple[list[str], list[int]]]:
         out = []
-        for b in range(0, len(self.objects), BATCH_PAGES):
-            keys = self.objects[b : b + BATCH_PAGES]
+        for b in range(0, len(self.objects), self.batch):
+            keys = self.objects[b : b + self.batch]
             out.append((keys, [base + (b + i) * self.stored for i in range(len(keys))]))
         return out
 
@@ -288,12 +292,13 @@ def _measure(backend: StorageBackend, config: Config, layout: HostLayout, page: 
     dst = KVBuffer.allocate(shape, config.host_slots, layout, "cpu")
     keys = page_keys(range(seed << 40, (seed << 40) + pages), rank=0)
     _batched(backend.write, keys, src, slots, write_pages)
-    raw = (RawFile if isinstance(backend, FileBackend) else RawMooncake)(backend, keys, dst, src)
+    raw = _raw(backend, config, keys, dst, src)
+    per_call = config.storage_step_pages
     times: dict[str, list[float]] = {"read": [], "raw_read": [], "write": [], "raw_write": []}
     for rep in range(WARMUP + REPS):
         fresh = page_keys(range((seed << 40) + (rep + 1) * pages, (seed << 40) + (rep + 2) * pages), rank=0)
         sample = {
-            "read": _timed(lambda: _batched(backend.read, keys, dst, slots, BATCH_PAGES)),
+            "read": _timed(lambda: _batched(backend.read, keys, dst, slots, per_call)),
             "raw_read": _timed(raw.read),
         }
         _before_write(backend)
@@ -306,7 +311,7 @@ def _measure(backend: StorageBackend, config: Config, layout: HostLayout, page: 
             for k, v in sample.items():
                 times[k].append(v)
         step()
-    _batched(backend.read, keys, dst, slots, BATCH_PAGES)
+    _batched(backend.read, keys, dst, slots, per_call)
     raw.close()
     _forget(backend, keys)
     if not torch.equal(dst.read(slots).view(torch.uint8), src.read(slots).view(torch.uint8)):  # bits: NaNs too
@@ -344,7 +349,7 @@ def _measure_load_back(backend: StorageBackend, config: Config, layout: HostLayo
     dev = KVBuffer.allocate(shape, pages * p, HostLayout.LAYER_FIRST, device)
     keys = page_keys(range(seed << 40, (seed << 40) + pages), rank=0)
     _batched(backend.write, keys, src, slots, WRITE_PAGES)
-    raw = (RawFile if isinstance(backend, FileBackend) else RawMooncake)(backend, keys, host, src)
+    raw = _raw(backend, config, keys, host, src)
     payload = pages * PageFormat(shape).payload_bytes
     host_bytes = host.tensor.view(-1).view(torch.uint8)[:payload]
     dev_bytes = dev.tensor.view(-1).view(torch.uint8)[:payload]
@@ -354,7 +359,7 @@ def _measure_load_back(backend: StorageBackend, config: Config, layout: HostLayo
         for rep in range(WARMUP + REPS):
             _sync(device)
             t0 = time.perf_counter()
-            _batched(backend.read, keys, host, slots, BATCH_PAGES)
+            _batched(backend.read, keys, host, slots, config.storage_step_pages)
             t1 = time.perf_counter()
             _load(host, dev, page_ids, stream)
             t2 = time.perf_counter()
@@ -367,7 +372,7 @@ def _measure_load_back(backend: StorageBackend, config: Config, layout: HostLayo
                 for k, v in (("read", t1 - t0), ("load", t2 - t1), ("path", t2 - t0), ("raw_read", t3 - t2),
                              ("raw_load", t4 - t3), ("raw_path", t4 - t2)):
                     times[k].append(v)
-        _batched(backend.read, keys, host, slots, BATCH_PAGES)
+        _batched(backend.read, keys, host, slots, config.storage_step_pages)
         _load(host, dev, page_ids, stream)
         if not torch.equal(dev.read(slots).cpu().view(torch.uint8), src.read(slots).view(torch.uint8)):
             raise StorageError("bench storage: the pages loaded to the device differ from those written")
@@ -377,6 +382,17 @@ def _measure_load_back(backend: StorageBackend, config: Config, layout: HostLayo
     m = {k: statistics.median(v) for k, v in times.items()}
     return LoadBack(backend.name, layout, str(device), m["read"], m["load"], m["path"], m["raw_read"],
                     m["raw_load"], m["raw_path"], payload)
+
+
+def _raw(backend: StorageBackend, config: Config, keys: list[str], host: KVBuffer, source: KVBuffer) -> Any:
+    if isinstance(backend, FileBackend):
+        return RawFile(backend, keys, host, source)
+    return RawMooncake(backend, keys, host, source, config.storage_step_pages)  # type: ignore[arg-type]
+
+
+def _step(page: str) -> int:
+    """Pages a read call takes at `page`'s size."""
+    return _config(page, 1, LAYOUTS[0]).storage_step_pages
 
 
 def _pages(page: str, mib: int) -> int:
@@ -442,7 +458,8 @@ def _run_backend(kind: str, mib: int, write_pages: int, step: Callable[[], None]
 def _table(results: list[Result], mib: int, write_pages: int, machine: dict[str, object]) -> Table:
     t = Table(
         title=f"storage: {mib} MiB of 2 MiB pages ({min(mib, SMALL_MIB_MAX)} MiB of smaller ones), reads of "
-              f"{BATCH_PAGES} and writes of {write_pages} pages a call, median of {REPS}",
+              f"storage_step_pages ({', '.join(f'{_step(p)} at {p}' for p in SHAPES)}) and writes of "
+              f"{write_pages} pages a call, median of {REPS}",
         caption=(f"{machine['cpu_count']} x {machine['cpu_model']}, {machine['memory_gib']} GiB, "
                  f"torch {machine['torch']}; raw: the same stored bytes, unchecked, one host region"),
     )
@@ -502,7 +519,8 @@ def run_bench_storage(*, as_json: bool, mib: int, write_pages: int = WRITE_PAGES
         "machine": machine,
         "workload": {"shapes": SHAPES, "mib": mib, "small_mib": min(mib, SMALL_MIB_MAX),
                      "pages": {page: _pages(page, mib) for page in SHAPES},
-                     "batch_pages": BATCH_PAGES, "write_pages": write_pages, "warmup": WARMUP, "reps": REPS},
+                     "read_pages": {page: _step(page) for page in SHAPES}, "write_pages": write_pages,
+                     "warmup": WARMUP, "reps": REPS},
         "results": [r.to_json() for r in results],
     }
     table: Any = _table(results, mib, write_pages, machine)
