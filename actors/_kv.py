@@ -481,11 +481,16 @@ class CopyPlan:
     def _run_mapped(self, mapped: tuple[torch.Tensor, torch.Tensor], layer: int | None) -> None:
         """One gather of the source pages and one scatter into the destination's, as CUDA
         kernels on the current stream (queued, not waited for). The page numbers move to the
-        device at the first run, on that stream, and stay for the plan's other layers."""
+        device at the first run, on that stream, and stay for the plan's other layers: through
+        pinned memory, so that the host does not wait for what the stream has queued (a copy
+        from pageable memory would wait for it, and the stream waits for the compute stream)."""
         sv, dv = mapped
         src_pages, dst_pages = self._gather  # type: ignore[misc]
         if src_pages.device != sv.device:
-            src_pages, dst_pages = src_pages.to(sv.device), dst_pages.to(sv.device)
+            staged = torch.empty((2, len(src_pages)), dtype=torch.int64, pin_memory=True)
+            staged[0], staged[1] = src_pages, dst_pages
+            # torch's pinned-memory cache keeps the block until the copy queued from it has run
+            src_pages, dst_pages = staged.to(sv.device, non_blocking=True).unbind(0)
             self._gather = (src_pages, dst_pages)
         if layer is not None:
             sv, dv = sv[:, :, layer], dv[:, :, layer]

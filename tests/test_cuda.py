@@ -154,3 +154,27 @@ def test_pageable_host_memory_is_not_mapped_and_still_copies_exactly() -> None:
     torch.cuda.synchronize()
     for d, h in ((3, 0), (1, 2)):
         assert torch.equal(host.read(torch.arange(h * 4, h * 4 + 4)), dev.read(torch.arange(d * 4, d * 4 + 4)))
+
+
+def test_a_mapped_load_is_queued_while_the_compute_stream_is_still_busy() -> None:
+    """The load stream's first layer moves its page numbers to the GPU and queues its kernels
+    without waiting for the compute stream it is ordered after: when `run` returns, a long
+    kernel queued before it on the default stream is still running (a host wait on it, as a
+    copy of the page numbers from pageable memory would make, would have seen it finish)."""
+    from hicache.actors._kv import _Route
+    from hicache.actors._streams import _CudaStream
+
+    shape = KVShape(layers=2, heads=1, head_dim=64, dtype=torch.float16, page_size=16)
+    dev = KVBuffer.allocate(shape, 64 * 16, HostLayout.LAYER_FIRST, "cuda")
+    host = KVBuffer.allocate(shape, 64 * 16, HostLayout.PAGE_FIRST, "cpu", pin=True)
+    host.tensor.copy_(torch.randn(host.tensor.shape))
+    plan = _Route(host, dev).plan_pages(torch.tensor([7, 3, 60]), torch.tensor([0, 9, 1]))
+    stream = _CudaStream(dev.device)
+    compute = torch.cuda.current_stream()
+    torch.cuda._sleep(4_000_000_000)  # about two seconds of GPU cycles on the compute stream
+    _, event = stream.run(plan, layer=0)
+    assert not compute.query(), "the host waited for the compute stream before queueing the load"
+    event.synchronize()
+    for h, d in ((7, 0), (3, 9), (60, 1)):
+        got = dev.read(torch.arange(d * 16, d * 16 + 16), layer=0)
+        assert torch.equal(got, host.read(torch.arange(h * 16, h * 16 + 16), layer=0))
