@@ -47,7 +47,7 @@ import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from rich.console import Group
@@ -92,11 +92,25 @@ BACKENDS = ("file", "mooncake")
 LOAD_BACK_PAGE = "2MiB"
 """The page size the L3-hit path is timed at: a model's pages."""
 LAYOUTS = (HostLayout.LAYER_FIRST, HostLayout.PAGE_FIRST)
-_FIGURES = ("read_gbps", "raw_read_gbps", "read_ratio", "write_gbps", "raw_write_gbps", "write_ratio")
+
+
+class _Row:
+    """A table row of medians: its figures, or None for each when its backend could not run."""
+
+    FIGURES: ClassVar[tuple[str, ...]]
+    error: str
+
+    def figures(self) -> dict[str, float]:
+        raise NotImplementedError
+
+    def numbers(self) -> dict[str, float | None]:
+        return dict.fromkeys(self.FIGURES) if self.error else {k: round(v, 3) for k, v in self.figures().items()}
 
 
 @dataclass(frozen=True, slots=True)
-class Result:
+class Result(_Row):
+    FIGURES: ClassVar[tuple[str, ...]] = ("read_gbps", "raw_read_gbps", "read_ratio", "write_gbps", "raw_write_gbps",
+                                          "write_ratio")
     backend: str
     layout: HostLayout
     page: str
@@ -114,15 +128,16 @@ class Result:
                 "raw_write_gbps": gb / self.raw_write_s, "write_ratio": self.raw_write_s / self.write_s}
 
     def to_json(self) -> dict[str, object]:
-        numbers = dict.fromkeys(_FIGURES) if self.error else {k: round(v, 3) for k, v in self.figures().items()}
-        return {"backend": self.backend, "layout": self.layout.value, "page": self.page, **numbers,
+        return {"backend": self.backend, "layout": self.layout.value, "page": self.page, **self.numbers(),
                 "error": self.error}
 
 
 @dataclass(frozen=True, slots=True)
-class LoadBack:
+class LoadBack(_Row):
     """An L3 hit's path: storage -> host (read) -> device (load), and the raw path beside it."""
 
+    FIGURES: ClassVar[tuple[str, ...]] = ("read_gbps", "load_gbps", "path_gbps", "raw_read_gbps", "raw_load_gbps",
+                                          "raw_path_gbps", "path_ratio")
     backend: str
     layout: HostLayout
     device: str
@@ -142,10 +157,7 @@ class LoadBack:
                 "raw_path_gbps": gb / self.raw_path_s, "path_ratio": self.raw_path_s / self.path_s}
 
     def to_json(self) -> dict[str, object]:
-        keys = ("read_gbps", "load_gbps", "path_gbps", "raw_read_gbps", "raw_load_gbps", "raw_path_gbps",
-                "path_ratio")
-        numbers = dict.fromkeys(keys) if self.error else {k: round(v, 3) for k, v in self.figures().items()}
-        return {"backend": self.backend, "layout": self.layout.value, "device": self.device, **numbers,
+        return {"backend": self.backend, "layout": self.layout.value, "device": self.device, **self.numbers(),
                 "error": self.error}
 
 
