@@ -38,6 +38,7 @@ from hicache.messages import (
 )
 from ._actor import Directory, HiActor
 from ._layers import LayerDoneRing
+from ._logging import logger
 from ._services import Services
 from hicache.messages.config import Config
 
@@ -49,8 +50,23 @@ from ._transfer_core import TransferOp, TransferQueue, _concat_slots, batch_indi
 
 TREE = ActorName.TREE
 
+log = logger("hicache.streams")
+
 _COPY_ERRORS = (RuntimeError, ValueError, IndexError)
 """What a torch copy raises on bad input or a device fault; reported as a failed transfer."""
+
+
+def _route(src: KVBuffer, dst: KVBuffer, stream: ActorName) -> _Route:
+    """The route a stream copies on. Between the GPU and a host buffer no kernel can reach
+    (pageable memory: a pool built outside `System`, or pinning refused), copies go run by
+    run through staging at a small share of the bus: said once, as a warning, when the
+    stream starts."""
+    route = _Route(src, dst)
+    if route.mapped is None and "cuda" in (src.device.type, dst.device.type):
+        host = src if src.device.type == "cpu" else dst
+        log.warning("host KV buffer not reachable by GPU kernels: copies go run by run, far below the bus's "
+                    "speed (pin the host buffer)", stream=stream.value, host_pinned=host.tensor.is_pinned())
+    return route
 
 
 class _CudaStream:
@@ -129,7 +145,7 @@ class WriteStreamActor(HiActor):
         super().__init__(services=services, directory=directory)
         self._device = device_kv
         self._host = host_kv
-        self._route = _Route(device_kv, host_kv)
+        self._route = _route(device_kv, host_kv, self.name)
         self._queue = TransferQueue(config.transfer_batch_pages, config.transfer_queue_ops_max)
         self._page = config.page_size
         self._cuda = _CudaStream(device_kv.device)
@@ -226,7 +242,7 @@ class LoadStreamActor(HiActor):
         super().__init__(services=services, directory=directory)
         self._device = device_kv
         self._host = host_kv
-        self._route = _Route(host_kv, device_kv)
+        self._route = _route(host_kv, device_kv, self.name)
         self._ring = ring
         self._layers = config.layers
         # Loads are merged per batch, never split: each step copies one layer.

@@ -141,8 +141,12 @@ def test_a_pinned_host_buffer_is_mapped_and_pages_cross_in_one_kernel_each_way(l
     assert not back.read(rest).view(torch.int16).any()
 
 
-def test_pageable_host_memory_is_not_mapped_and_still_copies_exactly() -> None:
+def test_pageable_host_memory_is_not_mapped_and_still_copies_exactly(caplog: Any) -> None:
+    import logging
+
     from hicache.actors._kv import _Route
+    from hicache.actors._streams import _route
+    from hicache.messages import ActorName
 
     shape = KVShape(layers=2, heads=1, head_dim=8, dtype=torch.float16, page_size=4)
     dev = KVBuffer.allocate(shape, 16, HostLayout.LAYER_FIRST, "cuda")
@@ -150,6 +154,11 @@ def test_pageable_host_memory_is_not_mapped_and_still_copies_exactly() -> None:
     host = KVBuffer.allocate(shape, 16, HostLayout.PAGE_FIRST, "cpu")
     route = _Route(dev, host)
     assert route.mapped is None
+    with caplog.at_level(logging.WARNING, logger="hicache.streams"):
+        _route(dev, host, ActorName.WRITE)  # a stream on this route says so once
+        _route(dev, KVBuffer.allocate(shape, 16, HostLayout.PAGE_FIRST, "cpu", pin=True), ActorName.WRITE)
+    [record] = caplog.records
+    assert "not reachable by GPU kernels" in record.getMessage()
     route.plan_pages(torch.tensor([3, 1]), torch.tensor([0, 2])).run()
     torch.cuda.synchronize()
     for d, h in ((3, 0), (1, 2)):

@@ -3,6 +3,8 @@ per-slot reference copy, between layer_first and page_first buffers."""
 
 from __future__ import annotations
 
+import json
+import logging
 import random
 from collections.abc import Callable
 
@@ -244,3 +246,30 @@ def test_a_page_copy_by_one_gather_and_scatter_matches_a_slot_by_slot_copy(
         assert torch.equal(dst.tensor, want)
         with pytest.raises(IndexError, match="source page out of range"):
             route.plan_pages(torch.tensor([PAGES]), torch.tensor([0]))
+
+
+def test_a_stream_between_the_gpu_and_a_host_buffer_no_kernel_reaches_says_so(monkeypatch: pytest.MonkeyPatch,
+                                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """Copies to pageable host memory go run by run at a share of the bus: a stream on such a
+    route warns once when it starts (the route stands in here; test_cuda.py has the real one)."""
+    from hicache.actors import _streams
+    from hicache.messages import ActorName
+
+    class Unmapped:
+        mapped = None
+
+        def __init__(self, src: object, dst: object) -> None:
+            pass
+
+    class Buffer:  # what the check reads of a KVBuffer
+        def __init__(self, device: str) -> None:
+            self.device, self.tensor = torch.device(device), torch.zeros(1)
+
+    monkeypatch.setattr(_streams, "_Route", Unmapped)
+    with caplog.at_level(logging.WARNING, logger="hicache.streams"):
+        _streams._route(Buffer("cpu"), Buffer("cuda"), ActorName.LOAD)  # type: ignore[arg-type]
+        _streams._route(Buffer("cpu"), Buffer("cpu"), ActorName.WRITE)  # type: ignore[arg-type]
+    [record] = caplog.records
+    said = json.loads(record.getMessage())
+    assert said["stream"] == "load" and said["host_pinned"] is False and said["level"] == "warning"
+    assert "not reachable by GPU kernels" in said["event"]
