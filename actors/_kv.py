@@ -203,9 +203,14 @@ class KVBuffer:
         return idx
 
 
+def involves_cuda(src: KVBuffer, dst: KVBuffer) -> bool:
+    """Whether a copy between `src` and `dst` has a CUDA buffer on either side."""
+    return src.device.type == "cuda" or dst.device.type == "cuda"
+
+
 def _mapped_pair(src: KVBuffer, dst: KVBuffer) -> tuple[torch.Tensor, torch.Tensor] | None:
     """`src` and `dst` as `KVBuffer.cuda_pages` on one device, when CUDA is on either side."""
-    if "cuda" not in (src.device.type, dst.device.type):
+    if not involves_cuda(src, dst):
         return None
     a, b = src.cuda_pages, dst.cuda_pages
     if a is None or b is None or a.device != b.device:
@@ -455,10 +460,10 @@ class CopyPlan:
                 raise IndexError(f"layer {layer} out of range 0..{layers - 1}")
             if route.mapped is not None:
                 self._run_mapped(route.mapped, layer)
-                return self.slots * (route.per_slot if layer is None else route.per_slot // layers)
-            src_pages, dst_pages = self._gather
-            for sv, dv in zip(route.src.page_rows(layer), route.dst.page_rows(layer), strict=True):
-                dv.index_copy_(0, dst_pages, sv.index_select(0, src_pages))
+            else:
+                src_pages, dst_pages = self._gather
+                for sv, dv in zip(route.src.page_rows(layer), route.dst.page_rows(layer), strict=True):
+                    dv.index_copy_(0, dst_pages, sv.index_select(0, src_pages))
             return self.slots * (route.per_slot if layer is None else route.per_slot // layers)
         if layer is None:
             blocks = self._memmove_blocks() if _memmove_pays(self._pieces, route) else None

@@ -43,7 +43,7 @@ from ._services import Services
 from hicache.messages.config import Config
 
 from ._errors import InvariantError
-from ._kv import CopyPlan, KVBuffer, _Route
+from ._kv import CopyPlan, KVBuffer, _Route, involves_cuda
 from ._pages import Ints, ints
 from ._routes import Routes
 from ._transfer_core import TransferOp, TransferQueue, _concat_slots, batch_indices, op_problem
@@ -62,7 +62,7 @@ def _route(src: KVBuffer, dst: KVBuffer, stream: ActorName) -> _Route:
     run through staging at a small share of the bus: said once, as a warning, when the
     stream starts."""
     route = _Route(src, dst)
-    if route.mapped is None and "cuda" in (src.device.type, dst.device.type):
+    if route.mapped is None and involves_cuda(src, dst):
         host = src if src.device.type == "cpu" else dst
         log.warning("host KV buffer not reachable by GPU kernels: copies go run by run, far below the bus's "
                     "speed (pin the host buffer)", stream=stream.value, host_pinned=host.tensor.is_pinned())
