@@ -106,6 +106,12 @@ class _Row:
     def numbers(self) -> dict[str, float | None]:
         return dict.fromkeys(self.FIGURES) if self.error else {k: round(v, 3) for k, v in self.figures().items()}
 
+    def cells(self) -> list[str]:
+        """Its figures as a table's cells, or the error in the first and the rest blank."""
+        if self.error:
+            return [f"[red]error: {self.error}[/red]", *[""] * (len(self.FIGURES) - 1)]
+        return [f"{v:.2f}" for v in self.figures().values()]
+
 
 @dataclass(frozen=True, slots=True)
 class Result(_Row):
@@ -294,16 +300,23 @@ def _before_write(backend: StorageBackend) -> None:
         os.sync()
 
 
+def _stored(backend: StorageBackend, config: Config, layout: HostLayout, pages: int, seed: int,
+            write_pages: int) -> tuple[torch.Tensor, KVBuffer, list[str]]:
+    """`pages` pages of seeded random bytes in a host buffer of `layout`, written to `backend`
+    `write_pages` a call under keys of their own: (their slots, that buffer, the keys)."""
+    slots = torch.arange(pages * config.page_size)
+    src = KVBuffer.allocate(KVShape.of(config), config.host_slots, layout, "cpu")
+    src.tensor.view(torch.uint8).random_(generator=torch.Generator().manual_seed(seed))
+    keys = page_keys(range(seed << 40, (seed << 40) + pages), rank=0)
+    _batched(backend.write, keys, src, slots, write_pages)
+    return slots, src, keys
+
+
 def _measure(backend: StorageBackend, config: Config, layout: HostLayout, page: str, pages: int, seed: int,
              write_pages: int, step: Callable[[], None]) -> Result:
     shape = KVShape.of(config)
-    p = shape.page_size
-    slots = torch.arange(pages * p)
-    src = KVBuffer.allocate(shape, config.host_slots, layout, "cpu")
-    src.tensor.view(torch.uint8).random_(generator=torch.Generator().manual_seed(seed))
+    slots, src, keys = _stored(backend, config, layout, pages, seed, write_pages)
     dst = KVBuffer.allocate(shape, config.host_slots, layout, "cpu")
-    keys = page_keys(range(seed << 40, (seed << 40) + pages), rank=0)
-    _batched(backend.write, keys, src, slots, write_pages)
     raw = _raw(backend, config, keys, dst, src)
     per_call = config.storage_step_pages
     times: dict[str, list[float]] = {"read": [], "raw_read": [], "write": [], "raw_write": []}
@@ -352,15 +365,11 @@ def _load(host: KVBuffer, device: KVBuffer, pages: torch.Tensor, stream: _CudaSt
 def _measure_load_back(backend: StorageBackend, config: Config, layout: HostLayout, pages: int, seed: int,
                        device: torch.device) -> LoadBack:
     shape = KVShape.of(config)
-    p = shape.page_size
-    slots, page_ids = torch.arange(pages * p), torch.arange(pages)
+    slots, src, keys = _stored(backend, config, layout, pages, seed, WRITE_PAGES)
+    page_ids = torch.arange(pages)
     pin = device.type == "cuda"
-    src = KVBuffer.allocate(shape, config.host_slots, layout, "cpu")
-    src.tensor.view(torch.uint8).random_(generator=torch.Generator().manual_seed(seed))
     host = KVBuffer.allocate(shape, config.host_slots, layout, "cpu", pin=pin)
-    dev = KVBuffer.allocate(shape, pages * p, HostLayout.LAYER_FIRST, device)
-    keys = page_keys(range(seed << 40, (seed << 40) + pages), rank=0)
-    _batched(backend.write, keys, src, slots, WRITE_PAGES)
+    dev = KVBuffer.allocate(shape, pages * shape.page_size, HostLayout.LAYER_FIRST, device)
     raw = _raw(backend, config, keys, host, src)
     payload = pages * PageFormat(shape).payload_bytes
     host_bytes = host.tensor.view(-1).view(torch.uint8)[:payload]
@@ -478,10 +487,7 @@ def _table(results: list[Result], mib: int, write_pages: int, machine: dict[str,
     for col in ("backend", "layout", "page", "read GB/s", "raw", "ratio", "write GB/s", "raw", "ratio"):
         t.add_column(col, justify="left" if col in ("backend", "layout", "page") else "right")
     for r in results:
-        if r.error:
-            t.add_row(r.backend, r.layout.value, r.page, f"[red]error: {r.error}[/red]", *[""] * 5)
-        else:
-            t.add_row(r.backend, r.layout.value, r.page, *(f"{v:.2f}" for v in r.figures().values()))
+        t.add_row(r.backend, r.layout.value, r.page, *r.cells())
     return t
 
 
@@ -496,10 +502,7 @@ def _load_back_table(paths: list[LoadBack], mib: int, machine: dict[str, object]
                 "ratio"):
         t.add_column(col, justify="left" if col in ("backend", "layout") else "right")
     for r in paths:
-        if r.error:
-            t.add_row(r.backend, r.layout.value, f"[red]error: {r.error}[/red]", *[""] * 6)
-        else:
-            t.add_row(r.backend, r.layout.value, *(f"{v:.2f}" for v in r.figures().values()))
+        t.add_row(r.backend, r.layout.value, *r.cells())
     return t
 
 
