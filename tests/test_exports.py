@@ -29,6 +29,7 @@ INTERNAL = {
     "hicache.runtime._lazy.lazy_exports": "the PEP 562 exports of hicache.runtime and hicache.runtime.demo",
     "hicache.actors._transfer_core.batch_indices": "stream actors' helper over a TransferQueue batch",
     "hicache.actors._transfer_core.op_problem": "stream actors' check of a WriteKV/LoadKV before queueing",
+    "hicache.actors._kv.involves_cuda": "the copy route's and the streams' test of a CUDA buffer on either side",
     "hicache.actors._pages.ints": "the pool cores' choice of slot-number form (Python ints or a tensor) for a call",
     "hicache.actors._pages.as_list": "the pool cores' conversion of slot numbers of either form to Python ints",
     "hicache.actors._pages.as_tensor": "the pool cores' conversion of slot numbers of either form to a tensor",
