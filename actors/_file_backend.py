@@ -12,7 +12,10 @@ write fails: after each call the index holds only pages written whole. A read is
 there before they count: the headers received must equal,
 byte for byte, the headers that the keys and the checksums of the payloads received
 give (`Headers`). A run is at most `READ_RUN_BYTES`, so the bytes a `preadv` just
-brought in are still in the CPU's cache when they are checksummed.
+brought in are still in the CPU's cache when they are checksummed. Small pages of
+several runs (`RecordBlock.stages_reads`: layer_first, up to 16 KiB) are read through a
+record block instead, a block of records a `preadv`, checksummed in the block and
+scattered into the host slots by one copy; verified the same way before they count.
 
 Every instance keeps an index of the pages of its KV shape in every segment of the
 directory (`_page_index.py`), least recently used first. It is built by a scan at start
@@ -189,9 +192,13 @@ class FileBackend:
         """Read adjacent records `first ..` of `seg` into the host pages of `keys` and verify
         them there; (leading good pages, error)."""
         received, expected = self._received, self._expected
-        payloads = pages.payloads(starts)
+        block = self._record_block() if RecordBlock.stages_reads(pages) else None
         try:
-            sums = self._read_checksummed(seg, first, pages, pages.records(received.views, payloads), payloads)
+            if block is not None:
+                sums = self._read_staged(seg, first, starts, pages, block)
+            else:
+                payloads = pages.payloads(starts)
+                sums = self._read_checksummed(seg, first, pages, pages.records(received.views, payloads), payloads)
         except OSError as e:
             self._forget_segment_if_gone(seg, e)
             return 0, f"page {keys[0]}: " + self._error("reading", seg.path, e, keys[0])
@@ -221,6 +228,22 @@ class FileBackend:
             b = min(a + per_read, len(payloads))
             whole = preadv_all(fd, bufs[a * per_page : b * per_page], (first + a) * record) // record
             sums += pages.checksums(payloads[a : a + whole])
+            if a + whole < b:
+                break
+        return sums
+
+    def _read_staged(self, seg: Segment, first: int, starts: list[int], pages: HostPages, block: RecordBlock) -> list[int]:
+        """`_read_checksummed` through a record block (`RecordBlock.stages_reads`): the records
+        read into the block a block at a time, their headers copied into the received ones, their
+        payloads checksummed in the block and scattered into the host pages."""
+        fd, record, n, h = self._fd(seg), seg.record, len(starts), self.fmt.header_bytes
+        sums: list[int] = []
+        for a in range(0, n, block.capacity):
+            b = min(a + block.capacity, n)
+            whole = preadv_all(fd, [block.space(b - a)], (first + a) * record) // record
+            got = block.received(whole, self._received.memory[a * h :])
+            block.scatter(whole, starts[a : a + whole], pages)
+            sums += got
             if a + whole < b:
                 break
         return sums

@@ -17,6 +17,14 @@ The block is bounded (`RECORD_BLOCK_BYTES`) so that what the copy brought in is 
 cache for the checksums and the write; pages larger than `STAGED_PAGE_BYTES_MAX` are
 written straight from the host runs instead: one more copy of each byte would cost more
 than the buffers and calls it saves.
+
+Reads of small pages of several runs (a layer_first page up to `_JOIN_BYTES_MAX`, whose
+checksum needs its runs joined anyway) come back the same way: one read of the records
+into the block, each payload checksummed in its row, the headers copied out for the
+batch's comparison, and one copy scattering the rows into the host runs (`scatter`, the
+inverse of the gather). A direct read would hand the kernel a buffer per run and per
+header and join each page's runs for its checksum: as many copies, and a Python object
+per buffer, which cost more than the bytes at this size.
 """
 
 from __future__ import annotations
@@ -68,6 +76,27 @@ class RecordBlock:
         rows[:, :h] = self._header_rows[:n]
         return self._memory[: n * self.fmt.stored_bytes]
 
+    @staticmethod
+    def stages_reads(pages: HostPages) -> bool:
+        """Reads into these host pages go through a record block (module docstring)."""
+        return pages.joins
+
+    def space(self, n: int) -> memoryview:
+        """Room for `n` records, to read them into."""
+        return self._memory[: n * self.fmt.stored_bytes]
+
+    def received(self, n: int, headers: memoryview) -> list[int]:
+        """For the first `n` records read into the block: their headers copied into `headers`,
+        one after another, and the checksums of their payloads."""
+        h = self.fmt.header_bytes
+        np.frombuffer(headers, dtype=np.uint8, count=n * h).reshape(n, h)[...] = self._rows[:n, :h]
+        return list(map(xxhash.xxh3_64_intdigest, self._payloads[:n]))
+
+    def scatter(self, n: int, starts: Sequence[int], pages: HostPages) -> None:
+        """Copy the payloads of the first `n` records into the host pages whose first slots are `starts`."""
+        if n:
+            _place(pages, self._bytes_of(pages), starts[:n], self._rows[:n, self.fmt.header_bytes :])
+
     def _bytes_of(self, pages: HostPages) -> np.ndarray:
         """The host buffer's bytes (kept for the buffer last written from)."""
         if self._host is None or self._host[0] is not pages:
@@ -79,13 +108,29 @@ def _gather(pages: HostPages, raw: np.ndarray, starts: Sequence[int], into: np.n
     """Copy the payloads (`[2, L, P, H, D]` bytes) of the host pages whose first slots are
     `starts` into the rows of `into` (`[len(starts), payload bytes]`); `raw` is the host
     buffer's bytes. One copy, straight from the host buffer when the pages are adjacent there."""
+    pick, rows, host = _views(pages, raw, starts, into)
+    rows[...] = host[pick]
+
+
+def _place(pages: HostPages, raw: np.ndarray, starts: Sequence[int], rows: np.ndarray) -> None:
+    """The inverse of `_gather`: copy the rows of `rows` into the payloads of the host pages
+    whose first slots are `starts`. One copy, straight into the host buffer."""
+    pick, rows, host = _views(pages, raw, starts, rows)
+    host[pick] = rows
+
+
+def _views(pages: HostPages, raw: np.ndarray, starts: Sequence[int],
+           rows: np.ndarray) -> tuple[slice | list[int], np.ndarray, np.ndarray]:
+    """(which pages, the rows, the host buffer) indexed alike, page first: the rows as they
+    are (page_first) or as `[2, L, pages, run]` views of `[pages, 2, L, run]` (layer_first);
+    the pages a slice when they are adjacent in the host buffer, else a list."""
     host, n = pages.host, len(starts)
     p, layers = host.shape.page_size, host.shape.layers
     first, last = starts[0], starts[-1]
     adjacent = last - first == (n - 1) * p and list(starts) == list(range(first, last + 1, p))
     pick = slice(first // p, first // p + n) if adjacent else [a // p for a in starts]
     if host.page_first:
-        into[...] = raw.reshape(host.slots // p, -1)[pick]
-    else:  # [2, L, pages, run] in the host, [pages, 2, L, run] in the records
-        dst = np.reshape(into, (n, 2, layers, -1), copy=False).transpose(1, 2, 0, 3)
-        dst[...] = raw.reshape(2, layers, host.slots // p, -1)[:, :, pick]
+        return pick, rows, raw.reshape(host.slots // p, -1)
+    # [2, L, pages, run] in the host, [pages, 2, L, run] in the records: indexed by page on axis 2
+    staged = np.reshape(rows, (n, 2, layers, -1), copy=False).transpose(1, 2, 0, 3)
+    return (slice(None), slice(None), pick), staged, raw.reshape(2, layers, host.slots // p, -1)

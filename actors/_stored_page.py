@@ -9,8 +9,9 @@ one run in page_first, 2 x L runs in layer_first). Every stored page is a record
 head_dim, page size, payload layout) and carries a checksum of the header and one of
 the payload, then the payload.
 
-Reads go straight into the host slots the tree reserved and are verified there: a
-page that is missing, truncated, corrupt, stored under another key or of another KV
+Reads go straight into the host slots the tree reserved and are verified there (the
+file backend reads small pages of several runs through a record block, verified there
+and copied into those slots in one pass, `_record_block.py`): a page that is missing, truncated, corrupt, stored under another key or of another KV
 shape does not count (`StorageIO.pages` stops before it), so its bytes never become
 visible to the tree, which frees or reuses those reserved slots. Every OS or client
 error is an operating condition: counted, logged once with its path or key, a miss.
@@ -329,7 +330,8 @@ class HostPages:
     runs. Backends read into and write from these runs directly (`readv`/`writev`, a
     Mooncake multi-buffer get or put); only a small page of several runs (`joins`) is
     checksummed as a joined copy, and the file backend writes small pages through a record
-    block (`_record_block.py`), one copy of a batch's payloads beside their headers.
+    block (`_record_block.py`), one copy of a batch's payloads beside their headers, and
+    reads such pages of several runs through one, a copy of the block into their runs.
     """
 
     def __init__(self, host: KVBuffer) -> None:

@@ -1,5 +1,6 @@
 """Record blocks: the file backend's writes of small pages, a batch's records gathered into
-one block and sent in one write. The block must hold byte for byte the records a write of
+one block and sent in one write (and its reads of small layer_first pages, a block of
+records read at a time and scattered into the host slots). The block must hold byte for byte the records a write of
 each header and payload in turn gives, whatever the host layout and wherever the pages
 lie; a crash mid-write must leave only whole pages that verify, found by a restart."""
 
@@ -80,11 +81,15 @@ def test_pages_written_through_blocks_read_back_bitwise_into_either_layout(tmp_p
     keys = [f"{i:016x}-r0" for i in range(n)]
     assert backend.write(keys, src, _slots(order)).written == n
     backend.check_invariants()
-    for other in LAYOUTS:
-        dst = _host(config, other)
-        assert backend.read(keys, dst, _slots(list(range(n)))).pages == n
-        got, want = dst.read(_slots(list(range(n)))), src.read(_slots(order))
-        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), other
+    scattered = torch.randperm(2 * n, generator=torch.Generator().manual_seed(5))[:n].tolist()
+    for other in LAYOUTS:  # a layer_first page this small is read through blocks too
+        for into in (list(range(n)), scattered):
+            dst = _host(config, other)
+            assert backend.read(keys, dst, _slots(into)).pages == n
+            got, want = dst.read(_slots(into)), src.read(_slots(order))
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), other
+            untouched = sorted(set(range(2 * n)) - set(into))
+            assert not dst.read(_slots(untouched)).view(torch.uint8).any(), "a read wrote outside its slots"
     backend.close()
 
 

@@ -9,6 +9,8 @@ pages. KV shapes are tiny (2 layers, 1 head, head_dim 8, fp16, 4-token pages: 25
 
 from __future__ import annotations
 
+import itertools
+
 import hashlib
 import socket
 import struct
@@ -290,8 +292,10 @@ def _damaged_read(pair: Any, keys: Any, raw_client: Any, damage: Callable[[bytes
     assert a.write(ks, src, _slots([0, 1, 2])).written == 3
     _overwrite(a, raw_client, ks[1], damage(_stored(a, raw_client, ks[1])))
 
-    for reader in (a, b):  # the writer, whose index holds the page, and another instance
-        dst = _host(HostLayout.PAGE_FIRST)
+    # The writer, whose index holds the page, and another instance; reads into either layout
+    # (a layer_first page this small is read through a record block, a page_first one straight in).
+    for reader, layout in itertools.product((a, b), LAYOUTS):
+        dst = _host(layout)
         with capture_logs() as logs:
             got = reader.read(ks, dst, _slots([0, 1, 2]))
         assert got.pages == 1 and ks[1] in got.error, got
