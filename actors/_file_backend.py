@@ -232,7 +232,8 @@ class FileBackend:
                 break
         return sums
 
-    def _read_staged(self, seg: Segment, first: int, starts: list[int], pages: HostPages, block: RecordBlock) -> list[int]:
+    def _read_staged(self, seg: Segment, first: int, starts: list[int], pages: HostPages,
+                     block: RecordBlock) -> list[int]:
         """`_read_checksummed` through a record block (`RecordBlock.stages_reads`): the records
         read into the block a block at a time, their headers copied into the received ones, their
         payloads checksummed in the block and scattered into the host pages."""

@@ -18,8 +18,8 @@ cache for the checksums and the write; pages larger than `STAGED_PAGE_BYTES_MAX`
 written straight from the host runs instead: one more copy of each byte would cost more
 than the buffers and calls it saves.
 
-Reads of small pages of several runs (a layer_first page up to `_JOIN_BYTES_MAX`, whose
-checksum needs its runs joined anyway) come back the same way: one read of the records
+Reads of small pages of several runs (a layer_first page up to 16 KiB, `HostPages.joins`,
+whose checksum needs its runs joined anyway) come back the same way: one read of the records
 into the block, each payload checksummed in its row, the headers copied out for the
 batch's comparison, and one copy scattering the rows into the host runs (`scatter`, the
 inverse of the gather). A direct read would hand the kernel a buffer per run and per
@@ -30,7 +30,7 @@ per buffer, which cost more than the bytes at this size.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 import torch
@@ -98,7 +98,7 @@ class RecordBlock:
             _place(pages, self._bytes_of(pages), starts[:n], self._rows[:n, self.fmt.header_bytes :])
 
     def _bytes_of(self, pages: HostPages) -> np.ndarray:
-        """The host buffer's bytes (kept for the buffer last written from)."""
+        """The host buffer's bytes (kept for the buffer last written from or read into)."""
         if self._host is None or self._host[0] is not pages:
             self._host = (pages, pages.host.tensor.view(-1).view(torch.uint8).numpy())
         return self._host[1]
@@ -120,10 +120,12 @@ def _place(pages: HostPages, raw: np.ndarray, starts: Sequence[int], rows: np.nd
 
 
 def _views(pages: HostPages, raw: np.ndarray, starts: Sequence[int],
-           rows: np.ndarray) -> tuple[slice | list[int], np.ndarray, np.ndarray]:
-    """(which pages, the rows, the host buffer) indexed alike, page first: the rows as they
-    are (page_first) or as `[2, L, pages, run]` views of `[pages, 2, L, run]` (layer_first);
-    the pages a slice when they are adjacent in the host buffer, else a list."""
+           rows: np.ndarray) -> tuple[Any, np.ndarray, np.ndarray]:
+    """(an index of the pages, the rows, the host buffer), the rows and the indexed host
+    buffer of one shape: the rows as they are and the buffer as `[pages, payload]`
+    (page_first), or the rows as `[2, L, pages, run]` views of `[pages, 2, L, run]` and the
+    pages indexed on that axis (layer_first). The pages are a slice when they are adjacent
+    in the host buffer, else a list."""
     host, n = pages.host, len(starts)
     p, layers = host.shape.page_size, host.shape.layers
     first, last = starts[0], starts[-1]

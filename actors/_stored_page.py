@@ -11,10 +11,11 @@ the payload, then the payload.
 
 Reads go straight into the host slots the tree reserved and are verified there (the
 file backend reads small pages of several runs through a record block, verified there
-and copied into those slots in one pass, `_record_block.py`): a page that is missing, truncated, corrupt, stored under another key or of another KV
-shape does not count (`StorageIO.pages` stops before it), so its bytes never become
-visible to the tree, which frees or reuses those reserved slots. Every OS or client
-error is an operating condition: counted, logged once with its path or key, a miss.
+and copied into those slots in one pass, `_record_block.py`): a page that is missing,
+truncated, corrupt, stored under another key or of another KV shape does not count
+(`StorageIO.pages` stops before it), so its bytes never become visible to the tree,
+which frees or reuses those reserved slots. Every OS or client error is an operating
+condition: counted, logged once with its path or key, a miss.
 
 The checksum is XXH3-64 (the `xxhash` wheel): it only has to catch torn or flipped
 bytes, not an adversary (whoever can write the storage can write a valid checksum
