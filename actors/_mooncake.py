@@ -4,10 +4,16 @@ Each instance is a Mooncake client: it mounts `mooncake_segment_mb` of its memor
 the store and asks the master (`mooncake_master`, with its HTTP metadata server) where
 objects live. A page is one object, its `PageFormat` record, named by its key and the
 format's KV-shape tag (`<key>.<tag>`), so instances of another KV shape never see it.
-Pages move straight between the store and the host buffer, which the backend registers
-with the client: a multi-buffer get scatters an object into the header slot of a small
-registered buffer and the page's runs in host memory (`HostPages`), where it is
-verified; a multi-buffer put gathers them back. The client needs no buffer of its own.
+Pages larger than a record block's (`RecordBlock.fits`: over 64 KiB) move straight
+between the store and the host buffer, which the backend registers with the client: a
+multi-buffer get scatters an object into the header slot of a small registered buffer
+and the page's runs in host memory (`HostPages`), where it is verified; a multi-buffer
+put gathers them back. Smaller pages go through a registered record block, one buffer
+an object: a batch's objects are got into it, verified there and copied into their host
+pages by one copy, or gathered into it by one copy and put. The client's cost is per
+buffer, and a small layer_first page is a buffer per run (2 x layers), so the copy costs
+less than the buffers it saves; a get that overruns its timeout then fills the block,
+never host slots. The client needs no buffer of its own.
 
 The client is a blocking C++ library, and none of this may hang. Measured here:
 against an unreachable master `setup` retries for about 90 s, so `open` first connects
@@ -53,6 +59,7 @@ import torch
 from hicache.messages.config import Config
 
 from ._kv import KVBuffer, KVShape
+from ._record_block import RecordBlock
 from ._stored_page import (
     Headers,
     HostPages,
@@ -186,8 +193,10 @@ class MooncakeBackend:
         self._moved = Headers(self.fmt, _bytes_of(self._headers))
         """The headers a get receives into or a put sends from (registered with the client)."""
         self._expected = Headers.allocate(self.fmt, self._batch)
+        self._block = RecordBlock(self.fmt, capacity=self._batch) if RecordBlock.fits(self.fmt) else None
+        """Where a get of small pages lands, a batch's objects one after another (registered)."""
         self._store = store_class()
-        self._keep: list[object] = [self._headers, self._store]
+        self._keep: list[object] = [self._headers, self._store, self._block]
         self._hosts: dict[int, HostPages] = {}
         """Host buffers registered with the client, by address."""
         self._errors = 0
@@ -201,6 +210,9 @@ class MooncakeBackend:
             if rc == 0:
                 rc = self._calls.run("register_buffer", self._store.register_buffer,
                                      self._headers.data_ptr(), self._headers.numel())
+            if rc == 0 and self._block is not None:
+                rc = self._calls.run("register_buffer", self._store.register_buffer,
+                                     self._block.address, self._block.nbytes)
         except _CallFailed as e:
             _ABANDONED.append(self._store)  # still inside setup: never destroy it mid-run
             self._calls.stop()
@@ -290,31 +302,45 @@ class MooncakeBackend:
         return StorageIO(pages=done, bytes=done * self.fmt.payload_bytes, error=error)
 
     def _read_batch(self, keys: Sequence[str], starts: Sequence[int], pages: HostPages) -> tuple[int, str]:
-        """Get `keys` straight into their host pages and verify them there; (leading good pages, error)."""
-        ptrs, sizes = self._buffers(pages, starts)
+        """Get `keys` and verify them; (leading good pages, error). Small pages (`RecordBlock.fits`)
+        come into the registered record block, one buffer an object, are verified there and copied
+        into their host pages; larger ones come straight into their host pages, a buffer a run
+        (the header's into the registered header slots), and are verified there."""
+        objects, block = [self.object_key(k) for k in keys], self._block
         try:
-            got = self._calls.run("batch_get_into_multi_buffers", self._store.batch_get_into_multi_buffers,
-                                  [self.object_key(k) for k in keys], ptrs, sizes)
+            if block is not None:
+                size = self.fmt.stored_bytes
+                got = self._calls.run("batch_get_into", self._store.batch_get_into, objects,
+                                      block.addresses(len(keys)), [size] * len(keys))
+                n = next((i for i, code in enumerate(got) if code != size), len(keys))  # a size: a short object
+            else:
+                ptrs, sizes = self._buffers(pages, starts)
+                got = self._calls.run("batch_get_into_multi_buffers", self._store.batch_get_into_multi_buffers,
+                                      objects, ptrs, sizes)
+                n = next((i for i, code in enumerate(got) if code < 0), len(keys))
         except _CallFailed as e:
-            self._failed("batch_get_into_multi_buffers", keys[0], str(e))
+            self._failed("batch_get", keys[0], str(e))
             return 0, f"page {keys[0]}: {e}"
-        n = next((i for i, code in enumerate(got) if code < 0), len(keys))
-        sums = pages.checksums(pages.payloads(starts[:n]))
+        sums = block.received(n, self._moved.memory) if block is not None else pages.checksums(pages.payloads(starts[:n]))
         self._expected.fill(keys[:n], sums)
         if not self._moved.same(self._expected, n):
             bad, problem = self._moved.first_bad(self._expected, keys[:n], sums)
+            if block is not None:
+                block.scatter(bad, starts, pages)
             self._drop(keys[bad], problem)
             return bad, f"page {keys[bad]} is unusable ({problem}); dropped it"
+        if block is not None:
+            block.scatter(n, starts, pages)
         if n == len(keys):
             return n, ""
         key, code = keys[n], got[n]
         if code == _NOT_FOUND:
             return n, f"page {key} is not in storage"
-        problem = self._misfit(key) if code in (_INVALID_PARAMS, _TRANSFER_FAILED) else ""
+        problem = self._misfit(key) if code >= 0 or code in (_INVALID_PARAMS, _TRANSFER_FAILED) else ""
         if problem:
             self._drop(key, problem)
             return n, f"page {key} is unusable ({problem}); dropped it"
-        self._failed("batch_get_into_multi_buffers", key, _describe(code))
+        self._failed("batch_get", key, _describe(code))
         return n, f"page {key}: Mooncake get failed ({_describe(code)})"
 
     def _misfit(self, key: str) -> str:
@@ -354,8 +380,9 @@ class MooncakeBackend:
     def _write_batch(
         self, keys: Sequence[str], starts: Sequence[int], pages: HostPages
     ) -> tuple[int, int, str]:
-        """Put the pages of `keys` not yet stored, gathered from host memory:
-        (leading pages now stored, pages written, error)."""
+        """Put the pages of `keys` not yet stored: (leading pages now stored, pages written, error).
+        Small pages (`RecordBlock.fits`) are gathered into the registered record block and put
+        one buffer an object; larger ones straight from host memory, a buffer a run."""
         objects = [self.object_key(k) for k in keys]
         try:
             found = self._calls.run("batch_is_exist", self._store.batch_is_exist, objects)
@@ -366,17 +393,23 @@ class MooncakeBackend:
             todo = [i for i, f in enumerate(found) if f != 1]
             if not todo:
                 return len(keys), 0, ""
-            ptrs, sizes = self._buffers(pages, [starts[i] for i in todo])
-            self._moved.fill([keys[i] for i in todo], pages.checksums(pages.payloads([starts[i] for i in todo])))
-            codes = self._calls.run("batch_put_from_multi_buffers", self._store.batch_put_from_multi_buffers,
-                                    [objects[i] for i in todo], ptrs, sizes)
+            todo_keys, todo_starts = [keys[i] for i in todo], [starts[i] for i in todo]
+            if self._block is not None:
+                self._block.fill(todo_keys, todo_starts, pages)
+                codes = self._calls.run("batch_put_from", self._store.batch_put_from, [objects[i] for i in todo],
+                                        self._block.addresses(len(todo)), [self.fmt.stored_bytes] * len(todo))
+            else:
+                ptrs, sizes = self._buffers(pages, todo_starts)
+                self._moved.fill(todo_keys, pages.checksums(pages.payloads(todo_starts)))
+                codes = self._calls.run("batch_put_from_multi_buffers", self._store.batch_put_from_multi_buffers,
+                                        [objects[i] for i in todo], ptrs, sizes)
         except _CallFailed as e:
             self._failed("write", keys[0], str(e))
             return 0, 0, f"page {keys[0]}: {e}"
         written = 0
         for i, rc in zip(todo, codes, strict=True):
             if rc not in (0, _ALREADY_EXISTS):
-                self._failed("batch_put_from_multi_buffers", keys[i], _describe(rc))
+                self._failed("batch_put", keys[i], _describe(rc))
                 return i, written, f"page {keys[i]}: Mooncake put failed ({_describe(rc)})"
             written += rc == 0
         return len(keys), written, ""

@@ -47,11 +47,14 @@ STAGED_PAGE_BYTES_MAX: Final = 64 << 10
 class RecordBlock:
     """Room for the records of up to `capacity` pages of `fmt`, one after another (module docstring)."""
 
-    def __init__(self, fmt: PageFormat) -> None:
+    def __init__(self, fmt: PageFormat, capacity: int = 0) -> None:
+        """Room for `capacity` records (0: as many as `RECORD_BLOCK_BYTES` holds, at least one)."""
         h, record = fmt.header_bytes, fmt.stored_bytes
         self.fmt = fmt
-        self.capacity = max(1, RECORD_BLOCK_BYTES // record)
+        self.capacity = capacity or max(1, RECORD_BLOCK_BYTES // record)
         self._rows = np.empty((self.capacity, record), dtype=np.uint8)
+        self.address: int = self._rows.ctypes.data
+        """Where the block's memory starts (to register it with a storage client)."""
         self._memory = memoryview(self._rows).cast("B")
         self._payloads = [self._memory[i * record + h : (i + 1) * record] for i in range(self.capacity)]
         """Each row's payload, for its checksum."""
@@ -84,6 +87,14 @@ class RecordBlock:
     def space(self, n: int) -> memoryview:
         """Room for `n` records, to read them into."""
         return self._memory[: n * self.fmt.stored_bytes]
+
+    @property
+    def nbytes(self) -> int:
+        return self._rows.nbytes
+
+    def addresses(self, n: int) -> list[int]:
+        """Where each of the first `n` records starts in memory."""
+        return list(range(self.address, self.address + n * self.fmt.stored_bytes, self.fmt.stored_bytes))
 
     def received(self, n: int, headers: memoryview) -> list[int]:
         """For the first `n` records read into the block: their headers copied into `headers`,

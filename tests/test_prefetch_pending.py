@@ -44,7 +44,8 @@ TIMEOUT_S = 3.0
 
 
 class GatedStore:
-    """A real Mooncake client whose `batch_get_into_multi_buffers` waits at `gate` first."""
+    """A real Mooncake client whose gets (`batch_get_into`, small pages' into the record block;
+    `batch_get_into_multi_buffers`, larger pages' into their runs) wait at `gate` first."""
 
     gate = threading.Event()
     entered = threading.Event()
@@ -54,6 +55,11 @@ class GatedStore:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._client, name)
+
+    def batch_get_into(self, *args: Any) -> Any:
+        GatedStore.entered.set()
+        assert GatedStore.gate.wait(30), "the test never opened the gate"
+        return self._client.batch_get_into(*args)
 
     def batch_get_into_multi_buffers(self, *args: Any) -> Any:
         GatedStore.entered.set()

@@ -35,6 +35,7 @@ from hicache.actors import (
     page_keys,
 )
 from hicache.actors._mooncake import SETUP_RETRIES
+from hicache.actors._record_block import RecordBlock
 from hicache.actors._stored_page import checksum
 from hicache.runtime import Config, HostLayout
 from hicache.runtime.testing import MooncakeMaster, capture_logs
@@ -319,6 +320,49 @@ def test_a_damaged_page_is_a_logged_miss_that_never_counts_and_is_rewritten(pair
 @pytest.mark.parametrize("damage", SIZE_DAMAGES)
 def test_a_mooncake_object_of_the_wrong_size_is_a_miss_and_is_rewritten(pair, keys, raw_client, damage) -> None:
     _damaged_read(pair, keys, raw_client, SIZE_DAMAGES[damage])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_pages_past_a_record_block_move_run_by_run_and_a_damaged_one_is_a_miss(
+    kind: str, keys, master: MooncakeMaster, raw_client, tmp_path: Path
+) -> None:
+    """Pages larger than `RecordBlock.fits` (128 KiB here) are read and written straight
+    from and into the host runs, a buffer a run, and verified there; the smaller pages of
+    the other tests go through a record block."""
+    shape = dict(layers=8, kv_heads=4, head_dim=256, page_size=PAGE, device_slots=4 * PAGE, host_slots=8 * PAGE)
+    where = ({"storage": "file", "storage_dir": str(tmp_path)} if kind == "file"
+             else {"storage": "mooncake", "mooncake_segment_mb": 32, **master.config_fields()})
+    config = Config(**shape, **where, storage_batch_pages=BATCH_PAGES, storage_batch_mb=0)
+    fmt = PageFormat(KVShape.of(config))
+    assert fmt.payload_bytes == 128 << 10 and not RecordBlock.fits(fmt)
+    backend = open_backend(config)
+    ks = keys(5)
+    for layout in LAYOUTS:
+        src = KVBuffer.allocate(KVShape.of(config), 8 * PAGE, layout, "cpu")
+        src.tensor.view(torch.uint8).random_(generator=torch.Generator().manual_seed(11))
+        if layout is LAYOUTS[0]:
+            assert backend.write(ks, src, _slots([3, 0, 6, 1, 4])).written == 5
+        for other in LAYOUTS:
+            dst = KVBuffer.allocate(KVShape.of(config), 8 * PAGE, other, "cpu")
+            assert backend.read(ks, dst, _slots([7, 2, 5, 0, 1])).pages == 5
+            if layout is LAYOUTS[0]:
+                want = src.read(_slots([3, 0, 6, 1, 4])).view(torch.uint8)
+                assert torch.equal(dst.read(_slots([7, 2, 5, 0, 1])).view(torch.uint8), want), other
+    if isinstance(backend, FileBackend):
+        path, offset = backend.locate(ks[2])
+        with open(path, "r+b") as f:
+            f.seek(offset + fmt.stored_bytes - 7)
+            byte = f.read(1)
+            f.seek(offset + fmt.stored_bytes - 7)
+            f.write(bytes([byte[0] ^ 0x40]))
+    else:
+        stored = raw_client.get(backend.object_key(ks[2]))
+        assert raw_client.remove(backend.object_key(ks[2]), True) == 0
+        assert raw_client.put(backend.object_key(ks[2]), stored[:-7] + bytes([stored[-7] ^ 0x40]) + stored[-6:]) == 0
+    dst = KVBuffer.allocate(KVShape.of(config), 8 * PAGE, HostLayout.LAYER_FIRST, "cpu")
+    got = backend.read(ks, dst, _slots([0, 1, 2, 3, 4]))
+    assert got.pages == 2 and ks[2] in got.error and "unusable" in got.error, got
+    backend.close()
 
 
 def test_a_page_stored_under_another_key_is_a_miss(pair, keys, raw_client) -> None:
