@@ -33,7 +33,8 @@ from hicache.messages.config import EvictionPolicy
 
 from ._errors import InvariantError
 from ._radix_node import (BACKED, NODE_TRANSITIONS, RESIDENT, HostInsert, InsertOutcome, Node, NodeState,
-                          NodeStateError, chain_hashes, check_node, device_evictable, differing_pages, host_evictable)
+                          NodeStateError, chain_hashes, check_node, device_evictable, differing_pages, first_page,
+                          host_evictable, key_part)
 
 
 class RadixTree:
@@ -139,7 +140,7 @@ class RadixTree:
                         f"insert: the caller's cached prefix ({own_from} tokens) is no longer in the tree at "
                         f"{pos}; its nodes were locked and cannot have been evicted"
                     )
-                new = self._new_node(node, data[at:end], NodeState.DEVICE, priority)
+                new = self._new_node(node, key_part(data, at, end), NodeState.DEVICE, priority)
                 new.device = device[pos // u : n // u]
                 self._attach(new)  # offers it for eviction
                 out.adopted.append(new.device)
@@ -207,7 +208,7 @@ class RadixTree:
         pages, cut = at // self.page_size, at // self.index_tokens
         self._account(node, -1)
         upper = Node(
-            id=next(self._ids), namespace=node.namespace, parent=parent, key=node.key[: 8 * at], tokens=at,
+            id=next(self._ids), namespace=node.namespace, parent=parent, key=key_part(node.key, 0, 8 * at), tokens=at,
             page_bytes=node.page_bytes, state=node.state, chained=None if node.chained is None else node.chained[:pages],
             device=None if node.device is None else node.device[:cut],
             host=None if node.host is None else node.host[:cut],
@@ -215,15 +216,15 @@ class RadixTree:
             last_access=node.last_access, created=node.created, priority=node.priority, op=node.op,
             stored=node.stored,
         )
-        node.key = node.key[8 * at :]
+        node.key = key_part(node.key, 8 * at, len(node.key))
         node.tokens -= at
         if node.chained is not None:
             node.chained = node.chained[pages:]
         node.device = None if node.device is None else node.device[cut:]
         node.host = None if node.host is None else node.host[cut:]
         step = self._page_bytes
-        parent.children[upper.key[:step]] = upper
-        upper.children[node.key[:step]] = node
+        parent.children[first_page(upper.key, step)] = upper
+        upper.children[first_page(node.key, step)] = node
         node.parent = upper
         self.nodes += 1
         self._account(upper, +1)
@@ -238,7 +239,7 @@ class RadixTree:
             raise InvariantError(f"only a leaf can be removed, not {node} with {len(node.children)} children")
         self._account(node, -1)
         parent = node.parent
-        del parent.children[node.key[: self._page_bytes]]
+        del parent.children[first_page(node.key, self._page_bytes)]
         node.alive = False
         self.nodes -= 1
         self.offer(parent)
@@ -375,7 +376,7 @@ class RadixTree:
 
     # -- helpers -------------------------------------------------------------------------
 
-    def _new_node(self, parent: Node, key: bytes, state: NodeState, priority: int) -> Node:
+    def _new_node(self, parent: Node, key: bytes | memoryview, state: NodeState, priority: int) -> Node:
         node = Node(id=next(self._ids), namespace=parent.namespace, parent=parent, key=key, tokens=len(key) // 8,
                     page_bytes=self._page_bytes, state=state, hit_count=1,
                     last_access=self._tick, created=next(self._seq), priority=priority)
@@ -409,7 +410,7 @@ class RadixTree:
             if child is None:
                 if pos < held:  # a held page is gone: what follows has nowhere to hang
                     break
-                new = self._new_node(node, data[at:hi], NodeState.HOST_ONLY, 0)
+                new = self._new_node(node, key_part(data, at, hi), NodeState.HOST_ONLY, 0)
                 new.host = host[(pos - held) // u :]
                 new.stored = True
                 if hashes is not None:
@@ -441,7 +442,7 @@ class RadixTree:
 
     def _attach(self, node: Node) -> None:
         assert node.parent is not None
-        node.parent.children[node.key[: self._page_bytes]] = node
+        node.parent.children[first_page(node.key, self._page_bytes)] = node
         self.nodes += 1
         self._account(node, +1)
         self.offer(node)
@@ -460,7 +461,7 @@ class RadixTree:
         if node.host is not None:
             self.host_tokens += n
 
-    def _common(self, key: bytes, data: bytes, at: int, end: int) -> int:
+    def _common(self, key: bytes | memoryview, data: bytes, at: int, end: int) -> int:
         """Tokens of `key` (whole pages) equal to `data[at:end]`'s start, floored to a page.
 
         Usually the whole key matches (one `startswith`, no copy); otherwise a binary

@@ -4,10 +4,13 @@ its chained page hashes, what an insert reports, and a node's own invariants.
 - Keys and pages are immutable values: a node's tokens are the little-endian int64
   bytes of its token ids (`Node.key`, the bytes inside a `Tokens`), its device and
   host memory are the `Indices` of its pages (one page number per `page_size`
-  tokens). Slicing one copies exactly its part, so no node keeps a larger buffer
-  alive, and the tree runs on bytes and Python ints (a page key is a bytes slice, a
-  match is a `startswith`); only the duplicate pages of a long insert are found by a
-  tensor comparison.
+  tokens). A part of a key is cut by the rule `Indices` slices follow (`key_part`):
+  a part that keeps most of a large buffer is a read-only view of it (an insert's new
+  node over most of a prompt copies nothing), any other part a copy of exactly its
+  bytes, so what a node keeps alive beyond its own bytes is at most as much again.
+  The tree runs on bytes and Python ints (a child is found under the bytes of its
+  first page, a match is a `startswith`); only the duplicate pages of a long insert
+  are found by a tensor comparison.
 - Each page has a hash chained from its parent page's hash, seeded by the namespace,
   computed only when something asks for it (storage keys, rank digests).
 """
@@ -21,6 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from hicache.messages import Indices
+from hicache.messages._index import VIEW_BYTES_MIN, VIEW_FRACTION
 
 from ._errors import InvariantError
 
@@ -72,8 +76,9 @@ class Node:
     id: int
     namespace: str
     parent: Node | None
-    key: bytes
-    """Token ids as little-endian int64 bytes, a whole number of pages (empty for a root)."""
+    key: bytes | memoryview
+    """Token ids as little-endian int64 bytes, a whole number of pages (empty for a root): its
+    own bytes, or a read-only view of most of a larger `bytes` object (`key_part`)."""
     tokens: int
     """Tokens of the key (`len(key) // 8`)."""
     page_bytes: int
@@ -155,7 +160,31 @@ class InsertOutcome:
     """Host-only nodes that got the caller's device pages (now SYNCED)."""
 
 
-def chain_hashes(prev: int, data: bytes, page_bytes: int) -> tuple[int, ...]:
+def key_part(data: bytes | memoryview, lo: int, hi: int) -> bytes | memoryview:
+    """`data[lo:hi]` as a node key, where `data` is a `bytes` object or a view of one (a key,
+    or the bytes under a `Tokens`): a read-only view of the same bytes when the part is at
+    least `VIEW_BYTES_MIN` bytes and `VIEW_FRACTION` of that object, else a copy of exactly
+    the part. Views of one object are disjoint parts of it (a node's key, its split halves),
+    each at least half of it, so at most two share it, and nothing is kept alive beyond twice
+    the bytes of the live keys."""
+    size = hi - lo
+    if type(data) is bytes:
+        if size == len(data):
+            return data
+        if size >= VIEW_BYTES_MIN and size >= VIEW_FRACTION * len(data):
+            return memoryview(data)[lo:hi]
+        return data[lo:hi]
+    if size >= VIEW_BYTES_MIN and size >= VIEW_FRACTION * len(data.obj):
+        return data[lo:hi]
+    return data[lo:hi].tobytes()
+
+
+def first_page(key: bytes | memoryview, page_bytes: int) -> bytes:
+    """The bytes of a key's first page: what its parent files it under."""
+    return key[:page_bytes] if type(key) is bytes else key[:page_bytes].tobytes()
+
+
+def chain_hashes(prev: int, data: bytes | memoryview, page_bytes: int) -> tuple[int, ...]:
     """hash(page) = blake2b(previous page hash || page token bytes), one per page of `data`."""
     out = []
     for at in range(0, len(data), page_bytes):
@@ -186,10 +215,14 @@ def check_node(node: Node, page_size: int, unit: int) -> None:
     parent = node.parent
     assert parent is not None
     where = _Where(node)
-    if parent.children.get(node.key[: page_bytes]) is not node:
+    if parent.children.get(first_page(node.key, page_bytes)) is not node:
         raise InvariantError(f"{where} is not its parent's child under its first page")
     if node.tokens != len(node.key) // 8 or len(node.key) % 8:
         raise InvariantError(f"{where}: a key of {len(node.key)} bytes is not {node.tokens} int64 token ids")
+    key = node.key
+    if type(key) is not bytes and (type(key.obj) is not bytes or len(key) < VIEW_FRACTION * len(key.obj)):
+        raise InvariantError(f"{where}: its key views {len(key)} of the {len(key.obj)} bytes it keeps alive "
+                             "(a key that is a view must be at least half of a bytes object)")
     if node.tokens == 0 or node.tokens % p or node.page_bytes != page_bytes:
         raise InvariantError(f"{where}: {node.tokens} tokens are not whole pages of {p}")
     if node.chained is not None and (

@@ -38,6 +38,8 @@ INTERNAL = {
     "hicache.actors._pages.pages_of_array": "the device core's page numbers of a ledger's array, in the form for their number",
     "hicache.actors._pages.PageTable": "the pool cores' value per page (owner or state) with its checked moves",
     "hicache.actors._pages.SlotTable": "the facade's slot numbers of every device page, for its slot answers",
+    "hicache.actors._radix_node.key_part": "the radix tree's cut of a node key (a view of most of a buffer, or a copy)",
+    "hicache.actors._radix_node.first_page": "the radix tree's bytes a child is filed under",
     "hicache.actors._stored_page.Header": "a stored page header as read, for both storage backends' checks",
     "hicache.actors._stored_page.check_keys": "both storage backends' key check (page_keys makes valid keys)",
     "hicache.actors._stored_page.checksum": "both storage backends' XXH3-64 of a page's runs",

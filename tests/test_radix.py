@@ -209,8 +209,8 @@ def _state(tree: RadixTree) -> list[tuple[Any, ...]]:
     while todo:
         node = todo.pop()
         if not node.is_root:
-            out.append((node.key, node.device.tolist(), node.hit_count, node.last_access, node.priority))
-        todo.extend(sorted(node.children.values(), key=lambda nd: nd.key, reverse=True))
+            out.append((bytes(node.key), node.device.tolist(), node.hit_count, node.last_access, node.priority))
+        todo.extend(sorted(node.children.values(), key=lambda nd: bytes(nd.key), reverse=True))
     return out
 
 
@@ -247,7 +247,8 @@ def test_insert_after_the_cached_prefix_does_what_a_whole_insert_with_own_from_d
 
 def test_views_of_a_larger_value_match_and_insert_as_their_copies_do(make_tree: Callable[..., Any]) -> None:
     """Large slices are views of their parent's bytes (`Indices`): the tree reads them at
-    their place there, and what it keeps is its own copy of the part it keeps."""
+    their place there, and a key it keeps is a view of most of those bytes or a copy of
+    exactly its part, never a small view of a large buffer."""
     base = toks(1100 * P)
     view = base[8 * P : 1008 * P]  # 1,000 pages of the parent's 1,100, from page 8
     assert view.span()[1] == 8 * P * 8
@@ -260,9 +261,43 @@ def test_views_of_a_larger_value_match_and_insert_as_their_copies_do(make_tree: 
         assert out.present == 600 * P and [a.tolist() for a in out.adopted] == [pages(400, 5600).tolist()]
         path = tree.match("", tokens[: 999 * P + 3])
         assert [nd.tokens for nd in path] == [600 * P, 399 * P]
-        assert all(type(nd.key) is bytes for nd in path) and len(path[0].key) == 600 * P * 8
+        assert len(path[0].key) == 600 * P * 8
+        assert [bytes(nd.key) for nd in path] == [tokens.to_bytes()[: 600 * P * 8],
+                                                 tokens.to_bytes()[600 * P * 8 : 999 * P * 8]]
+        for nd in path:
+            assert type(nd.key) is bytes or 2 * len(nd.key) >= len(nd.key.obj), f"{nd} keeps a larger buffer alive"
+        tree.check_invariants()
         trees.append(_state(tree))
     assert trees[0] == trees[1]
+
+
+@pytest.mark.parametrize("cut", [1, 100, 150, 250, 299])
+def test_a_key_over_most_of_a_prompt_is_a_view_and_its_split_parts_keep_at_most_twice_their_bytes(
+        make_tree: Callable[..., Any], cut: int) -> None:
+    """An insert's new node over a whole prompt keeps the prompt's bytes without a copy; a
+    split makes each part a view only while it is at least half of those bytes (else its
+    own copy), so a small part never keeps the large buffer alive. Matches are unchanged."""
+    tree = make_tree()
+    prompt = toks(300 * P)
+    [node] = tree.insert("", prompt, pages(300)).path
+    assert node.key is prompt.span()[0]
+    upper = tree.split(node, cut * P)
+    for nd, lo, hi in ((upper, 0, cut), (node, cut, 300)):
+        assert bytes(nd.key) == prompt.to_bytes()[8 * P * lo : 8 * P * hi]
+        is_view = type(nd.key) is memoryview
+        assert is_view == (2 * (hi - lo) >= 300 and 8 * P * (hi - lo) >= 4096), (nd, type(nd.key))
+        assert not is_view or nd.key.obj is prompt.span()[0]
+    assert tree.match("", prompt) == [upper, node]
+    assert tree.match("", prompt[: cut * P]) == [upper]
+    tree.check_invariants()
+
+
+def test_a_key_that_views_a_small_part_of_its_buffer_is_caught_by_the_invariant_check(tree: Any) -> None:
+    [node] = tree.insert("", toks(300 * P), pages(300)).path
+    node.key = memoryview(toks(1000 * P).span()[0])[: 300 * P * 8]
+    with pytest.raises(InvariantError, match="its key views 9600 of the 32000 bytes it keeps alive"):
+        tree.check_invariants()
+    tree.remove(node)  # the parent's entry is found under the same first page
 
 
 def test_insert_after_a_node_takes_no_own_from_and_needs_a_live_node_of_the_namespace(tree: Any) -> None:
