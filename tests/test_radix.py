@@ -17,7 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache.actors import NODE_TRANSITIONS, InvariantError, Node, NodeState, NodeStateError, RadixTree
+from hicache.actors import NODE_TRANSITIONS, InvariantError, Node, NodeState, NodeStateError, RadixTree, chain_hashes
 from hicache.messages import Indices, Tokens
 from hicache.runtime import EvictionPolicy
 
@@ -289,6 +289,8 @@ def test_a_key_over_most_of_a_prompt_is_a_view_and_its_split_parts_keep_at_most_
         assert not is_view or nd.key.obj is prompt.span()[0]
     assert tree.match("", prompt) == [upper, node]
     assert tree.match("", prompt[: cut * P]) == [upper]
+    # Page hashes (storage keys) read a view as they read bytes.
+    assert upper.hashes + node.hashes == chain_hashes(tree.root("").hashes[-1], prompt.to_bytes(), 8 * P)
     tree.check_invariants()
 
 
