@@ -99,7 +99,7 @@ class DeviceCore:
         device = "cuda" if config.device is DeviceKind.CUDA else "cpu"
         self.kv = KVBuffer.allocate(KVShape.of(config), config.device_slots, HostLayout.LAYER_FIRST, device)
         self._pool = PagePool(config.device_pages, config.page_size)
-        self._owners = PageTable(config.device_pages, "q")
+        self._owners = PageTable(config.device_pages, "q", runs=PageOwner)
         """Per page its `PageOwner`, or the number of the ledger that holds it."""
         self._owner = self._owners.tensor
         self._ledgers: dict[str, _Ledger] = {}

@@ -68,7 +68,7 @@ class HostCore:
         self.kv = KVBuffer.allocate(KVShape.of(config), config.host_slots, config.host_layout, "cpu", pin=pin)
         self._pool = PagePool(config.host_pages, config.page_size)
         self._pages = config.host_pages
-        self._states = PageTable(config.host_pages, "B")
+        self._states = PageTable(config.host_pages, "B", runs=HostSlotState)
         """A `HostSlotState` per page."""
         self._state = self._states.tensor
 

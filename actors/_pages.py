@@ -30,6 +30,7 @@ each holding an allowed value, change.
 from __future__ import annotations
 
 from array import array
+from collections.abc import Iterable
 from typing import TypeAlias
 
 import numpy
@@ -119,13 +120,16 @@ class PageTable:
     (numpy's, for the vectorised ones) and `tensor` (for counts and invariant checks).
 
     `move` is the checked move both pools make, `fits` its check alone: distinct pages, in
-    range, each holding an allowed value. Over an array it is a gather and two reductions
-    when the pages all hold one value (as pages moved together do), plus the distinct check:
-    each page's position scattered into a table and read back (a page named twice reads back
-    the later position at the earlier one), in O(len) and without a sort: a scratch table's,
-    or for `move` on an int64 table the entries themselves (see there)."""
+    range, each holding an allowed value. Over an array it is a gather and one comparison of
+    bytes when the pages all hold one value (as pages moved together do), plus the distinct
+    check: each page's position scattered into a table and read back (a page named twice
+    reads back the later position at the earlier one), in O(len) and without a sort: a
+    scratch table's, or for `move` on an int64 table the entries themselves (see there).
+    Each "all equal" test is one `bytes.startswith` of the gathered array against a run of
+    the expected values kept as bytes (a `memcmp`, where numpy's comparison and reduction
+    are two calls of a few microseconds each and two passes)."""
 
-    def __init__(self, size: int, typecode: str) -> None:
+    def __init__(self, size: int, typecode: str, runs: Iterable[int] = ()) -> None:
         # A bytearray where it can: its item writes cost about half an array's.
         self.items: array | bytearray = bytearray(size) if typecode == "B" else array(typecode, bytes(8 * size))
         self.view = numpy.frombuffer(self.items, dtype=numpy.uint8 if typecode == "B" else numpy.int64)
@@ -133,10 +137,15 @@ class PageTable:
         self.size = size
         self._scratch: numpy.ndarray | None = None
         """A position per page for `_distinct`, made at its first use (an int64 table's moves need none)."""
-        self._order = numpy.arange(0, dtype=numpy.int64)
-        """0, 1, 2, ... as long as the longest call so far (read-only)."""
+        self._order = b""
+        """The int64 bytes of 0, 1, 2, ... as long as the longest `_distinct` so far."""
         self._marks = numpy.arange(0, dtype=numpy.int64)
         """-1, -2, -3, ... as long as the longest `move` so far (read-only)."""
+        self._marks_bytes = b""
+        """`_marks`' bytes."""
+        self._runs: dict[int, bytes] = dict.fromkeys(map(int, runs), b"")
+        """Per value of `runs` (the owners or states pages move between), the bytes of a run of it
+        in the table's dtype, as long as the longest call so far: what `_all` compares with."""
 
     def fits(self, at: Pages, allowed: frozenset[int], *, fresh: bool = False) -> bool:
         """Whether `at` are distinct pages of the table that each hold a value in `allowed`.
@@ -173,10 +182,11 @@ class PageTable:
             return False
         if len(self._marks) < n:
             self._marks = numpy.negative(numpy.arange(1, max(n, 2 * len(self._marks)) + 1, dtype=numpy.int64))
+            self._marks_bytes = self._marks.tobytes()
         marks = self._marks[:n]
         view = self.view
         view[at] = marks
-        if not bool((view.take(at) == marks).all()):
+        if not self._marks_bytes.startswith(view.take(at)):
             view[at] = held  # a page named twice: each entry gets back what it held
             return False
         view[at] = value
@@ -192,20 +202,31 @@ class PageTable:
             got = self.view.take(at)
         except IndexError:  # a page past the end
             return None
-        low = int(numpy.minimum.reduce(got))
-        if (low != numpy.maximum.reduce(got) or low not in allowed) and not numpy.isin(got, tuple(allowed)).all():
-            return None
-        return got
+        for value in allowed:
+            if self._all(got, value):
+                return got
+        return got if numpy.isin(got, tuple(allowed)).all() else None
+
+    def _all(self, values: numpy.ndarray, value: int) -> bool:
+        """Whether every one of `values` (a contiguous array of the table's dtype) is `value`:
+        one comparison of bytes for a value of `runs`, numpy's for any other (a ledger's number)."""
+        run = self._runs.get(value)
+        if run is None:
+            return bool((values == value).all())
+        if len(run) < values.nbytes:
+            run = self._runs[value] = numpy.full(max(len(values), 2 * len(run) // values.itemsize), value,
+                                                 dtype=self.view.dtype).tobytes()
+        return run.startswith(values)
 
     def _distinct(self, at: numpy.ndarray) -> bool:
         n = len(at)
-        if len(self._order) < n:
-            self._order = numpy.arange(max(n, 2 * len(self._order)), dtype=numpy.int64)
-        order = self._order[:n]
+        if len(self._order) < 8 * n:
+            self._order = numpy.arange(max(n, len(self._order) // 4), dtype=numpy.int64).tobytes()
+        order = numpy.frombuffer(self._order, dtype=numpy.int64, count=n)
         if self._scratch is None:
             self._scratch = numpy.empty(self.size, dtype=numpy.int64)
         self._scratch[at] = order
-        return bool((self._scratch.take(at) == order).all())
+        return self._order.startswith(self._scratch.take(at))
 
     def put(self, at: Pages, value: int) -> None:
         """Write `value` at the pages `at`."""

@@ -88,11 +88,18 @@ def test_indices_and_python_ints_convert_both_ways_as_tensors_and_arrays_do(valu
 
 @settings(max_examples=300, deadline=None)
 @given(table=st.lists(st.integers(0, 3), min_size=1, max_size=12), at=st.lists(st.integers(-3, 14), max_size=8),
-       allowed=st.frozensets(st.integers(0, 3)), value=st.integers(0, 3), typecode=st.sampled_from(["B", "q"]))
+       allowed=st.frozensets(st.integers(0, 3)), value=st.integers(0, 3), typecode=st.sampled_from(["B", "q"]),
+       runs=st.sampled_from([(), (0, 2), range(4)]), warm=st.integers(0, 3))
 def test_a_page_table_takes_distinct_pages_in_range_with_allowed_values_in_either_form(
-    table: list[int], at: list[int], allowed: frozenset[int], value: int, typecode: str
+    table: list[int], at: list[int], allowed: frozenset[int], value: int, typecode: str, runs: Any,
+    warm: int
 ) -> None:
-    pt = PageTable(len(table), typecode)
+    """In either form, and whether a value's "all equal" test is a comparison of bytes with
+    a run of it (`runs`; a run shorter or longer than the call: `warm` earlier calls) or numpy's."""
+    pt = PageTable(len(table), typecode, runs=runs)
+    for k in range(warm):  # grow the runs (and the marks) past, or not up to, this call's length
+        pt.view[:] = 0
+        assert pt.fits(numpy.arange(min(len(table), 4 * k + 1), dtype=numpy.int64), frozenset({0}))
     pt.view[:] = table
     expected = (len(set(at)) == len(at) and all(0 <= i < len(table) for i in at)
                 and all(table[i] in allowed for i in at))
@@ -108,6 +115,20 @@ def test_a_page_table_takes_distinct_pages_in_range_with_allowed_values_in_eithe
         pt.view[:] = table
         assert pt.move(form(at), allowed, value) is expected  # the check and the write: all or nothing
         assert pt.view.tolist() == after
+
+
+@pytest.mark.parametrize("first, second", [(0, 1), (0, 299), (150, 151), (298, 299)])
+@pytest.mark.parametrize("typecode", ["B", "q"])
+def test_a_page_table_refuses_an_array_naming_a_page_twice_wherever_the_two_are(
+        first: int, second: int, typecode: str) -> None:
+    pt = PageTable(1000, typecode, runs=range(4))
+    pt.view[:] = 2
+    at = numpy.arange(100, 400, dtype=numpy.int64)
+    at[second] = at[first]
+    assert pt.fits(at, frozenset({2})) is False
+    assert pt.move(at, frozenset({2}), 0) is False
+    assert set(pt.view.tolist()) == {2}  # nothing written
+    assert pt.move(numpy.arange(100, 400, dtype=numpy.int64), frozenset({2}), 0) is True
 
 
 # -- the device pool -----------------------------------------------------------------------
