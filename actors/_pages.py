@@ -30,7 +30,7 @@ each holding an allowed value, change.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TypeAlias
 
 import numpy
@@ -139,10 +139,8 @@ class PageTable:
         """A position per page for `_distinct`, made at its first use (an int64 table's moves need none)."""
         self._order = b""
         """The int64 bytes of 0, 1, 2, ... as long as the longest `_distinct` so far."""
-        self._marks = numpy.arange(0, dtype=numpy.int64)
-        """-1, -2, -3, ... as long as the longest `move` so far (read-only)."""
-        self._marks_bytes = b""
-        """`_marks`' bytes."""
+        self._marks = b""
+        """The int64 bytes of -1, -2, -3, ... as long as the longest `move` so far."""
         self._runs: dict[int, bytes] = dict.fromkeys(map(int, runs), b"")
         """Per value of `runs` (the owners or states pages move between), the bytes of a run of it
         in the table's dtype, as long as the longest call so far: what `_all` compares with."""
@@ -180,13 +178,12 @@ class PageTable:
         held = self._held(at, allowed, False)
         if held is None:
             return False
-        if len(self._marks) < n:
-            self._marks = numpy.negative(numpy.arange(1, max(n, 2 * len(self._marks)) + 1, dtype=numpy.int64))
-            self._marks_bytes = self._marks.tobytes()
-        marks = self._marks[:n]
+        if len(self._marks) < 8 * n:
+            self._marks = _longer(self._marks, n, 8, lambda m: numpy.arange(-1, -m - 1, -1, dtype=numpy.int64))
+        marks = numpy.frombuffer(self._marks, dtype=numpy.int64, count=n)
         view = self.view
         view[at] = marks
-        if not self._marks_bytes.startswith(view.take(at)):
+        if not self._marks.startswith(view.take(at)):
             view[at] = held  # a page named twice: each entry gets back what it held
             return False
         view[at] = value
@@ -214,14 +211,14 @@ class PageTable:
         if run is None:
             return bool((values == value).all())
         if len(run) < values.nbytes:
-            run = self._runs[value] = numpy.full(max(len(values), 2 * len(run) // values.itemsize), value,
-                                                 dtype=self.view.dtype).tobytes()
+            run = self._runs[value] = _longer(run, len(values), values.itemsize,
+                                              lambda m: numpy.full(m, value, dtype=self.view.dtype))
         return run.startswith(values)
 
     def _distinct(self, at: numpy.ndarray) -> bool:
         n = len(at)
         if len(self._order) < 8 * n:
-            self._order = numpy.arange(max(n, len(self._order) // 4), dtype=numpy.int64).tobytes()
+            self._order = _longer(self._order, n, 8, lambda m: numpy.arange(m, dtype=numpy.int64))
         order = numpy.frombuffer(self._order, dtype=numpy.int64, count=n)
         if self._scratch is None:
             self._scratch = numpy.empty(self.size, dtype=numpy.int64)
@@ -236,6 +233,12 @@ class PageTable:
                 items[i] = value
         else:
             self.view[at] = value
+
+
+def _longer(run: bytes, n: int, itemsize: int, make: Callable[[int], numpy.ndarray]) -> bytes:
+    """The bytes of `make(m)` for `m` at least `n` items and twice the items of `run`: a run
+    grown for a longer call (doubling, so a table's runs are remade a few times in its life)."""
+    return make(max(n, 2 * len(run) // itemsize)).tobytes()
 
 
 # -- the free list ---------------------------------------------------------------------------
