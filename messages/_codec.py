@@ -39,7 +39,7 @@ from typing import Any, Final, Protocol
 
 import msgpack
 
-from ._index import Indices, Tokens
+from ._index import Indices, Tokens, _Joined
 from ._registry import ENUM_TYPES, MESSAGE_TYPES, Message, field_names
 
 _EXT_INDICES: Final = 1
@@ -252,6 +252,7 @@ _PUT: dict[type, _Put] = {
     list: _put_array,
     dict: _put_map,
     Indices: _indices_put(_EXT_INDICES, _EXT_INDICES_BLOB),
+    _Joined: _indices_put(_EXT_INDICES, _EXT_INDICES_BLOB),  # a lazy concat: the same value
     Tokens: _indices_put(_EXT_TOKENS, _EXT_TOKENS_BLOB),
 }
 """The encoder of each exact type msgpack's packer packs natively (lists, dicts and byte buffers

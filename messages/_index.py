@@ -9,6 +9,11 @@ bytes or more) is a read-only view of the same bytes, as a prompt without its la
 token is; any other slice is a copy of its part, so that a small slice never keeps a
 large value's bytes alive. Either way the value is immutable: its bytes are a
 `bytes` object's.
+
+`Indices.concat` of several parts of `JOIN_LAZY_BYTES_MIN` bytes or more joins them
+when something first reads the bytes; its length and its slices need none, so a
+scheduler that joins a cached prefix's slots to new ones and hands the tree the new
+part copies nothing. Such a value is an `Indices` like any other to every reader.
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ VIEW_BYTES_MIN: Final = 4096
 VIEW_FRACTION: Final = 0.5
 """A slice keeping at least this fraction of the bytes under it is a view of them: what a
 view keeps alive beyond itself is at most as much again."""
+JOIN_LAZY_BYTES_MIN: Final = VIEW_BYTES_MIN
+"""`Indices.concat` of at least this many bytes in several parts is joined when first read
+(smaller ones are joined at once, in less time than the lazy value takes to make)."""
 _PACK_MAX: Final = 64
 """A CPU int64 tensor of at most this many elements becomes bytes through Python ints
 (`tolist` and `struct.pack`, cheaper than a tensor copy's fixed cost); a longer one
@@ -109,12 +117,29 @@ class Indices:
 
     @classmethod
     def concat(cls, parts: Iterable[Indices]) -> Indices:
-        """The indices of all parts, one after another (a lone non-empty part of this class as it is)."""
+        """The indices of all parts, one after another (a lone non-empty part of this class as it is).
+
+        Indices of at least `JOIN_LAZY_BYTES_MIN` bytes in several parts are joined only when
+        something reads their bytes; a slice within one part is that part's slice, so that a
+        cached prefix's slots joined to new ones and sliced back to the new ones copies nothing."""
         parts = parts if type(parts) is list else list(parts)
         if len(parts) > 1:  # an empty part adds nothing: a cached prefix of none, say
-            parts = [p for p in parts if p._data]
-        if len(parts) == 1 and type(parts[0]) is cls:
+            parts = [p for p in parts if type(p) is _Joined or p._data]  # a lazy value is never empty
+        if len(parts) == 1 and (type(parts[0]) is cls or cls is Indices and type(parts[0]) is _Joined):
             return parts[0]  # as joining one bytes object would return it, and a view is not copied
+        if cls is Indices and len(parts) > 1:
+            flat: list[Indices] = []
+            size = 0
+            for p in parts:
+                if type(p) is _Joined and p._parts is not None:
+                    flat += p._parts
+                    size += p._n * _ITEM_BYTES
+                else:
+                    flat.append(p)
+                    size += len(p._data)
+            if size >= JOIN_LAZY_BYTES_MIN:
+                return _Joined._of(tuple(flat), size // _ITEM_BYTES)
+            parts = flat
         return cls._wrap(b"".join([p._data for p in parts]))
 
     @classmethod
@@ -189,7 +214,7 @@ class Indices:
         return bool(self._data)
 
     def __eq__(self, other: object) -> bool:
-        if type(other) is not type(self):
+        if type(other) is not type(self) and _kind(other) is not _kind(self):
             return False
         mine, theirs = self._data, other._data  # type: ignore[attr-defined]
         if type(mine) is bytes and type(theirs) is bytes:
@@ -212,9 +237,9 @@ class Indices:
     def __repr__(self) -> str:
         n = len(self)
         if n <= 8:
-            return f"{type(self).__name__}({self.tolist()})"
+            return f"{_kind(self).__name__}({self.tolist()})"
         head = self.as_tensor()[:4].tolist()
-        return f"{type(self).__name__}([{', '.join(map(str, head))}, ...] n={n})"
+        return f"{_kind(self).__name__}([{', '.join(map(str, head))}, ...] n={n})"
 
     def __reduce__(self) -> tuple[type[Indices], tuple[bytes]]:
         return (type(self), (self.to_bytes(),))
@@ -224,6 +249,71 @@ def _tensor_bytes(flat: torch.Tensor) -> bytes:
     """The raw bytes of a contiguous CPU int64 tensor, copied once (no numpy)."""
     n = flat.numel() * _ITEM_BYTES
     return ctypes.string_at(flat.data_ptr(), n) if n else b""
+
+
+class _Joined(Indices):
+    """`Indices.concat` of several parts, joined into one bytes object the first time
+    something reads the bytes (then it is an ordinary value). Until then its length and
+    its slices need no bytes: a slice within one part is that part's slice (a view or a
+    copy by the rule of slices), one across parts another lazy value of the parts' slices.
+    Equal, hashed, encoded and pickled as the `Indices` of the same numbers."""
+
+    __slots__ = ("_parts", "_n")
+
+    _parts: tuple[Indices, ...] | None
+    """The parts, each a non-empty value with bytes of its own (None once joined)."""
+    _n: int
+
+    @classmethod
+    def _of(cls, parts: tuple[Indices, ...], n: int) -> _Joined:
+        out = object.__new__(cls)
+        object.__setattr__(out, "_parts", parts)
+        object.__setattr__(out, "_n", n)
+        return out
+
+    @classmethod
+    def _wrap(cls, data: bytes | memoryview) -> Indices:
+        return Indices._wrap(data)  # what the base class's slices make of the joined bytes: plain values
+
+    def __getattr__(self, name: str) -> bytes:
+        # Only `_data` is ever unset (until the first read of the bytes, which joins them).
+        if name != "_data":
+            raise AttributeError(f"'Indices' object has no attribute {name!r}")
+        data = b"".join([p._data for p in self._parts])  # type: ignore[union-attr]
+        object.__setattr__(self, "_data", data)
+        object.__setattr__(self, "_parts", None)
+        return data
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __bool__(self) -> bool:
+        return self._n > 0
+
+    def __getitem__(self, key: slice) -> Indices:
+        parts = self._parts
+        if parts is None or type(key) is not slice or key.step not in (None, 1):
+            return Indices.__getitem__(self, key)
+        start, stop, _ = key.indices(self._n)
+        if stop - start >= self._n:
+            return self
+        if stop <= start:
+            return EMPTY
+        pieces, at = [], 0
+        for p in parts:
+            end = at + len(p._data) // _ITEM_BYTES
+            if start < end and stop > at:
+                pieces.append(p[start - at if start > at else 0 : stop - at])
+            at = end
+        return pieces[0] if len(pieces) == 1 else _Joined._of(tuple(pieces), stop - start)
+
+    def __reduce__(self) -> tuple[type[Indices], tuple[bytes]]:
+        return (Indices, (self.to_bytes(),))
+
+
+def _kind(value: object) -> type | None:
+    """The kind of value an `Indices` is for equality: `Indices` (a lazy join too) or `Tokens`."""
+    return Indices if type(value) is _Joined else type(value)
 
 
 class Tokens(Indices):

@@ -268,3 +268,67 @@ def test_non_integer_values_are_refused_not_truncated() -> None:
 def test_values_outside_int64_are_refused() -> None:
     with pytest.raises((OverflowError, RuntimeError, ValueError)):
         Indices.of([2**63])
+
+
+# -- lazy concatenation ------------------------------------------------------------------
+
+
+def _big(first: int, n: int) -> Indices:
+    return Indices.of(range(first, first + n))
+
+
+def test_a_large_concat_is_an_equal_value_whose_slices_within_a_part_copy_nothing() -> None:
+    prefix, new = _big(0, 600), _big(10_000, 3000)
+    joined = Indices.concat([prefix, new])
+    eager = Indices(prefix.to_bytes() + new.to_bytes())
+    assert len(joined) == 3600 and joined
+    # The new part back out of the joined value: the new part's own bytes, no copy.
+    back = joined[600:3600]
+    assert back.span()[0] is new.span()[0] and back == new
+    assert joined[600:2200].span()[0] is new.span()[0]  # a view of most of it, by the slice rule
+    assert joined[600:1000].span()[0] is not new.span()[0]  # a copy of a small part of it
+    # Slices across the parts stay lazy and read right.
+    assert joined[:3000] == eager[:3000] and joined[599:601].tolist() == [599, 10_000]
+    assert joined == eager and eager == joined and hash(joined) == hash(eager)
+    assert repr(joined) == repr(eager) == "Indices([0, 1, 2, 3, ...] n=3600)"
+    assert joined.tolist() == eager.tolist() and joined.to_bytes() == eager.to_bytes()
+    assert torch.equal(joined.as_tensor(), eager.as_tensor())
+    # Once its bytes were read it is an ordinary value; its slices still agree.
+    assert joined[600:3600] == new and joined[10:20].tolist() == list(range(10, 20))
+    assert len(joined[10:20]) == 10 and len(joined[10:3000]) == 2990 and len(joined[10:3000][5:]) == 2985
+
+
+def test_a_concat_of_lazy_values_flattens_and_small_or_token_concats_join_at_once() -> None:
+    a, b, c = _big(0, 600), _big(1000, 600), _big(5000, 600)
+    ab = Indices.concat([a, b])
+    abc = Indices.concat([ab, EMPTY, c])
+    assert abc[1200:1800].span()[0] is c.span()[0]  # the parts of both, in one flat list
+    assert abc.tolist() == a.tolist() + b.tolist() + c.tolist()
+    assert Indices.concat([EMPTY, ab]) is ab  # a lone part, lazy or not, as it is
+    small = Indices.concat([Indices.of([1]), Indices.of([2])])
+    assert type(small) is Indices and small.tolist() == [1, 2]
+    tokens = Tokens.concat([Tokens.of(range(600)), Tokens.of(range(600))])
+    assert type(tokens) is Tokens and len(tokens) == 1200 and tokens != Indices.of(list(range(600)) * 2)
+
+
+@settings(max_examples=60)
+@given(st.lists(st.integers(0, 700), min_size=2, max_size=5), st.integers(-3000, 3000), st.integers(-3000, 3000),
+       st.integers(-3000, 3000), st.integers(-3000, 3000))
+def test_slices_of_lazy_concats_agree_with_list_slicing(sizes: list[int], a: int, b: int, c: int, d: int) -> None:
+    parts = [_big(1000 * i, n) for i, n in enumerate(sizes)]
+    values = [v for p in parts for v in p.tolist()]
+    joined = Indices.concat(parts)
+    first = joined[a:b]
+    assert len(first) == len(values[a:b]) and first.tolist() == values[a:b]
+    assert first[c:d].tolist() == values[a:b][c:d] and first[c:d] == Indices.of(values[a:b][c:d])
+
+
+def test_a_lazy_concat_pickles_copies_and_encodes_as_indices() -> None:
+    from hicache.messages import FreeDeviceSlots, decode, encode
+
+    joined = Indices.concat([_big(0, 600), _big(7000, 600)])
+    for other in (pickle.loads(pickle.dumps(joined)), copy.copy(joined), copy.deepcopy(joined)):
+        assert type(other) is Indices and other == joined
+    message = FreeDeviceSlots(pages=Indices.concat([_big(0, 600), _big(7000, 600)]))
+    back = decode(encode(message))
+    assert type(back.pages) is Indices and back == message

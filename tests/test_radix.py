@@ -799,3 +799,24 @@ def test_dropping_the_device_copy_of_a_node_that_is_not_backed_up_is_refused(tre
     with pytest.raises(NodeStateError, match="illegal node transition device -> host_only"):
         tree.evict_to_host(node)
     assert node.device is not None and tree.device_tokens == 8
+
+
+def test_a_scheduler_joining_its_prefix_pages_to_new_ones_hands_the_tree_the_new_ones_uncopied(tree: Any) -> None:
+    # As a scheduler does: the cached prefix's pages and the new ones in one value, the
+    # new part sliced back out by the tree (lazy `Indices.concat`: no copy of either).
+    tree.insert("", toks(4 * 600), pages(600))
+    [prefix] = tree.match("", toks(4 * 1200))
+    new = pages(600, 5000)
+    device = cat(prefix.device, new)[:1200]
+    out = tree.insert("", toks(4 * 1200), device, own_from=4 * 600)
+    assert out.present == 2400 and out.duplicates == []
+    [adopted] = out.adopted
+    assert adopted.span()[0] is new.span()[0] and adopted == new
+    # Pages across both parts of such a value make a node too (its bytes joined when read).
+    spanning = cat(pages(600, 9000), pages(600, 20_000))
+    out = tree.insert("", toks(4 * 1200, start=10**6), spanning)
+    [node] = out.path
+    assert node.device == Indices.of(list(range(9000, 9600)) + list(range(20_000, 20_600)))
+    upper, lower = tree.match("", toks(4 * 700, start=10**6))[0], node  # a split inside the second part
+    assert upper.device.tolist() == list(range(9000, 9600)) + list(range(20_000, 20_100))
+    assert lower.device.tolist() == list(range(20_100, 20_600)) and lower.parent is upper
