@@ -49,6 +49,9 @@ messages make up.
   (`[enum_code, value]`), nested records as extension 3, and `Tokens` (the same
   int64 bytes, another meaning) as extension 4. Arrays decode as tuples. A bad
   payload raises `CodecError` saying what was wrong.
+  `Indices.concat` of parts of 4 KiB or more joins their bytes when they are
+  first read; such a value is an `Indices` to equality, hashing, the codec and
+  pickle (it decodes and unpickles as a plain one).
 - **Every mail names its sender** (`Mail.sender`, an `ActorName`); a receiver
   refuses a message from an actor that may not send it with `WrongSenderError`.
 - **Replies**: when the mail was an ask, the reply goes to the asker's future;
