@@ -366,26 +366,35 @@ class SlotTable:
     def split(self, parts: list[tuple[int, int, Indices, int]]) -> tuple[torch.Tensor, ...]:
         """For each `(base, spare, pages, n)`, `n` slots: `base .. base + spare - 1` (the rest of
         a partly used page), then the first `n - spare` slots of `pages`. Made as one tensor
-        and split into views: a decode tick's many one-slot answers cost one tensor, not one each."""
+        (`join`) and split into views: a decode tick's many one-slot answers cost one tensor,
+        not one each."""
+        whole = self.join(parts)
         sizes = [n for _, _, _, n in parts]
+        if len(sizes) == 1:
+            return (whole,)
+        k = sizes[0]
+        if k and sizes.count(k) == len(sizes):  # equal answers (a decode tick's slot each): rows of one view
+            return whole.view(-1, k).unbind(0)  # cheaper views than a split's
+        return whole.split_with_sizes(sizes)
+
+    def join(self, parts: list[tuple[int, int, Indices, int]]) -> torch.Tensor:
+        """The slots of `split`'s parts, one after another, as one new tensor."""
         p = self.page_size
-        if sum(sizes) <= FEW_MAX:
+        if sum(n for _, _, _, n in parts) <= FEW_MAX:
             flat = array("q")
             for base, spare, pages, n in parts:
                 flat.extend(range(base, base + spare))
                 if n > spare:
                     flat.extend(slots_of_pages(pages.tolist()[: -(-(n - spare) // p)], p)[: n - spare])
-            whole = torch.frombuffer(flat, dtype=torch.int64) if flat else torch.empty(0, dtype=torch.int64)
-        else:
-            pieces = []
-            for base, spare, pages, n in parts:
-                if spare:
-                    pieces.append(numpy.arange(base, base + spare, dtype=numpy.int64))
-                if n > spare:
-                    pieces.append(self._gather(pages, n - spare))
-            whole = torch.from_numpy(numpy.concatenate(pieces) if len(pieces) > 1 or not pieces[0].flags.writeable
-                                     else pieces[0])
-        return (whole,) if len(sizes) == 1 else whole.split_with_sizes(sizes)
+            return torch.frombuffer(flat, dtype=torch.int64) if flat else torch.empty(0, dtype=torch.int64)
+        pieces = []
+        for base, spare, pages, n in parts:
+            if spare:
+                pieces.append(numpy.arange(base, base + spare, dtype=numpy.int64))
+            if n > spare:
+                pieces.append(self._gather(pages, n - spare))
+        return torch.from_numpy(numpy.concatenate(pieces) if len(pieces) > 1 or not pieces[0].flags.writeable
+                                else pieces[0])
 
     def slots(self, pages: Indices, n: int) -> torch.Tensor:
         """The first `n` slots of `pages` (page numbers of this pool), as a new tensor."""

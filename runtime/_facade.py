@@ -32,7 +32,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 from hicache.actors._logging import logger
@@ -489,17 +489,32 @@ class HiCache:
 
     # -- slots ------------------------------------------------------------------------
 
+    @overload
+    def allocate(self, demands: Mapping[str, int], *, commit: Mapping[str, Sequence[int] | torch.Tensor] | None = None,
+                 flat: Literal[False] = False) -> dict[str, torch.Tensor] | Insufficient: ...
+
+    @overload
+    def allocate(self, demands: Mapping[str, int], *, commit: Mapping[str, Sequence[int] | torch.Tensor] | None = None,
+                 flat: Literal[True]) -> torch.Tensor | Insufficient: ...
+
     def allocate(
-        self, demands: Mapping[str, int], *, commit: Mapping[str, Sequence[int] | torch.Tensor] | None = None
-    ) -> dict[str, torch.Tensor] | Insufficient:
+        self, demands: Mapping[str, int], *, commit: Mapping[str, Sequence[int] | torch.Tensor] | None = None,
+        flat: bool = False,
+    ) -> dict[str, torch.Tensor] | torch.Tensor | Insufficient:
         """Device slots for the next tokens of many requests, all or nothing. If the pool is
         short, the tree evicts (waiting for writes in flight that hold evictable memory) and
         the allocation is tried once more.
 
         `commit` first records tokens whose KV was written (as `commit` does): a decode tick is
         `allocate({rid: 1, ...}, commit={rid: [last_token], ...})`, one round trip. The commit
-        holds even when the allocation does not fit."""
+        holds even when the allocation does not fit.
+
+        The slots come as a tensor per request, or with `flat=True` as one tensor: every
+        request's slots one after another, in the order of `demands` (a batch's output
+        locations, with no tensor made per request)."""
         with self._call():
+            if type(flat) is not bool:
+                raise RequestError(f"flat must be True or False, got {flat!r}")
             want = check.demands(demands, "demands", check.COUNT_MAX)
             live = self._live
             for rid in want:
@@ -507,11 +522,11 @@ class HiCache:
                     self._req(rid)  # names why it is not live
             self._record(self._commits(commit or {}))
             if not want:
-                return {}
+                return torch.empty(0, dtype=torch.int64) if flat else {}
             reply = self._allocate(want)
             if isinstance(reply, SlotsInsufficient):
                 return Insufficient(requested_slots=reply.requested_slots, free_slots=reply.free_slots)
-            return self._granted(reply, want, to_caller=True)
+            return self._granted(reply, want, to_caller=True, flat=flat)
 
     def _allocate(self, want: Mapping[str, int]) -> Any:
         """Ask the device for `want` (if the pool is short, the device has the tree evict and
@@ -532,8 +547,10 @@ class HiCache:
         return self._ask(ActorName.DEVICE, message, (SlotsAllocated, SlotsInsufficient),
                          late=lambda r: self._granted(r, want))
 
-    def _granted(self, reply: Any, demands: Mapping[str, int], *, to_caller: bool = False) -> dict[str, torch.Tensor]:
-        """Record the pages each request got for its `demands`; to the caller, the slots."""
+    def _granted(self, reply: Any, demands: Mapping[str, int], *, to_caller: bool = False,
+                 flat: bool = False) -> dict[str, torch.Tensor] | torch.Tensor:
+        """Record the pages each request got for its `demands`; to the caller, the slots (per
+        request, or `flat`: one tensor in the grants' order, which is the demands')."""
         if not isinstance(reply, SlotsAllocated):
             return {}
         p = self.config.page_size
@@ -549,9 +566,11 @@ class HiCache:
                 parts.append((live.last_page * p + start % p, min(n, (-start) % p), grant.pages, n))
             live.add_pages(grant.pages)
             live.allocated += n
+        assert self._slot_table is not None  # built by start()
+        if flat:
+            return self._slot_table.join(parts)
         if not parts:
             return {}
-        assert self._slot_table is not None  # built by start()
         return dict(zip(rids, self._slot_table.split(parts)))
 
     def commit(self, tokens: Mapping[str, Sequence[int] | torch.Tensor]) -> None:

@@ -246,6 +246,10 @@ def token_bytes(tokens: Any, what: str, request_id: str | None = None) -> bytes:
     every id in 0..2**63 - 1. Anything else (floats, bools, strings, None, a 2-D tensor,
     an id out of range) is a `RequestError` naming `what` (and `request_id`: the name is
     put together only for the error)."""
+    if type(tokens) is list and len(tokens) == 1:  # a decode step's one token: no array
+        token = tokens[0]
+        if type(token) is int and 0 <= token <= TOKEN_ID_MAX:
+            return token.to_bytes(8, "little")
     try:
         if isinstance(tokens, torch.Tensor):
             return _tensor_token_bytes(tokens)
@@ -319,5 +323,9 @@ def demands(value: Any, what: str, maximum: int) -> dict[str, int]:
     """`{request_id: count}` with every key and count checked."""
     if type(value) is not dict and not isinstance(value, Mapping):
         raise RequestError(f"{what} must be a mapping of request id to count, got {type(value).__name__}")
-    return {request_id(rid, f"a request id in {what}"): count(f"{what}[{rid!r}]", n, maximum)
-            for rid, n in value.items()}
+    out = {}
+    for rid, n in value.items():
+        if type(rid) is not str or not rid or type(n) is not int or not 0 <= n <= maximum:
+            rid, n = request_id(rid, f"a request id in {what}"), count(f"{what}[{rid!r}]", n, maximum)
+        out[rid] = n  # (the names in the errors are put together only for an error)
+    return out

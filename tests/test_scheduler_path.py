@@ -14,11 +14,12 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 
 import hicache.actors._radix as radix_module
 import hicache.actors._radix_node as node_module
 from hicache.messages import ActorName
-from hicache.runtime import Config, HiCache, Insufficient, Request, ThreadedRuntime, WritePolicy
+from hicache.runtime import Config, HiCache, Insufficient, Request, RequestError, ThreadedRuntime, WritePolicy
 from hicache.runtime.testing import DeterministicRuntime, RandomStrategy, ReferenceScheduler, SchedulerConfig
 from hicache.runtime.testing._mutants import mutant
 from hicache.runtime.testing.explore import synthetic_workload
@@ -131,6 +132,46 @@ def test_a_decode_tick_of_many_requests_answers_each_its_own_next_slots(make_con
         taken = [s for rid in lengths for s in hc.slots(rid).tolist()]
         assert len(taken) == len(set(taken))  # no slot handed to two requests
         hc.finish([a.handle for a in adms])
+        hc.check_invariants()
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_tick_answered_flat_is_every_requests_next_slots_in_the_order_of_its_demands(
+    make_config: Callable[..., Config], page_size: int
+) -> None:
+    """`allocate(..., flat=True)`: one tensor, request after request in the order the demands
+    name them, equal to what the per-request answers and `slots()` say; for ticks of equal
+    demands (a decode tick: the per-request answers are rows of one view), mixed ones, and
+    ticks large enough to be gathered rather than listed."""
+    with HiCache(make_config(page_size=page_size, device_slots=8192, host_slots=8192 + 4)) as hc:
+        lengths = {f"r{i}": 3 + i for i in range(12)}
+        adms = hc.admit([Request(rid, seq(n, 100 * i)) for i, (rid, n) in enumerate(lengths.items())])
+        assert isinstance(hc.allocate(dict(lengths)), dict)
+        hc.commit({a.request_id: seq(lengths[a.request_id], 7) for a in adms})
+        order = list(lengths)
+        for tick in range(12):
+            order = order[5:] + order[:5]  # demands named in another order each tick
+            n_each = [1, 2, 40][tick % 3]  # equal demands; 12 x 40 slots are gathered, not listed
+            want = {rid: n_each if tick % 2 else n_each + i % 2 for i, rid in enumerate(order)}
+            before = {rid: hc.allocated(rid) for rid in want}
+            flat = tick % 4 < 2
+            got = hc.allocate(want, commit={rid: [5] for rid in want} if tick else None, flat=flat)
+            expected = [hc.slots(rid)[before[rid] : before[rid] + n].tolist() for rid, n in want.items()]
+            if flat:
+                assert isinstance(got, torch.Tensor) and got.dtype == torch.int64
+                assert got.tolist() == [s for slots in expected for s in slots]
+            else:
+                assert isinstance(got, dict) and list(got) == list(want)
+                assert [got[rid].tolist() for rid in want] == expected
+            hc.commit({rid: seq(n - (1 if tick < 11 else 0), 50) for rid, n in want.items() if n > 1})
+        taken = [s for rid in lengths for s in hc.slots(rid).tolist()]
+        assert len(taken) == len(set(taken))  # no slot handed to two requests
+        empty = hc.allocate({}, flat=True)
+        assert isinstance(empty, torch.Tensor) and empty.dtype == torch.int64 and not len(empty)
+        short = hc.allocate({"r0": 10**6}, flat=True)
+        assert isinstance(short, Insufficient)
+        with pytest.raises(RequestError, match="flat must be True or False"):
+            hc.allocate({"r0": 1}, flat=1)  # type: ignore[call-overload]
         hc.check_invariants()
 
 

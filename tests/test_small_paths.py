@@ -10,6 +10,7 @@ from array import array
 from collections.abc import Callable
 from typing import Any
 
+import numpy
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -183,3 +184,21 @@ def test_token_ids_are_checked_alike_in_python_and_in_arrays(ids: list[int], dty
         assert isinstance(small, str) and small.startswith("tokens of request 'r': token ids must be in 0..")
     else:
         assert small == array("q", kept).tobytes()
+
+
+@pytest.mark.parametrize("token", [0, 7, 2**63 - 1, -1, 2**63, True, 1.0, "7", None, numpy.int64(9)])
+def test_a_decode_steps_one_token_is_checked_as_any_list_of_tokens(token: Any) -> None:
+    """One int token in a list takes a shortcut (no array); it must accept and refuse exactly
+    what the general check does, with the same words."""
+    def convert(tokens: Any) -> Any:
+        try:
+            return facade_types.token_bytes(tokens, "tokens committed for request", "r")
+        except facade_types.RequestError as err:
+            return str(err)
+
+    general = convert([token, 0])  # two tokens: the general check
+    one = convert([token])
+    if isinstance(general, bytes):
+        assert one == general[:8] == array("q", [int(token)]).tobytes()
+    else:
+        assert isinstance(one, str) and one == general
