@@ -23,3 +23,6 @@ def test_bench_trace_quick_json_has_every_phase_and_every_decode_batch(capsys) -
     for row in body["decode"]:
         assert row["ticks"] > 0 and row["facade_us_per_tick"] > 0 and row["cores_us_per_tick"] > 0
         assert abs(row["facade_us_per_request"] * row["batch"] - row["facade_us_per_tick"]) <= 0.01 * row["facade_us_per_tick"] + 0.1
+        assert row["facade_flat_us_per_tick"] > 0
+        flat_ratio = row["facade_flat_us_per_tick"] / row["cores_us_per_tick"]
+        assert abs(row["facade_flat_over_cores"] - flat_ratio) <= 0.01 * flat_ratio + 0.01
