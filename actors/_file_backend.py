@@ -48,6 +48,7 @@ from hicache.messages.config import Config
 
 from ._errors import InvariantError
 from ._kv import KVBuffer, KVShape
+from ._io_threads import THREADED_PAGE_BYTES_MIN, IOThreads
 from ._page_index import PageIndex
 from ._record_block import RecordBlock
 from ._segments import IOV_MAX, Segment, is_segment, preadv_all, punch, pwritev_all, scan, segment_name, writer_of
@@ -104,6 +105,7 @@ class FileBackend:
         """Made at the first write of pages small enough (`_record_block`)."""
         self._received = Headers.allocate(self.fmt, _PAGES_PER_CALL_MAX)
         self._expected = Headers.allocate(self.fmt, _PAGES_PER_CALL_MAX)
+        self._threads = IOThreads(config.storage_read_threads, f"hicache-file-read-{self._writer}")
         self._block = self._probe_writable()
         self._refresh(listing=True)
         self._make_room(0)
@@ -159,6 +161,7 @@ class FileBackend:
             self._close_fd(seg)
         self._index = PageIndex()
         self._current = None
+        self._threads.close()
 
     def _host_pages(self, host: KVBuffer) -> HostPages:
         if self._hosts is None or self._hosts[0] is not host:
@@ -223,11 +226,23 @@ class FileBackend:
         records read (fewer than the pages when the segment ends early)."""
         fd, record, per_page = self._fd(seg), seg.record, 1 + pages.runs_per_page
         per_read = max(1, min(READ_RUN_BYTES // record, IOV_MAX // per_page))
-        sums: list[int] = []
-        for a in range(0, len(payloads), per_read):
-            b = min(a + per_read, len(payloads))
+        pieces = [(a, min(a + per_read, len(payloads))) for a in range(0, len(payloads), per_read)]
+
+        def piece(ab: tuple[int, int]) -> tuple[int, list[int]]:
+            a, b = ab
             whole = preadv_all(fd, bufs[a * per_page : b * per_page], (first + a) * record) // record
-            sums += pages.checksums(payloads[a : a + whole])
+            return whole, pages.checksums(payloads[a : a + whole])
+
+        sums: list[int] = []
+        if self._threads.threads == 1 or len(pieces) == 1 or self.fmt.payload_bytes < THREADED_PAGE_BYTES_MIN:
+            for a, b in pieces:
+                whole, got = piece((a, b))
+                sums += got
+                if a + whole < b:
+                    break
+            return sums
+        for (a, b), (whole, got) in zip(pieces, self._threads.map(piece, pieces)):
+            sums += got  # in order, up to the first piece the file ended in (those after it count for nothing)
             if a + whole < b:
                 break
         return sums

@@ -58,6 +58,7 @@ import torch
 
 from hicache.messages.config import Config
 
+from ._io_threads import THREADED_PAGE_BYTES_MIN, IOThreads
 from ._kv import KVBuffer, KVShape
 from ._record_block import RecordBlock
 from ._stored_page import (
@@ -201,6 +202,7 @@ class MooncakeBackend:
         """Host buffers registered with the client, by address."""
         self._errors = 0
         self._calls = _BoundedCalls(config.storage_timeout_s, keep=self._keep)
+        self._threads = IOThreads(config.storage_read_threads, "hicache-mooncake-verify")
         self._closed = False
         try:
             rc = self._calls.run(
@@ -324,7 +326,7 @@ class MooncakeBackend:
         if block is not None:  # the headers to where a multi-buffer get puts them, for one comparison
             sums = block.received(n, self._moved.memory)
         else:
-            sums = pages.checksums(pages.payloads(starts[:n]))
+            sums = self._checksums(pages, pages.payloads(starts[:n]))
         self._expected.fill(keys[:n], sums)
         if not self._moved.same(self._expected, n):
             bad, problem = self._moved.first_bad(self._expected, keys[:n], sums)
@@ -417,6 +419,18 @@ class MooncakeBackend:
             written += rc == 0
         return len(keys), written, ""
 
+    def _checksums(self, pages: HostPages, payloads: list[Any]) -> list[int]:
+        """The checksums of pages a get brought into host memory: large pages of one run
+        (page_first) on `storage_read_threads` threads, in contiguous shares
+        (`THREADED_PAGE_BYTES_MIN`). A layer_first page's checksum streams over its runs, each
+        too small to let go of the interpreter lock: a second thread would only wait for it."""
+        k = min(self._threads.threads, len(payloads))
+        if k <= 1 or self.fmt.payload_bytes < THREADED_PAGE_BYTES_MIN or pages.runs_per_page > 1:
+            return pages.checksums(payloads)
+        n = len(payloads)
+        shares = [payloads[i * n // k : (i + 1) * n // k] for i in range(k)]
+        return [s for share in self._threads.map(pages.checksums, shares) for s in share]
+
     def close(self) -> None:
         """Unmount this client's segment (its pages leave the store) and stop the call thread.
 
@@ -439,6 +453,7 @@ class MooncakeBackend:
         else:
             self._store.close()  # holds the GIL, so the call thread could not bound it either
         self._calls.stop()
+        self._threads.close()
 
 
 def _bytes_of(buffer: torch.Tensor) -> memoryview:

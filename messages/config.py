@@ -139,6 +139,9 @@ class Config:
     storage_batch_mb: int = _field(1, Count(0, 1 << 10),
                                    "A step also takes more pages while they hold at most this many MiB of KV "
                                    "(small pages share a call's fixed cost); 0: `storage_batch_pages` exactly.")
+    storage_read_threads: int = _field(2, Count(1, 64),
+                                       "Threads that verify the pages of one storage read together, pages "
+                                       "of 256 KiB or more (file: their reads too); 1: the prefetcher's alone.")
     storage_max_bytes: int = _field(0, Count(0, 1 << 62),
                                     "File backend: most bytes its pages may take on disk (least recently used "
                                     "pages are evicted past it, within one segment file); 0: no bound.")

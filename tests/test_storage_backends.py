@@ -34,6 +34,7 @@ from hicache.actors import (
     open_backend,
     page_keys,
 )
+from hicache.actors._io_threads import THREADED_PAGE_BYTES_MIN
 from hicache.actors._mooncake import SETUP_RETRIES
 from hicache.actors._record_block import RecordBlock
 from hicache.actors._stored_page import checksum
@@ -363,6 +364,81 @@ def test_pages_past_a_record_block_move_run_by_run_and_a_damaged_one_is_a_miss(
     got = backend.read(ks, dst, _slots([0, 1, 2, 3, 4]))
     assert got.pages == 2 and ks[2] in got.error and "unusable" in got.error, got
     backend.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_large_pages_verified_on_several_threads_read_as_on_one_and_a_damaged_one_stops_the_read(
+    kind: str, keys, master: MooncakeMaster, raw_client, tmp_path: Path
+) -> None:
+    """Pages of `THREADED_PAGE_BYTES_MIN` or more are verified on `storage_read_threads`
+    threads (the file backend reads them there too): the bytes and the verdicts are those of
+    one thread, and a damaged page stops the read at itself wherever its piece ran."""
+    page = 8
+    shape = dict(layers=8, kv_heads=4, head_dim=256, page_size=page, device_slots=4 * page, host_slots=8 * page)
+    where = ({"storage": "file", "storage_dir": str(tmp_path)} if kind == "file"
+             else {"storage": "mooncake", "mooncake_segment_mb": 32, **master.config_fields()})
+    fmt = PageFormat(KVShape.of(Config(**shape)))
+    assert fmt.payload_bytes == THREADED_PAGE_BYTES_MIN
+
+    def slots(pages: list[int]) -> torch.Tensor:
+        return (torch.tensor(pages, dtype=torch.int64)[:, None] * page + torch.arange(page)).flatten()
+
+    ks = keys(7)
+    src = KVBuffer.allocate(KVShape.of(Config(**shape)), 8 * page, HostLayout.PAGE_FIRST, "cpu")
+    src.tensor.view(torch.uint8).random_(generator=torch.Generator().manual_seed(12))
+    backends = {n: open_backend(Config(**shape, **where, storage_batch_pages=7, storage_batch_mb=0,
+                                       storage_read_threads=n)) for n in (1, 2, 3)}
+    try:
+        assert backends[1].write(ks, src, slots([3, 0, 6, 1, 4, 7, 2])).written == 7
+        want = src.read(slots([3, 0, 6, 1, 4, 7, 2])).view(torch.uint8)
+        for n, backend in backends.items():
+            for layout in LAYOUTS:
+                dst = KVBuffer.allocate(KVShape.of(Config(**shape)), 8 * page, layout, "cpu")
+                assert backend.read(ks, dst, slots([7, 2, 5, 0, 1, 6, 3])) == StorageIO(
+                    pages=7, bytes=7 * fmt.payload_bytes), (n, layout)
+                assert torch.equal(dst.read(slots([7, 2, 5, 0, 1, 6, 3])).view(torch.uint8), want), (n, layout)
+        # Damage the fifth page, then the second: the read stops at each, on every thread count.
+        for bad in (4, 1):
+            stored = _stored(backends[1], raw_client, ks[bad])
+            _overwrite(backends[1], raw_client, ks[bad], stored[:-7] + bytes([stored[-7] ^ 0x40]) + stored[-6:])
+            for n, backend in backends.items():
+                for layout in LAYOUTS:
+                    dst = KVBuffer.allocate(KVShape.of(Config(**shape)), 8 * page, layout, "cpu")
+                    got = backend.read(ks, dst, slots([7, 2, 5, 0, 1, 6, 3]))
+                    assert got.pages == bad and ks[bad] in got.error, (n, layout, got)
+                    assert "unusable" in got.error or "not in storage" in got.error, got  # dropped by an earlier reader
+                    good, written = slots([7, 2, 5, 0, 1, 6, 3][:bad]), slots([3, 0, 6, 1, 4, 7, 2][:bad])
+                    assert torch.equal(dst.read(good).view(torch.uint8), src.read(written).view(torch.uint8)), (n, layout)
+            assert backends[1].write(ks, src, slots([3, 0, 6, 1, 4, 7, 2])).written == 1  # put back whole
+    finally:
+        for backend in backends.values():
+            backend.close()
+
+
+def test_a_file_read_on_several_threads_stops_where_the_segment_ends(tmp_path: Path) -> None:
+    """A segment cut short within the first of a read's pieces: the pieces after it read
+    nothing that counts, on any thread count."""
+    page = 8
+    shape = dict(layers=8, kv_heads=4, head_dim=256, page_size=page, device_slots=4 * page, host_slots=8 * page)
+    config = Config(**shape, storage="file", storage_dir=str(tmp_path), storage_batch_pages=7, storage_batch_mb=0)
+    fmt = PageFormat(KVShape.of(config))
+    slots = (torch.arange(7)[:, None] * page + torch.arange(page)).flatten()
+    src = KVBuffer.allocate(KVShape.of(config), 8 * page, HostLayout.PAGE_FIRST, "cpu")
+    src.tensor.view(torch.uint8).random_(generator=torch.Generator().manual_seed(13))
+    writer = open_backend(config)
+    ks = [f"cut-{i}" for i in range(7)]
+    assert writer.write(ks, src, slots).written == 7
+    path, offset = writer.locate(ks[0])
+    writer.close()
+    readers = {n: open_backend(config.replace(storage_read_threads=n)) for n in (1, 2, 3)}  # each indexes all 7
+    with open(path, "r+b") as f:
+        f.truncate(offset + 2 * fmt.stored_bytes + fmt.header_bytes + 1000)  # inside the third page
+    for n, reader in readers.items():
+        dst = KVBuffer.allocate(KVShape.of(config), 8 * page, HostLayout.LAYER_FIRST, "cpu")
+        got = reader.read(ks, dst, slots)
+        assert got.pages == 2 and "truncated" in got.error, (n, got)
+        assert torch.equal(dst.read(slots[: 2 * page]).view(torch.uint8), src.read(slots[: 2 * page]).view(torch.uint8)), n
+        reader.close()
 
 
 def test_a_page_stored_under_another_key_is_a_miss(pair, keys, raw_client) -> None:

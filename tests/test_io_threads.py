@@ -1,0 +1,85 @@
+"""`IOThreads`: the pieces of one storage call on the caller's thread and a few helpers."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from hicache.actors._io_threads import IOThreads
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_results_come_in_item_order_from_every_thread() -> None:
+    threads = IOThreads(3, "test-io")
+    try:
+        ran_on: dict[int, str] = {}
+
+        def square(x: int) -> int:
+            ran_on[x] = threading.current_thread().name
+            return x * x
+
+        assert threads.map(square, list(range(10))) == [x * x for x in range(10)]
+        # Item k on thread k % 3: the caller's, then the two helpers.
+        me = threading.current_thread().name
+        assert {ran_on[k] for k in (0, 3, 6, 9)} == {me}
+        assert {ran_on[k] for k in (1, 4, 7)} == {"test-io-1"}
+        assert {ran_on[k] for k in (2, 5, 8)} == {"test-io-2"}
+    finally:
+        threads.close()
+
+
+def test_one_thread_or_one_item_runs_on_the_caller_and_starts_no_helper() -> None:
+    before = threading.active_count()
+    for threads, items in ((IOThreads(1, "test-io"), [1, 2, 3]), (IOThreads(4, "test-io"), [5])):
+        names = threads.map(lambda _: threading.current_thread().name, items)
+        assert set(names) == {threading.current_thread().name}
+        assert threading.active_count() == before
+    assert IOThreads(2, "test-io").map(abs, []) == []
+
+
+def test_a_failed_piece_is_raised_only_after_every_other_piece_finished() -> None:
+    """A read's pieces write into host slots: none may still run once the call has raised."""
+    threads = IOThreads(2, "test-io")
+    try:
+        finished: list[int] = []
+
+        def piece(x: int) -> int:
+            if x == 0:
+                raise OSError(5, "caller's piece failed")
+            time.sleep(0.05)  # the helper's piece is still running when the caller's fails
+            finished.append(x)
+            return x
+
+        with pytest.raises(OSError, match="caller's piece failed"):
+            threads.map(piece, [0, 1])
+        assert finished == [1]
+
+        def helper_fails(x: int) -> int:
+            if x == 1:
+                raise ValueError("helper's piece failed")
+            return x
+
+        with pytest.raises(ValueError, match="helper's piece failed"):
+            threads.map(helper_fails, [0, 1, 2, 3])
+        assert threads.map(abs, [-1, -2, -3]) == [1, 2, 3], "a failure leaves the helpers usable"
+    finally:
+        threads.close()
+
+
+def test_helpers_are_daemon_threads_that_stop_on_close() -> None:
+    threads = IOThreads(3, "test-io-close")
+    threads.map(abs, [1, 2, 3])
+    helpers = [t for t in threading.enumerate() if t.name.startswith("test-io-close-")]
+    assert len(helpers) == 2 and all(t.daemon for t in helpers)
+    threads.close()
+    for t in helpers:
+        t.join(timeout=5)
+    assert not any(t.is_alive() for t in helpers)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_fewer_than_one_thread_is_a_value_error(bad: object) -> None:
+    with pytest.raises(ValueError, match="at least 1 thread"):
+        IOThreads(bad, "test-io")  # type: ignore[arg-type]
