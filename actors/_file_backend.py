@@ -221,12 +221,18 @@ class FileBackend:
     def _read_checksummed(
         self, seg: Segment, first: int, pages: HostPages, bufs: list[memoryview], payloads: list[Any]
     ) -> list[int]:
-        """Read the records into `bufs`, `READ_RUN_BYTES` at a time (a larger page alone), each
-        piece checksummed while it is still in the CPU's cache; the checksums of the whole
-        records read (fewer than the pages when the segment ends early)."""
+        """Read the records into `bufs` in pieces of at most `READ_RUN_BYTES` (a larger page
+        alone), each piece checksummed while it is still in the CPU's cache; the checksums of
+        the whole records read (fewer than the pages when the segment ends early). Pages of
+        `THREADED_PAGE_BYTES_MIN` or more: the pieces, at least one a thread, run on the
+        `storage_read_threads` threads (`IOThreads`), and count in order up to the first one
+        the file ended in."""
         fd, record, per_page = self._fd(seg), seg.record, 1 + pages.runs_per_page
         per_read = max(1, min(READ_RUN_BYTES // record, IOV_MAX // per_page))
-        pieces = [(a, min(a + per_read, len(payloads))) for a in range(0, len(payloads), per_read)]
+        n = len(payloads)
+        threads = self._threads.threads if self.fmt.payload_bytes >= THREADED_PAGE_BYTES_MIN else 1
+        k = max(-(-n // per_read), min(threads, n))
+        pieces = [(i * n // k, (i + 1) * n // k) for i in range(k)]
 
         def piece(ab: tuple[int, int]) -> tuple[int, list[int]]:
             a, b = ab
@@ -234,16 +240,10 @@ class FileBackend:
             return whole, pages.checksums(payloads[a : a + whole])
 
         sums: list[int] = []
-        if self._threads.threads == 1 or len(pieces) == 1 or self.fmt.payload_bytes < THREADED_PAGE_BYTES_MIN:
-            for a, b in pieces:
-                whole, got = piece((a, b))
-                sums += got
-                if a + whole < b:
-                    break
-            return sums
-        for (a, b), (whole, got) in zip(pieces, self._threads.map(piece, pieces)):
-            sums += got  # in order, up to the first piece the file ended in (those after it count for nothing)
-            if a + whole < b:
+        read = self._threads.map(piece, pieces) if threads > 1 else map(piece, pieces)  # lazily, one by one
+        for (a, b), (whole, got) in zip(pieces, read):
+            sums += got
+            if a + whole < b:  # the file ends here: read no further (on threads: count no further)
                 break
         return sums
 
