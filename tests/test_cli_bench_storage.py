@@ -96,3 +96,29 @@ def test_load_back_on_a_backend_that_cannot_run_is_an_error_row(capsys, monkeypa
     assert [r["layout"] for r in body["load_back"]] == ["layer_first", "page_first"]
     for r in body["load_back"]:
         assert "mooncake_master was not found" in r["error"] and r["path_ratio"] is None
+
+
+@pytest.mark.timeout(120)
+def test_read_threads_reach_the_backends_and_the_report(capsys, monkeypatch) -> None:
+    opened: list[int] = []
+    real = _bench_storage.open_backend
+
+    def recording(config):  # type: ignore[no-untyped-def]
+        opened.append(config.storage_read_threads)
+        return real(config)
+
+    monkeypatch.setattr(_bench_storage, "open_backend", recording)
+    assert main(["bench", "storage", "--mib", "2", "--backend", "file", "--read-threads", "3", "--json"]) == 0
+    body = json.loads(capsys.readouterr().out)
+    assert body["workload"]["read_threads"] == 3 and opened and set(opened) == {3}
+    assert all(r["error"] == "" and r["read_gbps"] > 0 for r in body["results"])
+
+    opened.clear()
+    assert main(["bench", "storage", "--mib", "2", "--backend", "file", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["workload"]["read_threads"] == 2 and set(opened) == {2}
+
+
+@pytest.mark.timeout(30)
+def test_read_threads_outside_one_to_64_are_refused_with_the_range(capsys) -> None:
+    with pytest.raises(SystemExit, match=r"--read-threads must be in 1\.\.64, got 65"):
+        main(["bench", "storage", "--mib", "2", "--backend", "file", "--read-threads", "65", "--json"])

@@ -432,7 +432,8 @@ def _storage_fields(kind: str, mib: int, stack: ExitStack) -> dict[str, Any]:
 
 
 def _run_backend(kind: str, mib: int, write_pages: int, step: Callable[[], None],
-                 load_back: torch.device | None = None) -> tuple[list[Result], list[LoadBack]]:
+                 load_back: torch.device | None = None, read_threads: int | None = None,
+                 ) -> tuple[list[Result], list[LoadBack]]:
     """Every layout and page size on one backend, then (given a device) the L3-hit path at
     each layout; error rows for what could not run."""
     results: list[Result] = []
@@ -441,6 +442,8 @@ def _run_backend(kind: str, mib: int, write_pages: int, step: Callable[[], None]
     try:
         with ExitStack() as stack:
             fields = _storage_fields(kind, mib, stack)
+            if read_threads is not None:
+                fields["storage_read_threads"] = read_threads
             if load_back is not None:
                 page, pages = LOAD_BACK_PAGE, _pages(LOAD_BACK_PAGE, mib)
                 config = _config(page, pages, LAYOUTS[0], **fields)
@@ -476,11 +479,11 @@ def _run_backend(kind: str, mib: int, write_pages: int, step: Callable[[], None]
 # -- the command -----------------------------------------------------------------------------
 
 
-def _table(results: list[Result], mib: int, write_pages: int, machine: dict[str, object]) -> Table:
+def _table(results: list[Result], mib: int, write_pages: int, read_threads: int, machine: dict[str, object]) -> Table:
     t = Table(
         title=f"storage: {mib} MiB of 2 MiB pages ({min(mib, SMALL_MIB_MAX)} MiB of smaller ones), reads of "
-              f"storage_step_pages ({', '.join(f'{_step(p)} at {p}' for p in SHAPES)}) and writes of "
-              f"{write_pages} pages a call, median of {REPS}",
+              f"storage_step_pages ({', '.join(f'{_step(p)} at {p}' for p in SHAPES)}) on {read_threads} "
+              f"read thread(s) and writes of {write_pages} pages a call, median of {REPS}",
         caption=(f"{machine['cpu_count']} x {machine['cpu_model']}, {machine['memory_gib']} GiB, "
                  f"torch {machine['torch']}; raw: the same stored bytes, unchecked, one host region"),
     )
@@ -507,11 +510,15 @@ def _load_back_table(paths: list[LoadBack], mib: int, machine: dict[str, object]
 
 
 def run_bench_storage(*, as_json: bool, mib: int, write_pages: int = WRITE_PAGES, backends: tuple[str, ...] = BACKENDS,
-                      load_back: bool = False) -> int:
+                      load_back: bool = False, read_threads: int | None = None) -> int:
+    """`read_threads`: the backends' `storage_read_threads` (None: the default)."""
     if mib < 2:
         raise SystemExit("hicache bench storage: --mib must be at least 2 (one 2 MiB page)")
     if write_pages < 1:
         raise SystemExit("hicache bench storage: --write-pages must be at least 1")
+    threads = Config().storage_read_threads if read_threads is None else read_threads
+    if type(threads) is not int or not 1 <= threads <= 64:
+        raise SystemExit(f"hicache bench storage: --read-threads must be in 1..64, got {read_threads!r}")
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # Mooncake's client logs every step at INFO
     unknown = [b for b in backends if b not in BACKENDS]
     if unknown or not backends:
@@ -526,7 +533,7 @@ def run_bench_storage(*, as_json: bool, mib: int, write_pages: int = WRITE_PAGES
         task = progress.add_task("storage", total=len(backends) * per_backend)
         for name in backends:
             progress.update(task, description=name)
-            r, lb = _run_backend(name, mib, write_pages, lambda: progress.advance(task), device)
+            r, lb = _run_backend(name, mib, write_pages, lambda: progress.advance(task), device, threads)
             results += r
             paths += lb
     machine = _machine(kind)
@@ -535,10 +542,11 @@ def run_bench_storage(*, as_json: bool, mib: int, write_pages: int = WRITE_PAGES
         "workload": {"shapes": SHAPES, "mib": mib, "small_mib": min(mib, SMALL_MIB_MAX),
                      "pages": {page: _pages(page, mib) for page in SHAPES},
                      "read_pages": {page: _step(page) for page in SHAPES}, "write_pages": write_pages,
+                     "read_threads": threads,
                      "warmup": WARMUP, "reps": REPS},
         "results": [r.to_json() for r in results],
     }
-    table: Any = _table(results, mib, write_pages, machine)
+    table: Any = _table(results, mib, write_pages, threads, machine)
     if load_back:
         body["load_back"] = [r.to_json() for r in paths]
         table = Group(table, _load_back_table(paths, mib, machine))

@@ -190,6 +190,9 @@ def _bench_args(bench: argparse.ArgumentParser) -> None:
                     help="the storage backends to time (default both)")
     st.add_argument("--load-back", action="store_true",
                     help="also time an L3 hit's path: storage -> host -> device (the GPU when CUDA is present)")
+    st.add_argument("--read-threads", type=_count, default=None,
+                    help="the backends' storage_read_threads: threads that verify a read's large pages "
+                         "together (default: Config's, 2)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -298,7 +301,7 @@ def _bench(args: argparse.Namespace) -> int:
     if args.bench == "storage":
         backends = ("file", "mooncake") if args.backend == "both" else (args.backend,)
         return int(run(as_json=args.json, mib=args.mib, write_pages=args.write_pages, backends=backends,
-                       load_back=args.load_back))
+                       load_back=args.load_back, read_threads=args.read_threads))
     if args.bench == "trace":
         return int(run(as_json=args.json, quick=args.quick, requests=args.requests))
     return int(run(as_json=args.json, quick=args.quick))
