@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -263,6 +264,39 @@ def test_a_read_error_is_a_counted_miss_logged_once_with_its_path(tmp_path: Path
     assert [(e["log_level"], e["path"]) for e in logs] == [("error", path)]
     assert backend.usage().io_errors == 1
     assert backend.read(_keys("eio", 2), dst, _slots([0, 1])).pages == 2  # the next call works
+
+
+def test_a_read_error_on_a_helper_thread_is_a_counted_miss_and_the_next_read_works(
+    tmp_path: Path, opened: Any, monkeypatch
+) -> None:
+    """Pages of 256 KiB are read on `storage_read_threads` threads: an error in a helper's
+    piece fails the call as one on the prefetcher's thread does, once all pieces ended."""
+    large = dict(layers=4, kv_heads=4, head_dim=256, storage_read_threads=2)  # 256 KiB pages
+    backend = opened(**large)
+    assert backend.fmt.payload_bytes == 256 << 10
+    src, dst = _host(_config(tmp_path, **large), seed=9), _host(_config(tmp_path, **large))
+    ks = _keys("helper-eio", 6)
+    assert backend.write(ks, src, _slots([0, 1, 2, 3, 4, 5])).written == 6
+    caller, real, threads = threading.current_thread(), _file_backend.os.preadv, set()
+
+    def failing_on_helpers(*args: Any) -> int:
+        threads.add(threading.current_thread().name)
+        if threading.current_thread() is not caller:
+            raise OSError(5, "Input/output error")
+        return real(*args)
+
+    monkeypatch.setattr(_file_backend.os, "preadv", failing_on_helpers)
+    with capture_logs() as logs:
+        got = backend.read(ks, dst, _slots([6, 7, 8, 9, 10, 11]))
+    monkeypatch.undo()
+
+    assert len(threads) == 2, threads  # the prefetcher's thread (here the test's) and one helper
+    path = str(backend.locate(ks[0])[0])
+    assert got.pages == 0 and "Input/output error" in got.error and path in got.error, got
+    assert [(e["log_level"], e["path"]) for e in logs] == [("error", path)]
+    assert backend.usage().io_errors == 1
+    assert backend.read(ks, dst, _slots([6, 7, 8, 9, 10, 11])).pages == 6  # the next call works
+    assert _same(dst, [6, 7, 8, 9, 10, 11], src, [0, 1, 2, 3, 4, 5])
 
 
 def test_a_removed_storage_directory_is_recreated_by_the_next_backup(tmp_path: Path) -> None:
