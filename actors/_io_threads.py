@@ -50,7 +50,8 @@ class IOThreads:
 
     def map(self, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
         """`[fn(item) for item in items]`, item k on thread k % threads (0: the caller's).
-        Returns when all have finished; raises the first exception in item order."""
+        Returns when all have finished. If any failed, raises once all have ended: the caller's
+        share's exception, else the first failed helper's (each share stops at its failure)."""
         n = min(self.threads, len(items))
         if n <= 1:
             return [fn(item) for item in items]
