@@ -200,8 +200,7 @@ class FileBackend:
             if block is not None:
                 sums = self._read_staged(seg, first, starts, pages, block)
             else:
-                payloads = pages.payloads(starts)
-                sums = self._read_checksummed(seg, first, pages, pages.records(received.views, payloads), payloads)
+                sums = self._read_checksummed(seg, first, pages, starts, received.views)
         except OSError as e:
             self._forget_segment_if_gone(seg, e)
             return 0, f"page {keys[0]}: " + self._error("reading", seg.path, e, keys[0])
@@ -219,25 +218,27 @@ class FileBackend:
         return bad, f"page {keys[bad]} is unusable ({problem}); dropped it"
 
     def _read_checksummed(
-        self, seg: Segment, first: int, pages: HostPages, bufs: list[memoryview], payloads: list[Any]
+        self, seg: Segment, first: int, pages: HostPages, starts: list[int], headers: Sequence[memoryview]
     ) -> list[int]:
-        """Read the records into `bufs` in pieces of at most `READ_RUN_BYTES` (a larger page
-        alone), each piece checksummed while it is still in the CPU's cache; the checksums of
-        the whole records read (fewer than the pages when the segment ends early). Pages of
-        `THREADED_PAGE_BYTES_MIN` or more: the pieces, at least one a thread, run on the
-        `storage_read_threads` threads (`IOThreads`), and count in order up to the first one
-        the file ended in."""
+        """Read the records of the host pages at `starts` into them (the headers into `headers`)
+        in pieces of at most `READ_RUN_BYTES` (a larger page alone), each piece checksummed
+        while it is still in the CPU's cache; the checksums of the whole records read (fewer
+        than the pages when the segment ends early). Pages of `THREADED_PAGE_BYTES_MIN` or
+        more: the pieces, at least one a thread, run on the `storage_read_threads` threads
+        (`IOThreads`), each making its own buffers while the others read, and count in order
+        up to the first one the file ended in."""
         fd, record, per_page = self._fd(seg), seg.record, 1 + pages.runs_per_page
         per_read = max(1, min(READ_RUN_BYTES // record, IOV_MAX // per_page))
-        n = len(payloads)
+        n = len(starts)
         threads = self._threads.threads if self.fmt.payload_bytes >= THREADED_PAGE_BYTES_MIN else 1
         k = max(-(-n // per_read), min(threads, n))
         pieces = [(i * n // k, (i + 1) * n // k) for i in range(k)]
 
         def piece(ab: tuple[int, int]) -> tuple[int, list[int]]:
             a, b = ab
-            whole = preadv_all(fd, bufs[a * per_page : b * per_page], (first + a) * record) // record
-            return whole, pages.checksums(payloads[a : a + whole])
+            payloads = pages.payloads(starts[a:b])
+            whole = preadv_all(fd, pages.records(headers[a:b], payloads), (first + a) * record) // record
+            return whole, pages.checksums(payloads[:whole])
 
         sums: list[int] = []
         read = self._threads.map(piece, pieces) if threads > 1 else map(piece, pieces)  # lazily, one by one
