@@ -7,7 +7,8 @@ the independent pieces of one read (adjacent records, each into its own host slo
 run side by side on `threads` threads: the caller's and `threads - 1` helpers. A helper
 is a daemon thread, started at the first call that has pieces for it, so a process with
 storage reads that hang (a dead network mount) still exits; a `ThreadPoolExecutor`
-would join it at exit.
+would join it at exit. A child forked after the helpers started has none of their
+threads, so its first call starts helpers of its own.
 
 The call is synchronous: `map` returns once every piece has finished, whatever failed,
 so no helper is still writing into host slots the caller's caller may hand on. Which
@@ -19,6 +20,7 @@ actors above them take time, ids and timers from the runtime.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from collections.abc import Callable, Sequence
@@ -47,6 +49,8 @@ class IOThreads:
         self._name = name
         self._helpers: list[queue.SimpleQueue[Any]] = []
         """Each helper's queue of work (a share of a call's pieces), in start order."""
+        self._pid = os.getpid()
+        """The process the helpers run in: a fork's child has none of them, and starts its own."""
 
     def map(self, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
         """`[fn(item) for item in items]`, item k on thread k % threads (0: the caller's).
@@ -90,6 +94,8 @@ class IOThreads:
         self._helpers = []
 
     def _start(self, helpers: int) -> None:
+        if self._pid != os.getpid():  # forked since they started: their threads stayed in the parent
+            self._helpers, self._pid = [], os.getpid()
         while len(self._helpers) < helpers:
             work: queue.SimpleQueue[Any] = queue.SimpleQueue()
             name = f"{self._name}-{len(self._helpers) + 1}"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
@@ -77,6 +79,23 @@ def test_helpers_are_daemon_threads_that_stop_on_close() -> None:
     for t in helpers:
         t.join(timeout=5)
     assert not any(t.is_alive() for t in helpers)
+
+
+def test_a_forked_child_starts_helpers_of_its_own() -> None:
+    """A fork keeps the parent's queues but not its threads: the child must not wait on them."""
+    threads = IOThreads(2, "test-io-fork")
+    try:
+        assert threads.map(abs, [-1, -2]) == [1, 2]  # the parent's helper is running
+        pid = os.fork()
+        if pid == 0:  # the child: a second map within 10 s, or a failing exit status
+            signal.alarm(10)
+            ok = threads.map(abs, [-3, -4, -5]) == [3, 4, 5]
+            os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert threads.map(abs, [-6, -7]) == [6, 7]  # the parent's helpers still serve
+    finally:
+        threads.close()
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True])
