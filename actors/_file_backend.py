@@ -48,7 +48,7 @@ from hicache.messages.config import Config
 
 from ._errors import InvariantError
 from ._kv import KVBuffer, KVShape
-from ._io_threads import THREADED_PAGE_BYTES_MIN, IOThreads
+from ._io_threads import IOThreads, shares
 from ._page_index import PageIndex
 from ._record_block import RecordBlock
 from ._segments import IOV_MAX, Segment, is_segment, preadv_all, punch, pwritev_all, scan, segment_name, writer_of
@@ -230,9 +230,8 @@ class FileBackend:
         fd, record, per_page = self._fd(seg), seg.record, 1 + pages.runs_per_page
         per_read = max(1, min(READ_RUN_BYTES // record, IOV_MAX // per_page))
         n = len(starts)
-        threads = self._threads.threads if self.fmt.payload_bytes >= THREADED_PAGE_BYTES_MIN else 1
-        k = max(-(-n // per_read), min(threads, n))
-        pieces = [(i * n // k, (i + 1) * n // k) for i in range(k)]
+        threads = self._threads.threads_for(self.fmt.payload_bytes)
+        pieces = shares(n, max(-(-n // per_read), min(threads, n)))
 
         def piece(ab: tuple[int, int]) -> tuple[int, list[int]]:
             a, b = ab

@@ -52,6 +52,11 @@ class IOThreads:
         self._pid = os.getpid()
         """The process the helpers run in: a fork's child has none of them, and starts its own."""
 
+    def threads_for(self, page_bytes: int) -> int:
+        """The threads a read of pages of `page_bytes` runs on: all of them for pages of
+        `THREADED_PAGE_BYTES_MIN` or more, else the caller's alone."""
+        return self.threads if page_bytes >= THREADED_PAGE_BYTES_MIN else 1
+
     def map(self, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
         """`[fn(item) for item in items]`, item k on thread k % threads (0: the caller's).
         Returns when all have finished. If any failed, raises once all have ended: the caller's
@@ -101,6 +106,11 @@ class IOThreads:
             name = f"{self._name}-{len(self._helpers) + 1}"
             threading.Thread(target=_serve, args=(work,), name=name, daemon=True).start()
             self._helpers.append(work)
+
+
+def shares(n: int, k: int) -> list[tuple[int, int]]:
+    """`range(n)` in `k` contiguous shares of nearly equal size, as (start, stop)."""
+    return [(i * n // k, (i + 1) * n // k) for i in range(k)]
 
 
 def _serve(work: queue.SimpleQueue[Any]) -> None:

@@ -58,7 +58,7 @@ import torch
 
 from hicache.messages.config import Config
 
-from ._io_threads import THREADED_PAGE_BYTES_MIN, IOThreads
+from ._io_threads import IOThreads, shares
 from ._kv import KVBuffer, KVShape
 from ._record_block import RecordBlock
 from ._stored_page import (
@@ -424,12 +424,11 @@ class MooncakeBackend:
         (page_first) on `storage_read_threads` threads, in contiguous shares
         (`THREADED_PAGE_BYTES_MIN`). A layer_first page's checksum streams over its runs, each
         too small to let go of the interpreter lock: a second thread would only wait for it."""
-        k = min(self._threads.threads, len(payloads))
-        if k <= 1 or self.fmt.payload_bytes < THREADED_PAGE_BYTES_MIN or pages.runs_per_page > 1:
+        k = min(self._threads.threads_for(self.fmt.payload_bytes), len(payloads))
+        if k <= 1 or pages.runs_per_page > 1:
             return pages.checksums(payloads)
-        n = len(payloads)
-        shares = [payloads[i * n // k : (i + 1) * n // k] for i in range(k)]
-        return [s for share in self._threads.map(pages.checksums, shares) for s in share]
+        parts = [payloads[a:b] for a, b in shares(len(payloads), k)]
+        return [s for part in self._threads.map(pages.checksums, parts) for s in part]
 
     def close(self) -> None:
         """Unmount this client's segment (its pages leave the store) and stop the call thread.

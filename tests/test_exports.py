@@ -56,6 +56,7 @@ INTERNAL = {
     "hicache.actors._segments.preadv_all": "the file backend's whole preadv of a run of records",
     "hicache.actors._segments.pwritev_all": "the file backend's whole pwritev of a batch of records",
     "hicache.actors._io_threads.IOThreads": "both storage backends' helper threads for the pieces of one large-page read",
+    "hicache.actors._io_threads.shares": "both storage backends' split of a read's pages among its threads",
     "hicache.runtime.testing._mooncake_master.master_binary": "MooncakeMaster's lookup of the mooncake_master executable",
     "hicache.messages._codec.BlobRefs": "protocol of encode's blob store; only the delivery log implements it",
     "hicache.runtime._log.unbase64": "read_log's base64 decoding (pybase64 when installed), next to the encoding",
