@@ -74,6 +74,8 @@ def _insufficient(op: int, got: Insufficient) -> SlotsInsufficient:
 
 
 def _allocate(core: DeviceCore, m: AllocateSlots) -> SlotsAllocated | SlotsInsufficient | None:
+    if m.allocs:
+        core.extend_only([(d.request_id, d.tokens) for d in m.allocs])
     if m.commits:
         core.commit_only([(d.request_id, d.tokens) for d in m.commits])
     got = core.allocate_pages([(d.request_id, d.tokens) for d in m.demands])
@@ -111,12 +113,14 @@ def _commit(core: DeviceCore, m: CommitSlots) -> SlotsCommitted:
 
 def _release(core: DeviceCore, m: ReleaseRequests) -> RequestsReleased:
     views = core.release_many([(r.request_id, r.adopt, r.reason) for r in m.releases],
-                              commits=[(r.request_id, r.commits) for r in m.releases if r.commits])
+                              commits=[(r.request_id, r.commits) for r in m.releases if r.commits],
+                              allocs=[(r.request_id, r.allocs) for r in m.releases if r.allocs])
     return RequestsReleased(op_id=m.op_id, entries=tuple(views))
 
 
 def _swap(core: DeviceCore, m: SwapRequestPages) -> RequestPagesSwapped:
-    return RequestPagesSwapped(op_id=m.op_id, entry=core.swap(m.request_id, m.adopt, m.free, commits=m.commits))
+    return RequestPagesSwapped(op_id=m.op_id, entry=core.swap(m.request_id, m.adopt, m.free, commits=m.commits,
+                                                                allocs=m.allocs))
 
 
 def _allocate_load(core: DeviceCore, m: AllocateLoadSlots) -> SlotsAllocated | SlotsInsufficient:

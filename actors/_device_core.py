@@ -169,6 +169,22 @@ class DeviceCore:
         ledger.pages.frombytes(got.buffer())
         return got
 
+    def extend_only(self, demands: Sequence[tuple[str, int]]) -> None:
+        """Slots several requests took from the free part of their last pages, which the facade
+        handed out itself (an allocation that needs no new page): counted as allocated, all or
+        nothing. Each must fit in what its last page has left; more is a bug in the caller."""
+        p = self.page_size
+        ledgers = self._distinct_live([rid for rid, _ in demands], "extend")
+        for (rid, n), ledger in zip(demands, ledgers, strict=True):
+            spare = (-ledger.allocated) % p
+            if not 0 <= n <= spare:
+                raise LedgerError(
+                    f"request {rid!r}: {n} slots taken from its last page, which has {spare} free "
+                    "(invariant: only an allocation that fits in the last page is served without new pages)"
+                )
+        for (_, n), ledger in zip(demands, ledgers, strict=True):
+            ledger.allocated += n
+
     def commit(self, rid: str, n: int) -> LedgerEntry:
         return self.commit_many([(rid, n)])[0]
 
@@ -196,10 +212,14 @@ class DeviceCore:
         return self.release_many([(rid, adopt, reason)])[0]
 
     def release_many(self, releases: Sequence[tuple[str, Slots, ReleaseReason]],
-                     commits: Sequence[tuple[str, int]] = ()) -> list[LedgerEntry]:
+                     commits: Sequence[tuple[str, int]] = (),
+                     allocs: Sequence[tuple[str, int]] = ()) -> list[LedgerEntry]:
         """Give back every page of each request: its `adopt` pages to the tree, the
-        rest to the free list. Exactly once per request; all or nothing. `commits` are
-        applied first (as `commit_many`) and hold even when the release is refused."""
+        rest to the free list. Exactly once per request; all or nothing. `allocs` (as
+        `extend_only`), then `commits` (as `commit_many`) are applied first and hold even
+        when the release is refused."""
+        if allocs:
+            self.extend_only(allocs)
         if commits:
             self.commit_only(commits)
         # A request admitted and ended before it allocated has an empty ledger.
@@ -226,10 +246,13 @@ class DeviceCore:
             views.append(view)
         return views
 
-    def swap(self, rid: str, adopt: Slots, free: Slots, *, commits: int = 0) -> LedgerEntry:
+    def swap(self, rid: str, adopt: Slots, free: Slots, *, commits: int = 0, allocs: int = 0) -> LedgerEntry:
         """Mid-life: whole committed pages of a live request go to the tree (`adopt`) or
         back to the free list (`free`, duplicates of the tree's); the request stays live.
-        `commits` more of its slots are committed first (they hold even when the swap is refused)."""
+        `allocs` more of its slots are allocated (as `extend_only`), then `commits` committed,
+        first (they hold even when the swap is refused)."""
+        if allocs:
+            self.extend_only([(rid, allocs)])
         if commits:
             self.commit_only([(rid, commits)])
         ledger = self._live(rid, "swap pages of", new_ok=True)  # a full-prefix hit may not have allocated

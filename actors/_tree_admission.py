@@ -244,7 +244,7 @@ class Admissions:
             for nd in path:
                 self._writes.consider_backup(nd)
             releases.append(SlotRelease(request_id=it.request_id, adopt=cat(adopted), reason=it.reason,
-                                        commits=it.commits))
+                                        allocs=it.allocs, commits=it.commits))
         device_op = self.s.next_id()
         self._finishes[device_op] = op_id
         self.s.emit(DEVICE, ReleaseRequests(op_id=device_op, releases=tuple(releases)))
@@ -277,7 +277,8 @@ class Admissions:
             swaps.waiting.add(swap_op)
             self._swap_of[swap_op] = op_id
             self.s.emit(DEVICE, SwapRequestPages(op_id=swap_op, request_id=it.request_id,
-                                                 adopt=cat(adopted), free=cat(duplicates), commits=it.commits))
+                                                 adopt=cat(adopted), free=cat(duplicates), allocs=it.allocs,
+                                                 commits=it.commits))
         if swaps.waiting:
             self._swaps[op_id] = swaps
         else:

@@ -47,8 +47,11 @@ class AllocateSlots(Message):
     """Correlation id echoed in the reply."""
     demands: tuple[SlotDemand, ...]
     """One demand per request; a request appears at most once."""
+    allocs: tuple[SlotDemand, ...]
+    """Per request, slots it took from the free part of its last page that the device was not
+    told of yet (the facade serves an allocation that fits there itself), applied first."""
     commits: tuple[SlotDemand, ...]
-    """Per request, how many more of its slots hold real KV (as `CommitSlots`), applied first:
+    """Per request, how many more of its slots hold real KV (as `CommitSlots`), applied next:
     a decode tick commits the tokens it wrote and allocates the next ones in one message."""
     evict: bool
     """If the free pages are short: ask the tree to evict the shortfall (`EvictForAllocation`)
@@ -135,6 +138,9 @@ class SlotRelease(Message):
     """Pages of the request that the tree keeps (its cached prefix); may be empty."""
     reason: ReleaseReason
     """Finished and aborted ids are remembered as released; retracted ones may come back."""
+    allocs: int
+    """Slots it took from the free part of its last page that the device was not told of yet
+    (as `AllocateSlots.allocs`), applied first."""
     commits: int
     """More of its slots that hold real KV (as `CommitSlots`), applied before the release."""
 
@@ -215,6 +221,9 @@ class SwapRequestPages(Message):
     """Whole committed pages (page numbers) the tree now owns."""
     free: Indices
     """Whole committed pages (page numbers) that duplicate the tree's and are freed."""
+    allocs: int
+    """Slots it took from the free part of its last page that the device was not told of yet
+    (as `AllocateSlots.allocs`), applied first."""
     commits: int
     """More of its slots that hold real KV (as `CommitSlots`), applied before the swap."""
 

@@ -78,6 +78,9 @@ class FinishItem(Message):
     """The device pages of those tokens, in token order (the last may be partly committed)."""
     reason: ReleaseReason
     """Why it leaves."""
+    allocs: int
+    """Slots it took from the free part of its last page that the device was not told of yet
+    (an allocation that fits there is local to the facade): passed on with its release."""
     commits: int
     """Slots it committed that the device was not told of yet (the caller's `commit` is
     local; the device hears of it with the next message about the request): passed on with its
@@ -116,6 +119,9 @@ class CacheItem(Message):
     """Tokens committed so far after the cached prefix its handle locks."""
     device: Indices
     """Their device pages, in token order (the last may be partly committed)."""
+    allocs: int
+    """Slots it took from the free part of its last page that the device was not told of yet:
+    passed on with its swap."""
     commits: int
     """Slots it committed that the device was not told of yet: passed on with its swap."""
 

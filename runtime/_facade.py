@@ -139,6 +139,10 @@ class _Live:
     unsent: int = 0
     """Committed slots the device has not been told of: `commit` is local, and the next message
     about the request (an allocation, a swap, its release) carries them."""
+    allocs: int = 0
+    """Slots it took from the free part of its last page that the device has not been told of:
+    an allocation that fits there is local (it changes no page's owner), and the next message
+    about the request carries them, before its commits."""
     prefix: int = 0
     """Tokens of the cached prefix its handle locks (whole pages): the tree has them, so a
     finish or a `cache_unfinished` sends only what comes after."""
@@ -353,7 +357,7 @@ class HiCache:
             self._live.pop(adm.request_id, None)
         ends = tuple(
             FinishItem(request_id=it.request_id, handle=adm.handle, reason=ReleaseReason.RETRACTED,
-                       tokens=Tokens(), device=EMPTY, commits=0)
+                       tokens=Tokens(), device=EMPTY, allocs=0, commits=0)
             for it, adm in zip(items, reply.admissions, strict=True)
         )
         self._ask(ActorName.TREE, FinishRequests(op_id=self._op(), items=ends), Finished)
@@ -523,38 +527,64 @@ class HiCache:
             self._record(self._commits(commit or {}))
             if not want:
                 return torch.empty(0, dtype=torch.int64) if flat else {}
-            reply = self._allocate(want)
+            p = self.config.page_size
+            # Slots in the free part of a request's last page are its own already: only the
+            # demands that need a page go to the device (all or nothing: the others are taken after).
+            remote = {rid: n for rid, n in want.items() if n > (-live[rid].allocated) % p}
+            if not remote:
+                return self._slots_of(self._taken(want), flat)
+            reply = self._allocate(remote)
             if isinstance(reply, SlotsInsufficient):
                 return Insufficient(requested_slots=reply.requested_slots, free_slots=reply.free_slots)
-            return self._granted(reply, want, to_caller=True, flat=flat)
+            got = dict(self._granted(reply, remote, to_caller=True))
+            if len(remote) < len(want):
+                got.update(self._taken({rid: n for rid, n in want.items() if rid not in remote}))
+            return self._slots_of([(rid, got[rid]) for rid in want], flat)
+
+    def _taken(self, want: Mapping[str, int]) -> list[tuple[str, tuple[int, int, Indices, int]]]:
+        """An allocation that fits in the free part of each request's last page, served here:
+        no page changes owner, so the device hears of it with the next message about the request
+        (`_Live.allocs`). Per request, its slots as `_granted` describes them."""
+        p, live = self.config.page_size, self._live
+        out = []
+        for rid, n in want.items():
+            r = live[rid]
+            out.append((rid, (r.last_page * p + r.allocated % p, n, EMPTY, n)))
+            r.allocated += n
+            r.allocs += n
+        return out
 
     def _allocate(self, want: Mapping[str, int]) -> Any:
         """Ask the device for `want` (if the pool is short, the device has the tree evict and
         tries once more before it answers); the message carries the commits of those requests
         that the device has not heard of yet (certain once sent: the facade checked them)."""
-        commits = []
+        allocs, commits = [], []
         for rid in want:
             live = self._live[rid]
+            if live.allocs:
+                allocs.append(SlotDemand(request_id=rid, tokens=live.allocs))
+                live.allocs = 0
             if live.unsent:
                 commits.append(SlotDemand(request_id=rid, tokens=live.unsent))
                 live.unsent = 0
         message = AllocateSlots(
             op_id=self._op(),
             demands=tuple(SlotDemand(request_id=r, tokens=n) for r, n in want.items()),
+            allocs=tuple(allocs),
             commits=tuple(commits),
             evict=True,
         )
         return self._ask(ActorName.DEVICE, message, (SlotsAllocated, SlotsInsufficient),
                          late=lambda r: self._granted(r, want))
 
-    def _granted(self, reply: Any, demands: Mapping[str, int], *, to_caller: bool = False,
-                 flat: bool = False) -> dict[str, torch.Tensor] | torch.Tensor:
-        """Record the pages each request got for its `demands`; to the caller, the slots (per
-        request, or `flat`: one tensor in the grants' order, which is the demands')."""
+    def _granted(self, reply: Any, demands: Mapping[str, int], *,
+                 to_caller: bool = False) -> list[tuple[str, tuple[int, int, Indices, int]]]:
+        """Record the pages each request got for its `demands`; for the caller, each request's
+        slots as `_slots_of` takes them, in the grants' order (the demands')."""
         if not isinstance(reply, SlotsAllocated):
-            return {}
+            return []
         p = self.config.page_size
-        rids, parts = [], []
+        got = []
         for grant in reply.grants:
             rid = grant.request_id
             live = self._live.get(rid)
@@ -562,16 +592,22 @@ class HiCache:
                 continue
             start, n = live.allocated, demands[rid]
             if to_caller:
-                rids.append(rid)
-                parts.append((live.last_page * p + start % p, min(n, (-start) % p), grant.pages, n))
+                got.append((rid, (live.last_page * p + start % p, min(n, (-start) % p), grant.pages, n)))
             live.add_pages(grant.pages)
             live.allocated += n
+        return got
+
+    def _slots_of(self, got: list[tuple[str, tuple[int, int, Indices, int]]],
+                  flat: bool) -> dict[str, torch.Tensor] | torch.Tensor:
+        """The slots of an allocation, per request (`got`: each request's `(base, spare, pages,
+        n)`, as `SlotTable.split` takes them) or `flat`: one tensor in the demands' order."""
         assert self._slot_table is not None  # built by start()
+        parts = [part for _, part in got]
         if flat:
             return self._slot_table.join(parts)
         if not parts:
             return {}
-        return dict(zip(rids, self._slot_table.split(parts)))
+        return dict(zip([rid for rid, _ in got], self._slot_table.split(parts)))
 
     def commit(self, tokens: Mapping[str, Sequence[int] | torch.Tensor]) -> None:
         """Record that the KV of these new tokens (per request, in order) is written. No
@@ -666,7 +702,8 @@ class HiCache:
     def _finish_item(self, h: CacheHandle, reason: ReleaseReason) -> FinishItem:
         live = self._live[h.request_id]
         return FinishItem(request_id=h.request_id, handle=h._token, reason=reason, tokens=live.tokens_after_prefix(),
-                          device=live.pages_after_prefix(self.config.page_size), commits=live.unsent)
+                          device=live.pages_after_prefix(self.config.page_size), allocs=live.allocs,
+                          commits=live.unsent)
 
     def _end(self, rid: str, reason: ReleaseReason) -> None:
         self._ended[rid] = reason.value
@@ -681,7 +718,8 @@ class HiCache:
             lives = [self._live[h.request_id] for h in hs]
             items = tuple(
                 CacheItem(request_id=h.request_id, handle=h._token, tokens=live.tokens_after_prefix(),
-                          device=live.pages_after_prefix(self.config.page_size), commits=live.unsent)
+                          device=live.pages_after_prefix(self.config.page_size), allocs=live.allocs,
+                          commits=live.unsent)
                 for h, live in zip(hs, lives, strict=True)
             )
             for live in lives:
@@ -701,11 +739,12 @@ class HiCache:
         for h in hs:
             if (live := self._live.get(h.request_id)) is not None:
                 live.caching = False
-        if reply.refused:  # no swap: the device has not heard of the commits the items carried
+        if reply.refused:  # no swap: the device has not heard of the slots and commits the items carried
             return out
         for h, prefix, item in zip(hs, reply.prefixes, items, strict=True):
             live = self._live[h.request_id]
-            live.unsent -= item.commits  # the swap applied them (more may have come since)
+            live.allocs -= item.allocs  # the swap applied them (more may have come since)
+            live.unsent -= item.commits
             rest = live.page_indices()[len(prefix.device):]
             live.pages = [Indices.concat((prefix.device, rest))]
             live.prefix = len(prefix.device) * self.config.page_size

@@ -63,7 +63,7 @@ try:
 except ImportError:  # the `fast` extra is not installed: the same checksum, slower
     from zlib import crc32
 
-LOG_VERSION = 3
+LOG_VERSION = 4
 """3: numbered, checksummed lines, an `end` line, blobs forgotten only between deliveries,
 unencodable deliveries logged as such. 2 had none of these; 1 carried large payloads in
 every body. A reader reads its own version only."""

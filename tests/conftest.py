@@ -261,7 +261,7 @@ class TreeSide:
         reply = self.ask(
             ActorName.DEVICE,
             AllocateSlots(op_id=op, demands=tuple(SlotDemand(request_id=r, tokens=n) for r, n in demands.items()),
-                          commits=(), evict=False),
+                          allocs=(), commits=(), evict=False),
             sender=ActorName.FACADE,
         )
         assert reply.op_id == op
@@ -281,7 +281,7 @@ class TreeSide:
 
     def release(self, request_id: str, adopt: Indices, reason: ReleaseReason) -> Any:
         op = self.next_op()
-        release = SlotRelease(request_id=request_id, adopt=adopt, reason=reason, commits=0)
+        release = SlotRelease(request_id=request_id, adopt=adopt, reason=reason, allocs=0, commits=0)
         reply = self.ask(ActorName.DEVICE, ReleaseRequests(op_id=op, releases=(release,)))
         assert isinstance(reply, RequestsReleased) and reply.op_id == op
         return reply.entries[0]

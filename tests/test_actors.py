@@ -419,7 +419,7 @@ def test_an_allocation_that_does_not_fit_is_answered_insufficient(
 def _allocate_evicting(tree: Any, op: int, demands: dict[str, int]) -> None:
     """The facade's allocation: told (its answer comes to the facade's inbox), evicting if short."""
     message = AllocateSlots(op_id=op, demands=tuple(SlotDemand(request_id=r, tokens=n) for r, n in demands.items()),
-                            commits=(), evict=True)
+                            allocs=(), commits=(), evict=True)
     tree.system.tell(DEVICE, message, sender=ActorName.FACADE)
 
 

@@ -122,7 +122,7 @@ def test_tree_only_device_verbs_from_anyone_else_are_refused(
 def test_allocating_for_a_finished_request_names_the_request(tree: Any) -> None:
     pages = tree.allocate({"req-7": 4})["req-7"]
     tree.release("req-7", Indices(), ReleaseReason.FINISHED)
-    message = AllocateSlots(op_id=1, demands=(SlotDemand(request_id="req-7", tokens=4),), commits=(), evict=False)
+    message = AllocateSlots(op_id=1, demands=(SlotDemand(request_id="req-7", tokens=4),), allocs=(), commits=(), evict=False)
     with pytest.raises(LedgerError, match="request 'req-7' was already released.*never allocate after finish"):
         tree.ask(DEVICE, message, sender=ActorName.FACADE)
     _still_running(tree, DEVICE)

@@ -247,8 +247,9 @@ def test_nested_records_and_empty_values_round_trip() -> None:
 
     for msg in (
         AllocateSlots(op_id=7, demands=(SlotDemand(request_id="a", tokens=3), SlotDemand(request_id="", tokens=0)),
-                      commits=(SlotDemand(request_id="b", tokens=1),), evict=True),
-        AllocateSlots(op_id=0, demands=(), commits=(), evict=False),
+                      allocs=(SlotDemand(request_id="c", tokens=2),), commits=(SlotDemand(request_id="b", tokens=1),),
+                      evict=True),
+        AllocateSlots(op_id=0, demands=(), allocs=(), commits=(), evict=False),
         LoadsStarted(batch=0, ops=()),
         StartLoads(),
         SetHostState(pages=Indices(), state=HostSlotState.RESERVED),

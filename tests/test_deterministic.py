@@ -56,7 +56,7 @@ WORKLOAD = textwrap.dedent(
                      transfer_pages_max=1)
         T = ActorName.TREE
         with System(cfg, runtime=rt, stand_ins=(T,), stand_in=Probe) as s:
-            got = s.ask(ActorName.DEVICE, AllocateSlots(op_id=1, demands=(SlotDemand(request_id="a", tokens=12),), commits=(), evict=False))
+            got = s.ask(ActorName.DEVICE, AllocateSlots(op_id=1, demands=(SlotDemand(request_id="a", tokens=12),), allocs=(), commits=(), evict=False))
             dev = got.grants[0].pages  # six pages of two slots
             host = s.ask(ActorName.HOST, AllocateHost(op_id=2, tokens=12), sender=T).pages
             s.tell(ActorName.HOST, SetHostState(pages=host, state=HostSlotState.WRITING), sender=T)
@@ -343,7 +343,7 @@ def test_replaying_a_recorded_schedule_reproduces_the_log() -> None:
         with System(cfg, runtime=rt, stand_ins=(ActorName.TREE,), stand_in=Probe) as s:
             from hicache.messages import AllocateSlots, SlotDemand, WriteKV
 
-            got = s.ask(ActorName.DEVICE, AllocateSlots(op_id=1, demands=(SlotDemand(request_id="r", tokens=8),), commits=(), evict=False))
+            got = s.ask(ActorName.DEVICE, AllocateSlots(op_id=1, demands=(SlotDemand(request_id="r", tokens=8),), allocs=(), commits=(), evict=False))
             for i in range(4):  # one page of two slots each
                 s.tell(ActorName.WRITE, WriteKV(op_id=i, device=got.grants[0].pages[i:i + 1],
                                                 host=Indices.of([i])), sender=ActorName.TREE)

@@ -181,6 +181,46 @@ def test_a_negative_commit_is_a_ledger_error(core: Any) -> None:
         core.commit("a", -1)
 
 
+def test_slots_taken_from_the_last_page_count_as_allocated_and_hand_out_no_page(core: Any) -> None:
+    """What the facade served from the free part of a last page (`extend_only`): allocated
+    grows, no page changes owner, and the next allocation starts after those slots."""
+    core.allocate([("a", 5), ("b", 4)])  # a: pages of slots 0-3 and 4-7 (5 used); b: 8-11, full
+    owners = _owners(core)
+    core.extend_only([("a", 2), ("b", 0)])
+    assert core.ledger("a").allocated == 7 and core.ledger("b").allocated == 4
+    assert _owners(core) == owners
+    core.commit("a", 7)  # commits may now cover the slots taken
+    assert core.allocate([("a", 2)])["a"].tolist() == [7, 12]  # the last free slot of its page, then a new page
+
+
+@pytest.mark.parametrize(("taken", "spare"), [(4, 3), (1, 0)])
+def test_taking_more_than_the_last_page_has_left_is_refused_and_changes_nothing(
+        core: Any, taken: int, spare: int) -> None:
+    core.allocate([("a", 5), ("b", 4)])
+    rid = "a" if spare else "b"
+    with pytest.raises(LedgerError, match=rf"request '{rid}': {taken} slots taken from its last page, which has "
+                                          rf"{spare} free \(invariant: only an allocation that fits in the last page"):
+        core.extend_only([("a", 1), (rid, taken)] if rid == "b" else [(rid, taken)])
+    assert (core.ledger("a").allocated, core.ledger("b").allocated) == (5, 4)  # all or nothing
+
+
+def test_slots_taken_for_an_unknown_or_repeated_request_are_ledger_errors(core: Any) -> None:
+    core.allocate([("a", 1)])
+    with pytest.raises(LedgerError, match="cannot extend request 'ghost': it has no slots"):
+        core.extend_only([("ghost", 1)])
+    with pytest.raises(LedgerError, match=r"cannot extend request\(s\) \['a'\] twice in one call"):
+        core.extend_only([("a", 1), ("a", 1)])
+    assert core.ledger("a").allocated == 1
+
+
+def test_a_release_and_a_swap_apply_the_slots_taken_before_their_commits(core: Any) -> None:
+    core.allocate([("a", 5), ("b", 6)])
+    entry = core.swap("b", [], [], commits=7, allocs=1)  # 7 committed needs the slot taken first
+    assert (entry.allocated, entry.committed) == (7, 7)
+    [done] = core.release_many([("a", [], ReleaseReason.FINISHED)], commits=[("a", 8)], allocs=[("a", 3)])
+    assert (done.allocated, done.committed, done.freed) == (8, 8, 8)
+
+
 # -- release ------------------------------------------------------------------------
 
 

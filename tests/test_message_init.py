@@ -53,12 +53,12 @@ def test_a_message_built_by_the_fast_init_holds_every_field_it_was_given(cls: ty
 
 def test_missing_unknown_and_positional_arguments_are_refused_as_the_dataclass_refuses_them() -> None:
     cls = next(c for c in MESSAGE_TYPES.values() if c.__name__ == "FinishItem")
-    with pytest.raises(TypeError, match="missing 5 required keyword-only arguments"):
+    with pytest.raises(TypeError, match="missing 6 required keyword-only arguments"):
         cls(request_id="a")
     with pytest.raises(TypeError, match="unexpected keyword argument 'colour'"):
-        cls(request_id="a", handle=1, tokens=None, device=None, reason=None, commits=0, colour=1)
+        cls(request_id="a", handle=1, tokens=None, device=None, reason=None, allocs=0, commits=0, colour=1)
     with pytest.raises(TypeError, match="takes 1 positional argument"):
-        cls("a", 1, None, None, None, 0)
+        cls("a", 1, None, None, None, 0, 0)
     assert Request("r", [1, 2]) == Request(request_id="r", tokens=[1, 2], namespace="")
     with pytest.raises(TypeError, match="missing 1 required positional argument: 'tokens'"):
         Request("r")

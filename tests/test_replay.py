@@ -57,7 +57,7 @@ def test_every_delivery_is_one_json_line_with_a_re_decodable_body(threaded_log: 
     lines = _lines(threaded_log)
     header, rest = lines[0], lines[1:]
     blobs = _blobs(lines)
-    assert header["event"] == "header" and header["version"] == LOG_VERSION == 3
+    assert header["event"] == "header" and header["version"] == LOG_VERSION == 4
     assert [x["n"] for x in lines] == list(range(1, len(lines) + 1)) and lines[-1]["event"] == "end"
     assert header["config"]["page_size"] == 4 and "torch" in header["versions"]
     deliveries = [x for x in rest if x["event"] == "delivery"]
@@ -96,7 +96,7 @@ def test_changing_one_logged_body_is_a_divergence_at_that_delivery(threaded_log:
                   and decode(base64.b64decode(x["body"]), blobs).demands)
     msg = decode(base64.b64decode(target["body"]), blobs)
     assert isinstance(msg, AllocateSlots)
-    changed = AllocateSlots(op_id=msg.op_id, commits=msg.commits, evict=msg.evict, demands=tuple(  # a page more
+    changed = AllocateSlots(op_id=msg.op_id, allocs=msg.allocs, commits=msg.commits, evict=msg.evict, demands=tuple(  # a page more
         SlotDemand(request_id=d.request_id, tokens=d.tokens + header["config"]["page_size"]) for d in msg.demands))
 
     def edit(rec: dict[str, Any]) -> dict[str, Any]:
@@ -145,7 +145,7 @@ def test_until_and_dump_show_the_tree_at_a_chosen_point(threaded_log: Path, caps
     (lambda text: text.replace('"event":"delivery"', '"event":"delivery" garbage', 1), r"line \d+: checksum mismatch"),
     (lambda text: text.replace(f'"version":{LOG_VERSION}', '"version":99', 1), r"line 1: log version 99 is not supported"),
     (lambda text: text.replace(f'"version":{LOG_VERSION}', '"version":2', 1),
-     r"line 1: log version 2 is not supported \(this hicache reads version 3; replay it with the hicache that wrote it"),
+     r"line 1: log version 2 is not supported \(this hicache reads version 4; replay it with the hicache that wrote it"),
 ])
 def test_a_bad_log_is_one_clear_line_with_exit_code_2(threaded_log: Path, tmp_path: Path, capsys, damage: Any,
                                                      message: str) -> None:

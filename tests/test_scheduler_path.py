@@ -18,7 +18,7 @@ import torch
 
 import hicache.actors._radix as radix_module
 import hicache.actors._radix_node as node_module
-from hicache.messages import ActorName
+from hicache.messages import ActorName, SlotDemand
 from hicache.runtime import Config, HiCache, Insufficient, Request, RequestError, ThreadedRuntime, WritePolicy
 from hicache.runtime.testing import DeterministicRuntime, RandomStrategy, ReferenceScheduler, SchedulerConfig
 from hicache.runtime.testing._mutants import mutant
@@ -89,28 +89,120 @@ def test_with_storage_each_page_is_hashed_once(
     assert len(hashed) == len(set(hashed)), "a page was hashed twice"
 
 
-def test_a_decode_step_with_its_commit_is_one_message_from_the_facade(make_config: Callable[..., Config]) -> None:
-    sent: list[str] = []
+def test_a_decode_step_is_one_message_when_it_needs_a_page_and_none_when_its_last_page_has_room(
+        make_config: Callable[..., Config]) -> None:
+    """A tick that needs a new page is one `AllocateSlots` (its commit rides along); a tick
+    whose slot is in the free part of the request's last page changes no page's owner, so the
+    facade answers it itself and the device hears of it with the next message about the request
+    (`allocs`, applied before the commits)."""
+    sent: list[Any] = []
 
     def observe(receiver: ActorName, mail: Any) -> None:
         if mail.sender is ActorName.FACADE:
-            sent.append(type(mail.message).__name__)
+            sent.append(mail.message)
 
-    with HiCache(make_config(), runtime=make_runtime("threads", observe=observe)) as hc:
+    with HiCache(make_config(page_size=4), runtime=make_runtime("threads", observe=observe)) as hc:
         [a] = hc.admit([Request("a", seq(8, 1))])
-        slots = hc.allocate({"a": 9})
-        assert isinstance(slots, dict)
+        assert isinstance(hc.allocate({"a": 9}), dict)  # pages of slots 0-3, 4-7 and 8-11
         sent.clear()
-        first = hc.allocate({"a": 1}, commit={"a": seq(9, 1)})  # the prefill's KV, the first decode slot
-        assert isinstance(first, dict) and len(first["a"]) == 1
+        ticks = [hc.allocate({"a": 1}, commit={"a": seq(9, 1)})]  # the prefill's KV, the first decode slot
         for token in range(10, 14):  # each tick: commit the token just written, allocate the next slot
-            got = hc.allocate({"a": 1}, commit={"a": [token]})
-            assert isinstance(got, dict) and len(got["a"]) == 1
-        assert sent == ["AllocateSlots"] * 5
+            ticks.append(hc.allocate({"a": 1}, commit={"a": [token]}))
+        # slots 9, 10, 11: the third page's; 12: a new page (the one message); 13: that page's
+        assert [type(m).__name__ for m in sent] == ["AllocateSlots"]
+        assert (sent[0].allocs, sent[0].commits, sent[0].demands) == (
+            (SlotDemand(request_id="a", tokens=3),), (SlotDemand(request_id="a", tokens=12),),
+            (SlotDemand(request_id="a", tokens=1),))
+        assert [t["a"].tolist() for t in ticks] == [[s] for s in hc.slots("a").tolist()[9:14]]
         assert len(hc.committed_tokens("a")) == 13 and hc.allocated("a") == 14
         hc.commit({"a": [14]})
         entry = hc.finish([a.handle])[0]
-        assert (entry.committed, entry.freed) == (14, 14)
+        assert (sent[-1].items[0].allocs, sent[-1].items[0].commits) == (1, 2)
+        assert (entry.allocated, entry.committed, entry.freed) == (14, 14, 14)
+
+
+@pytest.mark.parametrize("then", ["allocate", "finish", "abort", "retract", "cache_unfinished"])
+def test_slots_served_from_a_last_page_reach_the_device_with_the_next_message_about_the_request(
+        make_config: Callable[..., Config], then: str) -> None:
+    """Whatever the next message about a request is (an allocation that needs a page, its
+    release, a `cache_unfinished`), it carries the slots the facade served locally, and the
+    device's ledger agrees with the facade's; a request left out of a tick keeps its own."""
+    sent: list[Any] = []
+
+    def observe(receiver: ActorName, mail: Any) -> None:
+        if mail.sender is ActorName.FACADE and type(mail.message).__name__ not in ("CheckInvariants", "GetStatistics"):
+            sent.append(mail.message)
+
+    with HiCache(make_config(page_size=4), runtime=make_runtime("threads", observe=observe)) as hc:
+        adms = {a.request_id: a for a in hc.admit([Request("a", seq(5, 1)), Request("b", seq(6, 50))])}
+        assert isinstance(hc.allocate({"a": 5, "b": 6}), dict)  # a: 3 slots left in its last page; b: 2
+        hc.commit({"a": seq(5, 1), "b": seq(6, 50)})
+        sent.clear()
+        assert isinstance(hc.allocate({"a": 2, "b": 1}), dict)  # both local
+        assert isinstance(hc.allocate({"a": 1}), dict)  # a's page is full now; b keeps its slot unsent
+        hc.check_invariants()
+        assert sent == []
+        hc.commit({"a": seq(3, 9), "b": seq(1, 9)})
+        if then == "allocate":  # b needs a page: one message, carrying b's slot (a is not in it)
+            got = hc.allocate({"b": 2})
+            assert isinstance(got, dict) and got["b"].tolist() == hc.slots("b").tolist()[7:9]
+            [m] = sent
+            assert (m.allocs, m.commits) == ((SlotDemand(request_id="b", tokens=1),),
+                                             (SlotDemand(request_id="b", tokens=7),))
+            hc.commit({"b": seq(2, 3)})
+            entries = hc.finish([adms["a"].handle, adms["b"].handle])
+            assert sent[-1].items[0].allocs == 3 and sent[-1].items[1].allocs == 0
+            expected = {"a": (8, 8), "b": (9, 9)}
+        elif then == "cache_unfinished":
+            new = {h.request_id: h for h in hc.cache_unfinished([adms["a"].handle, adms["b"].handle])}
+            assert [(it.allocs, it.commits) for it in sent[-1].items] == [(3, 8), (1, 7)]
+            hc.check_invariants()
+            got = hc.allocate({"a": 1, "b": 1})  # a: a new page, from the device; b: its last slot, here
+            assert isinstance(got, dict) and list(got) == ["a", "b"]
+            assert [got[r].tolist() for r in got] == [hc.slots(r).tolist()[-1:] for r in got]
+            assert sent[-1].demands == (SlotDemand(request_id="a", tokens=1),)
+            hc.commit({"a": [1], "b": [2]})
+            entries = hc.finish([new["a"], new["b"]])
+            assert [(it.allocs, it.commits) for it in sent[-1].items] == [(0, 1), (1, 1)]
+            expected = {"a": (9, 9), "b": (8, 8)}
+        else:
+            entries = getattr(hc, then)([adms["a"].handle, adms["b"].handle])
+            assert [(it.allocs, it.commits) for it in sent[-1].items] == [(3, 8), (1, 7)]
+            expected = {"a": (8, 8), "b": (7, 7)}
+        assert {e.request_id: (e.allocated, e.committed) for e in entries} == expected
+        assert all(e.freed == e.allocated for e in entries)
+        hc.check_invariants()
+
+
+def test_a_tick_sends_only_the_requests_that_need_a_page_and_stays_all_or_nothing(
+        make_config: Callable[..., Config]) -> None:
+    """In a tick of requests of different lengths, those whose last page has room are served
+    by the facade and only the others reach the device; when the device cannot serve those,
+    the tick is refused whole: no request's allocation moves."""
+    sent: list[Any] = []
+
+    def observe(receiver: ActorName, mail: Any) -> None:
+        if mail.sender is ActorName.FACADE and type(mail.message).__name__ not in ("CheckInvariants", "GetStatistics"):
+            sent.append(mail.message)
+
+    with HiCache(make_config(page_size=4, device_pages=8), runtime=make_runtime("threads", observe=observe)) as hc:
+        lengths = {"a": 4, "b": 5, "c": 6, "d": 7}  # a's last page is full; b, c, d have 3, 2, 1 slots left
+        adms = hc.admit([Request(rid, seq(n, 10 * i)) for i, (rid, n) in enumerate(lengths.items())])
+        assert isinstance(hc.allocate(dict(lengths)), dict)  # 7 of the 8 pages
+        sent.clear()
+        got = hc.allocate(dict.fromkeys(lengths, 2), flat=True)  # a and d need a page: one is free
+        assert isinstance(got, Insufficient)
+        assert {rid: hc.allocated(rid) for rid in lengths} == lengths
+        assert [m.demands for m in sent] == [(SlotDemand(request_id="a", tokens=2), SlotDemand(request_id="d", tokens=2))]
+        sent.clear()
+        got = hc.allocate({"a": 2, "b": 2, "c": 2}, flat=True)  # only a needs the free page
+        assert [m.demands for m in sent] == [(SlotDemand(request_id="a", tokens=2),)]
+        assert got.tolist() == [s for rid in "abc" for s in hc.slots(rid).tolist()[lengths[rid]:]]
+        hc.check_invariants()
+        hc.commit({rid: seq(hc.allocated(rid), 3) for rid in lengths})
+        entries = hc.finish([a.handle for a in adms])
+        assert [(e.allocated, e.committed, e.freed) for e in entries] == [(6, 6, 6), (7, 7, 7), (8, 8, 8), (7, 7, 7)]
+        hc.check_invariants()
 
 
 def test_a_decode_tick_of_many_requests_answers_each_its_own_next_slots(make_config: Callable[..., Config]) -> None:

@@ -284,12 +284,12 @@ class Player:
     @staticmethod
     def _finish_item(r: Req, reason: ReleaseReason) -> FinishItem:
         return FinishItem(request_id=r.rid, handle=r.handle, tokens=r.after_prefix(), device=r.device(),
-                          reason=reason, commits=0)
+                          reason=reason, allocs=0, commits=0)
 
     def cache(self, *reqs: Req) -> tuple[str, ...]:
         """Cache the requests' committed prefixes; returns the ids the tree refused (then nothing changed)."""
         op = next(self._ops)
-        items = [CacheItem(request_id=r.rid, handle=r.handle, tokens=r.after_prefix(), device=r.device(), commits=0)
+        items = [CacheItem(request_id=r.rid, handle=r.handle, tokens=r.after_prefix(), device=r.device(), allocs=0, commits=0)
                  for r in reqs]
         self.to_tree(ActorName.FACADE, CacheUnfinished(op_id=op, items=tuple(items)))
         self.pump()
@@ -882,7 +882,7 @@ def test_an_item_whose_pages_do_not_cover_its_tokens_is_refused_and_changes_noth
     p = play()
     a = p.run("a", seq(10, 1))  # 10 committed tokens: 3 pages, the last partly committed
     slots = FinishItem(request_id="a", handle=a.handle, tokens=Tokens.of(a.tokens),
-                       device=Indices.from_tensor(a.slots), reason=ReleaseReason.FINISHED, commits=0)  # one per token
+                       device=Indices.from_tensor(a.slots), reason=ReleaseReason.FINISHED, allocs=0, commits=0)  # one per token
     with pytest.raises(ValueError, match="request 'a': 10 tokens after its cached prefix need 3 pages of 4, got 10"):
         p.tree.finish(next(p._ops), [slots])
     p.check()

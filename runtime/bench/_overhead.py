@@ -297,7 +297,7 @@ def _tick_direct(cores: DirectCores, batch: list[tuple[str, torch.Tensor]]) -> N
     # committed as the facade does: the release carries the commits (the device hears of them there)
     items = tuple(
         FinishItem(request_id=rid, handle=a.handle, reason=ReleaseReason.FINISHED,
-                   tokens=Tokens.from_tensor(t[cached[rid]:]), device=got[rid], commits=len(t) - cached[rid])
+                   tokens=Tokens.from_tensor(t[cached[rid]:]), device=got[rid], allocs=0, commits=len(t) - cached[rid])
         for (rid, t), a in zip(batch, admitted, strict=True)
     )
     cores.finish(items)

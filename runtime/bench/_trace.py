@@ -135,7 +135,7 @@ def _cores_tick(cores: DirectCores, tokens: list[Tokens], ids: list[int], side: 
     t3 = clock()  # committed as the facade does: the release carries the commits
     items = tuple(
         FinishItem(request_id=a.request_id, handle=a.handle, reason=ReleaseReason.FINISHED,
-                   tokens=tokens[i][a.device_hit + a.host_hit :], device=got[a.request_id], commits=n)
+                   tokens=tokens[i][a.device_hit + a.host_hit :], device=got[a.request_id], allocs=0, commits=n)
         for i, a, (_, n) in zip(ids, admissions, want, strict=True)
     )
     cores.finish(items)

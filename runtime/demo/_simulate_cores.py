@@ -146,7 +146,7 @@ class SimCores:
         rest = len(prompt) - cached
         got = self._allocate(rid, rest)
         done = FinishItem(request_id=rid, handle=adm.handle, reason=ReleaseReason.FINISHED, tokens=prompt[cached:],
-                          device=got, commits=rest)  # what follows the cached prefix, committed with the release
+                          device=got, allocs=0, commits=rest)  # what follows the cached prefix, committed with the release
         self._ask(lambda op: self.tree.finish(op, (done,)), Finished)
         return Served(len(item.tokens), adm.device_hit, adm.host_hit, min(stored, adm.host_hit), rest)
 
