@@ -36,6 +36,7 @@ from typing import Any, Literal, overload
 
 import torch
 from hicache.actors._logging import logger
+from hicache.actors._errors import InvariantError
 from hicache.actors._pages import SlotTable
 from hicache.messages import (
     ActorName,
@@ -529,8 +530,10 @@ class HiCache:
                 return torch.empty(0, dtype=torch.int64) if flat else {}
             p = self.config.page_size
             # Slots in the free part of a request's last page are its own already: only the
-            # demands that need a page go to the device (all or nothing: the others are taken after).
-            remote = {rid: n for rid, n in want.items() if n > (-live[rid].allocated) % p}
+            # demands that need a page go to the device (all or nothing: the others are taken
+            # after). Not while a call given up on is still in flight: its reply, applied when
+            # it comes, may change what a request holds, so everything goes to the device.
+            remote = want if self._pending else {rid: n for rid, n in want.items() if n > (-live[rid].allocated) % p}
             if not remote:
                 return self._slots_of(self._taken(want), flat)
             reply = self._allocate(remote)
@@ -591,8 +594,14 @@ class HiCache:
             if live is None:  # a late grant for a request that ended meanwhile: its release freed it
                 continue
             start, n = live.allocated, demands[rid]
+            spare = (-start) % p
+            if len(grant.pages) != -(-max(0, n - spare) // p):
+                raise InvariantError(
+                    f"facade: request {rid!r} was granted {len(grant.pages)} pages for {n} slots with {spare} "
+                    f"free in its last page (invariant: the device's ledger counts the slots the facade handed out)"
+                )
             if to_caller:
-                got.append((rid, (live.last_page * p + start % p, min(n, (-start) % p), grant.pages, n)))
+                got.append((rid, (live.last_page * p + start % p, min(n, spare), grant.pages, n)))
             live.add_pages(grant.pages)
             live.allocated += n
         return got

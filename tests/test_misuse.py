@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from hicache.messages import ActorName
+from hicache.messages import ActorName, SlotDemand
 from hicache.runtime import CacheHandle, CacheStateError, Config, HiCache, Request, RequestError, ThreadedRuntime
 from hicache.runtime.testing import DeterministicRuntime
 
@@ -280,6 +280,47 @@ def test_a_call_whose_wait_times_out_has_its_late_reply_adopted_and_the_next_cal
         assert len(hc.slots("b").unique()) == 24
         hc.commit({"b": seq(24, 500)})
         hc.finish([b.handle])
+        _quiet(hc)
+
+
+def test_while_a_given_up_allocation_is_in_flight_a_slot_in_the_last_page_is_asked_of_the_device(
+    make_config: Callable[..., Config],
+) -> None:
+    """A request's allocation that needs a page times out (the eviction waits for a write);
+    its next demand fits in its last page but is sent to the device all the same: served by
+    the facade alone, it could take a slot that the late grant, computed by the device without
+    it, counts as the grant's. The device answers it at once and the late grant after it, in
+    the order the facade applies them, so both ledgers agree."""
+    gate = threading.Event()
+    sent: list[Any] = []
+
+    def observe(receiver: ActorName, mail: Any) -> None:
+        if mail.sender is ActorName.FACADE and type(mail.message).__name__ == "AllocateSlots":
+            sent.append(mail.message)
+        if receiver is ActorName.WRITE and type(mail.message).__name__ == "DrainWrites":
+            gate.wait(10)
+
+    config = make_config(page_size=4, device_pages=8, host_pages=32)
+    hc = HiCache(config, runtime=ThreadedRuntime(observe=observe, write_stream_thread=True), reply_timeout_s=0.3)
+    with hc:
+        [a] = hc.admit([Request("a", seq(24))])
+        hc.allocate({"a": 24})
+        hc.commit({"a": seq(24)})
+        hc.finish([a.handle])  # its write-through is held at the gate: its node stays locked
+        [b] = hc.admit([Request("b", seq(5, 500))])
+        assert isinstance(hc.allocate({"b": 5}), dict)  # the last two free pages: 3 slots left in the second
+        with pytest.raises(TimeoutError, match=r"no reply to op \d+ within 0\.3s"):
+            hc.allocate({"b": 4})  # a page more: the eviction waits for the write
+        sent.clear()
+        got = hc.allocate({"b": 1})
+        assert isinstance(got, dict) and got["b"].tolist() == hc.slots("b").tolist()[5:6]
+        assert [m.demands for m in sent] == [(SlotDemand(request_id="b", tokens=1),)]
+        gate.set()
+        hc.quiesce()  # a call: it adopts the late grant, which joins the request after the slot above
+        assert hc.allocated("b") == 10 and len(hc.slots("b").unique()) == 10
+        hc.commit({"b": seq(10, 500)})
+        [entry] = hc.finish([b.handle])
+        assert (entry.allocated, entry.committed, entry.freed) == (10, 10, 10)
         _quiet(hc)
 
 

@@ -326,6 +326,24 @@ class _LeakAbortedPrefetch(TreeActor):
         self.core.prefetches.__class__ = _LeakAbortedBook
 
 
+# -- 12. the slots the facade served from a request's last page never reach the device's ledger --
+
+
+class _DropServedCore(DeviceCore):
+    """Takes the slots the facade served from the free part of a request's last page (`allocs`)
+    and forgets them: the ledger falls behind what the scheduler handed out, as a ledger kept
+    beside a scheduler's own count does when one side's path skips the other."""
+
+    def extend_only(self, demands: Any) -> None:
+        return None
+
+
+class _DropServedDevice(DeviceAllocatorActor):
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.core.__class__ = _DropServedCore
+
+
 MUTANTS: tuple[Mutant, ...] = (
     Mutant("write-acks-on-admission", "SGLang #20049: write-through acks handled only on the prefill path",
            "a pure decode loop never unlocks the nodes it wrote; protected tokens pile up until memory runs out",
@@ -350,6 +368,10 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("write-back-drops-tail", "write_back deletes a victim whose parent is not backed up instead of writing "
            "the ancestors back with it", "a tail under a hot prefix is lost on every eviction instead of kept in host memory",
            {ActorName.TREE: _DropTail}),
+    Mutant("served-slots-dropped", "SGLang #12224's class: the allocator's ledger misses slots the scheduler handed "
+           "out (here: those the facade served from a request's last page)",
+           "the ledger counts fewer slots than the request uses: its commits exceed its allocation, its release "
+           "frees less than it held", {ActorName.DEVICE: _DropServedDevice}),
     Mutant("prefetcher-frees-slots", "SGLang #9302: the prefetcher frees the host slots past the storage hit itself",
            "two parties free the same host slots; the pool's accounting (and the ranks') diverges",
            {ActorName.PREFETCH: _PrefetcherFrees}, "storage"),
