@@ -533,18 +533,22 @@ class HiCache:
             # demands that need a page go to the device (all or nothing: the others are taken
             # after). Not while a call given up on is still in flight: its reply, applied when
             # it comes, may change what a request holds, so everything goes to the device.
-            remote = want if self._pending else {rid: n for rid, n in want.items() if n > (-live[rid].allocated) % p}
+            remote = want if p == 1 or self._pending else {
+                rid: n for rid, n in want.items() if n > (-live[rid].allocated) % p}
             if not remote:
-                return self._slots_of(self._taken(want), flat)
+                return self._slots_of(want, self._taken(want), flat)
             reply = self._allocate(remote)
             if isinstance(reply, SlotsInsufficient):
                 return Insufficient(requested_slots=reply.requested_slots, free_slots=reply.free_slots)
-            got = dict(self._granted(reply, remote, to_caller=True))
-            if len(remote) < len(want):
-                got.update(self._taken({rid: n for rid, n in want.items() if rid not in remote}))
-            return self._slots_of([(rid, got[rid]) for rid in want], flat)
+            parts = self._granted(reply, remote, to_caller=True)
+            if len(remote) < len(want):  # in the demands' order, the served ones among the granted
+                here = {rid: n for rid, n in want.items() if rid not in remote}
+                by_rid = dict(zip(remote, parts))
+                by_rid.update(zip(here, self._taken(here)))
+                parts = [by_rid[rid] for rid in want]
+            return self._slots_of(want, parts, flat)
 
-    def _taken(self, want: Mapping[str, int]) -> list[tuple[str, tuple[int, int, Indices, int]]]:
+    def _taken(self, want: Mapping[str, int]) -> list[tuple[int, int, Indices, int]]:
         """An allocation that fits in the free part of each request's last page, served here:
         no page changes owner, so the device hears of it with the next message about the request
         (`_Live.allocs`). Per request, its slots as `_granted` describes them."""
@@ -552,7 +556,7 @@ class HiCache:
         out = []
         for rid, n in want.items():
             r = live[rid]
-            out.append((rid, (r.last_page * p + r.allocated % p, n, EMPTY, n)))
+            out.append((r.last_page * p + r.allocated % p, n, EMPTY, n))
             r.allocated += n
             r.allocs += n
         return out
@@ -581,42 +585,42 @@ class HiCache:
                          late=lambda r: self._granted(r, want))
 
     def _granted(self, reply: Any, demands: Mapping[str, int], *,
-                 to_caller: bool = False) -> list[tuple[str, tuple[int, int, Indices, int]]]:
+                 to_caller: bool = False) -> list[tuple[int, int, Indices, int]]:
         """Record the pages each request got for its `demands`; for the caller, each request's
         slots as `_slots_of` takes them, in the grants' order (the demands')."""
         if not isinstance(reply, SlotsAllocated):
             return []
-        p = self.config.page_size
+        p, lives = self.config.page_size, self._live
         got = []
         for grant in reply.grants:
             rid = grant.request_id
-            live = self._live.get(rid)
+            live = lives.get(rid)
             if live is None:  # a late grant for a request that ended meanwhile: its release freed it
                 continue
             start, n = live.allocated, demands[rid]
             spare = (-start) % p
-            if len(grant.pages) != -(-max(0, n - spare) // p):
+            # At page size 1 no slot is served from a last page, so the ledgers cannot part that way.
+            if p > 1 and len(grant.pages) != -(-max(0, n - spare) // p):
                 raise InvariantError(
                     f"facade: request {rid!r} was granted {len(grant.pages)} pages for {n} slots with {spare} "
                     f"free in its last page (invariant: the device's ledger counts the slots the facade handed out)"
                 )
             if to_caller:
-                got.append((rid, (live.last_page * p + start % p, min(n, spare), grant.pages, n)))
+                got.append((live.last_page * p + start % p, min(n, spare), grant.pages, n))
             live.add_pages(grant.pages)
             live.allocated += n
         return got
 
-    def _slots_of(self, got: list[tuple[str, tuple[int, int, Indices, int]]],
+    def _slots_of(self, rids: Iterable[str], parts: list[tuple[int, int, Indices, int]],
                   flat: bool) -> dict[str, torch.Tensor] | torch.Tensor:
-        """The slots of an allocation, per request (`got`: each request's `(base, spare, pages,
+        """The slots of an allocation, per request (`parts`: each request's `(base, spare, pages,
         n)`, as `SlotTable.split` takes them) or `flat`: one tensor in the demands' order."""
         assert self._slot_table is not None  # built by start()
-        parts = [part for _, part in got]
         if flat:
             return self._slot_table.join(parts)
         if not parts:
             return {}
-        return dict(zip([rid for rid, _ in got], self._slot_table.split(parts)))
+        return dict(zip(rids, self._slot_table.split(parts)))
 
     def commit(self, tokens: Mapping[str, Sequence[int] | torch.Tensor]) -> None:
         """Record that the KV of these new tokens (per request, in order) is written. No
