@@ -251,25 +251,41 @@ def test_close_drains_backups_in_flight_so_a_next_instance_finds_every_page(
 # -- calls cut short ---------------------------------------------------------------------------
 
 
+def _a_cache_whose_writes_wait(make_config: Callable[..., Config],
+                               sent: list[Any] | None = None) -> tuple[HiCache, threading.Event]:
+    """8 device pages of 4 slots whose write stream (on its own thread) holds every write
+    until the gate is set; `sent` collects the facade's `AllocateSlots`."""
+    gate = threading.Event()
+
+    def observe(receiver: ActorName, mail: Any) -> None:
+        if sent is not None and mail.sender is ActorName.FACADE and type(mail.message).__name__ == "AllocateSlots":
+            sent.append(mail.message)
+        if receiver is ActorName.WRITE and type(mail.message).__name__ == "DrainWrites":
+            gate.wait(10)
+
+    config = make_config(page_size=4, device_pages=8, host_pages=32)
+    return HiCache(config, runtime=ThreadedRuntime(observe=observe, write_stream_thread=True),
+                   reply_timeout_s=0.3), gate
+
+
+def _lock_a_node_by_its_write(hc: HiCache) -> None:
+    """Request "a" of 24 tokens (6 of the 8 pages) finishes: its write-through is held at the
+    gate, so its node stays locked and an eviction must wait for it."""
+    [a] = hc.admit([Request("a", seq(24))])
+    hc.allocate({"a": 24})
+    hc.commit({"a": seq(24)})
+    hc.finish([a.handle])
+
+
 def test_a_call_whose_wait_times_out_has_its_late_reply_adopted_and_the_next_call_works(
     make_config: Callable[..., Config],
 ) -> None:
     """An allocation that must wait for a write in flight on the write stream's own thread (its node is locked by the write)
     times out; the write then lands, the device's retry allocates, and the next call adopts
     that late grant: the slots join the request, nothing leaks."""
-    gate = threading.Event()
-
-    def observe(receiver: ActorName, mail: Any) -> None:
-        if receiver is ActorName.WRITE and type(mail.message).__name__ == "DrainWrites":
-            gate.wait(10)
-
-    config = make_config(device_pages=8, host_pages=32)
-    hc = HiCache(config, runtime=ThreadedRuntime(observe=observe, write_stream_thread=True), reply_timeout_s=0.3)
+    hc, gate = _a_cache_whose_writes_wait(make_config)
     with hc:
-        [a] = hc.admit([Request("a", seq(24))])
-        hc.allocate({"a": 24})
-        hc.commit({"a": seq(24)})
-        hc.finish([a.handle])  # its write-through is held at the gate: its node stays locked
+        _lock_a_node_by_its_write(hc)
         [b] = hc.admit([Request("b", seq(24, 500))])
         with pytest.raises(TimeoutError, match=r"no reply to op \d+ within 0\.3s"):
             hc.allocate({"b": 24})  # needs the locked node's pages: the eviction waits for the write
@@ -291,22 +307,10 @@ def test_while_a_given_up_allocation_is_in_flight_a_slot_in_the_last_page_is_ask
     the facade alone, it could take a slot that the late grant, computed by the device without
     it, counts as the grant's. The device answers it at once and the late grant after it, in
     the order the facade applies them, so both ledgers agree."""
-    gate = threading.Event()
     sent: list[Any] = []
-
-    def observe(receiver: ActorName, mail: Any) -> None:
-        if mail.sender is ActorName.FACADE and type(mail.message).__name__ == "AllocateSlots":
-            sent.append(mail.message)
-        if receiver is ActorName.WRITE and type(mail.message).__name__ == "DrainWrites":
-            gate.wait(10)
-
-    config = make_config(page_size=4, device_pages=8, host_pages=32)
-    hc = HiCache(config, runtime=ThreadedRuntime(observe=observe, write_stream_thread=True), reply_timeout_s=0.3)
+    hc, gate = _a_cache_whose_writes_wait(make_config, sent)
     with hc:
-        [a] = hc.admit([Request("a", seq(24))])
-        hc.allocate({"a": 24})
-        hc.commit({"a": seq(24)})
-        hc.finish([a.handle])  # its write-through is held at the gate: its node stays locked
+        _lock_a_node_by_its_write(hc)
         [b] = hc.admit([Request("b", seq(5, 500))])
         assert isinstance(hc.allocate({"b": 5}), dict)  # the last two free pages: 3 slots left in the second
         with pytest.raises(TimeoutError, match=r"no reply to op \d+ within 0\.3s"):
