@@ -93,6 +93,7 @@ from ._facade_types import (
     ExpiredHandleError,
     HiCacheStatistics,
     Insufficient,
+    TOKEN_ID_MAX,
     Request,
     RequestError,
 )
@@ -628,29 +629,35 @@ class HiCache:
         with self._call():
             self._record(self._commits(tokens))
 
-    def _record(self, commits: list[tuple[str, bytes]]) -> None:
-        for rid, data in commits:
-            live = self._live[rid]
-            n = len(data) // 8
+    @staticmethod
+    def _record(commits: list[tuple[_Live, bytes, int]]) -> None:
+        for live, data, n in commits:
             live.tokens.append(data)
             live.committed += n
             live.unsent += n
 
-    def _commits(self, tokens: Mapping[str, Sequence[int] | torch.Tensor]) -> list[tuple[str, bytes]]:
+    def _commits(self, tokens: Mapping[str, Sequence[int] | torch.Tensor]) -> list[tuple[_Live, bytes, int]]:
+        """Each commit checked (all before any is recorded): the request, its token bytes and count."""
         if type(tokens) is not dict and not isinstance(tokens, Mapping):
             raise RequestError(f"commit must map request ids to tokens, got {type(tokens).__name__}")
         out = []
+        lives = self._live
         for rid, toks in tokens.items():
-            live = self._req(check.request_id(rid, "a request id in commit"))
-            data = check.token_bytes(toks, "tokens committed for request", rid)
-            n = len(data) // 8
+            live = lives.get(rid) if type(rid) is str else None  # a live request's id is a valid one
+            if live is None:
+                live = self._req(check.request_id(rid, "a request id in commit"))
+            if type(toks) is list and len(toks) == 1 and type(t := toks[0]) is int and 0 <= t <= TOKEN_ID_MAX:
+                data, n = t.to_bytes(8, "little"), 1  # a decode step's token, as `token_bytes` packs it
+            else:
+                data = check.token_bytes(toks, "tokens committed for request", rid)
+                n = len(data) // 8
             if live.committed + n > live.allocated:
                 raise RequestError(
                     f"request {rid!r}: committing {n} tokens makes {live.committed + n} committed "
                     f"but only {live.allocated} slots are allocated (allocate before writing KV)"
                 )
             if n:
-                out.append((rid, data))
+                out.append((live, data, n))
         return out
 
     def allocated(self, request_id: str) -> int:
