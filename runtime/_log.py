@@ -64,9 +64,10 @@ except ImportError:  # the `fast` extra is not installed: the same checksum, slo
     from zlib import crc32
 
 LOG_VERSION = 4
-"""3: numbered, checksummed lines, an `end` line, blobs forgotten only between deliveries,
-unencodable deliveries logged as such. 2 had none of these; 1 carried large payloads in
-every body. A reader reads its own version only."""
+"""4: the device's messages carry the slots the facade served from a request's last page
+(`allocs`). 3: numbered, checksummed lines, an `end` line, blobs forgotten only between
+deliveries, unencodable deliveries logged as such. 2 had none of these; 1 carried large
+payloads in every body. A reader reads its own version only."""
 
 BLOB_BYTES_MIN = 1024
 """An `Indices` or `Tokens` payload this large (128 values) or larger is written as a blob, once."""
