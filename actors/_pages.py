@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Callable, Iterable
+from operator import itemgetter
 from typing import TypeAlias
 
 import numpy
@@ -352,6 +353,10 @@ _OFFSETS: dict[int, numpy.ndarray] = {}
 longest call; read-only)."""
 
 
+_COUNT = itemgetter(3)
+"""The slot count of a `SlotTable` part."""
+
+
 class SlotTable:
     """Every slot of one pool, page by page: the slots of many pages are one gather of rows
     (a copy of `page_size` slots per page, where `slots_of_pages` makes three passes). For
@@ -380,10 +385,13 @@ class SlotTable:
     def join(self, parts: list[tuple[int, int, Indices, int]]) -> torch.Tensor:
         """The slots of `split`'s parts, one after another, as one new tensor."""
         p = self.page_size
-        if sum(n for _, _, _, n in parts) <= FEW_MAX:
+        if sum(map(_COUNT, parts)) <= FEW_MAX:
             flat = array("q")
             for base, spare, pages, n in parts:
-                flat.extend(range(base, base + spare))
+                if spare == 1:  # a decode step's slot: no range to make
+                    flat.append(base)
+                elif spare:
+                    flat.extend(range(base, base + spare))
                 if n > spare:
                     flat.extend(slots_of_pages(pages.tolist()[: -(-(n - spare) // p)], p)[: n - spare])
             return torch.frombuffer(flat, dtype=torch.int64) if flat else torch.empty(0, dtype=torch.int64)
