@@ -46,6 +46,7 @@ from ._pages import (
     as_pages,
     as_tensor,
     indices_of,
+    new_pages,
     pages_of_array,
     slots_of_pages,
 )
@@ -135,7 +136,7 @@ class DeviceCore:
         each first fills the rest of its last partial page, then gets whole new pages (the
         answer: per request, its new pages)."""
         p = self.page_size
-        plan: list[tuple[_Ledger, int, int, int]] = []  # ledger, tokens, slots left in its last page, new pages
+        plan: list[tuple[_Ledger, int, int]] = []  # ledger, tokens, new pages
         seen: set[str] = set()
         need = 0
         for rid, n in demands:
@@ -145,9 +146,8 @@ class DeviceCore:
                 raise LedgerError(f"request {rid!r} appears twice in one allocation")
             seen.add(rid)
             ledger = self._live_or_new(rid)
-            spare = (-ledger.allocated) % p
-            k = -(-max(0, n - spare) // p)
-            plan.append((ledger, n, spare, k))
+            k = new_pages(ledger.allocated, n, p)
+            plan.append((ledger, n, k))
             need += k
         if need > self._pool.free_pages:
             return Insufficient(requested_slots=need * p, free_slots=self._pool.free_slots)
@@ -157,7 +157,7 @@ class DeviceCore:
         assert new is not None
         data = indices_of(new).to_bytes() if need else b""
         out, at = {}, 0
-        for ledger, n, _, k in plan:
+        for ledger, n, k in plan:
             out[ledger.request_id] = self._grant(ledger, n, new[at : at + k], data[8 * at : 8 * (at + k)])
             at += k
         return out

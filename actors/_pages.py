@@ -326,6 +326,13 @@ def pages_of(indices: Ints, page_size: int, what: str) -> Ints:
     return first // page_size
 
 
+def new_pages(allocated: int, n: int, page_size: int) -> int:
+    """The new pages `n` more slots of a request take after its `allocated` ones: they fill
+    the rest of its last page first, then whole new pages (the rule the device grants by
+    and the facade checks its grants against)."""
+    return -(-max(0, n - (-allocated) % page_size) // page_size)
+
+
 def slots_of_pages(pages: Ints, page_size: int) -> Ints:
     """Every slot of `pages`, in page order (the inverse of `pages_of`): a list for a list, else
     a new tensor (two tensor operations, cheaper than a list at any size)."""

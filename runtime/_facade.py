@@ -37,7 +37,7 @@ from typing import Any, Literal, overload
 import torch
 from hicache.actors._logging import logger
 from hicache.actors._errors import InvariantError
-from hicache.actors._pages import SlotTable
+from hicache.actors._pages import SlotTable, new_pages
 from hicache.messages import (
     ActorName,
     AdmitItem,
@@ -601,7 +601,7 @@ class HiCache:
             start, n = live.allocated, demands[rid]
             spare = (-start) % p
             # At page size 1 no slot is served from a last page, so the ledgers cannot part that way.
-            if p > 1 and len(grant.pages) != -(-max(0, n - spare) // p):
+            if p > 1 and len(grant.pages) != new_pages(start, n, p):
                 raise InvariantError(
                     f"facade: request {rid!r} was granted {len(grant.pages)} pages for {n} slots with {spare} "
                     f"free in its last page (invariant: the device's ledger counts the slots the facade handed out)"

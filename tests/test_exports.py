@@ -34,6 +34,8 @@ INTERNAL = {
     "hicache.actors._pages.as_list": "the pool cores' conversion of slot numbers of either form to Python ints",
     "hicache.actors._pages.as_tensor": "the pool cores' conversion of slot numbers of either form to a tensor",
     "hicache.actors._pages.indices_of": "the pool cores' conversion of slot numbers of either form to Indices",
+    "hicache.actors._pages.new_pages": "the page count rule of an allocation, which the device grants by and the "
+                                       "facade checks its grants against",
     "hicache.actors._pages.as_pages": "the pool cores' choice of page-number form (Python ints or an array) for a call",
     "hicache.actors._pages.pages_of_array": "the device core's page numbers of a ledger's array, in the form for their number",
     "hicache.actors._pages.PageTable": "the pool cores' value per page (owner or state) with its checked moves",
