@@ -31,7 +31,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, overload
 
 import torch
@@ -126,12 +126,14 @@ __all__ = [
 class _Live:
     handle: CacheHandle
     namespace: str
-    tokens: list[bytes | memoryview]
+    tokens: list[bytes | memoryview | bytearray]
     """Committed token ids (int64 bytes) in order, the cached prefix first (a view of the admitted
-    prompt's bytes); joined on demand."""
+    prompt's bytes); joined on demand. Small commits (decode steps) are appended to one
+    bytearray at the end (`HiCache._record`), not kept an object each."""
     committed: int
     pages: list[Indices]
-    """The device pages of its positions, in token order (the cached prefix's first); joined on demand."""
+    """The device pages of its positions, in token order (the cached prefix's first); joined on
+    demand, after `page_tail`."""
     allocated: int
     """Positions with a slot: the last page may be partly allocated."""
     last_page: int
@@ -148,6 +150,11 @@ class _Live:
     prefix: int = 0
     """Tokens of the cached prefix its handle locks (whole pages): the tree has them, so a
     finish or a `cache_unfinished` sends only what comes after."""
+    page_tail: bytearray = field(default_factory=bytearray)
+    """The bytes of pages granted a few at a time (decode steps) after `pages`, one bytearray
+    rather than an `Indices` each: a long decode of a large batch would otherwise keep an
+    object per request per step, which the garbage collector's full passes walk again and
+    again. Moved into `pages` as one `Indices` when they are read (`_seal`)."""
 
     def token_data(self) -> bytes:
         first = self.tokens[0]
@@ -163,13 +170,15 @@ class _Live:
         rest = self.tokens[i:]
         if len(rest) == 1 and not skip and type(rest[0]) is bytes:
             return Tokens(rest[0])
-        if skip:
-            rest = [memoryview(rest[0])[skip:], *rest[1:]]
+        if skip:  # a view of a prompt's or a prefill's bytes; a copy of the tail's (which grows)
+            first = rest[0]
+            rest = [first[skip:] if type(first) is bytearray else memoryview(first)[skip:], *rest[1:]]
         return Tokens(b"".join(rest))
 
     def pages_after_prefix(self, page_size: int) -> Indices:
         """The pages of the committed tokens after the cached prefix (the last maybe partly committed)."""
         first = self.prefix // page_size
+        self._seal()
         i, at = _past(self.pages, first)
         rest = self.pages[i:]
         if not rest:
@@ -178,14 +187,30 @@ class _Live:
         return (rest[0] if len(rest) == 1 else Indices.concat(rest))[at:stop]
 
     def page_indices(self) -> Indices:
+        self._seal()
         if len(self.pages) != 1:
             self.pages = [Indices.concat(self.pages)]
         return self.pages[0]
 
     def add_pages(self, new: Indices) -> None:
         if new:
-            self.pages.append(new)
-            self.last_page = int.from_bytes(new.to_bytes()[-8:], "little", signed=True)
+            data = new.to_bytes()
+            if len(data) <= 8 * _SMALL_PIECE:
+                self.page_tail += data
+            else:
+                self._seal()
+                self.pages.append(new)
+            self.last_page = int.from_bytes(data[-8:], "little", signed=True)
+
+    def _seal(self) -> None:
+        if self.page_tail:
+            self.pages.append(Indices(bytes(self.page_tail)))
+            self.page_tail.clear()
+
+
+_SMALL_PIECE = 64
+"""A commit of this many tokens or fewer, or a grant of this many pages, joins the request's
+tail; a larger one (a prefill's) is kept as it came, without a copy."""
 
 
 def _past(parts: Sequence[Any], skip: int) -> tuple[int, int]:
@@ -632,7 +657,12 @@ class HiCache:
     @staticmethod
     def _record(commits: list[tuple[_Live, bytes, int]]) -> None:
         for live, data, n in commits:
-            live.tokens.append(data)
+            if n > _SMALL_PIECE:  # a prefill's: kept as it came
+                live.tokens.append(data)
+            elif type(tail := live.tokens[-1]) is bytearray:  # a decode step's: onto the tail
+                tail += data
+            else:
+                live.tokens.append(bytearray(data))
             live.committed += n
             live.unsent += n
 

@@ -8,7 +8,10 @@ the node to host memory), not give up.
 
 from __future__ import annotations
 
+import gc
+import sys
 import threading
+from array import array
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
@@ -264,6 +267,61 @@ def test_a_tick_answered_flat_is_every_requests_next_slots_in_the_order_of_its_d
         assert isinstance(short, Insufficient)
         with pytest.raises(RequestError, match="flat must be True or False"):
             hc.allocate({"r0": 1}, flat=1)  # type: ignore[call-overload]
+        hc.check_invariants()
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_long_decode_keeps_no_object_per_step_and_its_request_stays_whole(
+    make_config: Callable[..., Config], page_size: int
+) -> None:
+    """Each decode step's token and (at page size 1, every step; else one step in a page) its
+    new page join the request's record in place: 8 requests x 600 steps leave no object per
+    step behind for the garbage collector's full passes to walk (before, a long decode of a
+    large batch stalled the scheduler's thread for 150 ms at a time). What the request holds
+    stays exact through it all: its tokens, its slots, a `cache_unfinished` midway and its
+    finish, whose tokens the next request then hits."""
+    with HiCache(make_config(page_size=page_size, device_slots=8192, host_slots=8192 + 4)) as hc:
+        prompts = {f"r{i}": seq(9 + i, 1000 * i) for i in range(8)}
+        adms = {a.request_id: a for a in hc.admit([Request(rid, t) for rid, t in prompts.items()])}
+        assert isinstance(hc.allocate({rid: len(t) for rid, t in prompts.items()}), dict)
+        hc.commit(prompts)
+        tokens = {rid: list(t) for rid, t in prompts.items()}
+        slots = {rid: array("q", hc.slots(rid).tolist()) for rid in prompts}  # no int object a slot
+        commit: dict[str, list[int]] | None = None
+
+        def steps(k: int, first: int) -> None:
+            nonlocal commit
+            for step in range(first, first + k):
+                got = hc.allocate(dict.fromkeys(prompts, 1), commit=commit, flat=True)
+                assert isinstance(got, torch.Tensor)
+                for rid, slot in zip(prompts, got.tolist(), strict=True):
+                    slots[rid].append(slot)
+                commit = {rid: [7 + (step + i) % 50] for i, rid in enumerate(prompts)}
+                for rid, t in commit.items():
+                    tokens[rid].append(t[0])
+
+        steps(20, 0)  # the record's pieces are made; then they only grow
+        gc.collect()
+        before = sys.getallocatedblocks()
+        steps(600, 20)
+        gc.collect()
+        grown = sys.getallocatedblocks() - before
+        assert grown < 600, f"{grown} memory blocks more after 600 steps of 8 requests"
+        hc.commit(commit or {})
+        hc.check_invariants()
+        for rid in prompts:
+            assert hc.committed_tokens(rid) == tokens[rid]
+            assert hc.slots(rid).tolist() == slots[rid].tolist()
+        hc.cache_unfinished([hc.handle("r0")])  # midway: the tree takes what r0 committed
+        commit = None
+        steps(30, 620)
+        hc.commit(commit or {})
+        assert hc.committed_tokens("r3") == tokens["r3"] and hc.slots("r3").tolist() == slots["r3"].tolist()
+        hc.finish([hc.handle(rid) for rid in prompts])
+        hc.check_invariants()
+        [again] = hc.admit([Request("again", tokens["r5"] + [1])])
+        assert again.cached_tokens == len(tokens["r5"]) // page_size * page_size
+        hc.finish([again.handle])
         hc.check_invariants()
 
 
