@@ -394,6 +394,10 @@ class SlotTable:
         p = self.page_size
         if sum(map(_COUNT, parts)) <= FEW_MAX:
             flat = array("q")
+            if p == 1:  # a slot is a page, and no page is partly used: the pages' own bytes
+                for _, _, pages, n in parts:
+                    flat.frombytes(pages.to_bytes()[: 8 * n])
+                return torch.frombuffer(flat, dtype=torch.int64) if flat else torch.empty(0, dtype=torch.int64)
             for base, spare, pages, n in parts:
                 if spare == 1:  # a decode step's slot: no range to make
                     flat.append(base)
