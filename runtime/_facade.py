@@ -31,7 +31,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal, overload
 
 import torch
@@ -150,11 +150,12 @@ class _Live:
     prefix: int = 0
     """Tokens of the cached prefix its handle locks (whole pages): the tree has them, so a
     finish or a `cache_unfinished` sends only what comes after."""
-    page_tail: bytearray = field(default_factory=bytearray)
+    page_tail: bytearray | None = None
     """The bytes of pages granted a few at a time (decode steps) after `pages`, one bytearray
     rather than an `Indices` each: a long decode of a large batch would otherwise keep an
     object per request per step, which the garbage collector's full passes walk again and
-    again. Moved into `pages` as one `Indices` when they are read (`_seal`)."""
+    again. Moved into `pages` as one `Indices` when they are read (`_seal`). A request's
+    first two pieces (its cached prefix's pages, its first grant) are kept as they came."""
 
     def token_data(self) -> bytes:
         first = self.tokens[0]
@@ -178,7 +179,8 @@ class _Live:
     def pages_after_prefix(self, page_size: int) -> Indices:
         """The pages of the committed tokens after the cached prefix (the last maybe partly committed)."""
         first = self.prefix // page_size
-        self._seal()
+        if self.page_tail:
+            self._seal()
         i, at = _past(self.pages, first)
         rest = self.pages[i:]
         if not rest:
@@ -187,7 +189,8 @@ class _Live:
         return (rest[0] if len(rest) == 1 else Indices.concat(rest))[at:stop]
 
     def page_indices(self) -> Indices:
-        self._seal()
+        if self.page_tail:
+            self._seal()
         if len(self.pages) != 1:
             self.pages = [Indices.concat(self.pages)]
         return self.pages[0]
@@ -195,17 +198,19 @@ class _Live:
     def add_pages(self, new: Indices) -> None:
         if new:
             data = new.to_bytes()
-            if len(data) <= 8 * _SMALL_PIECE:
-                self.page_tail += data
-            else:
-                self._seal()
+            if len(self.pages) < 2 or len(data) > 8 * _SMALL_PIECE:  # a prefix's, a prefill's: as they came
+                if self.page_tail:
+                    self._seal()
                 self.pages.append(new)
+            elif self.page_tail is None:
+                self.page_tail = bytearray(data)
+            else:
+                self.page_tail += data
             self.last_page = int.from_bytes(data[-8:], "little", signed=True)
 
     def _seal(self) -> None:
-        if self.page_tail:
-            self.pages.append(Indices(bytes(self.page_tail)))
-            self.page_tail.clear()
+        self.pages.append(Indices(bytes(self.page_tail)))
+        self.page_tail = None
 
 
 _SMALL_PIECE = 64
