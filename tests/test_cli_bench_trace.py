@@ -26,3 +26,6 @@ def test_bench_trace_quick_json_has_every_phase_and_every_decode_batch(capsys) -
         assert row["facade_flat_us_per_tick"] > 0
         flat_ratio = row["facade_flat_us_per_tick"] / row["cores_us_per_tick"]
         assert abs(row["facade_flat_over_cores"] - flat_ratio) <= 0.01 * flat_ratio + 0.01
+        # The longest of the facade's ticks: at least their mean, at most their sum.
+        mean = (row["facade_us_per_tick"] + row["facade_flat_us_per_tick"]) / 2
+        assert mean - 0.1 <= row["facade_longest_tick_us"] <= 2 * mean * row["ticks"] + 0.1

@@ -23,8 +23,9 @@ next slot in one call, `allocate({rid: 1, ...}, commit={rid: [token], ...})`, as
 scheduler's decode loop does; against the device core's own commit and allocation of the
 same ticks (`DeviceCore.commit_only`, `allocate_pages`). Every other tick asks for the
 answer as one tensor (`flat=True`), so both forms are timed side by side in one run. It
-reports microseconds per tick and per request of a tick. Not actor code: it reads
-`time.perf_counter`.
+reports microseconds per tick and per request of a tick, and the facade's longest tick (a
+stall of the scheduler's thread: the garbage collector's full passes, say). Not actor code:
+it reads `time.perf_counter`.
 """
 
 from __future__ import annotations
@@ -186,11 +187,14 @@ def _decode(prompts: list[torch.Tensor], page: int, batch: int, ticks: int) -> d
         hc.allocate({rid: len(t) - cached[rid] for rid, t in zip(rids, starts, strict=True)})
         commit: dict[str, Any] = {rid: t[cached[rid]:] for rid, t in zip(rids, starts, strict=True)}
         facade = [0.0, 0.0]  # per request, flat: alternate ticks
+        longest = 0.0
         for k in range(DECODE_WARMUP + 2 * ticks):
             t0 = clock()
             got = hc.allocate(dict.fromkeys(rids, 1), commit=commit, flat=bool(k % 2))
             if k >= DECODE_WARMUP:
-                facade[k % 2] += clock() - t0
+                took = clock() - t0
+                facade[k % 2] += took
+                longest = max(longest, took)
             if isinstance(got, Insufficient):
                 raise RuntimeError(f"bench trace: a decode tick did not fit: {got}")
             commit = {rid: [k % 30_000] for rid in rids}
@@ -215,6 +219,7 @@ def _decode(prompts: list[torch.Tensor], page: int, batch: int, ticks: int) -> d
         "facade_over_cores": round(per_request / cores, 2),
         "facade_flat_us_per_tick": round(1e6 * flat / ticks, 1),
         "facade_flat_over_cores": round(flat / cores, 2),
+        "facade_longest_tick_us": round(1e6 * longest, 1),
     }
 
 
@@ -223,13 +228,13 @@ def _decode_table(rows: list[dict[str, Any]], machine: dict[str, object]) -> Tab
                   caption=f"{machine}; µs per tick (facade: one call, a tensor per request or flat=True; "
                           "cores: the device core's commit and allocation)")
     for col in ("page", "batch", "ticks", "facade µs/tick", "facade µs/request", "flat µs/tick", "cores µs/tick",
-                "facade ÷ cores", "flat ÷ cores"):
+                "facade ÷ cores", "flat ÷ cores", "facade's longest tick µs"):
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(str(r["page"]), str(r["batch"]), str(r["ticks"]), f"{r['facade_us_per_tick']:.0f}",
                       f"{r['facade_us_per_request']:.1f}", f"{r['facade_flat_us_per_tick']:.0f}",
                       f"{r['cores_us_per_tick']:.0f}", f"{r['facade_over_cores']:.2f}",
-                      f"{r['facade_flat_over_cores']:.2f}")
+                      f"{r['facade_flat_over_cores']:.2f}", f"{r['facade_longest_tick_us']:.0f}")
     return table
 
 
