@@ -158,6 +158,23 @@ def test_expected_values_are_small_integers_exact_in_the_kv_dtype(make_config: C
     assert len(torch.unique(as_float)) > 50
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_every_window_gets_the_values_a_long_run_gives_it(make_config: Callable[..., Config], dtype: str) -> None:
+    """Any window of positions, from the start or extending a prefix's hash, equals the long
+    run's, whatever form the tokens come in (a list and a tuple go through an `array`, a
+    tensor as it is), with ids large enough that the int64 products wrap."""
+    shape = KVShape.of(make_config(dtype=dtype, kv_heads=2, head_dim=4))
+    oracle = FingerprintOracle(shape)
+    tokens = [random.Random(5).randrange(2**62) for _ in range(300)]  # large ids: the products wrap
+    whole = oracle.expected(tokens, 0, 300)
+    for a, b in [(0, 1), (7, 8), (0, 64), (10, 74), (100, 165), (299, 300), (20, 20)]:
+        for form in (tokens, tuple(tokens), torch.tensor(tokens)):
+            got = oracle.expected(form, a, b)
+            assert got.dtype == shape.dtype and torch.equal(got, whole[:, :, a:b]), (a, b, type(form))
+        base = oracle.hash_at(tokens, a - 1)
+        assert torch.equal(oracle.expected(tokens, a, b, base=base), whole[:, :, a:b])
+
+
 def test_heads_and_head_dims_differ_so_a_transposition_shows(make_config: Callable[..., Config]) -> None:
     shape = KVShape.of(make_config(kv_heads=2, head_dim=4))
     values = FingerprintOracle(shape).expected(TOKENS, 0, 1)[0, 0, 0]  # [H, D]
