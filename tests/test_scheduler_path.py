@@ -282,7 +282,7 @@ def test_a_long_decode_keeps_no_object_per_step_and_its_request_stays_whole(
     finish, whose tokens the next request then hits."""
     with HiCache(make_config(page_size=page_size, device_slots=8192, host_slots=8192 + 4)) as hc:
         prompts = {f"r{i}": seq(9 + i, 1000 * i) for i in range(8)}
-        adms = {a.request_id: a for a in hc.admit([Request(rid, t) for rid, t in prompts.items()])}
+        hc.admit([Request(rid, t) for rid, t in prompts.items()])
         assert isinstance(hc.allocate({rid: len(t) for rid, t in prompts.items()}), dict)
         hc.commit(prompts)
         tokens = {rid: list(t) for rid, t in prompts.items()}
