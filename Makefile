@@ -8,7 +8,7 @@
 # The demo and the tests cache that bytecode under .venv/pycache even where the
 # environment sets PYTHONDONTWRITEBYTECODE: without a cache every Python process
 # compiles torch's modules again on import (2-4 s each on a 2-vCPU machine), and the
-# suite starts about fourteen (CLI, replay, tensor-parallel ranks).
+# suite starts about fourteen (CLI, determinism, tensor-parallel ranks).
 
 PYTHON ?= python3
 VENV   ?= .venv
