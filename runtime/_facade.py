@@ -93,7 +93,6 @@ from ._facade_types import (
     ExpiredHandleError,
     HiCacheStatistics,
     Insufficient,
-    TOKEN_ID_MAX,
     Request,
     RequestError,
 )
@@ -681,11 +680,8 @@ class HiCache:
             live = lives.get(rid) if type(rid) is str else None  # a live request's id is a valid one
             if live is None:
                 live = self._req(check.request_id(rid, "a request id in commit"))
-            if type(toks) is list and len(toks) == 1 and type(t := toks[0]) is int and 0 <= t <= TOKEN_ID_MAX:
-                data, n = t.to_bytes(8, "little"), 1  # a decode step's token, as `token_bytes` packs it
-            else:
-                data = check.token_bytes(toks, "tokens committed for request", rid)
-                n = len(data) // 8
+            data = check.token_bytes(toks, "tokens committed for request", rid)
+            n = len(data) // 8
             if live.committed + n > live.allocated:
                 raise RequestError(
                     f"request {rid!r}: committing {n} tokens makes {live.committed + n} committed "
