@@ -397,14 +397,14 @@ class SlotTable:
             if p == 1:  # a slot is a page, and no page is partly used: the pages' own bytes
                 for _, _, pages, n in parts:
                     flat.frombytes(pages.to_bytes()[: 8 * n])
-                return torch.frombuffer(flat, dtype=torch.int64) if flat else torch.empty(0, dtype=torch.int64)
-            for base, spare, pages, n in parts:
-                if spare == 1:  # a decode step's slot: no range to make
-                    flat.append(base)
-                elif spare:
-                    flat.extend(range(base, base + spare))
-                if n > spare:
-                    flat.extend(slots_of_pages(pages.tolist()[: -(-(n - spare) // p)], p)[: n - spare])
+            else:
+                for base, spare, pages, n in parts:
+                    if spare == 1:  # a decode step's slot: no range to make
+                        flat.append(base)
+                    elif spare:
+                        flat.extend(range(base, base + spare))
+                    if n > spare:
+                        flat.extend(slots_of_pages(pages.tolist()[: -(-(n - spare) // p)], p)[: n - spare])
             return torch.frombuffer(flat, dtype=torch.int64) if flat else torch.empty(0, dtype=torch.int64)
         pieces = []
         for base, spare, pages, n in parts:
