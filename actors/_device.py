@@ -78,7 +78,9 @@ def _allocate(core: DeviceCore, m: AllocateSlots) -> SlotsAllocated | SlotsInsuf
         core.extend_only([(d.request_id, d.tokens) for d in m.allocs])
     if m.commits:
         core.commit_only([(d.request_id, d.tokens) for d in m.commits])
-    got = core.allocate_pages([(d.request_id, d.tokens) for d in m.demands])
+    if m.trim:
+        core.trim(m.trim)
+    got = core.allocate_pages([(d.request_id, d.tokens) for d in m.demands], ahead=m.ahead)
     if isinstance(got, Insufficient) and m.evict:  # answered once the tree has evicted
         core.waiting[m.op_id] = (m, tuple(core.mark(d.request_id) for d in m.demands))
         core.outbox.append((TREE, EvictForAllocation(op_id=m.op_id, tokens=got.shortfall_slots)))
@@ -103,7 +105,7 @@ def _evicted(core: DeviceCore, e: Evicted) -> None:
     if any(core.mark(d.request_id) != mark for d, mark in zip(m.demands, marks, strict=True)):
         got: dict[str, Indices] | Insufficient = Insufficient(requested_slots=0, free_slots=core.free_slots)
     else:
-        got = core.allocate_pages([(d.request_id, d.tokens) for d in m.demands])
+        got = core.allocate_pages([(d.request_id, d.tokens) for d in m.demands], ahead=m.ahead)
     core.outbox.append((FACADE, _allocated(m, got)))
 
 

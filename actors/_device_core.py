@@ -100,6 +100,9 @@ class DeviceCore:
         device = "cuda" if config.device is DeviceKind.CUDA else "cpu"
         self.kv = KVBuffer.allocate(KVShape.of(config), config.device_slots, HostLayout.LAYER_FIRST, device)
         self._pool = PagePool(config.device_pages, config.page_size)
+        self.ahead_pages = config.ahead_pages
+        """Whole free pages a demand that needs new pages also gets when its allocation asks
+        for pages ahead (`Config.ahead_slots`); a ledger never holds more past its slots."""
         self._owners = PageTable(config.device_pages, "q", runs=PageOwner)
         """Per page its `PageOwner`, or the number of the ledger that holds it."""
         self._owner = self._owners.tensor
@@ -115,8 +118,9 @@ class DeviceCore:
     # -- requests -------------------------------------------------------------
 
     def allocate(self, demands: Sequence[tuple[str, int]]) -> dict[str, torch.Tensor] | Insufficient:
-        """`allocate_pages`, answered as the slots each request got (the rest of its last
-        partial page, then its new pages' slots), as a tensor: what an engine writes KV into."""
+        """`allocate_pages`, answered as the slots each request got (its next positions, on
+        the pages it holds: the rest of its last partial page, pages held ahead, new pages), as
+        a tensor: what an engine writes KV into."""
         p = self.page_size
         before = {rid: self._ledgers[rid].allocated if rid in self._ledgers else 0 for rid, _ in demands}
         got = self.allocate_pages(demands)
@@ -124,21 +128,29 @@ class DeviceCore:
             return got
         out = {}
         for rid, n in demands:
-            start, new = before[rid], got[rid].tolist()
-            spare = min(n, (-start) % p)
-            last = self._ledgers[rid].pages[-1 - len(new)] * p + start % p if spare else 0
-            out[rid] = torch.tensor(list(range(last, last + spare)) + slots_of_pages(new, p)[: n - spare],
-                                    dtype=torch.int64)
+            ledger, start = self._ledgers.get(rid), before[rid]
+            if not n or ledger is None:
+                out[rid] = torch.empty(0, dtype=torch.int64)
+                continue
+            first = start // p - ledger.given // p  # the ledger's page of position `start`
+            pages = ledger.pages[first : first + -(-(start % p + n) // p)].tolist()
+            out[rid] = torch.tensor(slots_of_pages(pages, p)[start % p : start % p + n], dtype=torch.int64)
         return out
 
-    def allocate_pages(self, demands: Sequence[tuple[str, int]]) -> dict[str, Indices] | Insufficient:
+    def allocate_pages(self, demands: Sequence[tuple[str, int]], *,
+                       ahead: bool = False) -> dict[str, Indices] | Insufficient:
         """Room for the next `n` tokens of several requests, all or nothing, in demand order:
-        each first fills the rest of its last partial page, then gets whole new pages (the
-        answer: per request, its new pages)."""
+        each first fills the pages it holds (the rest of its last partial page, then pages it
+        was given ahead), then gets whole new pages (the answer: per request, its new pages).
+
+        `ahead`: a demand that needs new pages also gets `ahead_pages` more when the free list
+        holds them for every such demand of the call after what they need (never by eviction):
+        a decode's next steps then fit in pages the request holds, which the facade hands out
+        without a message."""
         p = self.page_size
         plan: list[tuple[_Ledger, int, int]] = []  # ledger, tokens, new pages
         seen: set[str] = set()
-        need = 0
+        need = needy = 0
         for rid, n in demands:
             if n < 0:
                 raise LedgerError(f"request {rid!r}: cannot allocate {n} slots")
@@ -146,18 +158,24 @@ class DeviceCore:
                 raise LedgerError(f"request {rid!r} appears twice in one allocation")
             seen.add(rid)
             ledger = self._live_or_new(rid)
-            k = new_pages(ledger.allocated, n, p)
+            k = new_pages(ledger.allocated, n, p, _room(ledger, p))
             plan.append((ledger, n, k))
             need += k
-        if need > self._pool.free_pages:
+            needy += k > 0
+        free = self._pool.free_pages
+        if need > free:
             return Insufficient(requested_slots=need * p, free_slots=self._pool.free_slots)
+        more = self.ahead_pages if ahead and need + needy * self.ahead_pages <= free else 0
+        total = need + needy * more
         # One take from the free list for all of them: the pages each would have got in turn,
         # in the same order (the stack's top first), with one conversion to bytes.
-        new = self._pool.alloc(need) if need else []
+        new = self._pool.alloc(total) if total else []
         assert new is not None
-        data = indices_of(new).to_bytes() if need else b""
+        data = indices_of(new).to_bytes() if total else b""
         out, at = {}, 0
         for ledger, n, k in plan:
+            if k:
+                k += more
             out[ledger.request_id] = self._grant(ledger, n, new[at : at + k], data[8 * at : 8 * (at + k)])
             at += k
         return out
@@ -177,20 +195,37 @@ class DeviceCore:
         return Indices(data)
 
     def extend_only(self, demands: Sequence[tuple[str, int]]) -> None:
-        """Slots several requests took from the free part of their last pages, which the facade
-        handed out itself (an allocation that needs no new page): counted as allocated, all or
-        nothing. Each must fit in what its last page has left; more is a bug in the caller."""
+        """Slots several requests took from the pages they hold (the free part of the last
+        one, pages given ahead), which the facade handed out itself (an allocation that needs
+        no new page): counted as allocated, all or nothing. Each must fit in what its pages
+        have left; more is a bug in the caller."""
         p = self.page_size
         ledgers = self._distinct_live([rid for rid, _ in demands], "extend")
         for (rid, n), ledger in zip(demands, ledgers, strict=True):
-            spare = (-ledger.allocated) % p
-            if not 0 <= n <= spare:
+            room = _room(ledger, p)
+            if not 0 <= n <= room:
                 raise LedgerError(
-                    f"request {rid!r}: {n} slots taken from its last page, which has {spare} free "
-                    "(invariant: only an allocation that fits in the last page is served without new pages)"
+                    f"request {rid!r}: {n} slots taken from the pages it holds, which have {room} free "
+                    "(invariant: only an allocation that fits in a request's pages is served without new pages)"
                 )
         for (_, n), ledger in zip(demands, ledgers, strict=True):
             ledger.allocated += n
+
+    def trim(self, rids: Sequence[str]) -> int:
+        """Give back the pages several requests hold ahead of their allocated slots (past the
+        page of their last one) to the free list: what an allocation that came up short asks
+        for before it tries again. The pages freed."""
+        p = self.page_size
+        freed = 0
+        for ledger in self._distinct_live(list(rids), "trim the pages held ahead by", new_ok=True):
+            keep = -(-ledger.allocated // p) - ledger.given // p
+            if len(ledger.pages) > keep:
+                extra = pages_of_array(ledger.pages[keep:])
+                self._move(extra, frozenset((ledger.number,)), PageOwner.FREE, "trim pages held ahead")
+                self._pool.free(extra)
+                del ledger.pages[keep:]
+                freed += len(extra)
+        return freed
 
     def commit(self, rid: str, n: int) -> LedgerEntry:
         return self.commit_many([(rid, n)])[0]
@@ -401,11 +436,13 @@ class DeviceCore:
                 raise InvariantError(f"device: ledger of {led.request_id!r} lists a page the table gives another owner")
             held += len(mine)
             pages_left = -(-led.allocated // self.page_size) - led.given // self.page_size
-            if not (led.committed <= led.allocated and led.given % self.page_size == 0 and pages_left == len(led.pages)):
+            if not (led.committed <= led.allocated and led.given % self.page_size == 0
+                    and pages_left <= len(led.pages) <= pages_left + self.ahead_pages):
                 raise InvariantError(
                     f"device: ledger of {led.request_id!r} has committed={led.committed}, "
-                    f"allocated={led.allocated}, {len(led.pages)} pages (invariant: "
-                    f"committed <= allocated, pages = ceil(allocated / page_size) - given pages; given={led.given})"
+                    f"allocated={led.allocated}, {len(led.pages)} pages (invariant: committed <= allocated, "
+                    f"pages = ceil(allocated / page_size) - given pages, plus at most {self.ahead_pages} held "
+                    f"ahead; given={led.given})"
                 )
         if held * self.page_size != counts[PageOwner.REQUEST]:
             raise InvariantError(
@@ -465,6 +502,12 @@ class DeviceCore:
     def _view(ledger: _Ledger, freed: int) -> LedgerEntry:
         return LedgerEntry(request_id=ledger.request_id, allocated=ledger.allocated, committed=ledger.committed,
                            freed=freed)
+
+
+def _room(ledger: _Ledger, page_size: int) -> int:
+    """Slots the pages a ledger holds have past its allocated ones (its last page's rest, and
+    the pages it was given ahead)."""
+    return (ledger.given // page_size + len(ledger.pages)) * page_size - ledger.allocated
 
 
 def _starts(pages: Indices, held: array) -> bool:

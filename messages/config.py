@@ -109,6 +109,12 @@ class Config:
                                              "Which device leaf is evicted first.")
     prefetch_policy: PrefetchPolicy = _field(PrefetchPolicy.BEST_EFFORT, Choice(PrefetchPolicy),
                                              "When a request waiting on a storage prefetch may run.")
+    ahead_slots: int = _field(15, Count(0, 1 << 16),
+                              "A request that needs a new device page also gets this many slots' worth of "
+                              "whole pages more while they are free (never by eviction; given back first when "
+                              "memory is short), so its next decode steps are served without a message to the "
+                              "device; 0: exactly what is asked. Rounded down to pages: none at `page_size` 16 "
+                              "or more by default.")
     host_tier: bool = _field(True, Switch(),
                              "Use host memory (L2) at all; false gives an L1-only cache for comparison.")
     load_back_min_tokens: int = _field(1, Count(1, SLOTS_MAX),
@@ -245,6 +251,12 @@ class Config:
         (more for Mooncake); sixteen 2 KiB pages would pay it for 32 KiB."""
         by_bytes = (self.storage_batch_mb << 20) // (self.page_size * self.bytes_per_slot)
         return max(self.storage_batch_pages, min(STORAGE_STEP_PAGES_MAX, by_bytes))
+
+    @property
+    def ahead_pages(self) -> int:
+        """Whole pages a request gets beyond its demand when it needs a new page and they are
+        free: `ahead_slots` rounded down to pages."""
+        return self.ahead_slots // self.page_size
 
     @property
     def device_pages(self) -> int:

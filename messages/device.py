@@ -48,8 +48,9 @@ class AllocateSlots(Message):
     demands: tuple[SlotDemand, ...]
     """One demand per request; a request appears at most once."""
     allocs: tuple[SlotDemand, ...]
-    """Per request, slots it took from the free part of its last page that the device was not
-    told of yet (the facade serves an allocation that fits there itself), applied first."""
+    """Per request, slots it took from the pages it holds (the free part of its last page, pages
+    held ahead) that the device was not told of yet (the facade serves an allocation that fits
+    there itself), applied first."""
     commits: tuple[SlotDemand, ...]
     """Per request, how many more of its slots hold real KV (as `CommitSlots`), applied next:
     a decode tick commits the tokens it wrote and allocates the next ones in one message."""
@@ -57,17 +58,25 @@ class AllocateSlots(Message):
     """If the free pages are short: ask the tree to evict the shortfall (`EvictForAllocation`)
     and try once more when it answers, before replying (the facade's allocations: one round
     trip where it would take three)."""
+    ahead: bool = False
+    """A demand that needs new pages also gets `Config.ahead_slots` worth of whole pages more
+    while the free list holds them (never by eviction): the facade's, so that the next decode
+    steps are served from pages the request holds, without a message."""
+    trim: tuple[str, ...] = ()
+    """Requests whose pages held ahead of their allocated slots go back to the free list
+    first, after the `allocs` (the facade's retry of an allocation that came up short)."""
 
 
 @message(102)
 class SlotGrant(Message):
     """The pages granted to one request (its next slots are the rest of its last partial
-    page, then these pages, in token order)."""
+    page, then any pages it held ahead, then these pages, in token order; with
+    `AllocateSlots.ahead`, the last `Config.ahead_pages` of them may be held ahead)."""
 
     request_id: str
     """The request the pages now belong to."""
     pages: Indices
-    """New pages, in token order; none when the rest of its last page covers the demand."""
+    """New pages, in token order; none when the pages it holds cover the demand."""
 
 
 @message(103)
@@ -139,8 +148,8 @@ class SlotRelease(Message):
     reason: ReleaseReason
     """Finished and aborted ids are remembered as released; retracted ones may come back."""
     allocs: int
-    """Slots it took from the free part of its last page that the device was not told of yet
-    (as `AllocateSlots.allocs`), applied first."""
+    """Slots it took from the pages it holds that the device was not told of yet (as
+    `AllocateSlots.allocs`), applied first."""
     commits: int
     """More of its slots that hold real KV (as `CommitSlots`), applied before the release."""
 
@@ -222,8 +231,8 @@ class SwapRequestPages(Message):
     free: Indices
     """Whole committed pages (page numbers) that duplicate the tree's and are freed."""
     allocs: int
-    """Slots it took from the free part of its last page that the device was not told of yet
-    (as `AllocateSlots.allocs`), applied first."""
+    """Slots it took from the pages it holds that the device was not told of yet (as
+    `AllocateSlots.allocs`), applied first."""
     commits: int
     """More of its slots that hold real KV (as `CommitSlots`), applied before the swap."""
 

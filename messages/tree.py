@@ -79,8 +79,9 @@ class FinishItem(Message):
     reason: ReleaseReason
     """Why it leaves."""
     allocs: int
-    """Slots it took from the free part of its last page that the device was not told of yet
-    (an allocation that fits there is local to the facade): passed on with its release."""
+    """Slots it took from the pages it holds (its last page's free part, pages held ahead) that
+    the device was not told of yet (an allocation that fits there is local to the facade):
+    passed on with its release."""
     commits: int
     """Slots it committed that the device was not told of yet (the caller's `commit` is
     local; the device hears of it with the next message about the request): passed on with its
@@ -120,8 +121,8 @@ class CacheItem(Message):
     device: Indices
     """Their device pages, in token order (the last may be partly committed)."""
     allocs: int
-    """Slots it took from the free part of its last page that the device was not told of yet:
-    passed on with its swap."""
+    """Slots it took from the pages it holds that the device was not told of yet: passed on
+    with its swap."""
     commits: int
     """Slots it committed that the device was not told of yet: passed on with its swap."""
 

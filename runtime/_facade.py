@@ -137,6 +137,10 @@ class _Live:
     """Positions with a slot: the last page may be partly allocated."""
     last_page: int
     """The last of `pages` (-1: none yet), whose free slots the next allocation fills first."""
+    ahead: bytes = b""
+    """Pages the device gave it past the last of `pages` (int64 bytes, in order; see
+    `Config.ahead_slots`): the next allocations take them here, after the last page's free
+    slots, before any asks the device for more."""
     caching: bool = False
     """A `cache_unfinished` of it is in flight: its handle is being replaced."""
     unsent: int = 0
@@ -196,16 +200,46 @@ class _Live:
 
     def add_pages(self, new: Indices) -> None:
         if new:
-            data = new.to_bytes()
-            if len(self.pages) < 2 or len(data) > 8 * _SMALL_PIECE:  # a prefix's, a prefill's: as they came
-                if self.page_tail:
-                    self._seal()
-                self.pages.append(new)
-            elif self.page_tail is None:
-                self.page_tail = bytearray(data)
-            else:
-                self.page_tail += data
-            self.last_page = int.from_bytes(data[-8:], "little", signed=True)
+            self._add(new.to_bytes(), new)
+
+    def _add(self, data: bytes, new: Indices | None) -> None:
+        """Pages (`data`: their bytes; `new`: them as an `Indices` if there is one) after the others."""
+        if len(self.pages) < 2 or len(data) > 8 * _SMALL_PIECE:  # a prefix's, a prefill's: as they came
+            if self.page_tail:
+                self._seal()
+            self.pages.append(new if new is not None else Indices(data))
+        elif self.page_tail is None:
+            self.page_tail = bytearray(data)
+        else:
+            self.page_tail += data
+        self.last_page = int.from_bytes(data[-8:], "little", signed=True)
+
+    def room(self, page_size: int) -> int:
+        """Slots its pages have past the allocated ones: the last page's rest, the pages held ahead."""
+        return (-self.allocated) % page_size + len(self.ahead) // 8 * page_size
+
+    def extend(self, n: int, page_size: int, granted: Indices = EMPTY) -> tuple[int, int, Indices, int]:
+        """Record `n` more allocated slots: the rest of the last page, then the pages held ahead,
+        then `granted` (the device's new pages; those left over are held ahead). Their slots as
+        `SlotTable.split` takes them: `(base, spare, pages, n)`."""
+        p = page_size
+        start = self.allocated
+        spare = min(n, (-start) % p)
+        base = self.last_page * p + start % p
+        k = -(-(n - spare) // p)  # pages past the last one
+        self.allocated = start + n
+        if not self.ahead:  # the common case: a grant's pages as they came
+            pages, rest = (granted, EMPTY) if k == len(granted) else (granted[:k], granted[k:])
+            if pages:
+                self.add_pages(pages)
+            self.ahead = rest.to_bytes() if rest else b""
+            return base, spare, pages, n
+        held = self.ahead + granted.to_bytes() if granted else self.ahead
+        data, self.ahead = held[: 8 * k], held[8 * k :]
+        if not data:
+            return base, spare, EMPTY, n
+        self._add(data, None)
+        return base, spare, Indices(data), n
 
     def _seal(self) -> None:
         self.pages.append(Indices(bytes(self.page_tail)))
@@ -559,15 +593,20 @@ class HiCache:
             if not want:
                 return torch.empty(0, dtype=torch.int64) if flat else {}
             p = self.config.page_size
-            # Slots in the free part of a request's last page are its own already: only the
-            # demands that need a page go to the device (all or nothing: the others are taken
-            # after). Not while a call given up on is still in flight: its reply, applied when
-            # it comes, may change what a request holds, so everything goes to the device.
-            remote = want if p == 1 or self._pending else {
-                rid: n for rid, n in want.items() if n > (-live[rid].allocated) % p}
+            # Slots in the pages a request holds (its last page's free part, pages held ahead)
+            # are its own already: only the demands that need a page go to the device (all or
+            # nothing: the others are taken after). Not while a call given up on is still in
+            # flight: its reply, applied when it comes, may change what a request holds, so
+            # everything goes to the device.
+            remote = want if self._pending else {rid: n for rid, n in want.items() if n > live[rid].room(p)}
             if not remote:
                 return self._slots_of(want, self._taken(want), flat)
             reply = self._allocate(remote)
+            if isinstance(reply, SlotsInsufficient) and not self._pending and any(r.ahead for r in live.values()):
+                # Once more, after every request's pages held ahead go back: the demands that
+                # would have taken such pages here go to the device too.
+                remote = want
+                reply = self._allocate(remote, trim=True)
             if isinstance(reply, SlotsInsufficient):
                 return Insufficient(requested_slots=reply.requested_slots, free_slots=reply.free_slots)
             parts = self._granted(reply, remote, to_caller=True)
@@ -579,37 +618,48 @@ class HiCache:
             return self._slots_of(want, parts, flat)
 
     def _taken(self, want: Mapping[str, int]) -> list[tuple[int, int, Indices, int]]:
-        """An allocation that fits in the free part of each request's last page, served here:
-        no page changes owner, so the device hears of it with the next message about the request
+        """An allocation that fits in the pages each request holds, served here: no page changes
+        owner, so the device hears of it with the next message about the request
         (`_Live.allocs`). Per request, its slots as `_granted` describes them."""
         p, live = self.config.page_size, self._live
         out = []
         for rid, n in want.items():
             r = live[rid]
-            out.append((r.last_page * p + r.allocated % p, n, EMPTY, n))
-            r.allocated += n
+            if n <= (-r.allocated) % p:  # the last page's rest (a decode step, mostly)
+                out.append((r.last_page * p + r.allocated % p, n, EMPTY, n))
+                r.allocated += n
+            else:
+                out.append(r.extend(n, p))
             r.allocs += n
         return out
 
-    def _allocate(self, want: Mapping[str, int]) -> Any:
+    def _allocate(self, want: Mapping[str, int], *, trim: bool = False) -> Any:
         """Ask the device for `want` (if the pool is short, the device has the tree evict and
         tries once more before it answers); the message carries the commits of those requests
-        that the device has not heard of yet (certain once sent: the facade checked them)."""
-        allocs, commits = [], []
-        for rid in want:
-            live = self._live[rid]
+        that the device has not heard of yet (certain once sent: the facade checked them).
+        `trim`: every live request's pages held ahead go back to the free list first."""
+        allocs, commits, trimmed = [], [], []
+        lives = [(rid, self._live[rid]) for rid in want]
+        if trim:
+            trimmed = [rid for rid, live in self._live.items() if live.ahead]
+            lives += [(rid, self._live[rid]) for rid in trimmed if rid not in want]
+        for rid, live in lives:
             if live.allocs:
                 allocs.append(SlotDemand(request_id=rid, tokens=live.allocs))
                 live.allocs = 0
             if live.unsent:
                 commits.append(SlotDemand(request_id=rid, tokens=live.unsent))
                 live.unsent = 0
+        for rid in trimmed:
+            self._live[rid].ahead = b""
         message = AllocateSlots(
             op_id=self._op(),
             demands=tuple(SlotDemand(request_id=r, tokens=n) for r, n in want.items()),
             allocs=tuple(allocs),
             commits=tuple(commits),
             evict=True,
+            ahead=True,
+            trim=tuple(trimmed),
         )
         return self._ask(ActorName.DEVICE, message, (SlotsAllocated, SlotsInsufficient),
                          late=lambda r: self._granted(r, want))
@@ -620,25 +670,25 @@ class HiCache:
         slots as `_slots_of` takes them, in the grants' order (the demands')."""
         if not isinstance(reply, SlotsAllocated):
             return []
-        p, lives = self.config.page_size, self._live
+        p, lives, ahead = self.config.page_size, self._live, self.config.ahead_pages
         got = []
         for grant in reply.grants:
             rid = grant.request_id
             live = lives.get(rid)
             if live is None:  # a late grant for a request that ended meanwhile: its release freed it
                 continue
-            start, n = live.allocated, demands[rid]
-            spare = (-start) % p
-            # At page size 1 no slot is served from a last page, so the ledgers cannot part that way.
-            if p > 1 and len(grant.pages) != new_pages(start, n, p):
+            n = demands[rid]
+            room = live.room(p)
+            k = new_pages(live.allocated, n, p, room)
+            if len(grant.pages) != k and not (k and len(grant.pages) == k + ahead):
                 raise InvariantError(
-                    f"facade: request {rid!r} was granted {len(grant.pages)} pages for {n} slots with {spare} "
-                    f"free in its last page (invariant: the device's ledger counts the slots the facade handed out)"
+                    f"facade: request {rid!r} was granted {len(grant.pages)} pages for {n} slots with {room} "
+                    f"free in the pages it holds (invariant: the device's ledger counts the slots the facade "
+                    f"handed out; it grants {k}, or {k + ahead} with pages ahead)"
                 )
+            part = live.extend(n, p, grant.pages)
             if to_caller:
-                got.append((live.last_page * p + start % p, min(n, spare), grant.pages, n))
-            live.add_pages(grant.pages)
-            live.allocated += n
+                got.append(part)
         return got
 
     def _slots_of(self, rids: Iterable[str], parts: list[tuple[int, int, Indices, int]],
@@ -846,10 +896,12 @@ class HiCache:
             for rid, live in self._live.items():
                 if live.committed != len(live.token_data()) // 8 or live.committed > live.allocated \
                         or -(-live.allocated // self.config.page_size) != len(live.page_indices()) \
-                        or live.prefix % self.config.page_size or live.prefix > live.committed:
+                        or live.prefix % self.config.page_size or live.prefix > live.committed \
+                        or len(live.ahead) > 8 * self.config.ahead_pages:
                     raise AssertionError(f"facade: request {rid!r} has {live.committed} committed, "
                                          f"{len(live.token_data()) // 8} tokens, {live.allocated} allocated, "
-                                         f"{len(live.page_indices())} pages, a cached prefix of {live.prefix}")
+                                         f"{len(live.page_indices())} pages, {len(live.ahead) // 8} held ahead "
+                                         f"(at most {self.config.ahead_pages}), a cached prefix of {live.prefix}")
             held = self.system.ask(ActorName.TREE, GetStatistics()).live_handles
             if held != len(self._live) and not self._pending:
                 raise AssertionError(

@@ -100,7 +100,9 @@ def pages_to_slots(pages: Indices | torch.Tensor | list[int], page_size: int) ->
 
 
 def small_config(*, page_size: int = 4, device_pages: int = 16, host_pages: int = 32, **changes: Any) -> Config:
-    """A tiny, valid Config: 2 layers, 1 KV head, head_dim 8, capacities in pages."""
+    """A tiny, valid Config: 2 layers, 1 KV head, head_dim 8, capacities in pages. No pages
+    ahead (`ahead_slots=0`): an allocation gets exactly the pages it needs, which the tests
+    count; the tests of pages ahead ask for them."""
     values: dict[str, Any] = {
         "layers": 2,
         "kv_heads": 1,
@@ -108,6 +110,7 @@ def small_config(*, page_size: int = 4, device_pages: int = 16, host_pages: int 
         "page_size": page_size,
         "device_slots": device_pages * page_size,
         "host_slots": host_pages * page_size,
+        "ahead_slots": 0,
     }
     values.update(changes)
     return Config(**values)

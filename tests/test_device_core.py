@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import hicache.actors._device_core as device_core_module
-from hicache.actors import DeviceCore, Insufficient, LedgerError, PageOwner, SlotStateError
+from hicache.actors import DeviceCore, Insufficient, InvariantError, LedgerError, PageOwner, SlotStateError
 from hicache.messages import Indices, LedgerEntry, ReleaseReason
 from hicache.runtime import Config, HostLayout
 
@@ -198,8 +198,8 @@ def test_taking_more_than_the_last_page_has_left_is_refused_and_changes_nothing(
         core: Any, taken: int, spare: int) -> None:
     core.allocate([("a", 5), ("b", 4)])
     rid = "a" if spare else "b"
-    with pytest.raises(LedgerError, match=rf"request '{rid}': {taken} slots taken from its last page, which has "
-                                          rf"{spare} free \(invariant: only an allocation that fits in the last page"):
+    with pytest.raises(LedgerError, match=rf"request '{rid}': {taken} slots taken from the pages it holds, which have "
+                                          rf"{spare} free \(invariant: only an allocation that fits in a request's pages"):
         core.extend_only([("a", 1), (rid, taken)] if rid == "b" else [(rid, taken)])
     assert (core.ledger("a").allocated, core.ledger("b").allocated) == (5, 4)  # all or nothing
 
@@ -459,3 +459,75 @@ def test_a_request_that_never_allocated_cannot_hand_free_pages_to_the_tree(make_
     core.check_invariants()
     assert core.release("r0", torch.tensor([], dtype=torch.int64), ReleaseReason.FINISHED).freed == 0
     core.check_invariants()
+
+
+# -- pages ahead ------------------------------------------------------------------
+
+
+@pytest.fixture
+def ahead(make_config: Callable[..., Config], checked: Callable[[Any], Any]) -> Any:
+    """16 pages of 1 slot, up to 3 of them ahead of a request's slots."""
+    return checked(DeviceCore(make_config(page_size=1, device_pages=16, ahead_slots=3)))
+
+
+def test_a_demand_that_needs_a_page_also_gets_the_pages_ahead_it_asks_for(ahead: Any) -> None:
+    got = ahead.allocate_pages([("a", 2), ("b", 1)], ahead=True)
+    assert (got["a"].tolist(), got["b"].tolist()) == ([0, 1, 2, 3, 4], [5, 6, 7, 8])
+    assert ahead.ledger("a").allocated == 2 and ahead.ledger("b").allocated == 1
+    assert _owners(ahead)[REQUEST] == 9
+    # The next slots come from the pages held: no new page, with or without `ahead`.
+    assert ahead.allocate_pages([("a", 3)], ahead=True)["a"].tolist() == []
+    assert ahead.allocate([("b", 2)])["b"].tolist() == [6, 7]
+    ahead.extend_only([("b", 1)])  # served by the facade from its last page held
+    assert (ahead.ledger("a").allocated, ahead.ledger("b").allocated) == (5, 4)
+    # A demand past what it holds: the new pages it needs, then 3 ahead again.
+    assert ahead.allocate_pages([("a", 2)], ahead=True)["a"].tolist() == [9, 10, 11, 12, 13]
+    assert _owners(ahead)[REQUEST] == 14
+
+
+def test_pages_ahead_are_never_taken_by_eviction_nor_without_room_for_every_demand(ahead: Any) -> None:
+    ahead.allocate_pages([("a", 10)])
+    # 6 free: "b" and "c" need 1 each; 3 more for each would take 8.
+    got = ahead.allocate_pages([("b", 1), ("c", 1)], ahead=True)
+    assert (len(got["b"]), len(got["c"])) == (1, 1)
+    got = ahead.allocate_pages([("d", 1)], ahead=True)
+    assert len(got["d"]) == 4 and ahead.free_slots == 0
+    assert isinstance(ahead.allocate_pages([("e", 1)], ahead=True), Insufficient)  # what "d" holds stays its
+
+
+def test_taking_more_than_the_pages_held_have_left_is_a_ledger_error(ahead: Any) -> None:
+    ahead.allocate_pages([("a", 1)], ahead=True)  # 1 slot, 3 held ahead
+    with pytest.raises(LedgerError, match=r"request 'a': 4 slots taken from the pages it holds, which have 3 free"):
+        ahead.extend_only([("a", 4)])
+    assert ahead.ledger("a").allocated == 1
+
+
+def test_trim_gives_back_only_the_pages_past_a_requests_slots(ahead: Any) -> None:
+    ahead.allocate_pages([("a", 1), ("b", 1)], ahead=True)  # a: 0 + 1-3 ahead; b: 4 + 5-7 ahead
+    ahead.extend_only([("a", 2)])  # a's slots: pages 0-2
+    assert ahead.trim(["a", "b"]) == 1 + 3
+    assert _owners(ahead) == {FREE: 12, REQUEST: 4, TREE: 0, LOADING: 0}
+    assert ahead.trim(["a"]) == 0  # nothing ahead any more
+    ahead.commit("a", 3)
+    view = ahead.release("a", torch.tensor([0, 1, 2]), ReleaseReason.FINISHED)
+    assert (view.allocated, view.freed) == (3, 3) and _owners(ahead)[TREE] == 3
+
+
+def test_a_release_frees_the_pages_held_ahead_with_the_rest(ahead: Any) -> None:
+    ahead.allocate_pages([("a", 5)], ahead=True)  # pages 0-4, 5-7 ahead
+    ahead.commit("a", 5)
+    view = ahead.release("a", torch.tensor([0, 1, 2, 3]), ReleaseReason.FINISHED)
+    assert (view.allocated, view.committed, view.freed) == (5, 5, 5)
+    assert _owners(ahead) == {FREE: 12, REQUEST: 0, TREE: 4, LOADING: 0}
+
+
+def test_a_ledger_holding_more_pages_ahead_than_the_config_allows_breaks_the_invariant(
+        make_config: Callable[..., Config]) -> None:
+    core = DeviceCore(make_config(page_size=1, device_pages=16, ahead_slots=2))
+    core.allocate_pages([("a", 1)], ahead=True)
+    core.check_invariants()
+    core.ahead_pages = 3  # a bug that grants one page too many
+    core.allocate_pages([("b", 1)], ahead=True)
+    with pytest.raises(InvariantError, match=r"ledger of 'b' .*plus at most 2 held ahead"):
+        core.ahead_pages = 2
+        core.check_invariants()

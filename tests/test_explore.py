@@ -40,6 +40,7 @@ def test_every_mutant_is_caught_within_fifty_pct_schedules() -> None:
     ("backup-under-unbacked-parent", "is written under .* which is not backed up"),
     ("eviction-ends-short", "ended with .* freed while .* are evictable"),
     ("write-back-drops-tail", r"write_back would delete .* \(and lose its tail\)"),
+    ("trim-before-served-slots", "slots taken from the pages it holds, which have .* free"),
     ("prefetcher-frees-slots", "freeing host slots is accepted only from the tree actor, got it from prefetch"),
     ("prefetch-gives-up", "SGLang #16370: shrink to the page-aligned free space"),
     ("anchor-evictable", "anchored on .* which must be alive, backed up and host-pinned"),

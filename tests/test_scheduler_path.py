@@ -124,6 +124,85 @@ def test_a_decode_step_is_one_message_when_it_needs_a_page_and_none_when_its_las
         assert (entry.allocated, entry.committed, entry.freed) == (14, 14, 14)
 
 
+@pytest.mark.parametrize("flat", [False, True])
+def test_at_page_size_one_a_decode_step_takes_a_page_held_ahead_and_asks_the_device_once_per_four(
+        make_config: Callable[..., Config], flat: bool) -> None:
+    """With `ahead_slots=3` at page size 1 a grant brings three pages more than the demand, and
+    the next three steps take them here, with no message: one `AllocateSlots` per four steps
+    (each carrying the slots served since, and the commits), every slot the request's own."""
+    sent: list[Any] = []
+
+    def observe(receiver: ActorName, mail: Any) -> None:
+        if mail.sender is ActorName.FACADE and type(mail.message).__name__ not in ("CheckInvariants", "GetStatistics"):
+            sent.append(mail.message)
+
+    config = make_config(page_size=1, device_pages=64, host_pages=128, ahead_slots=3)
+    with HiCache(config, runtime=make_runtime("threads", observe=observe)) as hc:
+        [a, b] = hc.admit([Request("a", seq(8, 1)), Request("b", seq(5, 90))])
+        first = hc.allocate({"a": 9, "b": 6})
+        assert isinstance(first, dict) and hc.statistics().device.request_slots == 9 + 6 + 2 * 3
+        sent.clear()
+        toks = {"a": seq(9, 1), "b": seq(6, 90)}
+        got: dict[str, list[int]] = {"a": first["a"].tolist(), "b": first["b"].tolist()}
+        for step in range(12):
+            tick = hc.allocate({"a": 1, "b": 1}, commit=toks, flat=flat)
+            assert not isinstance(tick, Insufficient)
+            pair = tick.tolist() if flat else tick["a"].tolist() + tick["b"].tolist()
+            got["a"].append(pair[0])
+            got["b"].append(pair[1])
+            toks = {"a": [100 + step], "b": [200 + step]}
+            hc.check_invariants()
+        assert [type(m).__name__ for m in sent] == ["AllocateSlots"] * 3  # steps 4, 8, 12
+        assert all(m.ahead and m.allocs == (SlotDemand(request_id="a", tokens=3), SlotDemand(request_id="b", tokens=3))
+                   for m in sent)
+        assert got["a"] == hc.slots("a").tolist() and got["b"] == hc.slots("b").tolist()
+        assert not set(got["a"]) & set(got["b"]) and len(set(got["a"])) == 21
+        hc.commit(toks)
+        entries = hc.finish([a.handle, b.handle])
+        assert [(e.allocated, e.committed, e.freed) for e in entries] == [(21, 21, 21), (18, 18, 18)]
+        assert hc.statistics().device.request_slots == 0
+        hc.check_invariants()
+
+
+def test_an_allocation_short_of_pages_takes_back_the_pages_held_ahead_and_tries_once_more(
+        make_config: Callable[..., Config]) -> None:
+    """Pages held ahead are the first to go when memory is short: an allocation the free pages
+    cannot serve is tried once more after every request's pages ahead go back (one more
+    message), and the requests that held them go on, their next step asking the device."""
+    sent: list[Any] = []
+
+    def observe(receiver: ActorName, mail: Any) -> None:
+        if mail.sender is ActorName.FACADE and type(mail.message).__name__ not in ("CheckInvariants", "GetStatistics"):
+            sent.append(mail.message)
+
+    config = make_config(page_size=1, device_pages=16, ahead_slots=3, host_tier=False)
+    with HiCache(config, runtime=make_runtime("threads", observe=observe)) as hc:
+        [a, b] = hc.admit([Request("a", seq(4, 1)), Request("b", seq(4, 50))])
+        assert isinstance(hc.allocate({"a": 4}), dict) and isinstance(hc.allocate({"b": 4}), dict)
+        assert isinstance(hc.allocate({"a": 1}), dict)  # a page held ahead: 2 left for "a", 3 for "b"
+        [c] = hc.admit([Request("c", seq(6, 100))])
+        sent.clear()
+        got = hc.allocate({"c": 5})  # 2 pages free, 5 held ahead
+        assert isinstance(got, dict) and len(got["c"]) == 5
+        assert [(type(m).__name__, m.trim) for m in sent] == [("AllocateSlots", ()), ("AllocateSlots", ("a", "b"))]
+        assert sent[1].allocs == (SlotDemand(request_id="a", tokens=1),)  # the slot "a" took from its pages ahead
+        hc.check_invariants()
+        sent.clear()
+        step = hc.allocate({"a": 1, "b": 1}, commit={"a": seq(5, 1), "b": seq(4, 50)})
+        assert isinstance(step, dict) and [type(m).__name__ for m in sent] == ["AllocateSlots"]
+        assert step["a"].tolist() == hc.slots("a").tolist()[-1:] and step["b"].tolist() == hc.slots("b").tolist()[-1:]
+        assert not set(hc.slots("c").tolist()) & set(hc.slots("a").tolist() + hc.slots("b").tolist())
+        # Short even with nothing held ahead: Insufficient, and nothing changed.
+        before = (hc.allocated("a"), hc.allocated("c"), hc.statistics().device.free_slots)
+        assert isinstance(hc.allocate({"c": 8}), Insufficient)
+        assert (hc.allocated("a"), hc.allocated("c"), hc.statistics().device.free_slots) == before
+        hc.check_invariants()
+        hc.commit({"c": seq(5, 100)})
+        hc.finish([a.handle, b.handle, c.handle])
+        assert hc.statistics().device.request_slots == 0
+        hc.check_invariants()
+
+
 @pytest.mark.parametrize("then", ["allocate", "finish", "abort", "retract", "cache_unfinished"])
 def test_slots_served_from_a_last_page_reach_the_device_with_the_next_message_about_the_request(
         make_config: Callable[..., Config], then: str) -> None:

@@ -31,6 +31,7 @@ from hicache.actors._tree_writes import WriteBack
 from hicache.messages import (
     ActorName,
     AdmitRequests,
+    AllocateSlots,
     FreeHostSlots,
     HostSlotState,
     Indices,
@@ -344,6 +345,21 @@ class _DropServedDevice(DeviceAllocatorActor):
         self.core.__class__ = _DropServedCore
 
 
+# -- 13. the pages held ahead given back before the slots served from them are counted ---------
+
+
+class _TrimFirstDevice(DeviceAllocatorActor):
+    """Gives back a request's pages held ahead before it applies the slots the facade served
+    from them (`allocs`): the ledger, behind the scheduler, frees pages an engine is writing."""
+
+    def handle(self, sender: ActorName, message: Message) -> Message | None:
+        if isinstance(message, AllocateSlots) and message.trim:
+            self.core.trim(message.trim)
+            message = AllocateSlots(op_id=message.op_id, demands=message.demands, allocs=message.allocs,
+                                    commits=message.commits, evict=message.evict, ahead=message.ahead)
+        return super().handle(sender, message)
+
+
 MUTANTS: tuple[Mutant, ...] = (
     Mutant("write-acks-on-admission", "SGLang #20049: write-through acks handled only on the prefill path",
            "a pure decode loop never unlocks the nodes it wrote; protected tokens pile up until memory runs out",
@@ -372,6 +388,9 @@ MUTANTS: tuple[Mutant, ...] = (
            "out (here: those the facade served from a request's last page)",
            "the ledger counts fewer slots than the request uses: its commits exceed its allocation, its release "
            "frees less than it held", {ActorName.DEVICE: _DropServedDevice}),
+    Mutant("trim-before-served-slots", "a request's pages held ahead given back before the slots the scheduler "
+           "took from them are counted", "a page an engine is writing goes back to the free list and to another "
+           "request", {ActorName.DEVICE: _TrimFirstDevice}),
     Mutant("prefetcher-frees-slots", "SGLang #9302: the prefetcher frees the host slots past the storage hit itself",
            "two parties free the same host slots; the pool's accounting (and the ranks') diverges",
            {ActorName.PREFETCH: _PrefetcherFrees}, "storage"),
