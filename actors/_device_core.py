@@ -143,14 +143,16 @@ class DeviceCore:
         each first fills the pages it holds (the rest of its last partial page, then pages it
         was given ahead), then gets whole new pages (the answer: per request, its new pages).
 
-        `ahead`: a demand that needs new pages also gets `ahead_pages` more when the free list
-        holds them for every such demand of the call after what they need (never by eviction):
-        a decode's next steps then fit in pages the request holds, which the facade hands out
-        without a message."""
+        `ahead`: a small demand (at most `ahead_pages` pages' slots: a decode step's) that needs
+        new pages also gets `ahead_pages` more when the free list holds them for every such
+        demand of the call after what all need (never by eviction): a decode's next steps then
+        fit in pages the request holds, which the facade hands out without a message. A
+        prefill's demand gets what it needs, no more."""
         p = self.page_size
         plan: list[tuple[_Ledger, int, int]] = []  # ledger, tokens, new pages
         seen: set[str] = set()
         need = needy = 0
+        small = self.ahead_pages * p if ahead else 0
         for rid, n in demands:
             if n < 0:
                 raise LedgerError(f"request {rid!r}: cannot allocate {n} slots")
@@ -158,14 +160,14 @@ class DeviceCore:
                 raise LedgerError(f"request {rid!r} appears twice in one allocation")
             seen.add(rid)
             ledger = self._live_or_new(rid)
-            k = new_pages(ledger.allocated, n, p, _room(ledger, p))
+            k = new_pages(ledger.allocated, n, p, (ledger.given // p + len(ledger.pages)) * p - ledger.allocated)
             plan.append((ledger, n, k))
             need += k
-            needy += k > 0
+            needy += 0 < k and n <= small
         free = self._pool.free_pages
         if need > free:
             return Insufficient(requested_slots=need * p, free_slots=self._pool.free_slots)
-        more = self.ahead_pages if ahead and need + needy * self.ahead_pages <= free else 0
+        more = self.ahead_pages if needy and need + needy * self.ahead_pages <= free else 0
         total = need + needy * more
         # One take from the free list for all of them: the pages each would have got in turn,
         # in the same order (the stack's top first), with one conversion to bytes.
@@ -174,7 +176,7 @@ class DeviceCore:
         data = indices_of(new).to_bytes() if total else b""
         out, at = {}, 0
         for ledger, n, k in plan:
-            if k:
+            if k and n <= small:
                 k += more
             out[ledger.request_id] = self._grant(ledger, n, new[at : at + k], data[8 * at : 8 * (at + k)])
             at += k

@@ -379,7 +379,8 @@ class SlotTable:
 
     def split(self, parts: list[tuple[int, int, Indices, int]]) -> tuple[torch.Tensor, ...]:
         """For each `(base, spare, pages, n)`, `n` slots: `base .. base + spare - 1` (the rest of
-        a partly used page), then the first `n - spare` slots of `pages`. Made as one tensor
+        a partly used page, or the first slot of a page held ahead), then the first `n - spare`
+        slots of `pages`. Made as one tensor
         (`join`) and split into views: a decode tick's many one-slot answers cost one tensor,
         not one each."""
         whole = self.join(parts)
@@ -396,9 +397,12 @@ class SlotTable:
         p = self.page_size
         if sum(map(_COUNT, parts)) <= FEW_MAX:
             flat = array("q")
-            if p == 1:  # a slot is a page, and no page is partly used: the pages' own bytes
-                for _, _, pages, n in parts:
-                    flat.frombytes(pages.to_bytes()[: 8 * n])
+            if p == 1:  # a slot is a page: the pages' own bytes, or a lone slot held ahead
+                for base, spare, pages, n in parts:
+                    if spare:
+                        flat.append(base)
+                    else:
+                        flat.frombytes(pages.to_bytes()[: 8 * n])
             else:
                 for base, spare, pages, n in parts:
                     if spare == 1:  # a decode step's slot: no range to make

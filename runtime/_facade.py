@@ -598,7 +598,9 @@ class HiCache:
             # nothing: the others are taken after). Not while a call given up on is still in
             # flight: its reply, applied when it comes, may change what a request holds, so
             # everything goes to the device.
-            remote = want if self._pending else {rid: n for rid, n in want.items() if n > live[rid].room(p)}
+            remote = want if self._pending else {
+                rid: n for rid, n in want.items()
+                if n > (-(r := live[rid]).allocated) % p and (not r.ahead or n > r.room(p))}
             if not remote:
                 return self._slots_of(want, self._taken(want), flat)
             reply = self._allocate(remote)
@@ -628,6 +630,16 @@ class HiCache:
             if n <= (-r.allocated) % p:  # the last page's rest (a decode step, mostly)
                 out.append((r.last_page * p + r.allocated % p, n, EMPTY, n))
                 r.allocated += n
+            elif n == 1:  # a step onto the first page held ahead: that page's first slot
+                data, r.ahead = r.ahead[:8], r.ahead[8:]
+                page = int.from_bytes(data, "little", signed=True)
+                if r.page_tail is not None:
+                    r.page_tail += data
+                    r.last_page = page
+                else:
+                    r._add(data, None)
+                out.append((page * p, 1, EMPTY, 1))
+                r.allocated += 1
             else:
                 out.append(r.extend(n, p))
             r.allocs += n
@@ -677,16 +689,24 @@ class HiCache:
             live = lives.get(rid)
             if live is None:  # a late grant for a request that ended meanwhile: its release freed it
                 continue
-            n = demands[rid]
+            n, pages, start = demands[rid], grant.pages, live.allocated
+            spare = (-start) % p
+            if not live.ahead and len(pages) == new_pages(start, n, p, spare):  # no page ahead, before or after
+                if to_caller:
+                    got.append((live.last_page * p + start % p, min(n, spare), pages, n))
+                live.add_pages(pages)
+                live.allocated = start + n
+                continue
             room = live.room(p)
-            k = new_pages(live.allocated, n, p, room)
-            if len(grant.pages) != k and not (k and len(grant.pages) == k + ahead):
+            k = new_pages(start, n, p, room)
+            if len(pages) != k and not (k and n <= ahead * p and len(pages) == k + ahead):
                 raise InvariantError(
-                    f"facade: request {rid!r} was granted {len(grant.pages)} pages for {n} slots with {room} "
+                    f"facade: request {rid!r} was granted {len(pages)} pages for {n} slots with {room} "
                     f"free in the pages it holds (invariant: the device's ledger counts the slots the facade "
-                    f"handed out; it grants {k}, or {k + ahead} with pages ahead)"
+                    f"handed out; it grants {k}, or {k + ahead} with pages ahead for a demand of at most "
+                    f"{ahead * p})"
                 )
-            part = live.extend(n, p, grant.pages)
+            part = live.extend(n, p, pages)
             if to_caller:
                 got.append(part)
         return got

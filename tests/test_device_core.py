@@ -485,6 +485,12 @@ def test_a_demand_that_needs_a_page_also_gets_the_pages_ahead_it_asks_for(ahead:
     assert _owners(ahead)[REQUEST] == 14
 
 
+def test_a_prefills_demand_gets_only_what_it_needs(ahead: Any) -> None:
+    got = ahead.allocate_pages([("a", 4), ("b", 3)], ahead=True)  # more than 3 pages' slots: a prefill's
+    assert (got["a"].tolist(), got["b"].tolist()) == ([0, 1, 2, 3], [4, 5, 6, 7, 8, 9])
+    assert ahead.allocate_pages([("a", 1)], ahead=True)["a"].tolist() == [10, 11, 12, 13]  # its first step's
+
+
 def test_pages_ahead_are_never_taken_by_eviction_nor_without_room_for_every_demand(ahead: Any) -> None:
     ahead.allocate_pages([("a", 10)])
     # 6 free: "b" and "c" need 1 each; 3 more for each would take 8.

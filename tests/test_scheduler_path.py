@@ -127,9 +127,10 @@ def test_a_decode_step_is_one_message_when_it_needs_a_page_and_none_when_its_las
 @pytest.mark.parametrize("flat", [False, True])
 def test_at_page_size_one_a_decode_step_takes_a_page_held_ahead_and_asks_the_device_once_per_four(
         make_config: Callable[..., Config], flat: bool) -> None:
-    """With `ahead_slots=3` at page size 1 a grant brings three pages more than the demand, and
-    the next three steps take them here, with no message: one `AllocateSlots` per four steps
-    (each carrying the slots served since, and the commits), every slot the request's own."""
+    """With `ahead_slots=3` at page size 1 a decode step's grant brings three pages more than
+    the demand (a prefill's none), and the next three steps take them here, with no message:
+    one `AllocateSlots` per four steps (each carrying the slots served since, and the commits),
+    every slot the request's own."""
     sent: list[Any] = []
 
     def observe(receiver: ActorName, mail: Any) -> None:
@@ -140,7 +141,7 @@ def test_at_page_size_one_a_decode_step_takes_a_page_held_ahead_and_asks_the_dev
     with HiCache(config, runtime=make_runtime("threads", observe=observe)) as hc:
         [a, b] = hc.admit([Request("a", seq(8, 1)), Request("b", seq(5, 90))])
         first = hc.allocate({"a": 9, "b": 6})
-        assert isinstance(first, dict) and hc.statistics().device.request_slots == 9 + 6 + 2 * 3
+        assert isinstance(first, dict) and hc.statistics().device.request_slots == 9 + 6
         sent.clear()
         toks = {"a": seq(9, 1), "b": seq(6, 90)}
         got: dict[str, list[int]] = {"a": first["a"].tolist(), "b": first["b"].tolist()}
@@ -152,9 +153,10 @@ def test_at_page_size_one_a_decode_step_takes_a_page_held_ahead_and_asks_the_dev
             got["b"].append(pair[1])
             toks = {"a": [100 + step], "b": [200 + step]}
             hc.check_invariants()
-        assert [type(m).__name__ for m in sent] == ["AllocateSlots"] * 3  # steps 4, 8, 12
-        assert all(m.ahead and m.allocs == (SlotDemand(request_id="a", tokens=3), SlotDemand(request_id="b", tokens=3))
-                   for m in sent)
+        assert [type(m).__name__ for m in sent] == ["AllocateSlots"] * 3  # steps 1, 5, 9
+        assert all(m.ahead for m in sent) and sent[0].allocs == ()
+        assert all(m.allocs == (SlotDemand(request_id="a", tokens=3), SlotDemand(request_id="b", tokens=3))
+                   for m in sent[1:])
         assert got["a"] == hc.slots("a").tolist() and got["b"] == hc.slots("b").tolist()
         assert not set(got["a"]) & set(got["b"]) and len(set(got["a"])) == 21
         hc.commit(toks)
@@ -178,17 +180,19 @@ def test_an_allocation_short_of_pages_takes_back_the_pages_held_ahead_and_tries_
     config = make_config(page_size=1, device_pages=16, ahead_slots=3, host_tier=False)
     with HiCache(config, runtime=make_runtime("threads", observe=observe)) as hc:
         [a, b] = hc.admit([Request("a", seq(4, 1)), Request("b", seq(4, 50))])
-        assert isinstance(hc.allocate({"a": 4}), dict) and isinstance(hc.allocate({"b": 4}), dict)
+        assert isinstance(hc.allocate({"a": 4, "b": 4}), dict)
+        assert isinstance(hc.allocate({"a": 1, "b": 1}, commit={"a": seq(4, 1), "b": seq(4, 50)}), dict)
+        assert hc.statistics().device.free_slots == 0  # each holds 3 pages ahead
         assert isinstance(hc.allocate({"a": 1}), dict)  # a page held ahead: 2 left for "a", 3 for "b"
-        [c] = hc.admit([Request("c", seq(6, 100))])
+        [c] = hc.admit([Request("c", seq(4, 100))])
         sent.clear()
-        got = hc.allocate({"c": 5})  # 2 pages free, 5 held ahead
-        assert isinstance(got, dict) and len(got["c"]) == 5
+        got = hc.allocate({"c": 3})  # no page free, 5 held ahead
+        assert isinstance(got, dict) and len(got["c"]) == 3
         assert [(type(m).__name__, m.trim) for m in sent] == [("AllocateSlots", ()), ("AllocateSlots", ("a", "b"))]
         assert sent[1].allocs == (SlotDemand(request_id="a", tokens=1),)  # the slot "a" took from its pages ahead
         hc.check_invariants()
         sent.clear()
-        step = hc.allocate({"a": 1, "b": 1}, commit={"a": seq(5, 1), "b": seq(4, 50)})
+        step = hc.allocate({"a": 1, "b": 1}, commit={"a": [5, 6], "b": [54]})
         assert isinstance(step, dict) and [type(m).__name__ for m in sent] == ["AllocateSlots"]
         assert step["a"].tolist() == hc.slots("a").tolist()[-1:] and step["b"].tolist() == hc.slots("b").tolist()[-1:]
         assert not set(hc.slots("c").tolist()) & set(hc.slots("a").tolist() + hc.slots("b").tolist())
@@ -197,7 +201,7 @@ def test_an_allocation_short_of_pages_takes_back_the_pages_held_ahead_and_tries_
         assert isinstance(hc.allocate({"c": 8}), Insufficient)
         assert (hc.allocated("a"), hc.allocated("c"), hc.statistics().device.free_slots) == before
         hc.check_invariants()
-        hc.commit({"c": seq(5, 100)})
+        hc.commit({"c": seq(3, 100)})
         hc.finish([a.handle, b.handle, c.handle])
         assert hc.statistics().device.request_slots == 0
         hc.check_invariants()
