@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from hicache.actors import SeededFaults
+from hicache.actors import DeviceCore, SeededFaults
 from hicache.messages import HostSlotState
 from hicache.runtime import HiCache, Insufficient, WritePolicy
 from hicache.runtime.testing._scheduler import FakeModel, ReferenceScheduler, SchedulerConfig
@@ -24,8 +24,9 @@ from hicache.runtime.testing.explore import synthetic_workload
 from conftest import make_runtime, small_config
 
 
-def _serve(runtime_kind: str, seed: int, policy: WritePolicy) -> dict[str, Any]:
-    cfg = small_config(page_size=4, device_pages=32, host_pages=400, write_policy=policy, load_back_min_tokens=4)
+def _serve(runtime_kind: str, seed: int, policy: WritePolicy, **changes: Any) -> dict[str, Any]:
+    cfg = small_config(page_size=4, device_pages=32, host_pages=400, write_policy=policy, load_back_min_tokens=4,
+                       **changes)
     runtime = make_runtime(runtime_kind, seed=seed)
     with HiCache(cfg, runtime=runtime) as hc:
         sched = ReferenceScheduler(hc, SchedulerConfig(
@@ -56,7 +57,27 @@ def _serve(runtime_kind: str, seed: int, policy: WritePolicy) -> dict[str, Any]:
 def test_a_randomised_workload_keeps_every_invariant_and_ends_with_nothing_held(
     runtime_kind: str, seed: int, policy: WritePolicy
 ) -> None:
-    r = _serve(runtime_kind, seed, policy)
+    _check_served(_serve(runtime_kind, seed, policy))
+
+
+@pytest.mark.parametrize("seed", [2, 4])
+def test_with_pages_held_ahead_too(runtime_kind: str, seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same workload with three pages ahead of each decode step (`ahead_slots=12`): memory
+    runs short, so the pages held ahead are given back (trimmed) on the way, and still every
+    invariant holds, every cached prefix reads back right and nothing is held at the end."""
+    trims: list[int] = []
+    real = DeviceCore.trim
+
+    def counted(core: DeviceCore, rids: Any) -> int:
+        trims.append(real(core, rids))
+        return trims[-1]
+
+    monkeypatch.setattr(DeviceCore, "trim", counted)
+    _check_served(_serve(runtime_kind, seed, WritePolicy.WRITE_THROUGH, ahead_slots=12))
+    assert sum(trims) > 0, "no page held ahead was given back"
+
+
+def _check_served(r: dict[str, Any]) -> None:
     s, cfg, outcomes = r["stats"], r["cfg"], r["outcomes"]
     # everything ended, one way or the other
     assert all(o.finished or o.aborted for o in outcomes)
