@@ -61,6 +61,7 @@ class DeviceAllocatorActor(HiActor):
             tree_slots=c[PageOwner.TREE],
             loading_slots=c[PageOwner.LOADING],
             live_requests=self.core.live_requests(),
+            ahead_slots=self.core.ahead_slots(),
         )
 
 

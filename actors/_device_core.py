@@ -417,6 +417,12 @@ class DeviceCore:
             PageOwner.LOADING: int((o == PageOwner.LOADING).sum()) * p,
         }
 
+    def ahead_slots(self) -> int:
+        """Slots in the pages live requests hold past the pages of their allocated slots (as the
+        ledgers count them: slots the facade served that they have not heard of are in it)."""
+        p = self.page_size
+        return p * sum(len(led.pages) + led.given // p - -(-led.allocated // p) for led in self._ledgers.values())
+
     def live_requests(self) -> int:
         return len(self._ledgers)
 

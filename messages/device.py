@@ -216,6 +216,10 @@ class DeviceStatistics(Message):
     """Slots in pages a load is filling."""
     live_requests: int
     """Requests with a ledger that were not released yet."""
+    ahead_slots: int = 0
+    """Slots of `request_slots` in pages live requests hold past the pages of the slots the
+    device has counted as theirs (`Config.ahead_slots`; slots the facade served from them are
+    counted with the next message about the request): given back first when memory is short."""
 
 
 @message(115)

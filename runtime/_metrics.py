@@ -159,6 +159,9 @@ class _Families:
         self.capacity_bytes = gauge("capacity_bytes", "KV bytes a tier holds at most (L3 only when "
                                     "storage_max_bytes bounds it).", "tier")
         self.live = gauge("live_requests", "Requests admitted and not yet finished, aborted or retracted.")
+        self.ahead = gauge("ahead_tokens", "Device token slots live requests hold in pages ahead of their "
+                           "allocations (ahead_slots), as the device last heard; given back first when "
+                           "memory is short.")
         self.in_flight = gauge("in_flight_operations", "Operations issued and not yet acknowledged.", "operation")
         self.wait = histogram("load_back_wait_seconds", "Seconds the forward pass waited for one layer of a "
                               "batch that loads back from host memory.")
@@ -190,6 +193,7 @@ class _Families:
         self.prefetches_started.add_metric(who, s.tree.prefetches_started)
         self.prefetches_skipped.add_metric(who, s.tree.prefetch_skipped)
         self.live.add_metric(who, s.tree.live_handles)
+        self.ahead.add_metric(who, s.device.ahead_slots)
         for op, n in (("write_through", s.tree.writes_in_flight), ("load_back", s.tree.loads_in_flight),
                       ("prefetch", s.tree.prefetches_in_flight), ("backup", s.tree.backups_in_flight)):
             self.in_flight.add_metric((*who, op), n)

@@ -511,7 +511,9 @@ def test_taking_more_than_the_pages_held_have_left_is_a_ledger_error(ahead: Any)
 def test_trim_gives_back_only_the_pages_past_a_requests_slots(ahead: Any) -> None:
     ahead.allocate_pages([("a", 1), ("b", 1)], ahead=True)  # a: 0 + 1-3 ahead; b: 4 + 5-7 ahead
     ahead.extend_only([("a", 2)])  # a's slots: pages 0-2
+    assert ahead.ahead_slots() == 1 + 3
     assert ahead.trim(["a", "b"]) == 1 + 3
+    assert ahead.ahead_slots() == 0
     assert _owners(ahead) == {FREE: 12, REQUEST: 4, TREE: 0, LOADING: 0}
     assert ahead.trim(["a"]) == 0  # nothing ahead any more
     ahead.commit("a", 3)

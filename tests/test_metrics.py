@@ -135,6 +135,7 @@ def test_a_scrape_after_a_known_workload_has_each_family_and_value() -> None:
     assert _at(m, "hicache_transferred_tokens_total", c, operation="write_through") == s.write.slots_copied > 0
     assert _at(m, "hicache_prefetches_total", c, outcome="complete") == 0
     assert _at(m, "hicache_live_requests", c) == 0
+    assert _at(m, "hicache_ahead_tokens", c) == 0
     # one admit per request, each timed; the one load-back batch waited for both of its layers
     assert _at(m, "hicache_facade_call_seconds_count", c, call="admit") == 3
     assert _at(m, "hicache_facade_call_seconds_count", c, call="finish") == 3

@@ -142,6 +142,7 @@ def test_at_page_size_one_a_decode_step_takes_a_page_held_ahead_and_asks_the_dev
         [a, b] = hc.admit([Request("a", seq(8, 1)), Request("b", seq(5, 90))])
         first = hc.allocate({"a": 9, "b": 6})
         assert isinstance(first, dict) and hc.statistics().device.request_slots == 9 + 6
+        assert hc.statistics().device.ahead_slots == 0  # a prefill's demand takes no page ahead
         sent.clear()
         toks = {"a": seq(9, 1), "b": seq(6, 90)}
         got: dict[str, list[int]] = {"a": first["a"].tolist(), "b": first["b"].tolist()}
@@ -153,6 +154,8 @@ def test_at_page_size_one_a_decode_step_takes_a_page_held_ahead_and_asks_the_dev
             got["b"].append(pair[1])
             toks = {"a": [100 + step], "b": [200 + step]}
             hc.check_invariants()
+        # What step 9 brought: the device hears that steps 10-12 took it with the next message.
+        assert hc.statistics().device.ahead_slots == 2 * 3
         assert [type(m).__name__ for m in sent] == ["AllocateSlots"] * 3  # steps 1, 5, 9
         assert all(m.ahead for m in sent) and sent[0].allocs == ()
         assert all(m.allocs == (SlotDemand(request_id="a", tokens=3), SlotDemand(request_id="b", tokens=3))
