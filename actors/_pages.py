@@ -380,9 +380,8 @@ class SlotTable:
     def split(self, parts: list[tuple[int, int, Indices, int]]) -> tuple[torch.Tensor, ...]:
         """For each `(base, spare, pages, n)`, `n` slots: `base .. base + spare - 1` (the rest of
         a partly used page, or the first slot of a page held ahead), then the first `n - spare`
-        slots of `pages`. Made as one tensor
-        (`join`) and split into views: a decode tick's many one-slot answers cost one tensor,
-        not one each."""
+        slots of `pages`. Made as one tensor (`join`) and split into views: a decode tick's many
+        one-slot answers cost one tensor, not one each."""
         whole = self.join(parts)
         sizes = [n for _, _, _, n in parts]
         if len(sizes) == 1:

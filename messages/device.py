@@ -59,9 +59,10 @@ class AllocateSlots(Message):
     and try once more when it answers, before replying (the facade's allocations: one round
     trip where it would take three)."""
     ahead: bool = False
-    """A demand that needs new pages also gets `Config.ahead_slots` worth of whole pages more
-    while the free list holds them (never by eviction): the facade's, so that the next decode
-    steps are served from pages the request holds, without a message."""
+    """A small demand (at most `Config.ahead_pages` pages' slots: a decode step's) that needs
+    new pages also gets `Config.ahead_pages` whole pages more while the free list holds them
+    (never by eviction): the facade's, so that the next decode steps are served from pages
+    the request holds, without a message."""
     trim: tuple[str, ...] = ()
     """Requests whose pages held ahead of their allocated slots go back to the free list
     first, after the `allocs` (the facade's retry of an allocation that came up short)."""
