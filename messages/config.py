@@ -109,12 +109,12 @@ class Config:
                                              "Which device leaf is evicted first.")
     prefetch_policy: PrefetchPolicy = _field(PrefetchPolicy.BEST_EFFORT, Choice(PrefetchPolicy),
                                              "When a request waiting on a storage prefetch may run.")
-    ahead_slots: int = _field(15, Count(0, 1 << 16),
+    ahead_slots: int = _field(16, Count(0, 1 << 16),
                               "A decode step that needs a new device page (a demand of at most these slots) "
                               "also gets this many slots' worth of whole pages more while they are free (never "
                               "by eviction; given back first when memory is short), so the next steps are served "
                               "without a message to the device; 0: exactly what is asked. Rounded down to "
-                              "pages: none at `page_size` 16 or more by default.")
+                              "pages: by default 16 at `page_size` 1, one at 16, none at 32 or more.")
     host_tier: bool = _field(True, Switch(),
                              "Use host memory (L2) at all; false gives an L1-only cache for comparison.")
     load_back_min_tokens: int = _field(1, Count(1, SLOTS_MAX),
