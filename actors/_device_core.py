@@ -160,7 +160,7 @@ class DeviceCore:
                 raise LedgerError(f"request {rid!r} appears twice in one allocation")
             seen.add(rid)
             ledger = self._live_or_new(rid)
-            k = new_pages(ledger.allocated, n, p, (ledger.given // p + len(ledger.pages)) * p - ledger.allocated)
+            k = new_pages(n, _room(ledger, p), p)
             plan.append((ledger, n, k))
             need += k
             needy += 0 < k and n <= small
@@ -220,7 +220,7 @@ class DeviceCore:
         p = self.page_size
         freed = 0
         for ledger in self._distinct_live(list(rids), "trim the pages held ahead by", new_ok=True):
-            keep = -(-ledger.allocated // p) - ledger.given // p
+            keep = _pages_left(ledger, p)
             if len(ledger.pages) > keep:
                 extra = pages_of_array(ledger.pages[keep:])
                 self._move(extra, frozenset((ledger.number,)), PageOwner.FREE, "trim pages held ahead")
@@ -421,7 +421,7 @@ class DeviceCore:
         """Slots in the pages live requests hold past the pages of their allocated slots (as the
         ledgers count them: slots the facade served that they have not heard of are in it)."""
         p = self.page_size
-        return p * sum(len(led.pages) + led.given // p - -(-led.allocated // p) for led in self._ledgers.values())
+        return p * sum(len(led.pages) - _pages_left(led, p) for led in self._ledgers.values())
 
     def live_requests(self) -> int:
         return len(self._ledgers)
@@ -443,7 +443,7 @@ class DeviceCore:
             if bool((self._owner[mine] != led.number).any()):
                 raise InvariantError(f"device: ledger of {led.request_id!r} lists a page the table gives another owner")
             held += len(mine)
-            pages_left = -(-led.allocated // self.page_size) - led.given // self.page_size
+            pages_left = _pages_left(led, self.page_size)
             if not (led.committed <= led.allocated and led.given % self.page_size == 0
                     and pages_left <= len(led.pages) <= pages_left + self.ahead_pages):
                 raise InvariantError(
@@ -510,6 +510,12 @@ class DeviceCore:
     def _view(ledger: _Ledger, freed: int) -> LedgerEntry:
         return LedgerEntry(request_id=ledger.request_id, allocated=ledger.allocated, committed=ledger.committed,
                            freed=freed)
+
+
+def _pages_left(ledger: _Ledger, page_size: int) -> int:
+    """The pages a ledger's allocated slots still need (those not handed over mid-life): what it
+    holds without its pages ahead."""
+    return -(-ledger.allocated // page_size) - ledger.given // page_size
 
 
 def _room(ledger: _Ledger, page_size: int) -> int:

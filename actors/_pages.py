@@ -326,12 +326,10 @@ def pages_of(indices: Ints, page_size: int, what: str) -> Ints:
     return first // page_size
 
 
-def new_pages(allocated: int, n: int, page_size: int, room: int | None = None) -> int:
-    """The new pages `n` more slots of a request take after its `allocated` ones: they fill
-    the `room` its pages have left first (by default the rest of its last page), then whole
-    new pages (the rule the device grants by and the facade checks its grants against)."""
-    if room is None:
-        room = (-allocated) % page_size
+def new_pages(n: int, room: int, page_size: int) -> int:
+    """The new pages `n` more slots of a request take: they fill the `room` its pages have
+    left first (the rest of its last page, pages held ahead), then whole new pages (the rule
+    the device grants by and the facade checks its grants against)."""
     return -(-max(0, n - room) // page_size)
 
 
