@@ -26,7 +26,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy
 import torch
@@ -48,6 +48,7 @@ from ._pages import (
     indices_of,
     new_pages,
     pages_of_array,
+    pages_of_bytes,
     slots_of_pages,
 )
 
@@ -104,7 +105,10 @@ class DeviceCore:
         """Whole free pages a demand that needs new pages also gets when its allocation asks
         for pages ahead (`Config.ahead_slots`); a ledger never holds more past its slots."""
         self._owners = PageTable(config.device_pages, "q", runs=PageOwner)
-        """Per page its `PageOwner`, or the number of the ledger that holds it."""
+        """Per page the number of the ledger that holds it, `PageOwner.TREE` or `LOADING`, or
+        for a free page `-(i + 1)`, `i` its place in the free list's stack (so a move to the
+        free list writes each page once: see `PageTable.move_free`)."""
+        self._owners.put_free(numpy.arange(config.device_pages, dtype=numpy.int64), 0)
         self._owner = self._owners.tensor
         self._ledgers: dict[str, _Ledger] = {}
         self._next_ledger = _FIRST_LEDGER
@@ -171,9 +175,9 @@ class DeviceCore:
         total = need + needy * more
         # One take from the free list for all of them: the pages each would have got in turn,
         # in the same order (the stack's top first), with one conversion to bytes.
-        new = self._pool.alloc(total) if total else []
-        assert new is not None
-        data = indices_of(new).to_bytes() if total else b""
+        data = self._pool.alloc_bytes(total) if total else b""
+        assert data is not None
+        new = pages_of_bytes(data)
         out, at = {}, 0
         for ledger, n, k in plan:
             if k and n <= small:
@@ -223,8 +227,7 @@ class DeviceCore:
             keep = _pages_left(ledger, p)
             if len(ledger.pages) > keep:
                 extra = pages_of_array(ledger.pages[keep:])
-                self._move(extra, frozenset((ledger.number,)), PageOwner.FREE, "trim pages held ahead")
-                self._pool.free(extra)
+                self._free(extra, frozenset((ledger.number,)), "trim pages held ahead")
                 del ledger.pages[keep:]
                 freed += len(extra)
         return freed
@@ -278,9 +281,7 @@ class DeviceCore:
             raise
         views = []
         for ledger, (_, held), (rid, _, reason) in zip(ledgers, adopted, releases, strict=True):
-            rest = self._rest(ledger, held)
-            self._owners.put(rest, PageOwner.FREE)
-            self._pool.free(rest)
+            self._push(self._rest(ledger, held))
             self._ledgers.pop(rid, None)
             view = self._view(ledger, freed=ledger.allocated)
             if reason is not ReleaseReason.RETRACTED:
@@ -312,8 +313,7 @@ class DeviceCore:
                 "request (only committed pages can be handed over mid-life)"
             )
         self._owners.put(adopt_pages, PageOwner.TREE)
-        self._owners.put(free_pages, PageOwner.FREE)
-        self._pool.free(free_pages)
+        self._push(free_pages)
         ledger.pages = array("q", [pg for pg in ledger.pages if pg not in handed])
         ledger.given += len(both) * p
         return self._view(ledger, freed=ledger.given)
@@ -332,7 +332,7 @@ class DeviceCore:
             self._owners.put(pages, PageOwner.TREE)
             return pages, pages_of_array(held[k:])  # a copy of the rest: the ledger's array stays resizable
         pages = as_pages(adopt)
-        # A ledger that never held a page has number 0, a free page's code: no page is its own.
+        # A ledger that never held a page has number 0, which no page carries: no page is its own.
         own = frozenset((number,)) if number >= _FIRST_LEDGER else frozenset()
         if self._owners.move(pages, own, PageOwner.TREE):
             return pages, self._held(ledger)
@@ -402,16 +402,14 @@ class DeviceCore:
 
     def free_tree(self, pages: Slots) -> None:
         """Free pages the tree owns, or a load's pages whose load failed or was dropped."""
-        pages = as_pages(pages)
-        self._move(pages, _TREE_OR_LOADING, PageOwner.FREE, "free device pages")
-        self._pool.free(pages)
+        self._free(as_pages(pages), _TREE_OR_LOADING, "free device pages")
 
     # -- checks and numbers ---------------------------------------------------
 
     def counts(self) -> dict[PageOwner, int]:
         o, p = self._owner, self.page_size
         return {
-            PageOwner.FREE: int((o == PageOwner.FREE).sum()) * p,
+            PageOwner.FREE: int((o < 0).sum()) * p,
             PageOwner.REQUEST: int((o >= _FIRST_LEDGER).sum()) * p,
             PageOwner.TREE: int((o == PageOwner.TREE).sum()) * p,
             PageOwner.LOADING: int((o == PageOwner.LOADING).sum()) * p,
@@ -435,8 +433,11 @@ class DeviceCore:
             raise InvariantError(
                 f"device: {counts[PageOwner.FREE]} slots marked free but the free list holds {len(free)} pages"
             )
-        if len(free) and (bool((self._owner[free] != PageOwner.FREE).any()) or len(torch.unique(free)) != len(free)):
-            raise InvariantError("device: the free list holds a page that is not free, or a page twice")
+        low = self._pool.low
+        if len(free) and (bool((self._owner[free] != torch.arange(-low - 1, -low - 1 - len(free), -1)).any())
+                          or len(torch.unique(free)) != len(free)):
+            raise InvariantError("device: the free list holds a page that is not free (or not marked with its "
+                                 "place in the list), or a page twice")
         held = 0
         for led in self._ledgers.values():
             mine = torch.frombuffer(led.pages, dtype=torch.int64) if led.pages else torch.empty(0, dtype=torch.int64)
@@ -481,11 +482,27 @@ class DeviceCore:
             return _Ledger(rid, 0)
         raise LedgerError(f"cannot {what} request {rid!r}: it has no slots (unknown request)")
 
+    def _free(self, pages: Pages, owners: frozenset[PageOwner], what: str) -> None:
+        """Push `pages` onto the free list if they are distinct pages, each with an owner of
+        `owners`; else change nothing and raise, naming why."""
+        low = self._pool.low - len(pages)  # below 0: more pages than are out, which the check names
+        if low < 0 or not self._owners.move_free(pages, owners, low):
+            self._refuse(pages, owners, what)
+        self._pool.free(pages)
+
+    def _push(self, pages: Pages) -> None:
+        """Push pages whose owner was checked onto the free list, each marked with its place."""
+        self._owners.put_free(pages, self._pool.push_at(len(pages)))
+        self._pool.free(pages)
+
     def _move(self, pages: Pages, owners: frozenset[PageOwner], to: PageOwner, what: str) -> None:
         """Give `pages` the owner `to` if they are distinct pages, each with an owner of `owners`;
         else change nothing and raise, naming why."""
-        if self._owners.move(pages, owners, to):
-            return
+        if not self._owners.move(pages, owners, to):
+            self._refuse(pages, owners, what)
+
+    def _refuse(self, pages: Pages, owners: frozenset[PageOwner], what: str) -> NoReturn:
+        """Why `pages` may not move: out of range, named twice, or owned by another."""
         at = as_tensor(pages)
         size = self._owners.size
         if bool((at < 0).any()) or bool((at >= size).any()):
@@ -503,7 +520,7 @@ class DeviceCore:
             for i in bad
         )
         allowed = " or ".join(o.name.lower() for o in sorted(owners))
-        hint = " (double free?)" if any(int(have[i]) == PageOwner.FREE for i in bad) else ""
+        hint = " (double free?)" if any(int(have[i]) < 0 for i in bad) else ""
         raise SlotStateError(f"cannot {what}: {detail}; expected {allowed}{hint}")
 
     @staticmethod
@@ -535,6 +552,8 @@ _TREE_OR_LOADING = frozenset((PageOwner.TREE, PageOwner.LOADING))
 
 
 def _owner_name(code: int) -> str:
+    if code < 0:
+        return "free"
     return PageOwner(min(code, PageOwner.REQUEST) if code >= _FIRST_LEDGER else code).name.lower()
 
 

@@ -22,9 +22,9 @@ torch indexes the buffers.
 
 `PagePool` is the free list of pages behind both allocators: a stack of free page
 numbers; allocating `k` pages takes the top `k`, freeing pushes them back. O(1) per
-page. `PageTable` is the value per page each pool's core keeps (the device's owner,
-the host's state), with the one checked move both make: only distinct pages in range,
-each holding an allowed value, change.
+page, one copy in order each way. `PageTable` is the value per page each pool's core
+keeps (the device's owner, the host's state), with the one checked move both make:
+only distinct pages in range, each holding an allowed value, change.
 """
 
 from __future__ import annotations
@@ -86,6 +86,11 @@ def as_pages(numbers: Slots | numpy.ndarray) -> Pages:
 def pages_of_array(held: array) -> Pages:
     """The numbers of an `array("q")` that nobody resizes while the result lives (viewed when many)."""
     return held.tolist() if len(held) <= FEW_MAX else numpy.frombuffer(held, dtype=numpy.int64)
+
+
+def pages_of_bytes(data: bytes) -> Pages:
+    """Page numbers from their int64 bytes (a read-only view of them when many)."""
+    return numpy.frombuffer(data, dtype=numpy.int64) if len(data) > 8 * FEW_MAX else array("q", data).tolist()
 
 
 def as_list(numbers: Ints | Pages) -> list[int]:
@@ -190,6 +195,45 @@ class PageTable:
         view[at] = value
         return True
 
+    def move_free(self, at: Pages, allowed: frozenset[int], first: int) -> bool:
+        """`move` to the codes of free pages: page `at[i]` gets `-(first + i + 1)` (its place in
+        a free list whose pushed pages start at `first`). Over an int64 array, the marks
+        `move` writes to find a page named twice are those codes: what they leave is the
+        result, with no further write."""
+        if isinstance(at, list):
+            if not self.fits(at, allowed):
+                return False
+            self.put_free(at, first)
+            return True
+        n = len(at)
+        if not n:
+            return True
+        held = self._held(at, allowed, False)
+        if held is None:
+            return False
+        marks = self._free_marks(first, n)
+        view = self.view
+        view[at] = marks
+        if not self._marks.startswith(view.take(at), 8 * first):
+            view[at] = held  # a page named twice: each entry gets back what it held
+            return False
+        return True
+
+    def put_free(self, at: Pages, first: int) -> None:
+        """Write the codes of free pages at the pages `at`, unchecked (as `move_free` does)."""
+        if isinstance(at, list):
+            items = self.items
+            for i, page in enumerate(at, first + 1):
+                items[page] = -i
+        elif len(at):
+            self.view[at] = self._free_marks(first, len(at))
+
+    def _free_marks(self, first: int, n: int) -> numpy.ndarray:
+        """The codes -(first + 1) .. -(first + n), a view of `_marks` (grown when short)."""
+        if len(self._marks) < 8 * (first + n):
+            self._marks = _longer(self._marks, first + n, 8, lambda m: numpy.arange(-1, -m - 1, -1, dtype=numpy.int64))
+        return numpy.frombuffer(self._marks, dtype=numpy.int64, count=n, offset=8 * first)
+
     def _held(self, at: numpy.ndarray, allowed: frozenset[int], fresh: bool) -> numpy.ndarray | None:
         """The values at the pages `at` (an array, not empty) when they are all pages of the table
         holding a value in `allowed`, else None: a gather and two reductions when they all hold
@@ -251,43 +295,64 @@ class PagePool:
             raise ValueError(f"pages={pages} and page_size={page_size} must be > 0")
         self.pages = pages
         self.page_size = page_size
-        self._stack = numpy.arange(pages - 1, -1, -1, dtype=numpy.int64)
-        """The free pages at [0, top), the next to hand out on top; reversed so that a fresh pool
-        hands out pages 0, 1, 2, ... in order."""
-        self._top = pages
+        self._stack = numpy.arange(pages, dtype=numpy.int64)
+        """The free pages at [low, pages), the next to hand out at `low`: the stack grows
+        down, so that a take and a push are each one copy in order (a fresh pool hands out
+        pages 0, 1, 2, ... in order; pages pushed are handed out again in the order pushed)."""
+        self._low = 0
 
     @property
     def free_pages(self) -> int:
-        return self._top
+        return self.pages - self._low
 
     @property
     def free_slots(self) -> int:
-        return self._top * self.page_size
+        return (self.pages - self._low) * self.page_size
 
     def alloc(self, k: int) -> Pages | None:
         """`k` free page numbers (new, in the form for `k` pages), or None if fewer are free."""
+        got = self._take(k)
+        if got is None:
+            return None
+        return got.tolist() if k <= FEW_MAX else got.copy()
+
+    def alloc_bytes(self, k: int) -> bytes | None:
+        """`k` free page numbers as int64 bytes (one copy), or None if fewer are free."""
+        got = self._take(k)
+        return None if got is None else got.tobytes()
+
+    def _take(self, k: int) -> numpy.ndarray | None:
         if k < 0:
             raise ValueError(f"cannot allocate {k} pages")
-        if k > self._top:
+        low = self._low
+        if k > self.pages - low:
             return None
-        self._top -= k
-        got = self._stack[self._top : self._top + k][::-1]
-        return got.tolist() if k <= FEW_MAX else got.copy()
+        self._low = low + k
+        return self._stack[low : low + k]
 
     def free(self, pages: Pages) -> None:
         """Push pages back. The caller has checked they were allocated."""
-        k = len(pages)
-        top = self._top
-        if top + k > self.pages:
+        low = self.push_at(len(pages))
+        self._stack[low : self._low] = pages
+        self._low = low
+
+    def push_at(self, k: int) -> int:
+        """Where in the stack `k` pages pushed now go (the first of them; the next after it)."""
+        low = self._low - k
+        if low < 0:
             raise AssertionError(
-                f"freeing {k} pages would give {top + k} free of {self.pages}: double free"
+                f"freeing {k} pages would give {self.pages - low} free of {self.pages}: double free"
             )
-        self._stack[top : top + k] = pages[::-1]
-        self._top = top + k
+        return low
+
+    @property
+    def low(self) -> int:
+        """Where the free pages start in the stack: page `stack[low + i]` is handed out `i`-th."""
+        return self._low
 
     def free_page_set(self) -> torch.Tensor:
         """The free page numbers (for invariant checks)."""
-        return torch.from_numpy(self._stack[: self._top])
+        return torch.from_numpy(self._stack[self._low :])
 
 
 # -- pages and slots ---------------------------------------------------------------------

@@ -99,13 +99,15 @@ def test_the_counted_sizes_are_what_the_pools_allocate() -> None:
     device, host = DeviceCore(config), HostCore(config)
     every = frozenset(range(256))
     assert host._states.fits(numpy.arange(host._states.size), every)  # a first check of many pages makes its table
-    assert device._owners.move(numpy.arange(device._owners.size), every, 0)  # the device's check in place: none
+    free_codes = frozenset(range(-device._owners.size, 0))  # a free page's code: its place in the free list
+    assert device._owners.move(numpy.arange(device._owners.size), free_codes, 2)  # the device's check in place: none
     assert device._owners._scratch is None
 
     def table_bytes(core: DeviceCore | HostCore) -> int:
         table = core._owners if isinstance(core, DeviceCore) else core._states
         scratch = 0 if table._scratch is None else table._scratch.nbytes
-        return table.view.nbytes + scratch + core._pool._stack.nbytes
+        codes = len(table._marks) if isinstance(core, DeviceCore) else 0  # made at the start: every page is free
+        return table.view.nbytes + scratch + codes + core._pool._stack.nbytes
 
     slot_table = SlotTable(config.device_pages, config.page_size)._rows.nbytes  # the facade's
     assert counted["device_slots"] == device.kv.tensor.nbytes + table_bytes(device) + slot_table

@@ -404,6 +404,24 @@ def test_a_vectorised_free_tree_of_a_page_twice_is_refused_and_frees_nothing(
     assert _owners(big)[FREE] == 4 * 1024
 
 
+def test_a_free_pages_code_is_its_place_in_the_free_list(
+    make_config: Callable[..., Config], checked: Callable[[Any], Any]
+) -> None:
+    """The owner table marks a free page with its place in the free list, written by the same
+    scatter that finds a page named twice; the invariant check reads every code."""
+    big = checked(DeviceCore(make_config(page_size=4, device_pages=1024, host_pages=1100)))
+    got = big.allocate_pages([("a", 4 * 600)])["a"]  # more pages than FEW_MAX: the vectorised move
+    big.release("a", got, ReleaseReason.FINISHED)
+    big.free_tree(got[:500])
+    big.free_tree(got[500:])
+    stack, low = big._pool._stack, big._pool.low
+    assert low == 0 and big._owner[torch.from_numpy(stack)].tolist() == list(range(-1, -1025, -1))
+    assert big.allocate_pages([("b", 4 * 3)])["b"].tolist() == got[500:503].tolist()  # the last pushed, in order
+    big._owner[int(stack[big._pool.low])] = -1  # the first free page marked with another place
+    with pytest.raises(InvariantError, match="not marked with its place in the list"):
+        big.check_invariants()
+
+
 @pytest.mark.parametrize("pages", [[-1], [16], [0, 1, 16]])
 def test_free_tree_of_pages_outside_the_buffer_is_refused(core: Any, pages: list[int]) -> None:
     got = core.allocate_pages([("a", 64)])["a"]

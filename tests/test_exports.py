@@ -38,6 +38,7 @@ INTERNAL = {
                                        "facade checks its grants against",
     "hicache.actors._pages.as_pages": "the pool cores' choice of page-number form (Python ints or an array) for a call",
     "hicache.actors._pages.pages_of_array": "the device core's page numbers of a ledger's array, in the form for their number",
+    "hicache.actors._pages.pages_of_bytes": "the device core's page numbers of a grant's bytes, in the form for their number",
     "hicache.actors._pages.PageTable": "the pool cores' value per page (owner or state) with its checked moves",
     "hicache.actors._pages.SlotTable": "the facade's slot numbers of every device page, for its slot answers",
     "hicache.actors._radix_node.key_part": "the radix tree's cut of a node key (a view of most of a buffer, or a copy)",
