@@ -264,6 +264,10 @@ class _BadTokens(Exception):
 
 
 def _sequence_token_bytes(tokens: Any) -> bytes:
+    if type(tokens) is array and tokens.typecode == "q" and _LITTLE_ENDIAN:  # int64s already: their bytes
+        if tokens and _lowest(tokens, len(tokens)) < 0:
+            raise _BadTokens(f": token ids must be in 0..{TOKEN_ID_MAX}, got {min(tokens)}")
+        return tokens.tobytes()
     if type(tokens) is not list and (isinstance(tokens, (str, bytes, bytearray))
                                      or not isinstance(tokens, (Sequence, array, range))):
         raise _BadTokens(f" must be a 1-D integer tensor or a sequence of ints, got {type(tokens).__name__}")

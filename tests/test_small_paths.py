@@ -159,12 +159,12 @@ def _token_tensor(ids: list[int], dtype: torch.dtype, layout: str) -> torch.Tens
 
 @settings(max_examples=300, deadline=None)
 @given(ids=st.lists(st.integers(-3, 120), max_size=90), dtype=st.sampled_from(_TOKEN_DTYPES),
-       form=st.sampled_from(["list", "plain", "strided", "offset"]))
+       form=st.sampled_from(["list", "array", "plain", "strided", "offset"]))
 def test_token_ids_are_checked_alike_in_python_and_in_arrays(ids: list[int], dtype: torch.dtype, form: str) -> None:
     """The facade's token check: a few ids in Python, many through numpy, a contiguous int64
-    tensor's bytes read in place; the same bytes or the same error every way."""
-    as_list = form == "list"
-    tokens: Any = ids if as_list else _token_tensor(ids, dtype, form)
+    tensor's bytes and an `array("q")`'s read in place; the same bytes or the same error every way."""
+    as_list = form in ("list", "array")
+    tokens: Any = ids if form == "list" else array("q", ids) if form == "array" else _token_tensor(ids, dtype, form)
 
     def convert() -> Any:
         try:

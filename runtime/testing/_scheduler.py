@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+from array import array
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -121,7 +122,9 @@ class Outcome:
 class _Running:
     spec: ServeRequest
     handle: CacheHandle
-    seq: list[int]
+    seq: array
+    """Its prompt and outputs so far, as int64s (an `array("q")`: a slice is a copy in one
+    call, and the facade takes its bytes without looking at every id's type)."""
     computed: int
     """Positions whose KV is written and committed."""
     verify_from: int
@@ -151,7 +154,7 @@ class ForwardStep:
         return self.run.spec.request_id
 
     @property
-    def tokens(self) -> list[int]:
+    def tokens(self) -> array:
         """The request's sequence so far (longer than `start + count` during a chunked prefill)."""
         return self.run.seq
 
@@ -210,6 +213,11 @@ class FakeModel:
         return nxt
 
 
+def _token_array(prompt: torch.Tensor) -> array:
+    """A prompt's token ids as an `array("q")` (one copy of its bytes)."""
+    return array("q", prompt.to(torch.int64).contiguous().numpy().tobytes())
+
+
 class ReferenceScheduler:
     """Serves submitted requests over `hc`, running `model` (the fake model by default)."""
 
@@ -224,7 +232,7 @@ class ReferenceScheduler:
         self.ticks = 0
         self.load_failures = 0
         self._prefetch_tried: set[str] = set()
-        self._uncommitted: dict[str, list[int]] = {}
+        self._uncommitted: dict[str, array] = {}
         """Tokens computed last tick by requests still decoding: committed by this tick's allocation."""
 
     # -- driving ---------------------------------------------------------------------
@@ -338,15 +346,11 @@ class ReferenceScheduler:
             room -= 1
         if not batch:
             return None
-        reqs = []
-        for item in batch:
+        seqs = [_token_array(item.prompt) if isinstance(item, ServeRequest) else item.seq for item in batch]
+        results = self.hc.admit([Request(_spec(item).request_id, seq[:-1], _spec(item).namespace)
+                                 for item, seq in zip(batch, seqs, strict=True)])
+        for item, seq, res in zip(batch, seqs, results, strict=True):
             spec = _spec(item)
-            seq = spec.prompt.tolist() if isinstance(item, ServeRequest) else item.seq
-            reqs.append(Request(spec.request_id, seq[:-1], spec.namespace))
-        results = self.hc.admit(reqs)
-        for item, res in zip(batch, results, strict=True):
-            spec = _spec(item)
-            seq = spec.prompt.tolist() if isinstance(item, ServeRequest) else item.seq
             outputs = 0 if isinstance(item, ServeRequest) else item.outputs
             cached = res.cached_tokens
             run = _Running(spec, res.handle, seq, cached, 0, cached, None, outputs, self.ticks)

@@ -24,9 +24,12 @@ _SPREAD = 241  # values in -120..120: exact in float16 and bfloat16
 
 def _ids(tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
     """Token ids as an int64 tensor: a list through an `array` (a third of what torch's
-    conversion of a list costs), a tensor as it is."""
+    conversion of a list costs), an `array("q")` copied in one call (a view would keep the
+    caller from growing it), a tensor as it is."""
     if type(tokens) is list or type(tokens) is tuple:
         return torch.frombuffer(array("q", tokens), dtype=torch.int64) if tokens else torch.empty(0, dtype=torch.int64)
+    if type(tokens) is array and tokens.typecode == "q":
+        return torch.frombuffer(tokens, dtype=torch.int64).clone() if tokens else torch.empty(0, dtype=torch.int64)
     return torch.as_tensor(tokens, dtype=torch.int64)
 
 
