@@ -185,13 +185,15 @@ def first_page(key: bytes | memoryview, page_bytes: int) -> bytes:
 
 
 def chain_hashes(prev: int, data: bytes | memoryview, page_bytes: int) -> tuple[int, ...]:
-    """hash(page) = blake2b(previous page hash || page token bytes), one per page of `data`."""
-    out = []
+    """hash(page) = blake2b(previous page hash || page token bytes), one per page of `data`
+    (as a little-endian unsigned 64-bit number; the chain goes on from each digest's bytes,
+    which are read as numbers once, all together)."""
+    blake2b, last = hashlib.blake2b, prev.to_bytes(8, "little")
+    digests = []
     for at in range(0, len(data), page_bytes):
-        digest = hashlib.blake2b(prev.to_bytes(8, "little") + data[at : at + page_bytes], digest_size=8)
-        prev = int.from_bytes(digest.digest(), "little")
-        out.append(prev)
-    return tuple(out)
+        last = blake2b(last + data[at : at + page_bytes], digest_size=8).digest()
+        digests.append(last)
+    return struct.unpack(f"<{len(digests)}Q", b"".join(digests))
 
 
 class _Where:

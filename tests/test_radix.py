@@ -9,6 +9,7 @@ tree consistent).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from typing import Any
 
@@ -292,6 +293,21 @@ def test_a_key_over_most_of_a_prompt_is_a_view_and_its_split_parts_keep_at_most_
     # Page hashes (storage keys) read a view as they read bytes.
     assert upper.hashes + node.hashes == chain_hashes(tree.root("").hashes[-1], prompt.to_bytes(), 8 * P)
     tree.check_invariants()
+
+
+def test_page_hashes_are_the_blake2b_chain_storage_keys_were_named_by() -> None:
+    """A page's hash is blake2b-64 of the previous page's hash (8 bytes, little-endian) and
+    the page's token bytes, read as a little-endian number: keys written by any version of
+    the cache are found again."""
+    data = bytes(range(256)) * 3  # three pages of 256 bytes
+    expect, prev = [], 2**64 - 5
+    for at in range(0, len(data), 256):
+        digest = hashlib.blake2b(prev.to_bytes(8, "little") + data[at : at + 256], digest_size=8).digest()
+        prev = int.from_bytes(digest, "little")
+        expect.append(prev)
+    assert chain_hashes(2**64 - 5, data, 256) == tuple(expect)
+    assert chain_hashes(expect[0], memoryview(data)[256:], 256) == tuple(expect[1:])  # a view, from a parent
+    assert chain_hashes(7, b"", 256) == ()
 
 
 def test_a_key_that_views_a_small_part_of_its_buffer_is_caught_by_the_invariant_check(tree: Any) -> None:
