@@ -492,8 +492,7 @@ class DeviceCore:
 
     def _push(self, pages: Pages) -> None:
         """Push pages whose owner was checked onto the free list, each marked with its place."""
-        self._owners.put_free(pages, self._pool.push_at(len(pages)))
-        self._pool.free(pages)
+        self._owners.put_free(pages, self._pool.free(pages))
 
     def _move(self, pages: Pages, owners: frozenset[PageOwner], to: PageOwner, what: str) -> None:
         """Give `pages` the owner `to` if they are distinct pages, each with an owner of `owners`;

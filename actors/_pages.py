@@ -330,19 +330,17 @@ class PagePool:
         self._low = low + k
         return self._stack[low : low + k]
 
-    def free(self, pages: Pages) -> None:
-        """Push pages back. The caller has checked they were allocated."""
-        low = self.push_at(len(pages))
-        self._stack[low : self._low] = pages
-        self._low = low
-
-    def push_at(self, k: int) -> int:
-        """Where in the stack `k` pages pushed now go (the first of them; the next after it)."""
+    def free(self, pages: Pages) -> int:
+        """Push pages back (the caller has checked they were allocated); where in the stack
+        they went (`stack[low + i]` is `pages[i]`)."""
+        k = len(pages)
         low = self._low - k
         if low < 0:
             raise AssertionError(
                 f"freeing {k} pages would give {self.pages - low} free of {self.pages}: double free"
             )
+        self._stack[low : self._low] = pages
+        self._low = low
         return low
 
     @property
