@@ -215,7 +215,7 @@ class FakeModel:
 
 def _token_array(prompt: torch.Tensor) -> array:
     """A prompt's token ids as an `array("q")` (one copy of its bytes)."""
-    return array("q", prompt.to(torch.int64).contiguous().numpy().tobytes())
+    return array("q", prompt.detach().to("cpu", torch.int64).contiguous().numpy().tobytes())
 
 
 class ReferenceScheduler:
