@@ -178,21 +178,9 @@ class PageTable:
                 return False
             self.put(at, value)
             return True
-        n = len(at)
-        if not n:
-            return True
-        held = self._held(at, allowed, False)
-        if held is None:
+        if not self._marked(at, allowed, 0):
             return False
-        if len(self._marks) < 8 * n:
-            self._marks = _longer(self._marks, n, 8, lambda m: numpy.arange(-1, -m - 1, -1, dtype=numpy.int64))
-        marks = numpy.frombuffer(self._marks, dtype=numpy.int64, count=n)
-        view = self.view
-        view[at] = marks
-        if not self._marks.startswith(view.take(at)):
-            view[at] = held  # a page named twice: each entry gets back what it held
-            return False
-        view[at] = value
+        self.view[at] = value
         return True
 
     def move_free(self, at: Pages, allowed: frozenset[int], first: int) -> bool:
@@ -205,15 +193,19 @@ class PageTable:
                 return False
             self.put_free(at, first)
             return True
-        n = len(at)
-        if not n:
+        return self._marked(at, allowed, first)
+
+    def _marked(self, at: numpy.ndarray, allowed: frozenset[int], first: int) -> bool:
+        """If `at` are distinct pages that each hold a value in `allowed`, write the marks
+        `-(first + 1)`, `-(first + 2)`, ... at them and answer True; else change nothing. A
+        page named twice reads back another page's mark (the later one's)."""
+        if not len(at):
             return True
         held = self._held(at, allowed, False)
         if held is None:
             return False
-        marks = self._free_marks(first, n)
         view = self.view
-        view[at] = marks
+        view[at] = self._free_marks(first, len(at))
         if not self._marks.startswith(view.take(at), 8 * first):
             view[at] = held  # a page named twice: each entry gets back what it held
             return False
