@@ -171,8 +171,8 @@ class PageTable:
         Over an array, an int64 table checks distinctness in its own entries, which the
         gather of their values has just brought into the CPU's cache (a scratch table's are
         not): each page's position is written into its entry and read back (as a negative
-        number, which no owner or state is), then `value` is written, or what the entries
-        held when a page is named twice."""
+        number, the form of a free page's code: `_marked`), then `value` is written, or what
+        the entries held when a page is named twice."""
         if isinstance(at, list) or fresh or self.view.dtype != numpy.int64:
             if not self.fits(at, allowed, fresh=fresh):
                 return False
@@ -184,8 +184,9 @@ class PageTable:
         return True
 
     def move_free(self, at: Pages, allowed: frozenset[int], first: int) -> bool:
-        """`move` to the codes of free pages: page `at[i]` gets `-(first + i + 1)` (its place in
-        a free list whose pushed pages start at `first`). Over an int64 array, the marks
+        """`move` to the codes of free pages, in an int64 table (the device's owners): page
+        `at[i]` gets `-(first + i + 1)` (its place in a free list whose pushed pages start at
+        `first`). Over an array, the marks
         `move` writes to find a page named twice are those codes: what they leave is the
         result, with no further write."""
         if isinstance(at, list):

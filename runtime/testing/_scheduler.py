@@ -215,7 +215,9 @@ class FakeModel:
 
 def _token_array(prompt: torch.Tensor) -> array:
     """A prompt's token ids as an `array("q")` (one copy of its bytes)."""
-    return array("q", prompt.detach().to("cpu", torch.int64).contiguous().numpy().tobytes())
+    out = array("q")
+    out.frombytes(memoryview(prompt.detach().to("cpu", torch.int64).contiguous().numpy()).cast("B"))
+    return out
 
 
 class ReferenceScheduler:
