@@ -202,3 +202,23 @@ def test_a_decode_steps_one_token_is_checked_as_any_list_of_tokens(token: Any) -
         assert one == general[:8] == array("q", [int(token)]).tobytes()
     else:
         assert isinstance(one, str) and one == general
+
+
+@settings(max_examples=200, deadline=None)
+@given(ids=st.lists(st.integers(0, 3), min_size=1, max_size=200), data=st.data())
+def test_a_bool_among_many_token_ids_is_refused_wherever_it_sits(ids: list[int], data: st.DataObject) -> None:
+    """A list packs in one pass, in which a bool passes for 0 or 1: the check looks at every
+    id packed as 0 or 1, so a bool is refused at any place, among ints 0 and 1 too, and ints
+    (numpy's too) are never taken for bools; one path for a few ids, another for many."""
+    forms: list[Any] = [numpy.int64(i) if k % 3 == 0 else i for k, i in enumerate(ids)]
+    assert facade_types.token_bytes(forms, "tokens of request", "r") == array("q", ids).tobytes()
+    at = data.draw(st.integers(0, len(ids) - 1))
+    flag = data.draw(st.booleans())
+    forms[at] = flag
+    for few in (64, -1):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(facade_types, "_FEW_TOKENS", few)
+            with pytest.raises(facade_types.RequestError, match=rf"must be int token ids, got {flag} \(bool\)"):
+                facade_types.token_bytes(forms, "tokens of request", "r")
+            with pytest.raises(facade_types.RequestError, match=rf"must be int token ids, got {flag} \(bool\)"):
+                facade_types.token_bytes(tuple(forms), "tokens of request", "r")
