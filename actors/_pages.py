@@ -416,6 +416,9 @@ _OFFSETS: dict[int, numpy.ndarray] = {}
 longest call; read-only)."""
 
 
+_NO_SLOTS = numpy.empty(0, dtype=numpy.int64)
+"""What every empty answer of `SlotTable.slots` is a tensor over (it has no element to write)."""
+
 _COUNT = itemgetter(3)
 """The slot count of a `SlotTable` part."""
 
@@ -476,8 +479,8 @@ class SlotTable:
 
     def slots(self, pages: Indices, n: int) -> torch.Tensor:
         """The first `n` slots of `pages` (page numbers of this pool), as a new tensor."""
-        if not n:  # an admission with nothing cached, say
-            return torch.empty(0, dtype=torch.int64)
+        if not n:  # an admission with nothing cached, say: a new tensor over no slots (it
+            return torch.from_numpy(_NO_SLOTS)  # cannot be resized; torch.empty costs half again)
         got = self._gather(pages, n)
         return torch.from_numpy(got if got.flags.writeable else got.copy())
 
