@@ -83,7 +83,7 @@ class Request:
     token to get its logits, so it admits `tokens[:-1]` (see the README)."""
 
     request_id: str
-    tokens: Sequence[int] | torch.Tensor
+    tokens: Sequence[int] | torch.Tensor | numpy.ndarray
     namespace: str = ""
 
 
@@ -243,10 +243,10 @@ def count(what: str, value: Any, maximum: int) -> int:
 
 
 def token_bytes(tokens: Any, what: str, request_id: str | None = None) -> bytes:
-    """Token ids as little-endian int64 bytes: a 1-D integer tensor, or a sequence of ints,
-    every id in 0..2**63 - 1. Anything else (floats, bools, strings, None, a 2-D tensor,
-    an id out of range) is a `RequestError` naming `what` (and `request_id`: the name is
-    put together only for the error)."""
+    """Token ids as little-endian int64 bytes: a 1-D integer tensor or numpy array, or a
+    sequence of ints, every id in 0..2**63 - 1. Anything else (floats, bools, strings, None,
+    a 2-D tensor, an id out of range) is a `RequestError` naming `what` (and `request_id`:
+    the name is put together only for the error)."""
     if type(tokens) is list and len(tokens) == 1:  # a decode step's one token: no array
         token = tokens[0]
         if type(token) is int and 0 <= token <= TOKEN_ID_MAX:
@@ -254,6 +254,8 @@ def token_bytes(tokens: Any, what: str, request_id: str | None = None) -> bytes:
     try:
         if isinstance(tokens, torch.Tensor):
             return _tensor_token_bytes(tokens)
+        if isinstance(tokens, numpy.ndarray):
+            return _numpy_token_bytes(tokens)
         return _sequence_token_bytes(tokens)
     except _BadTokens as bad:
         name = what if request_id is None else f"{what} {request_id!r}"
@@ -271,7 +273,8 @@ def _sequence_token_bytes(tokens: Any) -> bytes:
         return tokens.tobytes()
     if type(tokens) is not list and (isinstance(tokens, (str, bytes, bytearray))
                                      or not isinstance(tokens, (Sequence, array, range))):
-        raise _BadTokens(f" must be a 1-D integer tensor or a sequence of ints, got {type(tokens).__name__}")
+        raise _BadTokens(f" must be a 1-D integer tensor or numpy array, or a sequence of ints, "
+                         f"got {type(tokens).__name__}")
     # One pass in C packs the ids (struct's, about three times as fast as an array's), refusing
     # what is not an integer (a float, a string, None) and what does not fit in int64; numpy
     # and other integer scalars pack by `__index__`. Only a bool packs where it should not, as
@@ -292,6 +295,24 @@ def _sequence_token_bytes(tokens: Any) -> bytes:
                 raise _BadTokens(f" must be int token ids, got {tokens[i]!r} (bool)")
     if n and _lowest(data, n) < 0:
         raise _BadTokens(f": token ids must be in 0..{TOKEN_ID_MAX}, got {_lowest(data, n)}")
+    return data
+
+
+def _numpy_token_bytes(a: numpy.ndarray) -> bytes:
+    """A 1-D numpy array of a dtype that holds token ids losslessly (as `_TOKEN_DTYPES`
+    allows for tensors): its ids as int64 bytes, one copy (its own bytes when it is a
+    contiguous little-endian int64 array), and one pass for the sign."""
+    if a.ndim != 1:
+        raise _BadTokens(f" must be one sequence of token ids, got an array of shape {a.shape}")
+    if a.dtype.kind not in "iu" or (a.dtype.kind == "u" and a.dtype.itemsize == 8):
+        raise _BadTokens(f" must hold integer token ids, got a {a.dtype} array (use numpy.int64)")
+    n = a.shape[0]
+    if not n:
+        return b""
+    data = a.astype("<i8", copy=False).tobytes()
+    low = _lowest(data, n)
+    if low < 0:
+        raise _BadTokens(f": token ids must be in 0..{TOKEN_ID_MAX}, got {low}")
     return data
 
 

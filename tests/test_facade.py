@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy
 import pytest
 import torch
 
@@ -148,8 +149,8 @@ def test_a_finished_prefix_is_a_device_hit_for_the_next_request(open_cache: Call
     s.assert_quiet()
 
 
-@pytest.mark.parametrize("form", ["int64", "int32", "uint8", "strided"])
-def test_token_ids_in_any_integer_tensor_are_the_same_tokens_as_a_list(
+@pytest.mark.parametrize("form", ["int64", "int32", "uint8", "strided", "numpy int64", "numpy uint16"])
+def test_token_ids_in_any_integer_tensor_or_numpy_array_are_the_same_tokens_as_a_list(
     open_cache: Callable[..., Scheduler], form: str
 ) -> None:
     s = open_cache()
@@ -158,8 +159,9 @@ def test_token_ids_in_any_integer_tensor_are_the_same_tokens_as_a_list(
     hc.finish([s.run("a", tokens).handle])
     given = {"int64": torch.tensor(tokens), "int32": torch.tensor(tokens, dtype=torch.int32),
              "uint8": torch.tensor(tokens, dtype=torch.uint8),
-             "strided": torch.tensor(tokens).repeat_interleave(2)[::2]}[form]
-    assert given.is_contiguous() == (form != "strided")
+             "strided": torch.tensor(tokens).repeat_interleave(2)[::2],
+             "numpy int64": numpy.array(tokens), "numpy uint16": numpy.array(tokens, dtype=numpy.uint16)}[form]
+    assert form.startswith("numpy") or given.is_contiguous() == (form != "strided")
     [b] = hc.admit([Request("b", given)])
     assert b.cached_tokens == 8  # its whole pages
     assert hc.committed_tokens("b") == tokens[:8]

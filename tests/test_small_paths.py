@@ -222,3 +222,41 @@ def test_a_bool_among_many_token_ids_is_refused_wherever_it_sits(ids: list[int],
                 facade_types.token_bytes(forms, "tokens of request", "r")
             with pytest.raises(facade_types.RequestError, match=rf"must be int token ids, got {flag} \(bool\)"):
                 facade_types.token_bytes(tuple(forms), "tokens of request", "r")
+
+
+_NUMPY_TOKEN_DTYPES = [numpy.int64, numpy.int32, numpy.int16, numpy.int8, numpy.uint32, numpy.uint16, numpy.uint8,
+                       numpy.dtype(">i8")]
+
+
+@settings(max_examples=200, deadline=None)
+@given(ids=st.lists(st.integers(-3, 120), max_size=90), dtype=st.sampled_from(_NUMPY_TOKEN_DTYPES),
+       layout=st.sampled_from(["plain", "strided"]))
+def test_a_numpy_array_of_token_ids_is_the_same_tokens_as_a_list(ids: list[int], dtype: Any, layout: str) -> None:
+    """A 1-D integer numpy array (a tokenizer's `return_tensors="np"`, an engine's id buffer),
+    of any byte order or stride, gives the list's bytes or the list's error about the sign."""
+    kept = [i for i in ids if i >= 0] if numpy.dtype(dtype).kind == "u" else ids
+    a = numpy.array([x for i in kept for x in (i, 7)], dtype=dtype)[::2] if layout == "strided" \
+        else numpy.array(kept, dtype=dtype)
+
+    def convert(tokens: Any) -> Any:
+        try:
+            return facade_types.token_bytes(tokens, "tokens of request", "r")
+        except facade_types.RequestError as err:
+            return str(err)
+
+    assert convert(a) == convert(kept)
+    if min(kept, default=0) >= 0:
+        assert convert(a) == array("q", kept).tobytes()
+
+
+@pytest.mark.parametrize(("value", "words"), [
+    (numpy.array([1.0, 2.0]), r"must hold integer token ids, got a float64 array \(use numpy\.int64\)"),
+    (numpy.array([True, False]), r"must hold integer token ids, got a bool array"),
+    (numpy.array([1, 2], dtype=numpy.uint64), r"must hold integer token ids, got a uint64 array"),
+    (numpy.arange(6).reshape(2, 3), r"must be one sequence of token ids, got an array of shape \(2, 3\)"),
+    (numpy.array(["7"]), r"must hold integer token ids, got a <U1 array"),
+])
+def test_a_numpy_array_that_cannot_hold_token_ids_is_refused_in_one_line(value: Any, words: str) -> None:
+    with pytest.raises(facade_types.RequestError, match=r"^tokens of request 'r' " + words) as err:
+        facade_types.token_bytes(value, "tokens of request", "r")
+    assert "\n" not in str(err.value)
