@@ -34,7 +34,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, overload
 
-import numpy
 import torch
 from hicache.actors._logging import logger
 from hicache.actors._errors import InvariantError
@@ -96,6 +95,7 @@ from ._facade_types import (
     Insufficient,
     Request,
     RequestError,
+    TokenIds,
 )
 from ._group import Group, SingleGroup
 from hicache.actors._layers import LayerWaiter
@@ -560,15 +560,15 @@ class HiCache:
     # -- slots ------------------------------------------------------------------------
 
     @overload
-    def allocate(self, demands: Mapping[str, int], *, commit: Mapping[str, Sequence[int] | torch.Tensor | numpy.ndarray] | None = None,
+    def allocate(self, demands: Mapping[str, int], *, commit: Mapping[str, TokenIds] | None = None,
                  flat: Literal[False] = False) -> dict[str, torch.Tensor] | Insufficient: ...
 
     @overload
-    def allocate(self, demands: Mapping[str, int], *, commit: Mapping[str, Sequence[int] | torch.Tensor | numpy.ndarray] | None = None,
+    def allocate(self, demands: Mapping[str, int], *, commit: Mapping[str, TokenIds] | None = None,
                  flat: Literal[True]) -> torch.Tensor | Insufficient: ...
 
     def allocate(
-        self, demands: Mapping[str, int], *, commit: Mapping[str, Sequence[int] | torch.Tensor | numpy.ndarray] | None = None,
+        self, demands: Mapping[str, int], *, commit: Mapping[str, TokenIds] | None = None,
         flat: bool = False,
     ) -> dict[str, torch.Tensor] | torch.Tensor | Insufficient:
         """Device slots for the next tokens of many requests, all or nothing. If the pool is
@@ -722,7 +722,7 @@ class HiCache:
             return {}
         return dict(zip(rids, self._slot_table.split(parts)))
 
-    def commit(self, tokens: Mapping[str, Sequence[int] | torch.Tensor | numpy.ndarray]) -> None:
+    def commit(self, tokens: Mapping[str, TokenIds]) -> None:
         """Record that the KV of these new tokens (per request, in order) is written. No
         message: the device learns of it with the next allocation, swap or release of the request."""
         with self._call():
@@ -740,7 +740,7 @@ class HiCache:
             live.committed += n
             live.unsent += n
 
-    def _commits(self, tokens: Mapping[str, Sequence[int] | torch.Tensor | numpy.ndarray]) -> list[tuple[_Live, bytes, int]]:
+    def _commits(self, tokens: Mapping[str, TokenIds]) -> list[tuple[_Live, bytes, int]]:
         """Each commit checked (all before any is recorded): the request, its token bytes and count."""
         if type(tokens) is not dict and not isinstance(tokens, Mapping):
             raise RequestError(f"commit must map request ids to tokens, got {type(tokens).__name__}")

@@ -74,6 +74,10 @@ class CacheHandle:
     _token: int
 
 
+TokenIds = Sequence[int] | torch.Tensor | numpy.ndarray
+"""Token ids as a caller may give them (`token_bytes` says which of each it takes)."""
+
+
 @frozen_fast_init
 @dataclass(frozen=True, slots=True)
 class Request:
@@ -83,7 +87,7 @@ class Request:
     token to get its logits, so it admits `tokens[:-1]` (see the README)."""
 
     request_id: str
-    tokens: Sequence[int] | torch.Tensor | numpy.ndarray
+    tokens: TokenIds
     namespace: str = ""
 
 
