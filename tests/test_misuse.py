@@ -64,8 +64,10 @@ BAD_REQUESTS = [
     (Request("a", torch.tensor([3, -1])), r"token ids must be in 0\.\.\d+, got -1"),
     (Request("a", torch.tensor([3, -7], dtype=torch.int32)), r"token ids must be in 0\.\.\d+, got -7"),
     (Request("a", torch.tensor([5, 1, -2, 4])[::2]), r"token ids must be in 0\.\.\d+, got -2"),
-    (Request("a", "abc"), r"must be a 1-D integer tensor or numpy array, or a sequence of ints, got str"),  # type: ignore[arg-type]
-    (Request("a", 17), r"must be a 1-D integer tensor or numpy array, or a sequence of ints, got int"),  # type: ignore[arg-type]
+    (Request("a", "abc"),  # type: ignore[arg-type]
+     r"must be a 1-D integer tensor or numpy array, or a sequence of ints, got str"),
+    (Request("a", 17),  # type: ignore[arg-type]
+     r"must be a 1-D integer tensor or numpy array, or a sequence of ints, got int"),
 ]
 
 
