@@ -309,7 +309,7 @@ def _numpy_token_bytes(a: numpy.ndarray) -> bytes:
     if a.ndim != 1:
         raise _BadTokens(f" must be one sequence of token ids, got an array of shape {a.shape}")
     if a.dtype.kind not in "iu" or (a.dtype.kind == "u" and a.dtype.itemsize == 8):
-        raise _BadTokens(f" must hold integer token ids, got a {a.dtype} array (use numpy.int64)")
+        raise _BadTokens(f" must hold integer token ids, got an array of dtype {a.dtype} (use numpy.int64)")
     n = a.shape[0]
     if not n:
         return b""

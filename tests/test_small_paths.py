@@ -250,11 +250,12 @@ def test_a_numpy_array_of_token_ids_is_the_same_tokens_as_a_list(ids: list[int],
 
 
 @pytest.mark.parametrize(("value", "words"), [
-    (numpy.array([1.0, 2.0]), r"must hold integer token ids, got a float64 array \(use numpy\.int64\)"),
-    (numpy.array([True, False]), r"must hold integer token ids, got a bool array"),
-    (numpy.array([1, 2], dtype=numpy.uint64), r"must hold integer token ids, got a uint64 array"),
+    (numpy.array([1.0, 2.0]), r"must hold integer token ids, got an array of dtype float64 \(use numpy\.int64\)"),
+    (numpy.array([True, False]), r"must hold integer token ids, got an array of dtype bool"),
+    (numpy.array([1, 2], dtype=numpy.uint64), r"must hold integer token ids, got an array of dtype uint64"),
     (numpy.arange(6).reshape(2, 3), r"must be one sequence of token ids, got an array of shape \(2, 3\)"),
-    (numpy.array(["7"]), r"must hold integer token ids, got a <U1 array"),
+    (numpy.array(["7"]), r"must hold integer token ids, got an array of dtype <U1"),
+    (numpy.array([1, 2], dtype=object), r"must hold integer token ids, got an array of dtype object"),
 ])
 def test_a_numpy_array_that_cannot_hold_token_ids_is_refused_in_one_line(value: Any, words: str) -> None:
     with pytest.raises(facade_types.RequestError, match=r"^tokens of request 'r' " + words) as err:
