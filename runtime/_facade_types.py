@@ -297,8 +297,8 @@ def _sequence_token_bytes(tokens: Any) -> bytes:
         for i in suspects:
             if type(tokens[i]) is bool:
                 raise _BadTokens(f" must be int token ids, got {tokens[i]!r} (bool)")
-    if n and _lowest(data, n) < 0:
-        raise _BadTokens(f": token ids must be in 0..{TOKEN_ID_MAX}, got {_lowest(data, n)}")
+    if n and (low := _lowest(data, n)) < 0:
+        raise _BadTokens(f": token ids must be in 0..{TOKEN_ID_MAX}, got {low}")
     return data
 
 
@@ -357,10 +357,8 @@ def _tensor_token_bytes(t: torch.Tensor) -> bytes:
         packed = array("q", t.tolist())
         low = min(packed)
         data = packed.tobytes()
-    elif t.is_cpu:  # numpy's view, minimum and copy: cheaper calls than torch's
-        a = (t.detach() if t.requires_grad else t).numpy()
-        low = int(numpy.minimum.reduce(a))
-        data = a.astype("<i8", copy=False).tobytes()
+    elif t.is_cpu:  # as a numpy array (its view, copy and minimum: cheaper calls than torch's)
+        return _numpy_token_bytes((t.detach() if t.requires_grad else t).numpy())
     else:
         low = int(t.min())
         data = Tokens.from_tensor(t).to_bytes()  # one copy; it converts the dtype and device itself
