@@ -7,10 +7,12 @@ committed` always, and `release` gives back every page of the request exactly
 once, in one place: pages the tree adopts change owner, all others are freed.
 Running out of pages is not an error but an `Insufficient` result.
 
-The owners are one table of int64 per page (a `PageTable`): a `PageOwner`, or for a
+The owners are one table of int32 per page (a `PageTable`): a `PageOwner`, or for a
 request's page the number of its ledger. So checking that pages belong to a request
 is one lookup per page, and a release is a few passes over the request's own pages,
-never over the pool.
+never over the pool. A ledger's number is reused once the ledger is released (no page
+carries it then), so the numbers stay below the live requests' count plus four and the
+table's entries stay four bytes: half the memory an eviction's checks go through.
 
 Each call keeps its page numbers in the form `_pages` chooses for their number
 (`Pages`): Python ints for a few (most calls: from the message's bytes to the reply's
@@ -67,6 +69,11 @@ _FIRST_LEDGER = 4
 """Owner codes from here on are ledgers: a request's pages carry its ledger's number, so
 "is this page the request's?" is one lookup (vectorised: one gather), never a set operation."""
 
+_INT32_PAGES_MAX = (1 << 31) - 1 - _FIRST_LEDGER
+"""Pools of at most this many pages keep their owners as int32 (a free page's code is
+`-(place + 1)`, a ledger's number is below the live requests' count plus `_FIRST_LEDGER`);
+a larger one as int64."""
+
 
 @dataclass(frozen=True, slots=True)
 class Insufficient:
@@ -85,7 +92,10 @@ class Insufficient:
 class _Ledger:
     request_id: str
     number: int
-    """Its owner code in the page table (>= `_FIRST_LEDGER`, never reused; 0 until it holds slots)."""
+    """Its owner code in the page table (>= `_FIRST_LEDGER`; 0 until it holds slots). Reused
+    by a later ledger once this one is released."""
+    serial: int = 0
+    """Its place among every ledger the core ever registered (never reused: what `mark` tells)."""
     pages: array = field(default_factory=lambda: array("q"))
     """Pages it still holds, in token order (whole pages handed over mid-life are gone)."""
     allocated: int = 0
@@ -104,7 +114,8 @@ class DeviceCore:
         self.ahead_pages = config.ahead_pages
         """Whole free pages a demand that needs new pages also gets when its allocation asks
         for pages ahead (`Config.ahead_slots`); a ledger never holds more past its slots."""
-        self._owners = PageTable(config.device_pages, "q", runs=PageOwner)
+        self._owners = PageTable(config.device_pages, "i" if config.device_pages <= _INT32_PAGES_MAX else "q",
+                                 runs=PageOwner)
         """Per page the number of the ledger that holds it, `PageOwner.TREE` or `LOADING`, or
         for a free page `-(i + 1)`, `i` its place in the free list's stack (so a move to the
         free list writes each page once: see `PageTable.move_free`)."""
@@ -112,6 +123,11 @@ class DeviceCore:
         self._owner = self._owners.tensor
         self._ledgers: dict[str, _Ledger] = {}
         self._next_ledger = _FIRST_LEDGER
+        """The number the next ledger gets when no released ledger's number is spare."""
+        self._spare_numbers: list[int] = []
+        """Numbers of released ledgers, which no page carries: the next ledgers' (last in, first out)."""
+        self._serials = 0
+        """Ledgers registered so far (each one's `serial`)."""
         self._released: OrderedDict[str, LedgerEntry] = OrderedDict()
         self.waiting: dict[int, tuple[Any, tuple[tuple[int, bool], ...]]] = {}
         """Allocations waiting for the tree's eviction (the actor's routes keep them here): by
@@ -190,8 +206,13 @@ class DeviceCore:
         """`n` more tokens for the ledger: what its last page has left, then the new pages
         `new` (their bytes: `data`)."""
         if ledger.request_id not in self._ledgers:
-            ledger.number = self._next_ledger
-            self._next_ledger += 1
+            if self._spare_numbers:
+                ledger.number = self._spare_numbers.pop()
+            else:
+                ledger.number = self._next_ledger
+                self._next_ledger += 1
+            self._serials += 1
+            ledger.serial = self._serials
             self._ledgers[ledger.request_id] = ledger
         ledger.allocated += n
         if not data:
@@ -282,7 +303,8 @@ class DeviceCore:
         views = []
         for ledger, (_, held), (rid, _, reason) in zip(ledgers, adopted, releases, strict=True):
             self._push(self._rest(ledger, held))
-            self._ledgers.pop(rid, None)
+            if self._ledgers.pop(rid, None) is not None:  # registered: no page carries its number now
+                self._spare_numbers.append(ledger.number)
             view = self._view(ledger, freed=ledger.allocated)
             if reason is not ReleaseReason.RETRACTED:
                 self._released[rid] = view
@@ -368,10 +390,10 @@ class DeviceCore:
         return self._pool.free_slots
 
     def mark(self, rid: str) -> tuple[int, bool]:
-        """What tells a request's ledger apart from any it had or will have: its number (0: none
+        """What tells a request's ledger apart from any it had or will have: its serial (0: none
         now) and whether it was released. Equal marks at two times: nothing of it changed owner."""
         ledger = self._ledgers.get(rid)
-        return (ledger.number if ledger is not None else 0, rid in self._released)
+        return (ledger.serial if ledger is not None else 0, rid in self._released)
 
     def ledger(self, rid: str) -> LedgerEntry:
         if rid in self._ledgers:
@@ -438,6 +460,13 @@ class DeviceCore:
                           or len(torch.unique(free)) != len(free)):
             raise InvariantError("device: the free list holds a page that is not free (or not marked with its "
                                  "place in the list), or a page twice")
+        numbers = sorted([led.number for led in self._ledgers.values()] + self._spare_numbers)
+        if numbers != list(range(_FIRST_LEDGER, self._next_ledger)):
+            raise InvariantError(
+                f"device: ledger numbers {numbers[:16]} of the live ledgers and the spare ones are not each number "
+                f"handed out so far ({_FIRST_LEDGER}..{self._next_ledger - 1}) once (a number reused while a "
+                "ledger holds it, or lost)"
+            )
         held = 0
         for led in self._ledgers.values():
             mine = torch.frombuffer(led.pages, dtype=torch.int64) if led.pages else torch.empty(0, dtype=torch.int64)

@@ -121,7 +121,7 @@ def indices_of(numbers: Ints | Pages) -> Indices:
 
 
 class PageTable:
-    """One small integer per page of a pool (`typecode` "q": int64, "B": uint8) in one buffer
+    """One small integer per page of a pool (`typecode` "i": int32, "q": int64, "B": uint8) in one buffer
     seen three ways: `items` (a bytearray or an `array`, for Python's reads and writes of a few pages), `view`
     (numpy's, for the vectorised ones) and `tensor` (for counts and invariant checks).
 
@@ -130,23 +130,29 @@ class PageTable:
     bytes when the pages all hold one value (as pages moved together do), plus the distinct
     check: each page's position scattered into a table and read back (a page named twice
     reads back the later position at the earlier one), in O(len) and without a sort: a
-    scratch table's, or for `move` on an int64 table the entries themselves (see there).
+    scratch table's, or for `move` on a signed table the entries themselves (see there).
     Each "all equal" test is one `bytes.startswith` of the gathered array against a run of
     the expected values kept as bytes (a `memcmp`, where numpy's comparison and reduction
     are two calls of a few microseconds each and two passes)."""
 
     def __init__(self, size: int, typecode: str, runs: Iterable[int] = ()) -> None:
+        if typecode not in _TABLE_DTYPES:
+            raise ValueError(f"a page table's typecode is one of {sorted(_TABLE_DTYPES)}, got {typecode!r}")
+        dtype = numpy.dtype(_TABLE_DTYPES[typecode])
         # A bytearray where it can: its item writes cost about half an array's.
-        self.items: array | bytearray = bytearray(size) if typecode == "B" else array(typecode, bytes(8 * size))
-        self.view = numpy.frombuffer(self.items, dtype=numpy.uint8 if typecode == "B" else numpy.int64)
+        self.items: array | bytearray = bytearray(size) if typecode == "B" else array(typecode, bytes(dtype.itemsize * size))
+        self.view = numpy.frombuffer(self.items, dtype=dtype)
         self.tensor = torch.from_numpy(self.view)
         self.size = size
+        self._signed = dtype.kind == "i"
+        """A signed table's moves mark pages with negative numbers (`_marked`); an unsigned one's
+        use a scratch table (`_distinct`)."""
         self._scratch: numpy.ndarray | None = None
-        """A position per page for `_distinct`, made at its first use (an int64 table's moves need none)."""
+        """A position per page for `_distinct`, made at its first use (a signed table's moves need none)."""
         self._order = b""
         """The int64 bytes of 0, 1, 2, ... as long as the longest `_distinct` so far."""
         self._marks = b""
-        """The int64 bytes of -1, -2, -3, ... as long as the longest `move` so far."""
+        """The bytes (in the table's dtype) of -1, -2, -3, ... as long as the longest `move` so far."""
         self._runs: dict[int, bytes] = dict.fromkeys(map(int, runs), b"")
         """Per value of `runs` (the owners or states pages move between), the bytes of a run of it
         in the table's dtype, as long as the longest call so far: what `_all` compares with."""
@@ -168,12 +174,12 @@ class PageTable:
         """Write `value` at the pages `at` if they are distinct pages of the table that each
         hold a value in `allowed` (what `fits` tells); else change nothing. Whether it wrote.
 
-        Over an array, an int64 table checks distinctness in its own entries, which the
+        Over an array, a signed table checks distinctness in its own entries, which the
         gather of their values has just brought into the CPU's cache (a scratch table's are
         not): each page's position is written into its entry and read back (as a negative
         number, the form of a free page's code: `_marked`), then `value` is written, or what
         the entries held when a page is named twice."""
-        if isinstance(at, list) or fresh or self.view.dtype != numpy.int64:
+        if isinstance(at, list) or fresh or not self._signed:
             if not self.fits(at, allowed, fresh=fresh):
                 return False
             self.put(at, value)
@@ -184,7 +190,7 @@ class PageTable:
         return True
 
     def move_free(self, at: Pages, allowed: frozenset[int], first: int) -> bool:
-        """`move` to the codes of free pages, in an int64 table (the device's owners): page
+        """`move` to the codes of free pages, in a signed table (the device's owners): page
         `at[i]` gets `-(first + i + 1)` (its place in a free list whose pushed pages start at
         `first`). Over an array, the marks
         `move` writes to find a page named twice are those codes: what they leave is the
@@ -207,7 +213,7 @@ class PageTable:
             return False
         view = self.view
         view[at] = self._free_marks(first, len(at))
-        if not self._marks.startswith(view.take(at), 8 * first):
+        if not self._marks.startswith(view.take(at), view.itemsize * first):
             view[at] = held  # a page named twice: each entry gets back what it held
             return False
         return True
@@ -223,9 +229,10 @@ class PageTable:
 
     def _free_marks(self, first: int, n: int) -> numpy.ndarray:
         """The codes -(first + 1) .. -(first + n), a view of `_marks` (grown when short)."""
-        if len(self._marks) < 8 * (first + n):
-            self._marks = _longer(self._marks, first + n, 8, lambda m: numpy.arange(-1, -m - 1, -1, dtype=numpy.int64))
-        return numpy.frombuffer(self._marks, dtype=numpy.int64, count=n, offset=8 * first)
+        dtype = self.view.dtype
+        if len(self._marks) < dtype.itemsize * (first + n):
+            self._marks = _longer(self._marks, first + n, dtype.itemsize, lambda m: numpy.arange(-1, -m - 1, -1, dtype=dtype))
+        return numpy.frombuffer(self._marks, dtype=dtype, count=n, offset=dtype.itemsize * first)
 
     def _held(self, at: numpy.ndarray, allowed: frozenset[int], fresh: bool) -> numpy.ndarray | None:
         """The values at the pages `at` (an array, not empty) when they are all pages of the table
@@ -271,6 +278,10 @@ class PageTable:
                 items[i] = value
         else:
             self.view[at] = value
+
+
+_TABLE_DTYPES = {"B": numpy.uint8, "i": numpy.int32, "q": numpy.int64}
+"""The typecodes a `PageTable` takes, and the dtype of each."""
 
 
 def _longer(run: bytes, n: int, itemsize: int, make: Callable[[int], numpy.ndarray]) -> bytes:

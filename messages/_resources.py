@@ -82,8 +82,8 @@ def needs(config: _Sizes) -> tuple[Need, ...]:
              "host_slots", config.host_slots * bps, False),
         Need("host page states, free list and check table (17 bytes per host page; the table at its first use)",
              "host_slots", 17 * config.host_pages, False),
-        Need("device page owners, free list and free pages' codes (24 bytes per device page)",
-             "device_slots", 24 * config.device_pages, False),
+        Need("device page owners, free list and free pages' codes (16 bytes per device page)",
+             "device_slots", 16 * config.device_pages, False),
         Need("device slot numbers by page (8 bytes per device slot)", "device_slots", 8 * config.device_slots, False),
     ]
     if config.storage is StorageKind.MOONCAKE:

@@ -479,6 +479,67 @@ def test_a_request_that_never_allocated_cannot_hand_free_pages_to_the_tree(make_
     core.check_invariants()
 
 
+# -- ledger numbers -----------------------------------------------------------------
+
+
+def test_a_released_ledgers_number_goes_to_the_next_request_and_its_pages_stay_apart(core: Any) -> None:
+    """The owner table is int32 and a ledger's number is reused once it is released: the pages
+    the tree adopted from the old request and the new request's own never pass for each other."""
+    assert core._owners.view.dtype.name == "int32"
+    core.allocate([("a", 8)])  # pages 0, 1
+    core.commit("a", 8)
+    number = core._ledgers["a"].number
+    core.release("a", torch.tensor([0]), ReleaseReason.FINISHED)  # page 0 to the tree, page 1 freed
+    core.allocate([("b", 4)])
+    assert core._ledgers["b"].number == number
+    # The tree's page 0 once carried the same number: it is not b's.
+    with pytest.raises(LedgerError, match=r"request 'b': adopted pages \[0\] are not distinct pages of this request"):
+        core.release("b", torch.tensor([0]), ReleaseReason.FINISHED)
+    with pytest.raises(LedgerError, match="already released"):
+        core.release("a", torch.tensor([], dtype=torch.int64), ReleaseReason.FINISHED)
+    assert _owners(core) == {FREE: 56, REQUEST: 4, TREE: 4, LOADING: 0}
+    core.allocate([("c", 4)])  # nothing spare: a new number
+    assert core._ledgers["c"].number == number + 1
+    core.free_tree(torch.tensor([0]))
+    assert _owners(core) == {FREE: 56, REQUEST: 8, TREE: 0, LOADING: 0}
+
+
+def test_a_retracted_request_that_allocates_again_gets_a_new_mark_though_its_number_comes_back(core: Any) -> None:
+    """`mark` tells ledgers apart (an allocation put aside for an eviction is given up when its
+    request's ledger changed meanwhile): by a serial, since the number may be the same."""
+    core.allocate([("a", 4)])
+    before = core.mark("a")
+    core.release("a", torch.tensor([], dtype=torch.int64), ReleaseReason.RETRACTED)
+    core.allocate([("a", 4)])
+    assert core._ledgers["a"].number == 4 and core.mark("a") != before
+
+
+def test_a_ledger_number_held_twice_or_lost_breaks_an_invariant(core: Any) -> None:
+    core.allocate([("a", 4)])
+    core.allocate([("b", 4)])
+    core.release("a", torch.tensor([], dtype=torch.int64), ReleaseReason.FINISHED)
+    core._spare_numbers.append(core._ledgers["b"].number)  # b's number also handed out as spare
+    with pytest.raises(InvariantError, match="ledger numbers .* not each number handed out so far"):
+        core.check_invariants()
+    core._spare_numbers.clear()  # a's number lost
+    with pytest.raises(InvariantError, match="ledger numbers .* not each number handed out so far"):
+        core.check_invariants()
+    core._spare_numbers.append(4)
+    core.check_invariants()
+
+
+def test_a_pool_too_large_for_int32_owner_codes_keeps_them_as_int64(monkeypatch: pytest.MonkeyPatch,
+                                                                    make_config: Callable[..., Config]) -> None:
+    monkeypatch.setattr(device_core_module, "_INT32_PAGES_MAX", 15)
+    core = DeviceCore(make_config(page_size=4, device_pages=16))
+    assert core._owners.view.dtype.name == "int64"
+    core.allocate([("a", 8)])
+    core.release("a", torch.tensor([1]), ReleaseReason.FINISHED)
+    core.free_tree(torch.tensor([1]))
+    core.check_invariants()
+    assert _owners(core) == {FREE: 64, REQUEST: 0, TREE: 0, LOADING: 0}
+
+
 # -- pages ahead ------------------------------------------------------------------
 
 

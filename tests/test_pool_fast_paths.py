@@ -88,7 +88,7 @@ def test_indices_and_python_ints_convert_both_ways_as_tensors_and_arrays_do(valu
 
 @settings(max_examples=300, deadline=None)
 @given(table=st.lists(st.integers(0, 3), min_size=1, max_size=12), at=st.lists(st.integers(-3, 14), max_size=8),
-       allowed=st.frozensets(st.integers(0, 3)), value=st.integers(0, 3), typecode=st.sampled_from(["B", "q"]),
+       allowed=st.frozensets(st.integers(0, 3)), value=st.integers(0, 3), typecode=st.sampled_from(["B", "i", "q"]),
        runs=st.sampled_from([(), (0, 2), range(4)]), warm=st.integers(0, 3))
 def test_a_page_table_takes_distinct_pages_in_range_with_allowed_values_in_either_form(
     table: list[int], at: list[int], allowed: frozenset[int], value: int, typecode: str, runs: Any,
@@ -118,7 +118,7 @@ def test_a_page_table_takes_distinct_pages_in_range_with_allowed_values_in_eithe
 
 
 @pytest.mark.parametrize("first, second", [(0, 1), (0, 299), (150, 151), (298, 299)])
-@pytest.mark.parametrize("typecode", ["B", "q"])
+@pytest.mark.parametrize("typecode", ["B", "i", "q"])
 def test_a_page_table_refuses_an_array_naming_a_page_twice_wherever_the_two_are(
         first: int, second: int, typecode: str) -> None:
     pt = PageTable(1000, typecode, runs=range(4))
