@@ -11,12 +11,12 @@ from hicache.messages import (
     DeviceStatistics,
     Evicted,
     EvictForAllocation,
+    Finished,
     FreeDeviceSlots,
     Indices,
     Message,
     ReleaseRequests,
     RequestPagesSwapped,
-    RequestsReleased,
     SlotGrant,
     SlotsAllocated,
     SlotsCommitted,
@@ -114,11 +114,12 @@ def _commit(core: DeviceCore, m: CommitSlots) -> SlotsCommitted:
     return SlotsCommitted(op_id=m.op_id, entries=tuple(core.commit_many([(d.request_id, d.tokens) for d in m.demands])))
 
 
-def _release(core: DeviceCore, m: ReleaseRequests) -> RequestsReleased:
+def _release(core: DeviceCore, m: ReleaseRequests) -> None:
+    """The tree's release of finished requests: answered to the facade, whose finish it is."""
     views = core.release_many([(r.request_id, r.adopt, r.reason) for r in m.releases],
                               commits=[(r.request_id, r.commits) for r in m.releases if r.commits],
                               allocs=[(r.request_id, r.allocs) for r in m.releases if r.allocs])
-    return RequestsReleased(op_id=m.op_id, entries=tuple(views))
+    core.outbox.append((FACADE, Finished(op_id=m.op_id, entries=tuple(views))))
 
 
 def _swap(core: DeviceCore, m: SwapRequestPages) -> RequestPagesSwapped:

@@ -38,7 +38,6 @@ from hicache.messages import (
     LoadFailed,
     Message,
     RequestPagesSwapped,
-    RequestsReleased,
     SlotsAllocated,
     SlotsInsufficient,
     TreeStatistics,
@@ -85,7 +84,6 @@ TREE_ROUTES: Routes[TreeCore] = Routes(ActorName.TREE, {
     # replies and acks
     SlotsAllocated: (DEVICE, lambda core, m: core.on_load_slots(m.op_id, m.grants[0].pages, 0)),
     SlotsInsufficient: (DEVICE, lambda core, m: core.on_load_slots(m.op_id, None, m.shortfall_slots)),
-    RequestsReleased: (DEVICE, lambda core, m: core.on_released(m.op_id, m.entries)),
     RequestPagesSwapped: (DEVICE, lambda core, m: core.on_swapped(m.op_id)),
     HostAllocated: (HOST, lambda core, m: core.on_host_allocated(m.op_id, m.pages)),
     HostInsufficient: (HOST, lambda core, m: core.on_host_allocated(m.op_id, None)),

@@ -27,11 +27,9 @@ from hicache.messages import (
     Cached,
     CachedPrefix,
     FinishItem,
-    Finished,
     FreeDeviceSlots,
     HostSlotState,
     Indices,
-    LedgerEntry,
     LoadKV,
     ReleaseRequests,
     SetHostState,
@@ -98,7 +96,6 @@ class Admissions:
         self._next_handle = 1
         self._admissions: dict[int, _Admission] = {}
         self.loads: dict[int, _Load] = {}
-        self._finishes: dict[int, int] = {}
         self._swaps: dict[int, _Swaps] = {}
         self._swap_of: dict[int, int] = {}
         self._building: list[_Plan] = []
@@ -245,12 +242,8 @@ class Admissions:
                 self._writes.consider_backup(nd)
             releases.append(SlotRelease(request_id=it.request_id, adopt=cat(adopted), reason=it.reason,
                                         allocs=it.allocs, commits=it.commits))
-        device_op = self.s.next_id()
-        self._finishes[device_op] = op_id
-        self.s.emit(DEVICE, ReleaseRequests(op_id=device_op, releases=tuple(releases)))
-
-    def on_released(self, device_op: int, entries: tuple[LedgerEntry, ...]) -> None:
-        self.s.emit(FACADE, Finished(op_id=self._finishes.pop(device_op), entries=entries))
+        # The device answers the facade (`Finished` of this op) once it has released them.
+        self.s.emit(DEVICE, ReleaseRequests(op_id=op_id, releases=tuple(releases)))
 
     def cache_unfinished(self, op_id: int, items: Sequence[CacheItem]) -> None:
         lost = tuple(it.request_id for it in items
@@ -369,7 +362,7 @@ class Admissions:
         return bool(self._admissions) or any(h.node is not None for h in self.handles.values())
 
     def busy(self) -> bool:
-        return bool(self.handles or self.loads or self._admissions or self._finishes or self._swaps)
+        return bool(self.handles or self.loads or self._admissions or self._swaps)
 
     def check_invariants(self) -> None:
         for handle, h in self.handles.items():

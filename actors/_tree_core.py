@@ -35,7 +35,6 @@ from hicache.messages import (
     Evicted,
     FinishItem,
     Indices,
-    LedgerEntry,
     LocalFacts,
     Message,
     PrefetchEnd,
@@ -128,8 +127,6 @@ class TreeCore:
     def on_load_slots(self, load_op: int, pages: Indices | None, shortfall: int) -> None:
         self.admission.on_load_slots(load_op, pages, shortfall)
 
-    def on_released(self, device_op: int, entries: tuple[LedgerEntry, ...]) -> None:
-        self.admission.on_released(device_op, entries)
 
     def on_swapped(self, swap_op: int) -> None:
         self.admission.on_swapped(swap_op)

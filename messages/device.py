@@ -157,22 +157,13 @@ class SlotRelease(Message):
 
 @message(109)
 class ReleaseRequests(Message):
-    """Release several requests in one place; each exactly once."""
+    """Release several requests in one place; each exactly once. The device answers the
+    facade (not the tree) with `Finished`: the final ledgers."""
 
     op_id: int
-    """Correlation id echoed in the reply."""
+    """The `op_id` of the facade's `FinishRequests`, echoed in `Finished`."""
     releases: tuple[SlotRelease, ...]
     """One release per request."""
-
-
-@message(110)
-class RequestsReleased(Message):
-    """Reply to `ReleaseRequests`: final ledgers (freed == allocated for each)."""
-
-    op_id: int
-    """The `op_id` of the release."""
-    entries: tuple[LedgerEntry, ...]
-    """One final entry per released request."""
 
 
 @message(111)

@@ -100,7 +100,8 @@ class FinishRequests(Message):
 
 @message(406)
 class Finished(Message):
-    """Reply to `FinishRequests`: the final ledgers (freed == allocated)."""
+    """Reply to `FinishRequests`, sent by the device once it released the requests'
+    pages (the tree's `ReleaseRequests`): the final ledgers (freed == allocated)."""
 
     op_id: int
     """The `op_id` of the finish."""

@@ -6,7 +6,7 @@ a few microseconds of Python. Giving each its own thread would make every messag
 thread hand-off (tens of microseconds with the GIL), several per scheduler call. Here
 they share one executor instead: a tell appends the envelope to one FIFO and, unless
 some thread is already draining it, the sender drains it at once. So a facade call
-runs its whole cascade (tree -> device -> tree -> facade) on the scheduler's thread,
+runs its whole cascade (tree -> device -> facade) on the scheduler's thread,
 and an ack from a stream thread (`WriteDone`) is handled by that thread as soon as it
 arrives when the scheduler is not calling: acks never wait for the next facade call.
 

@@ -63,8 +63,9 @@ try:
 except ImportError:  # the `fast` extra is not installed: the same checksum, slower
     from zlib import crc32
 
-LOG_VERSION = 5
-"""5: allocations may grant pages ahead of a request's slots and give them back (`ahead`,
+LOG_VERSION = 6
+"""6: the device answers a finish to the facade itself (`Finished`; no `RequestsReleased` to the
+tree). 5: allocations may grant pages ahead of a request's slots and give them back (`ahead`,
 `trim`). 4: the device's messages carry the slots the facade served from a request's last page
 (`allocs`). 3: numbered, checksummed lines, an `end` line, blobs forgotten only between
 deliveries, unencodable deliveries logged as such. 2 had none of these; 1 carried large

@@ -25,6 +25,7 @@ from hicache.messages import (
     AllocateLoadSlots,
     AllocateSlots,
     CommitSlots,
+    Finished,
     FreeDeviceSlots,
     FreeHostSlots,
     GetStatistics,
@@ -39,7 +40,6 @@ from hicache.messages import (
     Message,
     ReleaseReason,
     ReleaseRequests,
-    RequestsReleased,
     SetHostState,
     SlotDemand,
     SlotRelease,
@@ -285,8 +285,9 @@ class TreeSide:
     def release(self, request_id: str, adopt: Indices, reason: ReleaseReason) -> Any:
         op = self.next_op()
         release = SlotRelease(request_id=request_id, adopt=adopt, reason=reason, allocs=0, commits=0)
-        reply = self.ask(ActorName.DEVICE, ReleaseRequests(op_id=op, releases=(release,)))
-        assert isinstance(reply, RequestsReleased) and reply.op_id == op
+        assert self.ask(ActorName.DEVICE, ReleaseRequests(op_id=op, releases=(release,))) is None
+        reply = self.system.next_reply(5.0)  # the device answers the facade, whose finish a release is
+        assert isinstance(reply, Finished) and reply.op_id == op
         return reply.entries[0]
 
     def allocate_load(self, tokens: int) -> Indices | None:

@@ -57,7 +57,7 @@ def test_every_delivery_is_one_json_line_with_a_re_decodable_body(threaded_log: 
     lines = _lines(threaded_log)
     header, rest = lines[0], lines[1:]
     blobs = _blobs(lines)
-    assert header["event"] == "header" and header["version"] == LOG_VERSION == 5
+    assert header["event"] == "header" and header["version"] == LOG_VERSION == 6
     assert [x["n"] for x in lines] == list(range(1, len(lines) + 1)) and lines[-1]["event"] == "end"
     assert header["config"]["page_size"] == 4 and "torch" in header["versions"]
     deliveries = [x for x in rest if x["event"] == "delivery"]
@@ -145,7 +145,7 @@ def test_until_and_dump_show_the_tree_at_a_chosen_point(threaded_log: Path, caps
     (lambda text: text.replace('"event":"delivery"', '"event":"delivery" garbage', 1), r"line \d+: checksum mismatch"),
     (lambda text: text.replace(f'"version":{LOG_VERSION}', '"version":99', 1), r"line 1: log version 99 is not supported"),
     (lambda text: text.replace(f'"version":{LOG_VERSION}', '"version":2', 1),
-     r"line 1: log version 2 is not supported \(this hicache reads version 5; replay it with the hicache that wrote it"),
+     r"line 1: log version 2 is not supported \(this hicache reads version 6; replay it with the hicache that wrote it"),
 ])
 def test_a_bad_log_is_one_clear_line_with_exit_code_2(threaded_log: Path, tmp_path: Path, capsys, damage: Any,
                                                      message: str) -> None:

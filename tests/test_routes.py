@@ -17,6 +17,7 @@ from hicache.messages import (
     MESSAGE_TYPES,
     ActorName,
     CheckInvariants,
+    Finished,
     GetStatistics,
     Indices,
     Message,
@@ -146,7 +147,9 @@ def test_the_device_takes_a_release_only_from_the_tree(system: System) -> None:
     with pytest.raises(WrongSenderError, match="releasing finished requests' slots is accepted only from the tree "
                                                "actor, got it from facade"):
         system.ask(ActorName.DEVICE, ReleaseRequests(op_id=1, releases=()))
-    assert system.ask(ActorName.DEVICE, ReleaseRequests(op_id=2, releases=()), sender=ActorName.TREE).op_id == 2
+    assert system.ask(ActorName.DEVICE, ReleaseRequests(op_id=2, releases=()), sender=ActorName.TREE) is None
+    answer = system.next_reply(5.0)  # to the facade, whose finish the tree's release is
+    assert isinstance(answer, Finished) and answer.op_id == 2 and answer.entries == ()
 
 
 def test_the_load_stream_starts_loads_only_for_the_scheduler(system: System) -> None:

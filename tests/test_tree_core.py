@@ -191,6 +191,10 @@ class Player:
         ROUTES[to].check(ActorName.TREE, m)
         if to is ActorName.DEVICE:
             self.to_tree(to, DEVICE_ROUTES.deliver(self.device, ActorName.TREE, m))
+            out, self.device.outbox = self.device.outbox, []
+            for receiver, message in out:  # a release's `Finished` goes to the facade
+                assert receiver is ActorName.FACADE, (receiver, message)
+                self.replies.append(message)
         elif to is ActorName.HOST:
             self.to_tree(to, HOST_ROUTES.deliver(self.host_side, ActorName.TREE, m))
         elif isinstance(m, WriteKV):

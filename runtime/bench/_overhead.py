@@ -218,6 +218,9 @@ class DirectCores:
             return
         if to is ActorName.DEVICE:
             reply = DEVICE_ROUTES.deliver(self.device, ActorName.TREE, message)
+            out, self.device.outbox = self.device.outbox, []
+            for receiver, answer in out:  # a release's `Finished`, to the facade
+                self._one(receiver, answer)
         elif to is ActorName.HOST:
             reply = HOST_ROUTES.deliver(self._host, ActorName.TREE, message)
         elif to is ActorName.WRITE:

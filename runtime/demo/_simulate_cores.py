@@ -190,6 +190,9 @@ class SimCores:
             return
         if to is ActorName.DEVICE:
             reply = DEVICE_ROUTES.deliver(self.device, ActorName.TREE, message)
+            out, self.device.outbox = self.device.outbox, []
+            for receiver, answer in out:  # a release's `Finished`, to the facade
+                self._one(receiver, answer)
         elif to is ActorName.HOST:
             reply = HOST_ROUTES.deliver(self._host, ActorName.TREE, message)
         else:
