@@ -176,6 +176,7 @@ def test_token_ids_are_checked_alike_in_python_and_in_arrays(ids: list[int], dty
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(facade_types, "_FEW_TOKENS", -1)
         mp.setattr(facade_types, "_FEW_TENSOR_TOKENS", -1)
+        mp.setattr(facade_types, "_SIGN_BYTES_MAX", -1)  # every sign through numpy's minimum
         mp.setattr(facade_types, "_LITTLE_ENDIAN", False)  # every tensor through numpy's view and copy
         vectorised = convert()
     assert small == vectorised
@@ -184,6 +185,25 @@ def test_token_ids_are_checked_alike_in_python_and_in_arrays(ids: list[int], dty
         assert isinstance(small, str) and small.startswith("tokens of request 'r': token ids must be in 0..")
     else:
         assert small == array("q", kept).tobytes()
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.sampled_from([1, 2, 7, 64, 2047, 2048, 2049, 5000]), data=st.data())
+def test_the_sign_check_of_token_bytes_finds_a_negative_id_wherever_it_sits(n: int, data: st.DataObject) -> None:
+    """A negative id's last byte has its top bit set, a non-negative one's never: the check of
+    the high bytes (up to `_SIGN_BYTES_MAX` ids) and numpy's minimum agree, at the extremes too."""
+    ids = numpy.full(n, data.draw(st.sampled_from([0, 1, 127, 128, 255, 2**55, 2**63 - 1])), dtype=numpy.int64)
+    at = data.draw(st.integers(0, n - 1))
+    bad = data.draw(st.sampled_from([None, -1, -128, -(2**55), -(2**63)]))
+    if bad is not None:
+        ids[at] = bad
+    raw = ids.astype("<i8").tobytes()
+    assert facade_types._negative(raw, n) is (bad is not None)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(facade_types, "_SIGN_BYTES_MAX", -1)
+        assert facade_types._negative(raw, n) is (bad is not None)
+    if bad is not None:
+        assert facade_types._lowest(raw, n) == bad
 
 
 @pytest.mark.parametrize("token", [0, 7, 2**63 - 1, -1, 2**63, True, 1.0, "7", None, numpy.int64(9)])
