@@ -92,8 +92,8 @@ def _allocate(core: DeviceCore, m: AllocateSlots) -> SlotsAllocated | SlotsInsuf
 def _allocated(m: AllocateSlots, got: dict[str, Indices] | Insufficient) -> SlotsAllocated | SlotsInsufficient:
     if isinstance(got, Insufficient):
         return _insufficient(m.op_id, got)
-    return SlotsAllocated(op_id=m.op_id, grants=tuple(SlotGrant(request_id=d.request_id, pages=got[d.request_id])
-                                                      for d in m.demands))
+    return SlotsAllocated(op_id=m.op_id, grants=tuple([SlotGrant(request_id=d.request_id, pages=got[d.request_id])
+                                                       for d in m.demands]))
 
 
 def _evicted(core: DeviceCore, e: Evicted) -> None:

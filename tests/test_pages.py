@@ -220,3 +220,17 @@ def test_slot_table_split_makes_many_slots_by_row_gathers_and_few_in_python() ->
         got = table.split(parts)
         expected = _split_reference(16, [(b, s, pg.tolist(), n) for b, s, pg, n in parts])
         assert [t.tolist() for t in got] == expected
+
+
+def test_every_empty_answer_of_the_slot_table_is_a_tensor_of_its_own() -> None:
+    """An admission with nothing cached gets no slots: a tensor over one shared, empty,
+    non-resizable storage, whose shape no other answer shares."""
+    table = SlotTable(64, 16)
+    first, second = table.slots(Indices.of([]), 0), table.slots(Indices.of([3]), 0)
+    assert first is not second and first.dtype == second.dtype == torch.int64
+    first.unsqueeze_(0)  # an in-place view op on one answer
+    assert tuple(first.shape) == (1, 0) and tuple(second.shape) == (0,)
+    assert tuple(table.slots(Indices.of([]), 0).shape) == (0,)
+    with pytest.raises(RuntimeError, match="not resizable"):
+        second.resize_(4)
+    assert table.slots(Indices.of([3]), 5).tolist() == [48, 49, 50, 51, 52]
