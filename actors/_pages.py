@@ -140,7 +140,8 @@ class PageTable:
             raise ValueError(f"a page table's typecode is one of {sorted(_TABLE_DTYPES)}, got {typecode!r}")
         dtype = numpy.dtype(_TABLE_DTYPES[typecode])
         # A bytearray where it can: its item writes cost about half an array's.
-        self.items: array | bytearray = bytearray(size) if typecode == "B" else array(typecode, bytes(dtype.itemsize * size))
+        self.items: array | bytearray = (bytearray(size) if typecode == "B"
+                                         else array(typecode, bytes(dtype.itemsize * size)))
         self.view = numpy.frombuffer(self.items, dtype=dtype)
         self.tensor = torch.from_numpy(self.view)
         self.size = size
@@ -231,7 +232,8 @@ class PageTable:
         """The codes -(first + 1) .. -(first + n), a view of `_marks` (grown when short)."""
         dtype = self.view.dtype
         if len(self._marks) < dtype.itemsize * (first + n):
-            self._marks = _longer(self._marks, first + n, dtype.itemsize, lambda m: numpy.arange(-1, -m - 1, -1, dtype=dtype))
+            self._marks = _longer(self._marks, first + n, dtype.itemsize,
+                                  lambda m: numpy.arange(-1, -m - 1, -1, dtype=dtype))
         return numpy.frombuffer(self._marks, dtype=dtype, count=n, offset=dtype.itemsize * first)
 
     def _held(self, at: numpy.ndarray, allowed: frozenset[int], fresh: bool) -> numpy.ndarray | None:

@@ -127,7 +127,6 @@ class TreeCore:
     def on_load_slots(self, load_op: int, pages: Indices | None, shortfall: int) -> None:
         self.admission.on_load_slots(load_op, pages, shortfall)
 
-
     def on_swapped(self, swap_op: int) -> None:
         self.admission.on_swapped(swap_op)
 
