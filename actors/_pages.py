@@ -448,6 +448,8 @@ class SlotTable:
         self.page_size = page_size
         self._rows = numpy.arange(pages * page_size, dtype=numpy.int64).reshape(pages, page_size)
         self._rows.flags.writeable = False
+        self._row_bytes = memoryview(self._rows.reshape(-1)).cast("B")
+        """The rows' bytes: a page's slots are one slice of them (`8 * page_size` bytes)."""
 
     def split(self, parts: list[tuple[int, int, Indices, int]]) -> tuple[torch.Tensor, ...]:
         """For each `(base, spare, pages, n)`, `n` slots: `base .. base + spare - 1` (the rest of
@@ -474,14 +476,19 @@ class SlotTable:
                         flat.append(base)
                     else:
                         flat.frombytes(pages.to_bytes()[: 8 * n])
-            else:
+            else:  # a page's slots: a slice of the rows' bytes (no int made per slot)
+                rows, page_bytes = self._row_bytes, 8 * p
                 for base, spare, pages, n in parts:
                     if spare == 1:  # a decode step's slot: no range to make
                         flat.append(base)
                     elif spare:
                         flat.extend(range(base, base + spare))
                     if n > spare:
-                        flat.extend(slots_of_pages(pages.tolist()[: -(-(n - spare) // p)], p)[: n - spare])
+                        need = 8 * (n - spare)
+                        for page in pages.tolist()[: -(-(n - spare) // p)]:
+                            at = page * page_bytes
+                            flat.frombytes(rows[at : at + min(need, page_bytes)])
+                            need -= page_bytes
             return torch.frombuffer(flat, dtype=torch.int64) if flat else torch.empty(0, dtype=torch.int64)
         pieces = []
         for base, spare, pages, n in parts:
