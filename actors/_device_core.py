@@ -57,6 +57,11 @@ from ._pages import (
 RELEASED_REMEMBERED_MAX = 1 << 16
 """Finished or aborted requests whose final ledger is kept (to catch use after release)."""
 
+_COMMITTED_BITS = 64
+"""A released request's final ledger is kept as one int, `allocated << 64 | committed`
+(`_released`): an int is no object the garbage collector tracks, where a `LedgerEntry` each
+would keep up to `RELEASED_REMEMBERED_MAX` of them for it to walk."""
+
 
 class PageOwner(enum.IntEnum):
     FREE = 0
@@ -128,7 +133,8 @@ class DeviceCore:
         """Numbers of released ledgers, which no page carries: the next ledgers' (last in, first out)."""
         self._serials = 0
         """Ledgers registered so far (each one's `serial`)."""
-        self._released: OrderedDict[str, LedgerEntry] = OrderedDict()
+        self._released: OrderedDict[str, int] = OrderedDict()
+        """Final ledgers of released requests (not retracted ones), by id, as `_COMMITTED_BITS` packs them."""
         self.waiting: dict[int, tuple[Any, tuple[tuple[int, bool], ...]]] = {}
         """Allocations waiting for the tree's eviction (the actor's routes keep them here): by
         op id, the `AllocateSlots` and each of its requests' `mark` when it was put aside."""
@@ -307,7 +313,7 @@ class DeviceCore:
                 self._spare_numbers.append(ledger.number)
             view = self._view(ledger, freed=ledger.allocated)
             if reason is not ReleaseReason.RETRACTED:
-                self._released[rid] = view
+                self._released[rid] = ledger.allocated << _COMMITTED_BITS | ledger.committed
                 while len(self._released) > RELEASED_REMEMBERED_MAX:
                     self._released.popitem(last=False)
             views.append(view)
@@ -399,7 +405,7 @@ class DeviceCore:
         if rid in self._ledgers:
             return self._view(self._ledgers[rid], freed=self._ledgers[rid].given)
         if rid in self._released:
-            return self._released[rid]
+            return self._released_entry(rid)
         raise LedgerError(f"request {rid!r} has no ledger (never allocated, or retracted)")
 
     # -- tree and loads -------------------------------------------------------
@@ -487,16 +493,25 @@ class DeviceCore:
                 f"device: ledgers hold {held} pages but {counts[PageOwner.REQUEST] // self.page_size} "
                 "pages are marked request-owned (a page in two ledgers, or one no ledger lists)"
             )
-        for view in self._released.values():
-            if view.freed != view.allocated:
-                raise InvariantError(f"device: request {view.request_id!r} freed {view.freed} of {view.allocated}")
+        mask = (1 << _COMMITTED_BITS) - 1
+        for rid, final in self._released.items():
+            if final & mask > final >> _COMMITTED_BITS:
+                raise InvariantError(f"device: released request {rid!r} has {self._released_entry(rid)} "
+                                     "(invariant: committed <= allocated)")
 
     # -- helpers --------------------------------------------------------------
+
+    def _released_entry(self, rid: str) -> LedgerEntry:
+        """The final ledger of a released request: every slot it was allocated freed."""
+        final = self._released[rid]
+        allocated = final >> _COMMITTED_BITS
+        return LedgerEntry(request_id=rid, allocated=allocated, committed=final & ((1 << _COMMITTED_BITS) - 1),
+                           freed=allocated)
 
     def _live_or_new(self, rid: str) -> _Ledger:
         if rid in self._released:
             raise LedgerError(
-                f"request {rid!r} was already released ({self._released[rid]}); allocating for a "
+                f"request {rid!r} was already released ({self._released_entry(rid)}); allocating for a "
                 "finished or aborted request is a bug (SGLang #12224: never allocate after finish)"
             )
         return self._ledgers.get(rid) or _Ledger(rid, 0)

@@ -8,6 +8,7 @@ are checked after every call, including calls that raised.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from typing import Any
 
@@ -526,6 +527,24 @@ def test_a_ledger_number_held_twice_or_lost_breaks_an_invariant(core: Any) -> No
         core.check_invariants()
     core._spare_numbers.append(4)
     core.check_invariants()
+
+
+def test_released_ledgers_are_kept_as_nothing_the_garbage_collector_walks(core: Any) -> None:
+    """Up to `RELEASED_REMEMBERED_MAX` final ledgers are kept to catch use after release: as
+    ints, not an object each, which a long run would keep for every full collection to walk."""
+    for i in range(20):
+        core.allocate([(f"r{i}", 5 + i)])
+        core.commit(f"r{i}", 3 + i)
+        core.release(f"r{i}", torch.tensor([], dtype=torch.int64), ReleaseReason.FINISHED)
+    assert not any(gc.is_tracked(final) for final in core._released.values())
+    assert core.ledger("r7") == LedgerEntry(request_id="r7", allocated=12, committed=10, freed=12)
+    with pytest.raises(LedgerError, match=r"request 'r7' was already released \(LedgerEntry\(.*allocated=12, "
+                                          r"committed=10, freed=12\)\)"):
+        core.allocate([("r7", 1)])
+    core._released["r7"] = 12 << 64 | 13  # committed past allocated
+    with pytest.raises(InvariantError, match=r"released request 'r7' .* committed <= allocated"):
+        core.check_invariants()
+    core._released["r7"] = 12 << 64 | 10
 
 
 def test_a_pool_too_large_for_int32_owner_codes_keeps_them_as_int64(monkeypatch: pytest.MonkeyPatch,
