@@ -61,6 +61,7 @@ _COMMITTED_BITS = 64
 """A released request's final ledger is kept as one int, `allocated << 64 | committed`
 (`_released`): an int is no object the garbage collector tracks, where a `LedgerEntry` each
 would keep up to `RELEASED_REMEMBERED_MAX` of them for it to walk."""
+_COMMITTED_MASK = (1 << _COMMITTED_BITS) - 1
 
 
 class PageOwner(enum.IntEnum):
@@ -493,9 +494,8 @@ class DeviceCore:
                 f"device: ledgers hold {held} pages but {counts[PageOwner.REQUEST] // self.page_size} "
                 "pages are marked request-owned (a page in two ledgers, or one no ledger lists)"
             )
-        mask = (1 << _COMMITTED_BITS) - 1
         for rid, final in self._released.items():
-            if final & mask > final >> _COMMITTED_BITS:
+            if final & _COMMITTED_MASK > final >> _COMMITTED_BITS:
                 raise InvariantError(f"device: released request {rid!r} has {self._released_entry(rid)} "
                                      "(invariant: committed <= allocated)")
 
@@ -505,7 +505,7 @@ class DeviceCore:
         """The final ledger of a released request: every slot it was allocated freed."""
         final = self._released[rid]
         allocated = final >> _COMMITTED_BITS
-        return LedgerEntry(request_id=rid, allocated=allocated, committed=final & ((1 << _COMMITTED_BITS) - 1),
+        return LedgerEntry(request_id=rid, allocated=allocated, committed=final & _COMMITTED_MASK,
                            freed=allocated)
 
     def _live_or_new(self, rid: str) -> _Ledger:

@@ -276,10 +276,7 @@ class _BadTokens(Exception):
 
 def _sequence_token_bytes(tokens: Any) -> bytes:
     if type(tokens) is array and tokens.typecode == "q" and _LITTLE_ENDIAN:  # int64s already: their bytes
-        data = tokens.tobytes()
-        if tokens and _negative(data, len(tokens)):
-            raise _BadTokens(f": token ids must be in 0..{TOKEN_ID_MAX}, got {min(tokens)}")
-        return data
+        return _nonnegative(tokens.tobytes(), len(tokens))
     if type(tokens) is not list and (isinstance(tokens, (str, bytes, bytearray))
                                      or not isinstance(tokens, (Sequence, array, range))):
         raise _BadTokens(f" must be a 1-D integer tensor or numpy array, or a sequence of ints, "
@@ -302,9 +299,7 @@ def _sequence_token_bytes(tokens: Any) -> bytes:
         for i in suspects:
             if type(tokens[i]) is bool:
                 raise _BadTokens(f" must be int token ids, got {tokens[i]!r} (bool)")
-    if n and _negative(data, n):
-        raise _BadTokens(f": token ids must be in 0..{TOKEN_ID_MAX}, got {_lowest(data, n)}")
-    return data
+    return _nonnegative(data, n)
 
 
 def _numpy_token_bytes(a: numpy.ndarray) -> bytes:
@@ -318,10 +313,7 @@ def _numpy_token_bytes(a: numpy.ndarray) -> bytes:
     n = a.shape[0]
     if not n:
         return b""
-    data = a.astype("<i8", copy=False).tobytes()
-    if _negative(data, n):
-        raise _BadTokens(f": token ids must be in 0..{TOKEN_ID_MAX}, got {_lowest(data, n)}")
-    return data
+    return _nonnegative(a.astype("<i8", copy=False).tobytes(), n)
 
 
 def _refuse_ids(tokens: Any) -> NoReturn:
@@ -336,6 +328,14 @@ def _refuse_ids(tokens: Any) -> NoReturn:
         if not 0 <= value <= TOKEN_ID_MAX:
             raise _BadTokens(f": token ids must be ints in 0..{TOKEN_ID_MAX} (got {value})")
     raise _BadTokens(f" must be int token ids in 0..{TOKEN_ID_MAX}")  # pragma: no cover - struct refused one of them
+
+
+def _nonnegative(data: bytes, n: int) -> bytes:
+    """`data`, `n` ids as little-endian int64 bytes, if none is negative; else `_BadTokens`
+    naming the smallest. Every form of token ids ends here once it is bytes."""
+    if n and _negative(data, n):
+        raise _BadTokens(f": token ids must be in 0..{TOKEN_ID_MAX}, got {_lowest(data, n)}")
+    return data
 
 
 def _negative(ids: bytes, n: int) -> bool:
@@ -363,21 +363,13 @@ def _tensor_token_bytes(t: torch.Tensor) -> bytes:
         return b""
     if t.is_cpu and t.dtype is torch.int64 and _LITTLE_ENDIAN and t.is_contiguous():
         data = ctypes.string_at(t.data_ptr(), 8 * n)  # the one copy, straight from the tensor's memory
-        if _negative(data, n):
-            raise _BadTokens(f": token ids must be in 0..{TOKEN_ID_MAX}, got {_lowest(data, n)}")
-        return data
-    if n <= _FEW_TENSOR_TOKENS and t.is_cpu:  # a decode step's token: one torch call, then Python
-        packed = array("q", t.tolist())
-        low = min(packed)
-        data = packed.tobytes()
+    elif n <= _FEW_TENSOR_TOKENS and t.is_cpu:  # a decode step's token: one torch call, then Python
+        data = struct.pack(f"<{n}q", *t.tolist())
     elif t.is_cpu:  # as a numpy array (its view, copy and minimum: cheaper calls than torch's)
         return _numpy_token_bytes((t.detach() if t.requires_grad else t).numpy())
     else:
-        low = int(t.min())
         data = Tokens.from_tensor(t).to_bytes()  # one copy; it converts the dtype and device itself
-    if low < 0:
-        raise _BadTokens(f": token ids must be in 0..{TOKEN_ID_MAX}, got {low}")
-    return data
+    return _nonnegative(data, n)
 
 
 def demands(value: Any, what: str, maximum: int) -> dict[str, int]:
