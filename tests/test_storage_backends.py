@@ -586,3 +586,76 @@ def test_a_mooncake_master_killed_mid_run_gives_misses_and_errors_within_the_tim
         with capture_logs() as logs:
             backend.close()
         assert not logs, "close left the client open although the master answers"
+
+
+# -- the Mooncake client's call thread ----------------------------------------------------------
+
+
+def test_a_bounded_call_returns_its_value_and_reraises_what_it_raised() -> None:
+    from hicache.actors._mooncake import _BoundedCalls
+
+    calls = _BoundedCalls(5.0, keep=[])
+    try:
+        assert [calls.run("add", lambda a, b: a + b, k, 1) for k in range(50)] == list(range(1, 51))
+        with pytest.raises(KeyError, match="missing"):
+            calls.run("lookup", {}.__getitem__, "missing")
+        assert calls.run("after an error", lambda: "fine") == "fine" and calls.busy() == ""
+    finally:
+        calls.stop()
+
+
+def test_a_call_that_overran_fails_the_next_ones_until_it_returns_and_its_value_is_never_taken() -> None:
+    """The caller gives up after the timeout; the thread still runs the call. Until it returns,
+    every call fails at once (naming it); once it has, the next call gets its own value."""
+    from hicache.actors._mooncake import _BoundedCalls, _CallFailed
+
+    gate = threading.Event()
+    calls = _BoundedCalls(0.2, keep=[])
+    try:
+        with pytest.raises(_CallFailed, match="slow_get did not return within 0.2 s"):
+            calls.run("slow_get", lambda: (gate.wait(10), "stale")[1])
+        assert "slow_get" in calls.busy()
+        with pytest.raises(_CallFailed, match=r"an earlier Mooncake call \(slow_get\) has not returned"):
+            calls.run("next", lambda: "never run")
+        gate.set()
+        assert calls.settle() == ""
+        assert calls.run("next", lambda: "its own") == "its own"
+        assert calls.busy() == ""
+    finally:
+        gate.set()
+        calls.stop()
+
+
+def test_a_wait_cut_short_by_an_interrupt_leaves_the_call_pending_not_its_value_for_the_next() -> None:
+    from hicache.actors._mooncake import _BoundedCalls, _CallFailed
+
+    gate = threading.Event()
+    calls = _BoundedCalls(5.0, keep=[])
+
+    class Cut(BaseException):
+        pass
+
+    real = calls._returned
+
+    class CutLock:  # the wait raises as Ctrl-C would, the lock itself stays the thread's
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+            if timeout != -1:
+                raise Cut()
+            return real.acquire(blocking)
+
+    try:
+        calls._returned = CutLock()  # type: ignore[assignment]
+        with pytest.raises(Cut):
+            calls.run("get", lambda: (gate.wait(10), "stale")[1])
+        calls._returned = real
+        with pytest.raises(_CallFailed, match=r"\(get\) has not returned"):
+            calls.run("next", lambda: "never run")
+        gate.set()
+        assert calls.settle() == ""
+        assert calls.run("next", lambda: "fresh") == "fresh"
+    finally:
+        gate.set()
+        calls.stop()
