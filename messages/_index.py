@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import ctypes
 from array import array
-import struct
 import sys
 import warnings
 from collections.abc import Iterable
@@ -38,10 +37,6 @@ view keeps alive beyond itself is at most as much again."""
 JOIN_LAZY_BYTES_MIN: Final = VIEW_BYTES_MIN
 """`Indices.concat` of at least this many bytes in several parts is joined when first read
 (smaller ones are joined at once, in less time than the lazy value takes to make)."""
-_PACK_MAX: Final = 64
-"""A CPU int64 tensor of at most this many elements becomes bytes through Python ints
-(`tolist` and `struct.pack`, cheaper than a tensor copy's fixed cost); a longer one
-through a tensor copy, whose fixed cost is then less than converting its elements."""
 
 with warnings.catch_warnings():
     # torch warns, once per process, when it wraps a buffer it cannot write to (the bytes of
@@ -88,12 +83,11 @@ class Indices:
     @classmethod
     def from_tensor(cls, tensor: torch.Tensor) -> Indices:
         """Indices from a 1-D integer tensor (copied once into immutable bytes)."""
-        if tensor.dtype is torch.int64 and tensor.is_cpu and tensor.dim() == 1:  # the common case, few checks
+        if tensor.dtype is torch.int64 and tensor.is_cpu and tensor.dim() == 1 and _LITTLE and tensor.is_contiguous():
+            # The common case, few checks: its memory is the bytes, copied once (a bytes object
+            # made straight from it costs less than numpy's view and copy, or a pack of its ints).
             n = tensor.shape[0]  # not len(): torch's __len__ is a Python wrapper
-            if n <= _PACK_MAX:
-                return cls(struct.pack(f"<{n}q", *tensor.tolist()))
-            if _LITTLE:  # numpy's view and copy cost less than torch's calls of the same work
-                return cls._wrap(tensor.numpy().tobytes())
+            return cls._wrap(ctypes.string_at(tensor.data_ptr(), 8 * n) if n else b"")
         if tensor.dim() != 1:
             raise ValueError(f"Indices need a 1-D tensor, got shape {tuple(tensor.shape)}")
         if tensor.dtype.is_floating_point or tensor.dtype == torch.bool:

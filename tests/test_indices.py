@@ -46,12 +46,24 @@ def test_from_tensor_accepts_every_integer_dtype_and_stores_int64() -> None:
         assert len(idx.to_bytes()) == 3 * 8
 
 
-@pytest.mark.parametrize("n", [5, 1000])  # packed from Python ints; copied by numpy
+@pytest.mark.parametrize("n", [1, 5, 1000])
 def test_from_tensor_copies_so_later_writes_to_the_tensor_do_not_show(n: int) -> None:
     t = torch.arange(n)
     idx = Indices.from_tensor(t)
     t[0] = 99
     assert idx.tolist() == list(range(n))
+
+
+@pytest.mark.parametrize("n", [0, 7, 3000])
+def test_from_tensor_of_a_slice_reads_from_where_the_slice_starts(n: int) -> None:
+    """A contiguous slice's memory starts past its storage's: the bytes are the slice's own."""
+    base = torch.arange(n + 10)
+    t = base[3 : 3 + n]
+    assert t.is_contiguous() and t.storage_offset() == 3
+    idx = Indices.from_tensor(t)
+    assert idx.tolist() == list(range(3, 3 + n)) and len(idx) == n
+    base[3:].fill_(-1)
+    assert idx.tolist() == list(range(3, 3 + n))
 
 
 @pytest.mark.parametrize("n", [10, 2000])
