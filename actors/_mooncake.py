@@ -158,8 +158,11 @@ class _BoundedCalls:
         still = self.busy()
         if still:
             raise _CallFailed(still)
+        # Pending until its outcome is taken here: a wait cut short leaves it so, and set before
+        # the hand-over, a call cut short before it would keep every later call failing (safe),
+        # never take another call's outcome.
+        self._overran = what
         self._jobs.put((fn, args))
-        self._overran = what  # until its outcome is taken here (a wait cut short leaves it so)
         if not self._returned.acquire(timeout=self.timeout_s):
             raise _CallFailed(f"Mooncake {what} did not return within {self.timeout_s:g} s")
         self._overran = ""
