@@ -34,7 +34,6 @@ outside, as a scheduler would.
 from __future__ import annotations
 
 import gc
-import itertools
 import statistics
 import threading
 import time
@@ -45,20 +44,7 @@ from typing import Any
 import torch
 from rich.table import Table
 
-from hicache.actors import (
-    DEVICE_ROUTES,
-    HOST_ROUTES,
-    TREE_ROUTES,
-    WRITE_ROUTES,
-    DeviceCore,
-    HostCore,
-    HostSide,
-    Insufficient,
-    TransferOp,
-    TransferQueue,
-    TreeCore,
-    copy_kv,
-)
+from hicache.actors import TREE_ROUTES, WRITE_ROUTES, Insufficient, TransferOp, TransferQueue, copy_kv
 from hicache.actors._pages import slots_of_pages
 from hicache.actors._transfer_core import batch_indices
 from hicache.messages import (
@@ -85,6 +71,7 @@ from hicache.messages.config import Config, DeviceKind
 from ._cli import progress_bar, report
 from ._transfer import _machine
 from .._facade import HiCache, Request
+from .._inline_cores import InlineCores
 from .._system import ThreadedRuntime
 from ..trace import load_trace
 
@@ -130,31 +117,25 @@ def bench_config(prompts: list[torch.Tensor], batch: int) -> Config:
 # -- the direct side -----------------------------------------------------------
 
 
-class DirectCores:
+class DirectCores(InlineCores):
     """`TreeCore`, `DeviceCore` and `HostCore` driven in this thread, no actors.
 
     Each call does what the facade's call does; the tree's outbox is delivered at
     once, in order, through the receiving actor's route table (the device's and the
     host's call their cores, as their shells do), and the replies go back through
-    the tree's.
+    the tree's (`InlineCores`). Writes are copied at once, in the write stream's batches.
     """
 
     def __init__(self, config: Config) -> None:
-        ids = itertools.count(1)
-        self._next_id = lambda: next(ids)
-        self.tree = TreeCore(config, self._next_id)
-        self.device = DeviceCore(config)
-        self.host = HostCore(config)
-        self._host = HostSide(self.host)
+        super().__init__(config)
         # The write stream's op merger/splitter: the same copy batches as the actor's.
         self.writes = TransferQueue(config.transfer_batch_pages * config.page_size, config.transfer_queue_ops_max)
-        self._replies: dict[int, Message] = {}
 
     def admit(self, batch: list[tuple[str, torch.Tensor]]) -> tuple[Admission, ...]:
         op = self._next_id()
         items = tuple(AdmitItem(request_id=rid, namespace="", tokens=Tokens.from_tensor(t)) for rid, t in batch)
         self.tree.admit(op, items)
-        reply = self._deliver(op)
+        reply = self._run_outbox(op)
         assert isinstance(reply, Admitted)
         return reply.admissions
 
@@ -162,7 +143,7 @@ class DirectCores:
         """`admit` of prompts already as `Tokens`."""
         op = self._next_id()
         self.tree.admit(op, tuple(AdmitItem(request_id=rid, namespace="", tokens=t) for rid, t in batch))
-        reply = self._deliver(op)
+        reply = self._run_outbox(op)
         assert isinstance(reply, Admitted)
         return reply.admissions
 
@@ -172,7 +153,7 @@ class DirectCores:
         if isinstance(got, Insufficient):
             op = self._next_id()
             self.tree.evict_device(op, got.shortfall_slots)
-            self._deliver(op)
+            self._run_outbox(op)
             got = self.device.allocate_pages(demands)
         if isinstance(got, Insufficient):
             raise RuntimeError(f"bench: no room even after eviction: {got}")
@@ -187,18 +168,9 @@ class DirectCores:
     def finish(self, items: tuple[FinishItem, ...]) -> tuple[LedgerEntry, ...]:
         op = self._next_id()
         self.tree.finish(op, items)
-        reply = self._deliver(op)
+        reply = self._run_outbox(op)
         assert isinstance(reply, Finished)
         return reply.entries
-
-    def _deliver(self, op: int) -> Message:
-        """Run the tree's outbox (and what it leads to) until nothing is left; the reply to `op`."""
-        tree = self.tree
-        while tree.outbox:
-            out, tree.outbox = tree.outbox, []
-            for to, message in out:
-                self._one(to, message)
-        return self._replies.pop(op)
 
     def _copy_writes(self) -> None:
         """Copy what the write queue holds, batch by batch, as the write stream does."""
@@ -210,28 +182,13 @@ class DirectCores:
                     done = WriteDone(op_id=piece.op.op_id, slots=piece.op.slots)  # this queue counts slots
                     TREE_ROUTES.deliver(self.tree, ActorName.WRITE, done)
 
-    def _one(self, to: ActorName, message: Message) -> None:
-        """One message of the tree's outbox, through its receiver's routes; a reply goes back
-        to the tree through the tree's."""
-        if to is ActorName.FACADE:
-            self._replies[message.op_id] = message  # type: ignore[attr-defined]
-            return
-        if to is ActorName.DEVICE:
-            reply = DEVICE_ROUTES.deliver(self.device, ActorName.TREE, message)
-            out, self.device.outbox = self.device.outbox, []
-            for receiver, answer in out:  # a release's `Finished`, to the facade
-                self._one(receiver, answer)
-        elif to is ActorName.HOST:
-            reply = HOST_ROUTES.deliver(self._host, ActorName.TREE, message)
-        elif to is ActorName.WRITE:
-            WRITE_ROUTES.check(ActorName.TREE, message)
-            self._write(message)  # type: ignore[arg-type]
-            return
-        else:
+    def _play(self, to: ActorName, message: Message) -> None:
+        """The write stream, the one actor with no core here that this workload sends to."""
+        if to is not ActorName.WRITE:
             raise AssertionError(f"bench overhead: the direct side plays no {to.value} actor (nothing loads back or "
                                  f"goes to storage in this workload), yet the tree sent it {message!r}")
-        if reply is not None:
-            TREE_ROUTES.deliver(self.tree, to, reply)
+        WRITE_ROUTES.check(ActorName.TREE, message)
+        self._write(message)  # type: ignore[arg-type]
 
     def _write(self, m: WriteKV) -> None:
         p = self.device.page_size

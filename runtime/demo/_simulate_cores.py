@@ -14,23 +14,12 @@ hits here.
 
 from __future__ import annotations
 
-import itertools
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from hicache.actors import (
-    DEVICE_ROUTES,
-    HOST_ROUTES,
-    ROUTES,
-    TREE_ROUTES,
-    DeviceCore,
-    HostCore,
-    HostSide,
-    Insufficient,
-    TreeCore,
-)
+from hicache.actors import ROUTES, Insufficient
 from hicache.messages import (
     ActorName,
     AdmitItem,
@@ -60,6 +49,8 @@ from hicache.messages import (
     WriteKV,
 )
 from hicache.messages.config import Config, StorageKind
+
+from .._inline_cores import InlineCores
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,20 +101,14 @@ class PageStore:
         return len(self._keys)
 
 
-class SimCores:
+class SimCores(InlineCores):
     """The three cores in this thread, every transfer answered at once (see the module doc);
     each message goes through its receiver's route table, as between the actors."""
 
     def __init__(self, config: Config, storage_pages: int | None = None) -> None:
-        ids = itertools.count(1)
-        self._next_id: Callable[[], int] = lambda: next(ids)
+        super().__init__(config)
         self.config = config
-        self.tree = TreeCore(config, self._next_id)
-        self.device = DeviceCore(config)
-        self.host = HostCore(config)
         self.store = PageStore(storage_pages) if config.storage is not StorageKind.NONE else None
-        self._replies: dict[int, Message] = {}
-        self._host = HostSide(self.host)
         self._played: dict[type[Message], Callable[[Any], Message]] = {
             WriteKV: lambda m: WriteDone(op_id=m.op_id, slots=len(m.device) * config.page_size),
             LoadKV: lambda m: LoadDone(op_id=m.op_id, batch=0, slots=len(m.device) * config.page_size),
@@ -173,33 +158,14 @@ class SimCores:
         """Run a tree verb and everything it leads to; its reply."""
         op = self._next_id()
         call(op)
-        tree = self.tree
-        while tree.outbox:
-            out, tree.outbox = tree.outbox, []
-            for to, message in out:
-                self._one(to, message)
-        got = self._replies.pop(op)
+        got = self._run_outbox(op)
         assert isinstance(got, reply), got
         return got
 
-    def _one(self, to: ActorName, message: Message) -> None:
-        """One message of the tree's outbox, through its receiver's routes; the answer goes back
-        to the tree through the tree's."""
-        if to is ActorName.FACADE:
-            self._replies[message.op_id] = message  # type: ignore[attr-defined]
-            return
-        if to is ActorName.DEVICE:
-            reply = DEVICE_ROUTES.deliver(self.device, ActorName.TREE, message)
-            out, self.device.outbox = self.device.outbox, []
-            for receiver, answer in out:  # a release's `Finished`, to the facade
-                self._one(receiver, answer)
-        elif to is ActorName.HOST:
-            reply = HOST_ROUTES.deliver(self._host, ActorName.TREE, message)
-        else:
-            ROUTES[to].check(ActorName.TREE, message)
-            reply = self._played[type(message)](message)
-        if reply is not None:
-            TREE_ROUTES.deliver(self.tree, to, reply)
+    def _play(self, to: ActorName, message: Message) -> Message:
+        """The streams and the prefetcher: every transfer answered at once."""
+        ROUTES[to].check(ActorName.TREE, message)
+        return self._played[type(message)](message)
 
     def _prefetch(self, m: Prefetch) -> PrefetchHit:
         assert self.store is not None
