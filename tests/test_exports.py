@@ -71,6 +71,8 @@ INTERNAL = {
     "hicache.actors._services.Failures": "the runtime's record of failed actors; System raises from it",
     "hicache.runtime._system.Runtime": "protocol System needs from a runtime; both runtimes are exported",
     "hicache.runtime._system.actor_specs": "the wiring of cores and actors shared by System.start and log replay",
+    "hicache.runtime._inline_cores.InlineCores": "the cores without actors, shared by bench overhead's direct side "
+    "and the simulator",
     "hicache.actors._facts.Agreement": "the tree core's part that owns Facts and applies agreed outcomes",
     "hicache.actors._radix_node.check_node": "the radix tree's check of one node's own invariants",
     "hicache.actors._radix_node.device_evictable": "the radix tree's eviction predicate for a device copy",
