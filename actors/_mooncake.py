@@ -146,11 +146,19 @@ class _BoundedCalls:
 
     def busy(self) -> str:
         """What still runs after its caller gave up on it; "" when the thread is free."""
-        if self._overran and self._returned.acquire(blocking=False):  # it has returned since
-            self._overran = ""
+        if self._overran:
+            self._take_overrun(blocking=False)
         if not self._overran:
             return ""
         return f"an earlier Mooncake call ({self._overran}) has not returned after {self.timeout_s:g} s"
+
+    def _take_overrun(self, *, blocking: bool) -> None:
+        """Take the release of the call that overran if it has returned (`blocking`: waiting up
+        to the timeout for it); its outcome, which no caller waits for any more, is dropped."""
+        lock = self._returned
+        if lock.acquire(timeout=self.timeout_s) if blocking else lock.acquire(blocking=False):
+            self._overran = ""
+            self._outcome = (True, None)  # let go of its value (and of an exception's frames)
 
     def run(self, what: str, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` on the client thread; raises _CallFailed when it takes longer than
@@ -174,8 +182,8 @@ class _BoundedCalls:
 
     def settle(self) -> str:
         """Wait up to the timeout for a call that overran; then `busy()`."""
-        if self._overran and self._returned.acquire(timeout=self.timeout_s):
-            self._overran = ""
+        if self._overran:
+            self._take_overrun(blocking=True)
         return self.busy()
 
     def stop(self) -> None:

@@ -16,6 +16,7 @@ import socket
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -609,11 +610,22 @@ def test_a_call_that_overran_fails_the_next_ones_until_it_returns_and_its_value_
     every call fails at once (naming it); once it has, the next call gets its own value."""
     from hicache.actors._mooncake import _BoundedCalls, _CallFailed
 
+    class Stale:
+        pass
+
+    made: list[weakref.ref[Stale]] = []
+
+    def slow_get() -> Stale:
+        gate.wait(10)
+        value = Stale()
+        made.append(weakref.ref(value))
+        return value
+
     gate = threading.Event()
     calls = _BoundedCalls(0.2, keep=[])
     try:
         with pytest.raises(_CallFailed, match="slow_get did not return within 0.2 s"):
-            calls.run("slow_get", lambda: (gate.wait(10), "stale")[1])
+            calls.run("slow_get", slow_get)
         assert "slow_get" in calls.busy()
         with pytest.raises(_CallFailed, match=r"an earlier Mooncake call \(slow_get\) has not returned"):
             calls.run("next", lambda: "never run")
@@ -622,6 +634,7 @@ def test_a_call_that_overran_fails_the_next_ones_until_it_returns_and_its_value_
         while calls.busy() and time.monotonic() < deadline:  # as the prefetcher polls `pending`
             time.sleep(0.01)
         assert calls.busy() == ""
+        assert made and made[0]() is None, "the overrun call's value is kept after its release was taken"
         assert calls.run("next", lambda: "its own") == "its own"
         assert calls.busy() == ""
     finally:
