@@ -207,11 +207,11 @@ class FileBackend:
         n, whole = len(keys), len(sums)
         expected.fill(keys[:whole] if whole < n else keys, sums)
         if whole == n and received.same(expected, n):
-            self._index.touch(keys)
+            self._index.touch(seg, first, n)
             return n, ""
         bad, problem = received.first_bad(expected, keys[:whole], sums)
         problem = problem or f"truncated: the segment ends within its record ({seg.path})"
-        self._index.touch(keys[:bad])
+        self._index.touch(seg, first, bad)
         log.warning("storage page unusable, dropped", backend=self.name, key=keys[bad], problem=problem,
                     path=str(seg.path))
         self._release(*self._index.remove(keys[bad]), keys[bad])

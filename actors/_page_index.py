@@ -6,17 +6,20 @@ segment lists the key of each of its records (`Segment.keys`). So a page costs t
 index one dict entry, one int and one list slot: no object per page, and a segment that
 vanishes takes its pages out by its own list.
 
-Recency without a node per page: a page that was never read since it was indexed is as
-recent as the call that indexed it, and those calls are a queue of record ranges
-(`_fresh`, one entry per write or scan); a page that was read moves to an ordered dict
-of read pages (`_read`), least recently read first. The least recently used page is the
-older of the two heads, by the number of the call (`_tick`) that last used it.
+Recency without a node per page: every call that uses pages (a write, a scan, a read of
+a run of adjacent records) has a number (`_tick`), stamped on each record it used
+(`Segment.ticks`, one int64 a record) and queued as the record ranges it used (`_order`,
+oldest first). A record belongs to the one range whose tick it bears; a range whose
+records were all used again since, or died, is skipped when it comes to the head, and
+dropped by a compaction when the queue has doubled. So a read costs the index one slice
+assignment and one queued range a run, not a step per page.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict, deque
+from array import array
+from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Final
@@ -26,6 +29,10 @@ from ._segments import Segment
 
 _SHIFT: Final = 32
 _RECORD: Final = (1 << _SHIFT) - 1
+_UNUSED: Final = -1
+"""The tick of a record that no range holds: dead, or not the index's."""
+_ORDER_MIN: Final = 1024
+"""The queue of ranges is compacted when it grows past twice its last compacted length, or this."""
 
 
 class PageIndex:
@@ -34,11 +41,10 @@ class PageIndex:
     def __init__(self) -> None:
         self._where: dict[str, int] = {}
         """Key -> segment number << _SHIFT | record number."""
-        self._fresh: deque[list[int]] = deque()
-        """[tick, segment number, next record, end record] of the records each write or scan
-        indexed, oldest first; `next record` moves on as the head's pages are evicted."""
-        self._read: OrderedDict[str, int] = OrderedDict()
-        """Key -> tick of its last read, for the pages read since they were indexed; least recent first."""
+        self._order: deque[list[int]] = deque()
+        """[tick, segment number, next record, end record] of the records each call used, oldest
+        first; `next record` moves on as the head's pages are evicted or found used since."""
+        self._order_max = _ORDER_MIN
         self._tick = 0
         self._by_id: dict[int, Segment] = {}
         self._by_name: dict[str, Segment] = {}
@@ -62,12 +68,12 @@ class PageIndex:
 
     def drop_segment(self, seg: Segment) -> None:
         """Forget a segment (deleted, or unreachable) and every page the index had in it."""
-        where, read = self._where, self._read
+        where = self._where
         for key in seg.keys:
             if key is not None:
                 del where[key]
-                read.pop(key, None)
         seg.keys.clear()
+        del seg.ticks[:]
         seg.live = 0
         self.set_allocated(seg, 0)
         del self._by_id[seg.id]
@@ -103,6 +109,10 @@ class PageIndex:
         """(segment, first record, records) of each run of adjacent records that holds the
         leading indexed keys, in key order, at most `pages_max` records each."""
         where = self._where
+        if len(keys) <= pages_max:  # the common read: one run of records, written together
+            locs = list(map(where.get, keys))
+            if locs and locs[0] is not None and locs == list(range(locs[0], locs[0] + len(locs))):
+                return [(self._by_id[locs[0] >> _SHIFT], locs[0] & _RECORD, len(locs))]
         out, run_at, n = [], -1, 0
         for key in keys:
             loc = where.get(key)
@@ -128,11 +138,12 @@ class PageIndex:
         if key in self._where:
             return False
         self._where[key] = seg.id << _SHIFT | record
-        last = self._fresh[-1] if self._fresh else None
+        _stamp(seg, record, 1, self._tick)
+        last = self._order[-1] if self._order else None
         if last is not None and last[0] == self._tick and last[1] == seg.id and last[3] == record:
             last[3] += 1
         else:
-            self._fresh.append([self._tick, seg.id, record, record + 1])
+            self._queue(self._tick, seg, record, 1)
         return True
 
     def end_scan(self) -> None:
@@ -161,53 +172,66 @@ class PageIndex:
             return False
         seg.keys += keys
         seg.live += n
-        self._fresh.append([self._tick, seg.id, first, first + n])
-        self._tick += 1
+        self.touch(seg, first, n)
         return True
 
     def unclaim(self, seg: Segment, n: int) -> None:
         """Take back the last `claim`, of the `n` last records of `seg`: their write failed."""
-        last = self._fresh[-1] if self._fresh else None
+        last = self._order[-1] if self._order else None
         if last is None or last[1] != seg.id or last[3] != len(seg.keys) or last[3] - last[2] != n:
             raise InvariantError(f"page index: unclaim of {n} records of {seg.name} that its last claim did not add")
-        self._fresh.pop()
+        self._order.pop()
         for key in seg.keys[-n:]:
             del self._where[key]
         del seg.keys[-n:]
+        del seg.ticks[len(seg.keys):]
         seg.live -= n
 
-    def touch(self, keys: Sequence[str]) -> None:
-        """`keys` were read: the most recently used now."""
-        read, tick = self._read, self._tick
-        self._tick += 1
-        read.update(zip(keys, itertools.repeat(tick)))
-        deque(map(read.move_to_end, keys), maxlen=0)
+    def touch(self, seg: Segment, first: int, n: int) -> None:
+        """Records `first .. first + n - 1` of `seg` were used (read, or written): the most
+        recently used now, in record order."""
+        if n:
+            tick = self._tick
+            self._tick += 1
+            _stamp(seg, first, n, tick)
+            self._queue(tick, seg, first, n)
+
+    def _queue(self, tick: int, seg: Segment, first: int, n: int) -> None:
+        order = self._order
+        order.append([tick, seg.id, first, first + n])
+        if len(order) > self._order_max:
+            self._compact()
 
     def oldest(self) -> str:
         """The least recently used page's key (the index must not be empty)."""
-        fresh, read = self._fresh, self._read
-        while fresh:
-            head = fresh[0]
-            seg = self._by_id.get(head[1])
+        order, by_id = self._order, self._by_id
+        while order:
+            head = order[0]
+            tick, seg = head[0], by_id.get(head[1])
             if seg is not None:
-                keys, r, end = seg.keys, head[2], head[3]
-                while r < end and (keys[r] is None or keys[r] in read):
-                    r += 1  # evicted, dropped, or read since: not this range's to give
+                ticks, r, end = seg.ticks, head[2], head[3]
+                while r < end and ticks[r] != tick:
+                    r += 1  # evicted, dropped, or used since: not this range's to give
                 head[2] = r
                 if r < end:
-                    first_read = next(iter(read), None)
-                    if first_read is not None and read[first_read] < head[0]:
-                        return first_read
-                    return keys[r]  # type: ignore[return-value]
-            fresh.popleft()
-        return next(iter(read))
+                    return seg.keys[r]  # type: ignore[return-value]
+            order.popleft()
+        raise InvariantError("page index: no page in the recency order (oldest of an empty index)")
+
+    def _compact(self) -> None:
+        """Drop the ranges none of whose records bears their tick any more."""
+        by_id = self._by_id
+        kept = deque(r for r in self._order
+                     if (seg := by_id.get(r[1])) is not None and seg.ticks[r[2] : r[3]].count(r[0]))
+        self._order = kept
+        self._order_max = max(_ORDER_MIN, 2 * len(kept))
 
     def remove(self, key: str) -> tuple[Segment, int]:
         """Take `key` out; (segment, record) where its page was, now a dead record."""
         loc = self._where.pop(key)
-        self._read.pop(key, None)
         seg, record = self._by_id[loc >> _SHIFT], loc & _RECORD
         seg.keys[record] = None
+        seg.ticks[record] = _UNUSED
         seg.live -= 1
         return seg, record
 
@@ -229,17 +253,33 @@ class PageIndex:
             raise InvariantError(f"page index: segments allocate {allocated} bytes, the total says {self.allocated}")
 
     def _check_recency(self) -> None:
-        """Every page is either read (in `_read`, by tick) or in a fresh range still ahead."""
-        if any(key not in self._where for key in self._read):
-            raise InvariantError("page index: a read page that the index does not hold")
-        for ticks in (list(self._read.values()), [f[0] for f in self._fresh]):
-            if ticks != sorted(ticks):
-                raise InvariantError("page index: recency out of order")
-        ahead = set()
-        for _, seg_id, r, end in self._fresh:
+        """Every page bears the tick of one queued range that holds its record, the queue is in
+        tick order, and no dead record bears a tick."""
+        ticks = [r[0] for r in self._order]
+        if ticks != sorted(ticks):
+            raise InvariantError("page index: recency out of order")
+        held = set()
+        for tick, seg_id, r, end in self._order:
             seg = self._by_id.get(seg_id)
             if seg is not None:
-                ahead.update(k for k in seg.keys[r:end] if k is not None)
-        lost = [k for k in self._where if k not in self._read and k not in ahead]
-        if lost:
-            raise InvariantError(f"page index: {len(lost)} pages (e.g. {lost[0]!r}) in no recency order")
+                held.update((seg_id, i) for i in range(r, end) if seg.ticks[i] == tick)
+        for seg in self._by_name.values():
+            if len(seg.ticks) > len(seg.keys):
+                raise InvariantError(f"page index: segment {seg.name} stamps {len(seg.ticks)} records of "
+                                     f"{len(seg.keys)}")
+            for i, key in enumerate(seg.keys):
+                tick = seg.ticks[i] if i < len(seg.ticks) else _UNUSED
+                if (key is None) != (tick == _UNUSED):
+                    raise InvariantError(f"page index: record {i} of {seg.name} is "
+                                         f"{'dead' if key is None else 'live'} with tick {tick}")
+                if key is not None and (seg.id, i) not in held:
+                    raise InvariantError(f"page index: {key!r} is in no recency order")
+
+
+def _stamp(seg: Segment, first: int, n: int, tick: int) -> None:
+    """Records `first .. first + n - 1` of `seg` bear `tick` (records before them that none
+    stamped yet bear `_UNUSED`)."""
+    ticks = seg.ticks
+    if len(ticks) < first + n:
+        ticks.extend(array("q", [_UNUSED]) * (first + n - len(ticks)))
+    ticks[first : first + n] = array("q", [tick]) * n

@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,6 +64,9 @@ class Segment:
     keys: list[str | None] = field(default_factory=list)
     """The key of each record the index holds, by record number; None for a dead record
     (evicted, damaged, or a page the index found elsewhere first)."""
+    ticks: array = field(default_factory=lambda: array("q"))
+    """The recency stamp of each record the index holds, by record number (`PageIndex`; it
+    may be shorter than `keys`, a dead record past its end)."""
     live: int = 0
     """Records the index holds."""
     record: int = 0
