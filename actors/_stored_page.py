@@ -344,10 +344,10 @@ class HostPages:
         self.address = t.data_ptr()
         self.nbytes = t.numel() * t.element_size()
         self._memory = memoryview((ctypes.c_char * self.nbytes).from_address(self.address)).cast("B")
-        self._page_bytes = s.page_size * s.bytes_per_slot
+        self.page_bytes = s.page_size * s.bytes_per_slot
         item, run = t.element_size(), s.page_size * s.heads * s.head_dim * t.element_size()
         if host.page_first:
-            self._runs = [(0, self._page_bytes)]
+            self._runs = [(0, self.page_bytes)]
             self._slot_step = s.bytes_per_slot  # pages are adjacent: slot * bytes_per_slot is the page start
         else:
             kv, layer = t.stride()[:2]
@@ -355,7 +355,7 @@ class HostPages:
             self._slot_step = s.heads * s.head_dim * item
         self.runs_per_page = len(self._runs)
         self._run_slices = [slice(off, off + n) for off, n in self._runs]
-        self.joins = self.runs_per_page > 1 and self._page_bytes <= _JOIN_BYTES_MAX
+        self.joins = self.runs_per_page > 1 and self.page_bytes <= _JOIN_BYTES_MAX
         """A page of several runs this small is checksummed as one joined copy of its runs."""
 
     def spans(self, start: int) -> list[tuple[int, int]]:
@@ -373,7 +373,7 @@ class HostPages:
         buffer (one run a page), or a list of them (`blocks`)."""
         m, step = self._memory, self._slot_step
         if self.runs_per_page == 1:
-            size = self._page_bytes
+            size = self.page_bytes
             return [m[a : a + size] for a in map(step.__mul__, starts)]
         runs = self._run_slices  # slices of the view from the page's start: no index arithmetic a run
         return [list(map(m[b:].__getitem__, runs)) for b in map(step.__mul__, starts)]
