@@ -13,7 +13,7 @@ there before they count: the headers received must equal,
 byte for byte, the headers that the keys and the checksums of the payloads received
 give (`Headers`). A run is at most `READ_RUN_BYTES`, so the bytes a `preadv` just
 brought in are still in the CPU's cache when they are checksummed. Small pages
-(`RecordBlock.stages_reads`: layer_first up to 16 KiB, any up to 4 KiB) are read through
+(`RecordBlock.stages_reads`: layer_first up to 64 KiB, page_first up to 4 KiB) are read through
 a record block instead, a block of records a `preadv`, checksummed in the block and
 scattered into the host slots by one copy; verified the same way before they count.
 

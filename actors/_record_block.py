@@ -22,10 +22,10 @@ Reads of small pages come back the same way (`stages_reads`): one read of the re
 into the block, each payload checksummed in its row (a view made once with the block), the
 headers copied out for the batch's comparison, and one copy scattering the rows into the
 host (`scatter`, the inverse of the gather). A direct read would hand the kernel a buffer
-per run and per header, and make a view of each page for its checksum: at a layer_first
-page up to 16 KiB (`HostPages.joins`, whose checksum needs its runs joined anyway) or any
-page up to `STAGED_READ_BYTES_MAX`, those Python objects cost more than one more copy of
-the bytes.
+per run and per header, make a view of each page for its checksum, and checksum a page of
+several runs run by run or as a joined copy: for a layer_first page up to
+`STAGED_PAGE_BYTES_MAX`, or any page up to `STAGED_READ_BYTES_MAX`, those Python objects
+and calls cost more than one more copy of the bytes.
 """
 
 from __future__ import annotations
@@ -40,23 +40,26 @@ import xxhash
 from ._stored_page import Headers, HostPages, PageFormat
 
 RECORD_BLOCK_BYTES: Final = 1 << 20
-"""Most bytes of records one block holds (one write)."""
+"""Most payload bytes one block holds (one write; with their headers, a little more): as
+many pages as a prefetch step of `storage_batch_mb`'s default reads, in one block."""
 STAGED_PAGE_BYTES_MAX: Final = 64 << 10
 """Pages up to this payload size are written through a record block."""
 STAGED_READ_BYTES_MAX: Final = 4 << 10
-"""Pages up to this payload size are read through a record block in either host layout.
-Page_first pages of 2 KiB read at 1.9-2.3 us a page staged against 2.3-2.8 direct; 8 to
-32 KiB pages as fast either way or faster direct; 64 KiB pages 12-18% slower staged."""
+"""Pages of one run (page_first) up to this payload size are read through a record block;
+pages of several runs (layer_first) up to `STAGED_PAGE_BYTES_MAX`. Measured alternating in
+one process: page_first 2 KiB pages 1.9-2.3 us a page staged against 2.3-2.8 direct, 8 to
+32 KiB as fast either way, 64 KiB 12-18% slower staged; layer_first 32 KiB pages of 64 runs
+20 against 57 us, 64 KiB 29-34 against 32-40."""
 
 
 class RecordBlock:
     """Room for the records of up to `capacity` pages of `fmt`, one after another (module docstring)."""
 
     def __init__(self, fmt: PageFormat, capacity: int = 0) -> None:
-        """Room for `capacity` records (0: as many as `RECORD_BLOCK_BYTES` holds, at least one)."""
+        """Room for `capacity` records (0: as many pages as `RECORD_BLOCK_BYTES` holds, at least one)."""
         h, record = fmt.header_bytes, fmt.stored_bytes
         self.fmt = fmt
-        self.capacity = capacity or max(1, RECORD_BLOCK_BYTES // record)
+        self.capacity = capacity or max(1, RECORD_BLOCK_BYTES // fmt.payload_bytes)
         self._rows = np.empty((self.capacity, record), dtype=np.uint8)
         self.address: int = self._rows.ctypes.data
         """Where the block's memory starts (to register it with a storage client)."""
@@ -87,7 +90,9 @@ class RecordBlock:
     @staticmethod
     def stages_reads(pages: HostPages) -> bool:
         """Reads into these host pages go through a record block (module docstring)."""
-        return pages.joins or pages.page_bytes <= STAGED_READ_BYTES_MAX
+        if pages.runs_per_page > 1:
+            return pages.page_bytes <= STAGED_PAGE_BYTES_MAX
+        return pages.page_bytes <= STAGED_READ_BYTES_MAX
 
     def space(self, n: int) -> memoryview:
         """Room for `n` records, to read them into."""

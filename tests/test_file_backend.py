@@ -24,7 +24,9 @@ from hicache.actors import (
     _file_backend,
 )
 from hicache.runtime import Config, HostLayout
+from hicache.actors._record_block import RecordBlock
 from hicache.actors._segments import Segment
+from hicache.actors._stored_page import HostPages
 from hicache.runtime.testing import capture_logs
 
 pytestmark = pytest.mark.timeout(60)
@@ -181,6 +183,37 @@ def test_a_page_whose_bytes_were_lost_after_a_crash_reads_as_a_miss(tmp_path: Pa
     dst = _host(_config(tmp_path))
     got = b.read(ks, dst, _slots([0, 1, 2]))
     assert got.pages == 1 and "checksum mismatch" in got.error
+
+
+READ_PATHS = {  # (KV shape, host layout, read through the record block)
+    "32 KiB layer_first, staged": ({}, HostLayout.LAYER_FIRST, True),
+    "32 KiB page_first, direct": ({}, HostLayout.PAGE_FIRST, False),
+    "2 KiB page_first, staged": ({"layers": 1, "kv_heads": 1, "head_dim": 32}, HostLayout.PAGE_FIRST, True),
+    "128 KiB layer_first, direct": ({"layers": 8, "kv_heads": 4}, HostLayout.LAYER_FIRST, False),
+}
+
+
+@pytest.mark.parametrize("shape,layout,staged", READ_PATHS.values(), ids=READ_PATHS.keys())
+def test_a_damaged_payload_byte_is_a_miss_on_every_read_path(tmp_path: Path, opened: Any, shape, layout,
+                                                            staged) -> None:
+    a = opened(**shape)
+    config = _config(tmp_path, **shape)
+    src, dst = _host(config, seed=6, layout=layout), _host(config, layout=layout)
+    ks = _keys("damaged", 4)
+    a.write(ks, src, _slots([0, 1, 2, 3]))
+    path, offset = a.locate(ks[2])
+    with open(path, "r+b") as f:  # one bit of the third page's last payload byte flipped
+        f.seek(offset + a.fmt.stored_bytes - 1)
+        last = f.read(1)[0]
+        f.seek(offset + a.fmt.stored_bytes - 1)
+        f.write(bytes([last ^ 1]))
+    assert RecordBlock.stages_reads(HostPages(dst)) == staged
+
+    got = a.read(ks, dst, _slots([0, 1, 2, 3]))
+    assert got.pages == 2 and "checksum mismatch" in got.error
+    assert _same(src, [0, 1], dst, [0, 1])
+    assert a.exists(ks) == 2  # the damaged page was dropped; the one after it is still stored
+    assert a.read(ks[3:], dst, _slots([3])).pages == 1 and _same(src, [3], dst, [3])
 
 
 # -- the size bound ------------------------------------------------------------------------------
