@@ -38,13 +38,15 @@ _ORDER_MIN: Final = 1024
 class PageIndex:
     """The pages of one KV shape in a directory's segments (module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, order_min: int = _ORDER_MIN) -> None:
+        """`order_min`: the queue of ranges is compacted when it grows past this, or past
+        twice its length after the last compaction."""
         self._where: dict[str, int] = {}
         """Key -> segment number << _SHIFT | record number."""
         self._order: deque[list[int]] = deque()
         """[tick, segment number, next record, end record] of the records each call used, oldest
         first; `next record` moves on as the head's pages are evicted or found used since."""
-        self._order_max = _ORDER_MIN
+        self._order_min = self._order_max = order_min
         self._tick = 0
         self._by_id: dict[int, Segment] = {}
         self._by_name: dict[str, Segment] = {}
@@ -224,7 +226,7 @@ class PageIndex:
         kept = deque(r for r in self._order
                      if (seg := by_id.get(r[1])) is not None and seg.ticks[r[2] : r[3]].count(r[0]))
         self._order = kept
-        self._order_max = max(_ORDER_MIN, 2 * len(kept))
+        self._order_max = max(self._order_min, 2 * len(kept))
 
     def remove(self, key: str) -> tuple[Segment, int]:
         """Take `key` out; (segment, record) where its page was, now a dead record."""
