@@ -68,8 +68,10 @@ SEGMENT_BYTES_MAX: Final = 64 << 20
 """A writer starts a new segment once its current one would pass this (or an eighth of
 `storage_max_bytes`, when that is smaller): the unit the size bound may overshoot by."""
 READ_RUN_BYTES: Final = 1 << 20
-"""Most bytes one `preadv` reads (a larger page is read alone): what it brought in is
-checksummed before the next one, while it is still in the CPU's cache."""
+"""Most payload bytes one `preadv` reads (with their headers, a little more; a larger page
+is read alone): what it brought in is checksummed before the next one, while it is still in
+the CPU's cache. A prefetch step of `storage_batch_mb`'s default is one read: split in two
+by its headers, 64 KiB page_first reads took 8-13% longer."""
 FDS_OPEN_MAX: Final = 256
 """Segment files kept open for reading; past this the cache of open files is emptied."""
 _PAGES_PER_CALL_MAX: Final = IOV_MAX // 2
@@ -228,7 +230,7 @@ class FileBackend:
         (`IOThreads`), each making its own buffers while the others read, and count in order
         up to the first one the file ended in."""
         fd, record, per_page = self._fd(seg), seg.record, 1 + pages.runs_per_page
-        per_read = max(1, min(READ_RUN_BYTES // record, IOV_MAX // per_page))
+        per_read = max(1, min(READ_RUN_BYTES // self.fmt.payload_bytes, IOV_MAX // per_page))
         n = len(starts)
         threads = self._threads.threads_for(self.fmt.payload_bytes)
         pieces = shares(n, max(-(-n // per_read), min(threads, n)))
