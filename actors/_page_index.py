@@ -140,7 +140,10 @@ class PageIndex:
         if key in self._where:
             return False
         self._where[key] = seg.id << _SHIFT | record
-        _stamp(seg, record, 1, self._tick)
+        if record == len(seg.ticks):  # the scan's next record, as a scan takes them
+            seg.ticks.append(self._tick)
+        else:
+            _stamp(seg, record, 1, self._tick)
         last = self._order[-1] if self._order else None
         if last is not None and last[0] == self._tick and last[1] == seg.id and last[3] == record:
             last[3] += 1
