@@ -40,7 +40,7 @@ import itertools
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import Final
 
 import torch
 

@@ -22,8 +22,8 @@ Reads of small pages come back the same way (`stages_reads`): one read of the re
 into the block, each payload checksummed in its row (a view made once with the block), the
 headers copied out for the batch's comparison, and one copy scattering the rows into the
 host (`scatter`, the inverse of the gather). A direct read would hand the kernel a buffer
-per run and per header, make a view of each page for its checksum, and checksum a page of
-several runs run by run or as a joined copy: for a layer_first page up to
+per run and per header, make a view of each page for its checksum, and stream a page of
+several runs through the checksum run by run: for a layer_first page up to
 `STAGED_PAGE_BYTES_MAX`, or any page up to `STAGED_READ_BYTES_MAX`, those Python objects
 and calls cost more than one more copy of the bytes.
 """

@@ -304,20 +304,15 @@ class Headers:
 
 
 def checksum(blocks: Sequence[memoryview]) -> int:
-    """XXH3-64 of the bytes of `blocks`, one after the other (a page's payload)."""
+    """XXH3-64 of the bytes of `blocks`, one after the other (a page's payload), streamed
+    run by run without a copy. (Small pages of several runs are checksummed in a record
+    block's rows instead, `_record_block.py`.)"""
     if len(blocks) == 1:
         return xxhash.xxh3_64_intdigest(blocks[0])
-    if sum(map(len, blocks)) <= _JOIN_BYTES_MAX:
-        return xxhash.xxh3_64_intdigest(b"".join(blocks))
     h = xxhash.xxh3_64()
     for b in blocks:
         h.update(b)
     return h.intdigest()
-
-
-_JOIN_BYTES_MAX: Final = 16 << 10
-"""A page of several runs up to this size is hashed as one joined copy (one call instead of a
-call per run); a larger one is streamed run by run, without a copy."""
 
 
 # -- host pages as stored bytes ------------------------------------------------------------
@@ -329,10 +324,9 @@ class HostPages:
     A page's payload is its `[2, L, P, H, D]` block: in page_first the page itself, one
     run; in layer_first the K or V of one layer of its `P` slots is one run, so `2 x L`
     runs. Backends read into and write from these runs directly (`readv`/`writev`, a
-    Mooncake multi-buffer get or put); only a small page of several runs (`joins`) is
-    checksummed as a joined copy, and the file backend writes small pages through a record
-    block (`_record_block.py`), one copy of a batch's payloads beside their headers, and
-    reads such pages of several runs through one, a copy of the block into their runs.
+    Mooncake multi-buffer get or put); small pages go through a record block instead
+    (`_record_block.py`): one copy of a batch's payloads beside their headers on a write, a
+    copy of the block into their runs on a read.
     """
 
     def __init__(self, host: KVBuffer) -> None:
@@ -355,8 +349,6 @@ class HostPages:
             self._slot_step = s.heads * s.head_dim * item
         self.runs_per_page = len(self._runs)
         self._run_slices = [slice(off, off + n) for off, n in self._runs]
-        self.joins = self.runs_per_page > 1 and self.page_bytes <= _JOIN_BYTES_MAX
-        """A page of several runs this small is checksummed as one joined copy of its runs."""
 
     def spans(self, start: int) -> list[tuple[int, int]]:
         """(offset in the buffer, length) of each run of the page whose first slot is `start`."""
@@ -392,8 +384,6 @@ class HostPages:
         """XXH3-64 of each of `payloads` (`checksum`), each a map over the batch (no Python loop)."""
         if not payloads or not isinstance(payloads[0], list):
             return list(map(xxhash.xxh3_64_intdigest, payloads))
-        if self.joins:
-            return list(map(xxhash.xxh3_64_intdigest, map(b"".join, payloads)))
         return list(map(checksum, payloads))
 
 
