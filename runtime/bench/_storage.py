@@ -6,7 +6,8 @@ bench starts on 127.0.0.1), each host layout and each page size (2 MiB: a 32-lay
 8-KV-head, head_dim-128 fp16 model with 16-token pages; then 64 KiB and 2 KiB pages of
 smaller shapes), it times:
 - **read**: `backend.read` of all pages, one call per prefetch step (`Config.storage_step_pages`) as the
-  prefetcher makes them: straight into the host pages, verified there;
+  prefetcher makes them: straight into the host pages and verified there, or for small
+  pages through the backend's record block (verified there, then copied in);
 - **raw read**: the same stored bytes read into the same host buffer, one contiguous
   region, unchecked: a `preadv` per run of adjacent records (file), a `batch_get_into`
   per batch through the same client (Mooncake);
