@@ -216,6 +216,26 @@ def test_a_damaged_payload_byte_is_a_miss_on_every_read_path(tmp_path: Path, ope
     assert a.read(ks[3:], dst, _slots([3])).pages == 1 and _same(src, [3], dst, [3])
 
 
+@pytest.mark.parametrize("shape,layout,staged", READ_PATHS.values(), ids=READ_PATHS.keys())
+def test_a_segment_cut_short_after_it_was_indexed_is_a_miss_from_the_cut_on_every_read_path(
+        tmp_path: Path, opened: Any, shape, layout, staged) -> None:
+    a = opened(**shape)
+    config = _config(tmp_path, **shape)
+    src, dst = _host(config, seed=7, layout=layout), _host(config, layout=layout)
+    ks = _keys("cut", 4)
+    a.write(ks, src, _slots([0, 1, 2, 3]))
+    path, offset = a.locate(ks[0])
+    b = opened(**shape)  # indexes all four, then the file loses the end of the third
+    assert b.exists(ks) == 4
+    with open(path, "r+b") as f:
+        f.truncate(offset + 2 * b.fmt.stored_bytes + b.fmt.header_bytes + 100)
+    assert RecordBlock.stages_reads(HostPages(dst)) == staged
+
+    got = b.read(ks, dst, _slots([0, 1, 2, 3]))
+    assert got.pages == 2 and "truncated" in got.error
+    assert _same(src, [0, 1], dst, [0, 1])
+
+
 # -- the size bound ------------------------------------------------------------------------------
 
 
