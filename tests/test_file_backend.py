@@ -193,21 +193,29 @@ READ_PATHS = {  # (KV shape, host layout, read through the record block)
 }
 
 
+def _four_pages_on(tmp_path: Path, opened: Any, shape: dict[str, Any], layout: HostLayout,
+                   staged: bool) -> tuple[FileBackend, KVBuffer, KVBuffer, list[str]]:
+    """A backend of `shape` that stored four pages of `src` (host pages 0-3), and a `dst` buffer
+    whose reads take the path `staged` names: (backend, src, dst, keys)."""
+    backend = opened(**shape)
+    config = _config(tmp_path, **shape)
+    src, dst = _host(config, seed=6, layout=layout), _host(config, layout=layout)
+    assert RecordBlock.stages_reads(HostPages(dst)) == staged
+    ks = _keys("four", 4)
+    backend.write(ks, src, _slots([0, 1, 2, 3]))
+    return backend, src, dst, ks
+
+
 @pytest.mark.parametrize("shape,layout,staged", READ_PATHS.values(), ids=READ_PATHS.keys())
 def test_a_damaged_payload_byte_is_a_miss_on_every_read_path(tmp_path: Path, opened: Any, shape, layout,
                                                             staged) -> None:
-    a = opened(**shape)
-    config = _config(tmp_path, **shape)
-    src, dst = _host(config, seed=6, layout=layout), _host(config, layout=layout)
-    ks = _keys("damaged", 4)
-    a.write(ks, src, _slots([0, 1, 2, 3]))
+    a, src, dst, ks = _four_pages_on(tmp_path, opened, shape, layout, staged)
     path, offset = a.locate(ks[2])
     with open(path, "r+b") as f:  # one bit of the third page's last payload byte flipped
         f.seek(offset + a.fmt.stored_bytes - 1)
         last = f.read(1)[0]
         f.seek(offset + a.fmt.stored_bytes - 1)
         f.write(bytes([last ^ 1]))
-    assert RecordBlock.stages_reads(HostPages(dst)) == staged
 
     got = a.read(ks, dst, _slots([0, 1, 2, 3]))
     assert got.pages == 2 and "checksum mismatch" in got.error
@@ -219,17 +227,12 @@ def test_a_damaged_payload_byte_is_a_miss_on_every_read_path(tmp_path: Path, ope
 @pytest.mark.parametrize("shape,layout,staged", READ_PATHS.values(), ids=READ_PATHS.keys())
 def test_a_segment_cut_short_after_it_was_indexed_is_a_miss_from_the_cut_on_every_read_path(
         tmp_path: Path, opened: Any, shape, layout, staged) -> None:
-    a = opened(**shape)
-    config = _config(tmp_path, **shape)
-    src, dst = _host(config, seed=7, layout=layout), _host(config, layout=layout)
-    ks = _keys("cut", 4)
-    a.write(ks, src, _slots([0, 1, 2, 3]))
+    a, src, dst, ks = _four_pages_on(tmp_path, opened, shape, layout, staged)
     path, offset = a.locate(ks[0])
     b = opened(**shape)  # indexes all four, then the file loses the end of the third
     assert b.exists(ks) == 4
     with open(path, "r+b") as f:
         f.truncate(offset + 2 * b.fmt.stored_bytes + b.fmt.header_bytes + 100)
-    assert RecordBlock.stages_reads(HostPages(dst)) == staged
 
     got = b.read(ks, dst, _slots([0, 1, 2, 3]))
     assert got.pages == 2 and "truncated" in got.error
