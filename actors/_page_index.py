@@ -110,14 +110,12 @@ class PageIndex:
     def runs(self, keys: Sequence[str], pages_max: int) -> list[tuple[Segment, int, int]]:
         """(segment, first record, records) of each run of adjacent records that holds the
         leading indexed keys, in key order, at most `pages_max` records each."""
-        where = self._where
-        if len(keys) <= pages_max:  # the common read: one run of records, written together
-            locs = list(map(where.get, keys))
-            if locs and locs[0] is not None and locs == list(range(locs[0], locs[0] + len(locs))):
-                return [(self._by_id[locs[0] >> _SHIFT], locs[0] & _RECORD, len(locs))]
+        locs = list(map(self._where.get, keys))
+        first = locs[0] if locs else None
+        if first is not None and len(locs) <= pages_max and locs == list(range(first, first + len(locs))):
+            return [(self._by_id[first >> _SHIFT], first & _RECORD, len(locs))]  # the common read: one run
         out, run_at, n = [], -1, 0
-        for key in keys:
-            loc = where.get(key)
+        for loc in locs:
             if loc is None:
                 break
             if n and loc == run_at + n and n < pages_max:

@@ -43,6 +43,7 @@ import xxhash
 
 from ._kv import KVBuffer, KVShape
 from ._logging import logger
+from ._pages import _longer
 
 KEY_CHARS_MAX: Final = 80
 """Longest page key, in characters."""
@@ -438,7 +439,7 @@ def _ascending(m: int) -> bytes:
     """`_ASCENDING`, at least `m` numbers long."""
     global _ASCENDING
     if len(_ASCENDING) < 8 * m:
-        _ASCENDING = np.arange(max(m, len(_ASCENDING) // 4), dtype=np.int64).tobytes()
+        _ASCENDING = _longer(_ASCENDING, m, 8, lambda k: np.arange(k, dtype=np.int64))
     return _ASCENDING
 
 
