@@ -4,7 +4,11 @@ Each backend instance (a writer) appends the records of its pages to segment fil
 its own (`_segments.py`: names, records, scans, crash safety). A backup's pages go out
 in one write per batch, no file per page: small pages (`RecordBlock.fits`) as a record
 block, the batch's records gathered by one copy beside headers built in bulk
-(`_record_block.py`); larger ones in one `pwritev` straight from the host runs. The keys
+(`_record_block.py`); larger ones in one `pwritev` straight from the host runs. A call of
+several batches writes each on a helper thread (`IOThreads.start`) while it makes the
+next one's records in the other of two blocks (or header sets), and waits for that write
+before it claims the next batch: one write in flight, in segment order, so a crash
+leaves what a sequential writer would. 64 KiB pages were written 1.3-1.5x as fast so. The keys
 of a batch are claimed in the index before it is written (`PageIndex.claim`: one dict
 probe a key tells a stored or repeated key and indexes a new one) and given back if the
 write fails: after each call the index holds only pages written whole. A read is one
@@ -39,8 +43,9 @@ import errno
 import itertools
 import os
 from collections.abc import Sequence
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Final
+from typing import Final, NamedTuple
 
 import torch
 
@@ -102,12 +107,15 @@ class FileBackend:
         self._evicted = 0
         self._errors = 0
         self._hosts: tuple[KVBuffer, HostPages] | None = None
-        self._sent = Headers.allocate(self.fmt, _PAGES_PER_CALL_MAX)
-        self._block_out: RecordBlock | None = None
-        """Made at the first write of pages small enough (`_record_block`)."""
+        self._sent = (Headers.allocate(self.fmt, _PAGES_PER_CALL_MAX), Headers.allocate(self.fmt, _PAGES_PER_CALL_MAX))
+        """The headers of large pages' records, two sets used in turn (`_records`)."""
+        self._blocks: tuple[RecordBlock, RecordBlock] | None = None
+        """Made at the first use of pages small enough (`_record_blocks`)."""
         self._received = Headers.allocate(self.fmt, _PAGES_PER_CALL_MAX)
         self._expected = Headers.allocate(self.fmt, _PAGES_PER_CALL_MAX)
         self._threads = IOThreads(config.storage_read_threads, f"hicache-file-read-{self._writer}")
+        self._writes = IOThreads(2, f"hicache-file-write-{self._writer}")
+        """Its helper writes one batch of records while the caller makes the next (`_append`)."""
         self._block = self._probe_writable()
         self._refresh(listing=True)
         self._make_room(0)
@@ -164,6 +172,7 @@ class FileBackend:
         self._index = PageIndex()
         self._current = None
         self._threads.close()
+        self._writes.close()
 
     def _host_pages(self, host: KVBuffer) -> HostPages:
         if self._hosts is None or self._hosts[0] is not host:
@@ -278,25 +287,49 @@ class FileBackend:
             stored = self._index.leading(keys)
         if keys and stored == len(keys):
             return StorageIO(pages=len(keys))  # all stored: nothing to make room for, no segment to start
-        block = self._record_block()
-        per_call = block.capacity if block else min(_PAGES_PER_CALL_MAX, IOV_MAX // (1 + pages.runs_per_page))
+        per_call = self._pages_per_append(pages)
         todo_keys, todo_starts, filtered = keys, starts, False
-        b = written = 0
-        while b < len(todo_keys):
-            batch = todo_keys[b : b + per_call]
-            appended, error = self._append(batch, todo_starts[b : b + per_call], pages)
+        b = written = turn = 0
+        pending: _Append | None = None
+        try:
+            while b < len(todo_keys):
+                batch, at = todo_keys[b : b + per_call], todo_starts[b : b + per_call]
+                bufs = self._records(batch, at, pages, turn)  # while the last batch is being written
+                turn ^= 1
+                done, pending = pending, None
+                error = self._landed(done) if done is not None else ""
+                if error:
+                    return self._write_failed(keys, written, error)
+                written += done.pages if done is not None else 0
+                pending, error = self._append(batch, bufs, last=b + len(batch) >= len(todo_keys))
+                if error:
+                    return self._write_failed(keys, written, error)
+                if pending is not None:
+                    b += len(batch)
+                elif filtered:
+                    raise InvariantError(f"file storage: page index refused new, distinct keys ({batch[0]} ..)")
+                else:  # some are stored already or repeated: from here on, write only the others
+                    todo_keys, todo_starts = self._unstored(todo_keys[b:], todo_starts[b:])
+                    b, filtered = 0, True
+            done, pending = pending, None
+            error = self._landed(done) if done is not None else ""
             if error:
-                return StorageIO(pages=self._index.leading(keys), written=written,
-                                 bytes=written * self.fmt.payload_bytes, error=error)
-            if appended:
-                written += len(batch)
-                b += len(batch)
-            elif filtered:
-                raise InvariantError(f"file storage: page index refused new, distinct keys ({batch[0]} ..)")
-            else:  # some are stored already or repeated: from here on, write only the others
-                todo_keys, todo_starts = self._unstored(todo_keys[b:], todo_starts[b:])
-                b, filtered = 0, True
+                return self._write_failed(keys, written, error)
+            written += done.pages if done is not None else 0
+        finally:
+            if pending is not None:  # an exception on the way: no write is left in flight
+                self._landed(pending)
         return StorageIO(pages=len(keys), written=written, bytes=written * self.fmt.payload_bytes)
+
+    def _write_failed(self, keys: Sequence[str], written: int, error: str) -> StorageIO:
+        return StorageIO(pages=self._index.leading(keys), written=written,
+                         bytes=written * self.fmt.payload_bytes, error=error)
+
+    def _pages_per_append(self, pages: HostPages) -> int:
+        """Pages one `pwritev` takes: a record block's (small pages), else what one call's buffers hold."""
+        if RecordBlock.fits(self.fmt):
+            return self._record_blocks()[0].capacity
+        return min(_PAGES_PER_CALL_MAX, IOV_MAX // (1 + pages.runs_per_page))
 
     def _unstored(self, keys: Sequence[str], starts: Sequence[int]) -> tuple[list[str], list[int]]:
         """The keys the index does not hold, each once (a key twice in one call is written once), and their pages."""
@@ -305,38 +338,63 @@ class FileBackend:
         return [keys[i] for i in todo], [starts[i] for i in todo]
 
     def _record_block(self) -> RecordBlock | None:
-        """Where this writer gathers the records of small pages (None: its pages go out from the host runs)."""
-        if self._block_out is None and RecordBlock.fits(self.fmt):
-            self._block_out = RecordBlock(self.fmt)
-        return self._block_out
+        """Where this backend reads small pages through (None: pages too large for a record block)."""
+        return self._record_blocks()[0] if RecordBlock.fits(self.fmt) else None
 
-    def _append(self, keys: list[str], starts: list[int], pages: HostPages) -> tuple[bool, str]:
-        """Append the records of these pages to this writer's segment in one `pwritev`: a record
-        block's, or each header and the page's runs in host memory. (appended, error); not
-        appended, without an error, when a key is stored already or repeated (`PageIndex.claim`)."""
+    def _record_blocks(self) -> tuple[RecordBlock, RecordBlock]:
+        """The two record blocks small pages are written through, in turn (made at first use)."""
+        if self._blocks is None:
+            self._blocks = (RecordBlock(self.fmt), RecordBlock(self.fmt))
+        return self._blocks
+
+    def _records(self, keys: list[str], starts: list[int], pages: HostPages, turn: int) -> list[memoryview]:
+        """The buffers of the records of these pages, made in the `turn`-th of two sets (the
+        other may still be being written): a record block (small pages), or each header
+        followed by the page's runs in host memory."""
+        if RecordBlock.fits(self.fmt):
+            return [self._record_blocks()[turn].fill(keys, starts, pages)]
+        payloads = pages.payloads(starts)
+        headers = self._sent[turn]
+        headers.fill(keys, pages.checksums(payloads))
+        return pages.records(headers.views, payloads)
+
+    def _append(self, keys: list[str], bufs: list[memoryview], *, last: bool) -> tuple[_Append | None, str]:
+        """Start appending the records of these pages (`bufs`) to this writer's segment in one
+        `pwritev`: on the write thread, or (`last` of a call: nothing to make meanwhile) here;
+        `_landed` takes its outcome. (the write, error); no write and no error when a key is
+        stored already or repeated (`PageIndex.claim`)."""
         need = len(keys) * self.fmt.stored_bytes
         self._make_room(need)
         seg, error = self._writable(need)
         if seg is None:
-            return False, f"page {keys[0]}: {error}"
+            return None, f"page {keys[0]}: {error}"
         if not self._index.claim(seg, keys):
-            return False, ""
-        if self._block_out is not None:
-            bufs = [self._block_out.fill(keys, starts, pages)]
+            return None, ""
+        job = (seg.fd, bufs, seg.scanned)
+        if last:
+            done: Future[list[None]] = Future()
+            try:
+                done.set_result([_write_records(job)])
+            except OSError as e:
+                done.set_exception(e)
         else:
-            payloads = pages.payloads(starts)
-            self._sent.fill(keys, pages.checksums(payloads))
-            bufs = pages.records(self._sent.views, payloads)
+            done = self._writes.start(_write_records, job)
+        return _Append(done, seg, keys[0], len(keys)), ""
+
+    def _landed(self, append: _Append) -> str:
+        """Wait for an append to end: its records count once written whole; a failed one is
+        taken back from the index and cut off the segment. The error ("" when none)."""
+        seg = append.segment
         try:
-            pwritev_all(seg.fd, bufs, seg.scanned)
+            append.done.result()
         except OSError as e:
-            self._index.unclaim(seg, len(keys))
+            self._index.unclaim(seg, append.pages)
             self._cut_tail(seg)
-            return False, f"page {keys[0]}: " + self._error("writing", seg.path, e, keys[0])
-        seg.scanned += need
+            return f"page {append.first_key}: " + self._error("writing", seg.path, e, append.first_key)
+        seg.scanned += append.pages * self.fmt.stored_bytes
         if self.max_bytes:
             self._restat(seg)
-        return True, ""
+        return ""
 
     def _writable(self, need: int) -> tuple[Segment | None, str]:
         """This writer's segment with room for `need` more bytes: a new one when there is none,
@@ -516,3 +574,17 @@ class FileBackend:
         if seg.fd >= 0:
             os.close(seg.fd)
             seg.fd = -1
+
+
+class _Append(NamedTuple):
+    """One batch of records on its way to a segment (`FileBackend._append`)."""
+
+    done: Future[list[None]]
+    segment: Segment
+    first_key: str
+    pages: int
+
+
+def _write_records(args: tuple[int, list[memoryview], int]) -> None:
+    fd, bufs, offset = args
+    pwritev_all(fd, bufs, offset)

@@ -11,7 +11,10 @@ would join it at exit. A child forked after the helpers started has none of thei
 threads, so its first call starts helpers of its own.
 
 The call is synchronous: `map` returns once every piece has finished, whatever failed,
-so no helper is still writing into host slots the caller's caller may hand on. Which
+so no helper is still writing into host slots the caller's caller may hand on. `start`
+hands one piece to the first helper and returns at once: the file backend's writes send
+one batch of records while the caller makes the next, and take its outcome before the
+call returns. Which
 piece runs where changes nothing but time: each piece reads its own bytes into its own
 slots and returns its own checksums, and the caller combines them in order. This module
 and the Mooncake client's call thread are where the storage backends use threads; the
@@ -91,6 +94,17 @@ class IOThreads:
         for k, got in enumerate(theirs, start=1):
             out[k::n] = got
         return out
+
+    def start(self, fn: Callable[[T], R], item: T) -> Future[list[R]]:
+        """`fn(item)` on the first helper, begun now: the caller goes on with other work and
+        takes the outcome from the future (`[fn(item)]`, or what it raised) before it starts
+        the next one. Needs a helper (`threads` >= 2)."""
+        if self.threads < 2:
+            raise ValueError(f"IOThreads.start needs a helper thread; this one has {self.threads} thread")
+        self._start(1)
+        done: Future[list[R]] = Future()
+        self._helpers[0].put((done, fn, (item,)))
+        return done
 
     def close(self) -> None:
         """Stop the helpers (each after the work it has)."""

@@ -10,6 +10,8 @@ import errno
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -142,6 +144,75 @@ def test_a_failed_block_write_leaves_no_page_indexed_and_the_next_write_goes_on(
     backend.check_invariants()
     dst = _host(config, HostLayout.PAGE_FIRST)
     assert FileBackend(config).read(["a0", "a1", "b0", "b1", "b2"], dst, _slots(list(range(5)))).pages == 5
+    backend.close()
+
+
+def test_a_write_of_several_blocks_makes_each_next_block_while_the_last_is_written_one_at_a_time_in_order(
+        tmp_path: Path, monkeypatch) -> None:
+    config = _config(tmp_path, 2048)
+    backend = FileBackend(config)
+    capacity = backend._record_block().capacity
+    n = 2 * capacity + 10  # three blocks
+    src = _host(config, HostLayout.LAYER_FIRST, seed=6)
+    real, calls, busy = _file_backend.pwritev_all, [], []
+    record = backend.fmt.stored_bytes
+
+    def watched(fd: int, bufs: list[memoryview], offset: int) -> None:
+        busy.append(1)
+        calls.append((threading.current_thread().name, offset, sum(map(len, bufs)), len(busy)))
+        time.sleep(0.05)  # long enough for the caller to make the next block meanwhile, if it does
+        try:
+            real(fd, bufs, offset)
+        finally:
+            busy.pop()
+
+    monkeypatch.setattr(_file_backend, "pwritev_all", watched)
+    keys = [f"{i:016x}-w" for i in range(n)]
+    assert backend.write(keys, src, _slots(list(range(n)))).written == n
+    backend.check_invariants()
+    # Every block but the last goes out on the write thread; the last (nothing left to make) here.
+    assert [name.startswith("hicache-file-write-") for name, *_ in calls] == [True, True, False]
+    assert [(offset, size) for _, offset, size, _ in calls] == [
+        (0, capacity * record), (capacity * record, capacity * record), (2 * capacity * record, 10 * record)]
+    assert max(depth for *_, depth in calls) == 1, "two writes of one segment were in flight together"
+    dst = _host(config, HostLayout.PAGE_FIRST)
+    assert backend.read(keys, dst, _slots(list(range(n)))).pages == n
+    assert torch.equal(dst.read(_slots(list(range(n)))).view(torch.uint8), src.read(_slots(list(range(n)))).view(torch.uint8))
+    backend.close()
+
+
+@pytest.mark.parametrize("failing", [0, 1])
+def test_a_failed_write_on_the_write_thread_keeps_the_blocks_before_it_and_indexes_none_after(
+        tmp_path: Path, monkeypatch, failing: int) -> None:
+    config = _config(tmp_path, 2048)
+    backend = FileBackend(config)
+    capacity = backend._record_block().capacity
+    n = 2 * capacity + 10
+    src = _host(config, HostLayout.PAGE_FIRST, seed=8)
+    real, seen = _file_backend.pwritev_all, []
+
+    def fails_once(fd: int, bufs: list[memoryview], offset: int) -> None:
+        seen.append(offset)
+        if len(seen) - 1 == failing:
+            os.pwrite(fd, bufs[0][: len(bufs[0]) // 3], offset)  # a third of the block made it
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd, bufs, offset)
+
+    monkeypatch.setattr(_file_backend, "pwritev_all", fails_once)
+    keys = [f"{i:016x}-f" for i in range(n)]
+    io = backend.write(keys, src, _slots(list(range(n))))
+    assert (io.pages, io.written) == (failing * capacity, failing * capacity)
+    assert "No space left on device" in io.error and keys[failing * capacity] in io.error
+    assert len(seen) == failing + 1, "a block after the failed one was written"
+    backend.check_invariants()
+    assert backend.exists(keys) == failing * capacity
+    assert os.path.getsize(next(tmp_path.iterdir())) == failing * capacity * backend.fmt.stored_bytes
+    monkeypatch.setattr(_file_backend, "pwritev_all", real)
+    assert backend.write(keys, src, _slots(list(range(n)))).written == n - failing * capacity
+    backend.check_invariants()
+    dst = _host(config, HostLayout.LAYER_FIRST)
+    assert FileBackend(config).read(keys, dst, _slots(list(range(n)))).pages == n
+    assert torch.equal(dst.read(_slots(list(range(n)))).view(torch.uint8), src.read(_slots(list(range(n)))).view(torch.uint8))
     backend.close()
 
 
