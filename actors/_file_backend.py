@@ -8,7 +8,8 @@ block, the batch's records gathered by one copy beside headers built in bulk
 several batches writes each on a helper thread (`IOThreads.start`) while it makes the
 next one's records in the other of two blocks (or header sets), and waits for that write
 before it claims the next batch: one write in flight, in segment order, so a crash
-leaves what a sequential writer would. 64 KiB pages were written 1.3-1.5x as fast so. The keys
+leaves what a sequential writer would (64 KiB pages: 1.3-1.5x the rate of one batch
+after the other). The keys
 of a batch are claimed in the index before it is written (`PageIndex.claim`: one dict
 probe a key tells a stored or repeated key and indexes a new one) and given back if the
 write fails: after each call the index holds only pages written whole. A read is one
@@ -297,10 +298,9 @@ class FileBackend:
                 bufs = self._records(batch, at, pages, turn)  # while the last batch is being written
                 turn ^= 1
                 done, pending = pending, None
-                error = self._landed(done) if done is not None else ""
+                written, error = self._settle(done, written)
                 if error:
                     return self._write_failed(keys, written, error)
-                written += done.pages if done is not None else 0
                 pending, error = self._append(batch, bufs, last=b + len(batch) >= len(todo_keys))
                 if error:
                     return self._write_failed(keys, written, error)
@@ -312,14 +312,20 @@ class FileBackend:
                     todo_keys, todo_starts = self._unstored(todo_keys[b:], todo_starts[b:])
                     b, filtered = 0, True
             done, pending = pending, None
-            error = self._landed(done) if done is not None else ""
+            written, error = self._settle(done, written)
             if error:
                 return self._write_failed(keys, written, error)
-            written += done.pages if done is not None else 0
         finally:
             if pending is not None:  # an exception on the way: no write is left in flight
                 self._landed(pending)
         return StorageIO(pages=len(keys), written=written, bytes=written * self.fmt.payload_bytes)
+
+    def _settle(self, append: _Append | None, written: int) -> tuple[int, str]:
+        """Pages written whole so far once `append` (if any) has landed, and its error."""
+        if append is None:
+            return written, ""
+        error = self._landed(append)
+        return (written, error) if error else (written + append.pages, "")
 
     def _write_failed(self, keys: Sequence[str], written: int, error: str) -> StorageIO:
         return StorageIO(pages=self._index.leading(keys), written=written,
