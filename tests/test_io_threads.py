@@ -102,3 +102,34 @@ def test_a_forked_child_starts_helpers_of_its_own() -> None:
 def test_fewer_than_one_thread_is_a_value_error(bad: object) -> None:
     with pytest.raises(ValueError, match="at least 1 thread"):
         IOThreads(bad, "test-io")  # type: ignore[arg-type]
+
+
+def test_start_runs_one_piece_on_the_first_helper_while_the_caller_goes_on() -> None:
+    threads = IOThreads(2, "test-io-start")
+    try:
+        gate = threading.Event()
+
+        def piece(x: int) -> tuple[int, str]:
+            assert gate.wait(5), "the caller never went on"
+            return x * 10, threading.current_thread().name
+
+        done = threads.start(piece, 4)
+        assert not done.done()  # it waits for the caller, which is not waiting for it
+        gate.set()
+        assert done.result(timeout=5) == [(40, "test-io-start-1")]
+
+        def fails(x: int) -> int:
+            raise OSError(28, "No space left on device")
+
+        failed = threads.start(fails, 1)
+        with pytest.raises(OSError, match="No space left"):
+            failed.result(timeout=5)
+        assert threads.start(abs, -3).result(timeout=5) == [3], "a failure leaves the helper usable"
+        assert threads.map(abs, [-1, -2]) == [1, 2]
+    finally:
+        threads.close()
+
+
+def test_start_without_a_helper_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match="needs a helper thread"):
+        IOThreads(1, "test-io").start(abs, -1)
