@@ -4,7 +4,6 @@ logged once with its path; never a raised error, never wrong KV)."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
