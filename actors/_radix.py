@@ -126,8 +126,8 @@ class RadixTree:
             node = self.root(namespace)
         else:
             node = self._continue(namespace, after, own_from, priority, out)
-        data, lo, _ = tokens.span()  # a slice of a larger value is read where it lies
-        step, end = self._page_bytes, lo + 8 * n
+        data, lo, end = tokens.head_span(n)  # read where they lie: a slice of a larger value's, a lazy join's part
+        step = self._page_bytes
         pos = 0
         while pos < n:
             at = lo + 8 * pos

@@ -39,7 +39,7 @@ from typing import Any, Final, Protocol
 
 import msgpack
 
-from ._index import Indices, Tokens, _Joined
+from ._index import Indices, Tokens, _Joined, _JoinedTokens
 from ._registry import ENUM_TYPES, MESSAGE_TYPES, Message, field_names
 
 _EXT_INDICES: Final = 1
@@ -254,6 +254,7 @@ _PUT: dict[type, _Put] = {
     Indices: _indices_put(_EXT_INDICES, _EXT_INDICES_BLOB),
     _Joined: _indices_put(_EXT_INDICES, _EXT_INDICES_BLOB),  # a lazy concat: the same value
     Tokens: _indices_put(_EXT_TOKENS, _EXT_TOKENS_BLOB),
+    _JoinedTokens: _indices_put(_EXT_TOKENS, _EXT_TOKENS_BLOB),
 }
 """The encoder of each exact type msgpack's packer packs natively (lists, dicts and byte buffers
 too, as it did, though messages carry none), of `Indices`, and of each registered enum and

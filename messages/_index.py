@@ -10,10 +10,13 @@ token is; any other slice is a copy of its part, so that a small slice never kee
 large value's bytes alive. Either way the value is immutable: its bytes are a
 `bytes` object's.
 
-`Indices.concat` of several parts of `JOIN_LAZY_BYTES_MIN` bytes or more joins them
-when something first reads the bytes; its length and its slices need none, so a
-scheduler that joins a cached prefix's slots to new ones and hands the tree the new
-part copies nothing. Such a value is an `Indices` like any other to every reader.
+`Indices.concat` (and `Tokens.concat`) of several parts of `JOIN_LAZY_BYTES_MIN` bytes or
+more joins them when something first reads the bytes; its length, its slices and the
+span of a prefix held by its first part (`head_span`) need none, so a scheduler that
+joins a cached prefix's slots to new ones and hands the tree the new part copies
+nothing, and neither does a request's tokens' way to the tree (`view_then`: a view of
+its prompt's bytes and what it committed past them). Such a value is an `Indices` (or
+a `Tokens`) like any other to every reader.
 """
 
 from __future__ import annotations
@@ -113,28 +116,46 @@ class Indices:
     def concat(cls, parts: Iterable[Indices]) -> Indices:
         """The indices of all parts, one after another (a lone non-empty part of this class as it is).
 
-        Indices of at least `JOIN_LAZY_BYTES_MIN` bytes in several parts are joined only when
-        something reads their bytes; a slice within one part is that part's slice, so that a
-        cached prefix's slots joined to new ones and sliced back to the new ones copies nothing."""
+        Indices (or `Tokens`) of at least `JOIN_LAZY_BYTES_MIN` bytes in several parts are joined
+        only when something reads their bytes; a slice within one part is that part's slice, so
+        that a cached prefix's slots joined to new ones and sliced back to the new ones copies
+        nothing, and a request's tokens that are mostly a view of its prompt's are not copied
+        on their way to the tree."""
         parts = parts if type(parts) is list else list(parts)
+        lazy = _LAZY.get(cls)
         if len(parts) > 1:  # an empty part adds nothing: a cached prefix of none, say
-            parts = [p for p in parts if type(p) is _Joined or p._data]  # a lazy value is never empty
-        if len(parts) == 1 and (type(parts[0]) is cls or cls is Indices and type(parts[0]) is _Joined):
+            parts = [p for p in parts if type(p) is lazy or p._data]  # a lazy value is never empty
+        if len(parts) == 1 and (type(parts[0]) is cls or type(parts[0]) is lazy):
             return parts[0]  # as joining one bytes object would return it, and a view is not copied
-        if cls is Indices and len(parts) > 1:
+        if lazy is not None and len(parts) > 1:
             flat: list[Indices] = []
             size = 0
             for p in parts:
-                if type(p) is _Joined and p._parts is not None:
+                if type(p) is lazy and p._parts is not None:
                     flat += p._parts
                     size += p._n * _ITEM_BYTES
                 else:
                     flat.append(p)
                     size += len(p._data)
             if size >= JOIN_LAZY_BYTES_MIN:
-                return _Joined._of(tuple(flat), size // _ITEM_BYTES)
+                return lazy._of(tuple(flat), size // _ITEM_BYTES)
             parts = flat
         return cls._wrap(b"".join([p._data for p in parts]))
+
+    @classmethod
+    def view_then(cls, data: bytes, lo: int, hi: int, tail: bytes) -> Indices:
+        """The items of `data[lo:hi]` (whole int64s), then those of `tail`: a lazy join of a
+        view of the first and `tail`, which copies neither; at most `JOIN_LAZY_BYTES_MIN`
+        bytes in all, one copy. A view whatever its share of `data`: for a caller that holds
+        `data` as long as the value anyway (a request's prompt, while it is live)."""
+        lazy = _LAZY[cls]
+        if hi - lo + len(tail) < JOIN_LAZY_BYTES_MIN or hi <= lo:
+            return cls._wrap(data[lo:hi] + tail)
+        head = cls._wrap(memoryview(data)[lo:hi])
+        object.__setattr__(head, "_at", lo)
+        if not tail:
+            return head
+        return lazy._of((head, cls._wrap(tail)), (hi - lo + len(tail)) // _ITEM_BYTES)
 
     @classmethod
     def _wrap(cls, data: bytes | memoryview) -> Indices:
@@ -182,6 +203,12 @@ class Indices:
         if type(data) is bytes:
             return data, 0, len(data)
         return data.obj, self._at, self._at + len(data)
+
+    def head_span(self, n: int) -> tuple[bytes, int, int]:
+        """`span()` of the first `n` items (at most `len(self)`): for a lazy join whose first
+        part holds them, that part's, so that reading a prefix joins nothing."""
+        data, start, _ = self.span()
+        return data, start, start + n * _ITEM_BYTES
 
     def __getitem__(self, key: slice) -> Indices:
         if not isinstance(key, slice) or key.step not in (None, 1):
@@ -269,6 +296,12 @@ class _Joined(Indices):
     def _wrap(cls, data: bytes | memoryview) -> Indices:
         return Indices._wrap(data)  # what the base class's slices make of the joined bytes: plain values
 
+    def head_span(self, n: int) -> tuple[bytes, int, int]:
+        parts = self._parts
+        if parts is not None and n <= len(parts[0]):
+            return parts[0].head_span(n)
+        return Indices.head_span(self, n)
+
     def __getattr__(self, name: str) -> bytes:
         # Only `_data` is ever unset (until the first read of the bytes, which joins them).
         if name != "_data":
@@ -292,22 +325,22 @@ class _Joined(Indices):
         if stop - start >= self._n:
             return self
         if stop <= start:
-            return EMPTY
+            return self._wrap(b"")
         pieces, at = [], 0
         for p in parts:
             end = at + len(p._data) // _ITEM_BYTES
             if start < end and stop > at:
                 pieces.append(p[start - at if start > at else 0 : stop - at])
             at = end
-        return pieces[0] if len(pieces) == 1 else _Joined._of(tuple(pieces), stop - start)
+        return pieces[0] if len(pieces) == 1 else type(self)._of(tuple(pieces), stop - start)
 
     def __reduce__(self) -> tuple[type[Indices], tuple[bytes]]:
-        return (Indices, (self.to_bytes(),))
+        return (_kind(self), (self.to_bytes(),))
 
 
 def _kind(value: object) -> type | None:
-    """The kind of value an `Indices` is for equality: `Indices` (a lazy join too) or `Tokens`."""
-    return Indices if type(value) is _Joined else type(value)
+    """The kind of value an `Indices` is for equality: `Indices` or `Tokens` (a lazy join of either too)."""
+    return _KIND.get(type(value), type(value))
 
 
 class Tokens(Indices):
@@ -315,5 +348,20 @@ class Tokens(Indices):
 
     __slots__ = ()
 
+
+class _JoinedTokens(_Joined, Tokens):
+    """`Tokens.concat` of several parts, joined when first read: `_Joined` for token ids."""
+
+    __slots__ = ()
+
+    @classmethod
+    def _wrap(cls, data: bytes | memoryview) -> Indices:
+        return Tokens._wrap(data)
+
+
+_LAZY: Final[dict[type, type[_Joined]]] = {Indices: _Joined, Tokens: _JoinedTokens}
+"""Per kind, the class of its lazy joins (`concat`)."""
+_KIND: Final[dict[type, type]] = {_Joined: Indices, _JoinedTokens: Tokens}
+"""Per lazy class, the kind of value it is for equality, hashing and encoding."""
 
 EMPTY: Final = Indices()

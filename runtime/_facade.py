@@ -127,9 +127,10 @@ class _Live:
     handle: CacheHandle
     namespace: str
     tokens: list[bytes | memoryview | bytearray]
-    """Committed token ids (int64 bytes) in order, the cached prefix first (a view of the admitted
-    prompt's bytes); joined on demand. Small commits (decode steps) are appended to one
-    bytearray at the end (`HiCache._record`), not kept an object each."""
+    """Committed token ids (int64 bytes) in order, the cached prefix first: a view of the admitted
+    prompt's bytes, which grows over the commits that continue the prompt (`along`); joined on
+    demand. Small commits (decode steps) are appended to one bytearray at the end
+    (`HiCache._record`), not kept an object each."""
     committed: int
     pages: list[Indices]
     """The device pages of its positions, in token order (the cached prefix's first); joined on
@@ -154,6 +155,12 @@ class _Live:
     prefix: int = 0
     """Tokens of the cached prefix its handle locks (whole pages): the tree has them, so a
     finish or a `cache_unfinished` sends only what comes after."""
+    prompt: Tokens = Tokens()
+    """The prompt it was admitted with (checked, immutable)."""
+    along: int = -1
+    """While every committed token is the prompt's, how many are (`tokens` is then one view
+    of the prompt's bytes): a commit that continues the prompt is compared with it, not copied
+    (`check.prompt_continued`). -1 once one differs (or was not compared)."""
     page_tail: bytearray | None = None
     """The bytes of pages granted a few at a time (decode steps) after `pages`, one bytearray
     rather than an `Indices` each: a long decode of a large batch would otherwise keep an
@@ -162,15 +169,19 @@ class _Live:
     first two pieces (its cached prefix's pages, its first grant) are kept as they came."""
 
     def token_data(self) -> bytes:
+        """Every committed token's bytes, joined (for checks: `tokens` stays as it is)."""
         first = self.tokens[0]
-        if len(self.tokens) != 1 or type(first) is not bytes:
-            first = b"".join(self.tokens)
-            self.tokens = [first]
-        return first
+        return first if len(self.tokens) == 1 and type(first) is bytes else b"".join(self.tokens)
 
     def tokens_after_prefix(self) -> Tokens:
-        """The committed tokens after the cached prefix: a commit's bytes as they are when they
-        are all of it (as a prefill's are), else one join."""
+        """The committed tokens after the cached prefix: a slice of the prompt and the bytes
+        committed past it, joined only when read (the tree reads the whole pages, which the
+        prompt holds); else a commit's bytes as they are when they are all of it, or one join."""
+        first = self.tokens[0]
+        if type(first) is memoryview and len(first) > 8 * self.prefix:  # commits continued the prompt
+            rest = self.tokens[1:]
+            tail = b"" if not rest else rest[0] if len(rest) == 1 and type(rest[0]) is bytes else b"".join(rest)
+            return Tokens.view_then(self.prompt.to_bytes(), 8 * self.prefix, len(first), tail)
         i, skip = _past(self.tokens, 8 * self.prefix)
         rest = self.tokens[i:]
         if len(rest) == 1 and not skip and type(rest[0]) is bytes:
@@ -292,6 +303,11 @@ class HiCache:
         self._ops = self.system.services.ids
         self._slot_table: SlotTable | None = None
         """Built at the first start: 8 bytes per device slot."""
+        self._along_prompt = self.config.page_size > 1
+        """Whether a commit that continues the prompt is compared with it rather than copied
+        (`_Live.along`). At page size 1 every token ends a whole page, so the tree reads a
+        finished request's last token too, and its tokens are joined into one copy anyway:
+        there a commit copies, as the join would later, without the comparison."""
         self._interrupts = Interrupts(on_enter=self._collect)
         self._caller = 0
         self._kv: DeviceKV | None = None
@@ -406,7 +422,7 @@ class HiCache:
         self._storage_hit_tokens += storage
         handle = CacheHandle(rid, adm.handle)
         live = _Live(handle, item.namespace, [memoryview(item.tokens.to_bytes())[: 8 * cached]], cached, [], cached, -1,
-                     prefix=cached)
+                     prefix=cached, prompt=item.tokens, along=cached)
         live.add_pages(adm.device)
         self._live[rid] = live
         return AdmitResult(rid, handle, self._slots(adm.device, cached), adm.device_hit, adm.host_hit,
@@ -729,8 +745,17 @@ class HiCache:
             self._record(self._commits(tokens))
 
     @staticmethod
-    def _record(commits: list[tuple[_Live, bytes, int]]) -> None:
-        for live, data, n in commits:
+    def _record(commits: list[tuple[_Live, bytes, int, int]]) -> None:
+        for live, data, n, m in commits:
+            if m:  # the prompt's next tokens: its view grows
+                live.along += m
+                live.tokens[0] = memoryview(live.prompt.to_bytes())[: 8 * live.along]
+                live.committed += m
+                live.unsent += m
+                n -= m
+                if not n:
+                    continue
+            live.along = -1
             if n > _SMALL_PIECE:  # a prefill's: kept as it came
                 live.tokens.append(data)
             elif type(tail := live.tokens[-1]) is bytearray:  # a decode step's: onto the tail
@@ -740,8 +765,9 @@ class HiCache:
             live.committed += n
             live.unsent += n
 
-    def _commits(self, tokens: Mapping[str, TokenIds]) -> list[tuple[_Live, bytes, int]]:
-        """Each commit checked (all before any is recorded): the request, its token bytes and count."""
+    def _commits(self, tokens: Mapping[str, TokenIds]) -> list[tuple[_Live, bytes, int, int]]:
+        """Each commit checked (all before any is recorded): the request, the bytes of its tokens
+        past those that continue the prompt, its count of tokens, and the count of those."""
         if type(tokens) is not dict and not isinstance(tokens, Mapping):
             raise RequestError(f"commit must map request ids to tokens, got {type(tokens).__name__}")
         out = []
@@ -750,15 +776,19 @@ class HiCache:
             live = lives.get(rid) if type(rid) is str else None  # a live request's id is a valid one
             if live is None:
                 live = self._req(check.request_id(rid, "a request id in commit"))
-            data = check.token_bytes(toks, "tokens committed for request", rid)
-            n = len(data) // 8
+            m, data = 0, b""
+            if live.along == live.committed and self._along_prompt:
+                m, data = check.prompt_continued(live.prompt.to_bytes(), live.along, toks) or (0, b"")
+            if not m:
+                data = check.token_bytes(toks, "tokens committed for request", rid)
+            n = m + len(data) // 8
             if live.committed + n > live.allocated:
                 raise RequestError(
                     f"request {rid!r}: committing {n} tokens makes {live.committed + n} committed "
                     f"but only {live.allocated} slots are allocated (allocate before writing KV)"
                 )
             if n:
-                out.append((live, data, n))
+                out.append((live, data, n, m))
         return out
 
     def allocated(self, request_id: str) -> int:

@@ -48,6 +48,8 @@ _FEW_TENSOR_TOKENS = 16
 and checked in Python."""
 _LITTLE_ENDIAN = sys.byteorder == "little"
 """A contiguous int64 CPU tensor's memory is already the wire's little-endian int64 bytes."""
+_NUMPY_INT64 = numpy.dtype("<i8")
+"""Little-endian int64: the only numpy ids a commit compares with its prompt as they lie."""
 
 COUNT_MAX = 2**62
 """Largest count of tokens or slots a call may name (more than any pool; fits every wire field)."""
@@ -370,6 +372,40 @@ def _tensor_token_bytes(t: torch.Tensor) -> bytes:
     else:
         data = Tokens.from_tensor(t).to_bytes()  # one copy; it converts the dtype and device itself
     return _nonnegative(data, n)
+
+
+def prompt_continued(prompt: bytes, at: int, tokens: Any) -> tuple[int, bytes] | None:
+    """How committed `tokens` continue a request's admitted prompt (`prompt`, its checked int64
+    bytes) from token `at`, when they are int64s as they lie in memory (a contiguous CPU tensor,
+    numpy array or `array("q")`; a prefill's part of the prompt, say): `(m, rest)`, where the
+    first `m` tokens are the prompt's from `at` on (one comparison of bytes, no copy, no check:
+    the prompt's were checked) and `rest` is the bytes of the others. None for any other form
+    of tokens, when they differ from the prompt's where both have tokens, or when `rest` holds
+    a negative id: `token_bytes` takes those, as any commit (and names what is wrong)."""
+    kind = type(tokens)
+    if kind is torch.Tensor:
+        if tokens.dtype is not torch.int64 or not tokens.is_cpu or tokens.dim() != 1 \
+                or not tokens.is_contiguous() or tokens.requires_grad:
+            return None
+        ids = memoryview(tokens.numpy())
+    elif kind is numpy.ndarray:
+        if tokens.dtype != _NUMPY_INT64 or tokens.ndim != 1 or not tokens.flags.c_contiguous:
+            return None
+        ids = memoryview(tokens)
+    elif kind is array:
+        if tokens.typecode not in "ql" or tokens.itemsize != 8:
+            return None
+        ids = memoryview(tokens)
+    else:
+        return None
+    n = len(ids)
+    m = min(n, len(prompt) // 8 - at)
+    if m <= 0 or not _LITTLE_ENDIAN or not prompt.startswith(ids[:m], 8 * at):
+        return None
+    if m == n:
+        return m, b""
+    rest = ids[m:].tobytes()
+    return None if _negative(rest, n - m) else (m, rest)
 
 
 def demands(value: Any, what: str, maximum: int) -> dict[str, int]:

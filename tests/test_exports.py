@@ -94,6 +94,7 @@ INTERNAL = {
     "hicache.runtime._facade_types.namespace": "the facade's check of a namespace argument",
     "hicache.runtime._facade_types.request_id": "the facade's check of a request id argument",
     "hicache.runtime._facade_types.token_bytes": "the facade's check and conversion of token ids",
+    "hicache.runtime._facade_types.prompt_continued": "the facade's comparison of a commit with the admitted prompt",
     "hicache.messages._config_values.Rule": "protocol of a Config field's rule; Config's field metadata holds them",
     "hicache.messages._config_values.Count": "a Config field's rule (integers in a range)",
     "hicache.messages._config_values.Number": "a Config field's rule (finite numbers in a range)",

@@ -319,8 +319,52 @@ def test_a_concat_of_lazy_values_flattens_and_small_or_token_concats_join_at_onc
     assert Indices.concat([EMPTY, ab]) is ab  # a lone part, lazy or not, as it is
     small = Indices.concat([Indices.of([1]), Indices.of([2])])
     assert type(small) is Indices and small.tolist() == [1, 2]
-    tokens = Tokens.concat([Tokens.of(range(600)), Tokens.of(range(600))])
-    assert type(tokens) is Tokens and len(tokens) == 1200 and tokens != Indices.of(list(range(600)) * 2)
+    small_tokens = Tokens.concat([Tokens.of([1]), Tokens.of([2])])
+    assert type(small_tokens) is Tokens and small_tokens == Tokens.of([1, 2])
+
+
+def test_a_large_token_concat_is_a_lazy_tokens_value() -> None:
+    from hicache.messages import FinishItem, ReleaseReason, decode, encode
+
+    a, b = Tokens.of(range(600)), Tokens.of(range(1000, 1600))
+    joined = Tokens.concat([a, b])
+    eager = Tokens(a.to_bytes() + b.to_bytes())
+    assert isinstance(joined, Tokens) and len(joined) == 1200
+    assert joined[:600].span()[0] is a.span()[0]  # a slice within a part: that part, no join
+    assert type(joined[10:20]) is Tokens and type(joined[590:610]) is not Indices and joined[5:5] == Tokens()
+    assert joined == eager and eager == joined and hash(joined) == hash(eager)
+    assert joined != Indices(eager.to_bytes()) and Indices(eager.to_bytes()) != joined  # another kind
+    assert repr(joined) == repr(eager) == "Tokens([0, 1, 2, 3, ...] n=1200)"
+    for other in (pickle.loads(pickle.dumps(joined)), copy.copy(Tokens.concat([a, b]))):
+        assert type(other) is Tokens and other == eager
+    item = FinishItem(request_id="r", handle=1, tokens=Tokens.concat([a, b]), device=Indices.of([1]),
+                      reason=ReleaseReason.FINISHED, allocs=0, commits=0)
+    back = decode(encode(item))
+    assert type(back.tokens) is Tokens and back == item
+
+
+def test_head_span_reads_a_prefix_where_it_lies_without_joining() -> None:
+    a, b = _big(0, 600), _big(5000, 600)
+    joined = Indices.concat([a, b])
+    data, start, stop = joined.head_span(500)
+    assert data is a.span()[0] and (start, stop) == (0, 4000)
+    big = _big(0, 2000)
+    view = big[100:2000]  # a view of most of big's bytes
+    assert view.head_span(10) == (big.span()[0], 800, 880)
+    data, start, stop = joined.head_span(700)  # across the parts: the joined bytes
+    assert data[start:stop] == joined.to_bytes()[:5600]
+
+
+def test_view_then_is_a_view_and_a_tail_whatever_the_share_of_the_bytes() -> None:
+    data = Tokens.of(range(10_000)).to_bytes()
+    out = Tokens.view_then(data, 8 * 9000, 8 * 9600, Tokens.of([7, 8]).to_bytes())
+    assert type(out) is not Tokens and isinstance(out, Tokens)  # lazy: nothing joined yet
+    assert out.head_span(600) == (data, 8 * 9000, 8 * 9600)  # a tenth of `data`, still not copied
+    assert out == Tokens.of([*range(9000, 9600), 7, 8])
+    alone = Tokens.view_then(data, 0, 8 * 1000, b"")
+    assert type(alone) is Tokens and alone.span() == (data, 0, 8000) and alone == Tokens.of(range(1000))
+    small = Tokens.view_then(data, 8, 80, b"")  # a few ids: copied, keeping nothing alive
+    assert type(small) is Tokens and small.span()[0] is not data and small == Tokens.of(range(1, 10))
 
 
 @settings(max_examples=60)

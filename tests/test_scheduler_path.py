@@ -16,12 +16,13 @@ from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
+import numpy
 import pytest
 import torch
 
 import hicache.actors._radix as radix_module
 import hicache.actors._radix_node as node_module
-from hicache.messages import ActorName, SlotDemand
+from hicache.messages import ActorName, SlotDemand, Tokens
 from hicache.runtime import Config, HiCache, Insufficient, Request, RequestError, ThreadedRuntime, WritePolicy
 from hicache.runtime.testing import DeterministicRuntime, RandomStrategy, ReferenceScheduler, SchedulerConfig
 from hicache.runtime.testing._mutants import mutant
@@ -615,3 +616,83 @@ def test_the_write_stream_cannot_be_put_on_the_executor_on_cuda() -> None:
     for bad in ("no", 1, 0):
         with pytest.raises(TypeError, match="write_stream_thread must be None, True or False"):
             ThreadedRuntime(write_stream_thread=bad)  # type: ignore[arg-type]
+
+
+def _ids(form: str, values: list[int]) -> Any:
+    """`values` as a scheduler may keep them: an int64 tensor, numpy array or array("q")."""
+    if form == "tensor":
+        return torch.tensor(values, dtype=torch.int64)
+    if form == "numpy":
+        return numpy.array(values, dtype=numpy.int64)
+    return array("q", values)
+
+
+@pytest.mark.parametrize("form", ["tensor", "numpy", "array"])
+def test_a_prefill_committed_from_the_prompts_ids_reaches_the_tree_as_the_admitted_bytes(
+    make_config: Callable[..., Config], form: str
+) -> None:
+    """A commit of the prompt's own tokens (a slice of the ids it was admitted with) is
+    compared with the admitted prompt, not copied: the tokens a cache_unfinished and a finish
+    send the tree are read where the admitted prompt's bytes lie. What gets cached is what was
+    committed, and the caller's ids may change afterwards without changing the cache."""
+    items: list[Any] = []
+
+    def observe(receiver: ActorName, mail: Any) -> None:
+        if mail.sender is ActorName.FACADE and receiver is ActorName.TREE and hasattr(mail.message, "items"):
+            items.extend(mail.message.items)
+
+    config = make_config(page_size=16, device_pages=256, host_pages=512)
+    p = config.page_size
+    original = list(range(1, 1 + 120 * p + 1))  # 120 pages and a last token
+    full = _ids(form, original)
+    with HiCache(config, runtime=make_runtime("threads", observe=observe)) as hc:
+        [a] = hc.admit([Request("a", full[:-1])])
+        [admitted] = [it for it in items if type(it).__name__ == "AdmitItem"]
+        prompt_bytes = admitted.tokens.span()[0]
+        assert isinstance(hc.allocate({"a": len(full)}), dict)
+        hc.commit({"a": full[: 40 * p]})  # a prefill chunk: the prompt's first 40 pages
+        items.clear()
+        [a2] = hc.cache_unfinished([a.handle])
+        [cached] = [it for it in items if type(it).__name__ == "CacheItem"]
+        assert cached.tokens.head_span(40 * p)[0] is prompt_bytes
+        assert cached.tokens.tolist() == original[: 40 * p]
+        hc.commit({"a": full[40 * p :]})  # the rest of the prompt and the last token
+        full[:] = _ids(form, [7] * len(original))  # the caller reuses its ids: the cache keeps what was committed
+        items.clear()
+        hc.finish([a2])
+        [done] = [it for it in items if type(it).__name__ == "FinishItem"]
+        assert done.tokens.head_span(80 * p)[0] is prompt_bytes  # the tree reads the whole pages there
+        assert done.tokens.tolist() == original[40 * p :] and done.tokens == Tokens.of(original[40 * p :])
+        hc.check_invariants()
+        [b] = hc.admit([Request("b", original + [5])])
+        assert b.cached_tokens == 120 * p
+        hc.finish([b.handle])
+        hc.check_invariants()
+
+
+def test_a_commit_that_differs_from_the_prompt_is_what_gets_cached_and_a_bad_one_commits_nothing(
+    make_config: Callable[..., Config]
+) -> None:
+    config = make_config(page_size=16, device_pages=256, host_pages=512)
+    p = config.page_size
+    prompt = torch.arange(1, 1 + 40 * p, dtype=torch.int64)
+    computed = prompt.clone()
+    computed[25 * p] = 9999  # the engine's tokens part from the prompt's in page 25
+    with HiCache(config, runtime=make_runtime("threads")) as hc:
+        [a] = hc.admit([Request("a", prompt)])
+        assert isinstance(hc.allocate({"a": 40 * p + 1}), dict)
+        for bad in (torch.cat([prompt[: 10 * p], torch.tensor([-3])]),  # a negative id for a prompt's
+                    torch.cat([prompt, torch.tensor([-3])])):  # one past the prompt's
+            with pytest.raises(RequestError, match="-3"):
+                hc.commit({"a": bad})
+            assert hc.committed_tokens("a") == []
+        hc.commit({"a": prompt[: 10 * p]})
+        hc.commit({"a": torch.cat([computed[10 * p :], torch.tensor([4])])})
+        assert hc.committed_tokens("a") == computed.tolist() + [4]
+        hc.check_invariants()
+        hc.finish([a.handle])
+        [b] = hc.admit([Request("b", computed.tolist() + [4, 5])])
+        [c] = hc.admit([Request("c", prompt.tolist() + [5])])
+        assert (b.cached_tokens, c.cached_tokens) == (40 * p, 25 * p)
+        hc.finish([b.handle, c.handle])
+        hc.check_invariants()
