@@ -38,6 +38,7 @@ import torch
 from hicache.actors._logging import logger
 from hicache.actors._errors import InvariantError
 from hicache.actors._pages import SlotTable, new_pages
+from hicache.messages._index import VIEW_BYTES_MIN, VIEW_FRACTION
 from hicache.messages import (
     ActorName,
     AdmitItem,
@@ -167,6 +168,16 @@ class _Live:
     object per request per step, which the garbage collector's full passes walk again and
     again. Moved into `pages` as one `Indices` when they are read (`_seal`). A request's
     first two pieces (its cached prefix's pages, its first grant) are kept as they came."""
+
+    def follows_prompt(self) -> bool:
+        """Whether the next commit is compared with the prompt rather than copied: every token
+        committed so far is the prompt's, and the tree would keep what follows the cached prefix
+        as a view of the prompt's bytes (at least `VIEW_BYTES_MIN` bytes and `VIEW_FRACTION` of
+        them, `key_part`'s rule). Else the tree copies its key from them anyway, and a copy at
+        commit, which the tree then keeps as it is, costs no more than the comparison."""
+        rest = 8 * (len(self.prompt) - self.prefix)
+        return self.along == self.committed and rest >= VIEW_BYTES_MIN \
+            and rest >= VIEW_FRACTION * 8 * len(self.prompt)
 
     def token_data(self) -> bytes:
         """Every committed token's bytes, joined (for checks: `tokens` stays as it is)."""
@@ -777,7 +788,7 @@ class HiCache:
             if live is None:
                 live = self._req(check.request_id(rid, "a request id in commit"))
             m, data = 0, b""
-            if live.along == live.committed and self._along_prompt:
+            if self._along_prompt and live.follows_prompt():
                 m, data = check.prompt_continued(live.prompt.to_bytes(), live.along, toks) or (0, b"")
             if not m:
                 data = check.token_bytes(toks, "tokens committed for request", rid)

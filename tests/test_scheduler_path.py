@@ -664,9 +664,24 @@ def test_a_prefill_committed_from_the_prompts_ids_reaches_the_tree_as_the_admitt
         assert done.tokens.head_span(80 * p)[0] is prompt_bytes  # the tree reads the whole pages there
         assert done.tokens.tolist() == original[40 * p :] and done.tokens == Tokens.of(original[40 * p :])
         hc.check_invariants()
-        [b] = hc.admit([Request("b", original + [5])])
+        # A prompt mostly cached (120 of 160 pages): the tree would copy its new node's key out
+        # of the prompt's bytes, so the commit copies (as any), and the tree keeps that copy.
+        longer = original[:-1] + list(range(5000, 5000 + 40 * p + 1))
+        items.clear()
+        [b] = hc.admit([Request("b", _ids(form, longer[:-1]))])
         assert b.cached_tokens == 120 * p
+        [admitted_b] = [it for it in items if type(it).__name__ == "AdmitItem"]
+        assert isinstance(hc.allocate({"b": 40 * p + 1}), dict)
+        ids = _ids(form, longer)
+        hc.commit({"b": ids[120 * p :]})
+        items.clear()
         hc.finish([b.handle])
+        [done] = [it for it in items if type(it).__name__ == "FinishItem"]
+        assert done.tokens.head_span(40 * p)[0] is not admitted_b.tokens.span()[0]
+        assert done.tokens.tolist() == longer[120 * p :]
+        [c] = hc.admit([Request("c", longer + [5])])
+        assert c.cached_tokens == 160 * p
+        hc.finish([c.handle])
         hc.check_invariants()
 
 
