@@ -696,8 +696,8 @@ def test_a_commit_that_differs_from_the_prompt_is_what_gets_cached_and_a_bad_one
     with HiCache(config, runtime=make_runtime("threads")) as hc:
         [a] = hc.admit([Request("a", prompt)])
         assert isinstance(hc.allocate({"a": 40 * p + 1}), dict)
-        for bad in (torch.cat([prompt[: 10 * p], torch.tensor([-3])]),  # a negative id for a prompt's
-                    torch.cat([prompt, torch.tensor([-3])])):  # one past the prompt's
+        for bad in (torch.cat([prompt[: 10 * p], torch.tensor([-3])]),  # a negative id where the prompt has one
+                    torch.cat([prompt, torch.tensor([-3])])):  # a negative id past the prompt
             with pytest.raises(RequestError, match="-3"):
                 hc.commit({"a": bad})
             assert hc.committed_tokens("a") == []
