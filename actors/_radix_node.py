@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from hicache.messages import Indices
-from hicache.messages._index import VIEW_BYTES_MIN, VIEW_FRACTION, _kind
+from hicache.messages._index import VIEW_FRACTION, _kind, viewed
 
 from ._errors import InvariantError
 
@@ -163,18 +163,18 @@ class InsertOutcome:
 def key_part(data: bytes | memoryview, lo: int, hi: int) -> bytes | memoryview:
     """`data[lo:hi]` as a node key, where `data` is a `bytes` object or a view of one (a key,
     or the bytes under a `Tokens`): a read-only view of the same bytes when the part is at
-    least `VIEW_BYTES_MIN` bytes and `VIEW_FRACTION` of that object, else a copy of exactly
-    the part. Views of one object are disjoint parts of it (a node's key, its split halves),
+    least `VIEW_BYTES_MIN` bytes and `VIEW_FRACTION` of that object (`viewed`), else a copy of
+    exactly the part. Views of one object are disjoint parts of it (a node's key, its split halves),
     each at least half of it, so at most two share it, and nothing is kept alive beyond twice
     the bytes of the live keys."""
     size = hi - lo
     if type(data) is bytes:
         if size == len(data):
             return data
-        if size >= VIEW_BYTES_MIN and size >= VIEW_FRACTION * len(data):
+        if viewed(size, len(data)):
             return memoryview(data)[lo:hi]
         return data[lo:hi]
-    if size >= VIEW_BYTES_MIN and size >= VIEW_FRACTION * len(data.obj):
+    if viewed(size, len(data.obj)):
         return data[lo:hi]
     return data[lo:hi].tobytes()
 

@@ -37,6 +37,15 @@ VIEW_BYTES_MIN: Final = 4096
 VIEW_FRACTION: Final = 0.5
 """A slice keeping at least this fraction of the bytes under it is a view of them: what a
 view keeps alive beyond itself is at most as much again."""
+
+
+def viewed(size: int, whole: int) -> bool:
+    """The slice rule: whether a part of `size` bytes of a `whole`-byte object is kept as a
+    view of it (else a copy of the part). A value's slices and the radix tree's node keys
+    follow it, and the facade asks it where a commit would become such a part."""
+    return size >= VIEW_BYTES_MIN and size >= VIEW_FRACTION * whole
+
+
 JOIN_LAZY_BYTES_MIN: Final = VIEW_BYTES_MIN
 """`Indices.concat` of at least this many bytes in several parts is joined when first read
 (smaller ones are joined at once, in less time than the lazy value takes to make)."""
@@ -148,14 +157,13 @@ class Indices:
         view of the first and `tail`, which copies neither; at most `JOIN_LAZY_BYTES_MIN`
         bytes in all, one copy. A view whatever its share of `data`: for a caller that holds
         `data` as long as the value anyway (a request's prompt, while it is live)."""
-        lazy = _LAZY[cls]
         if hi - lo + len(tail) < JOIN_LAZY_BYTES_MIN or hi <= lo:
             return cls._wrap(data[lo:hi] + tail)
         head = cls._wrap(memoryview(data)[lo:hi])
         object.__setattr__(head, "_at", lo)
         if not tail:
             return head
-        return lazy._of((head, cls._wrap(tail)), (hi - lo + len(tail)) // _ITEM_BYTES)
+        return _LAZY[cls]._of((head, cls._wrap(tail)), (hi - lo + len(tail)) // _ITEM_BYTES)
 
     @classmethod
     def _wrap(cls, data: bytes | memoryview) -> Indices:
@@ -219,7 +227,7 @@ class Indices:
         if hi - lo == len(data):
             return self
         under = len(data) if type(data) is bytes else len(data.obj)
-        if hi - lo >= VIEW_BYTES_MIN and hi - lo >= VIEW_FRACTION * under:
+        if viewed(hi - lo, under):
             if type(data) is bytes:
                 out, at = self._wrap(memoryview(data)[lo:hi]), lo
             else:

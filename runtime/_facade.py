@@ -38,7 +38,7 @@ import torch
 from hicache.actors._logging import logger
 from hicache.actors._errors import InvariantError
 from hicache.actors._pages import SlotTable, new_pages
-from hicache.messages._index import VIEW_BYTES_MIN, VIEW_FRACTION
+from hicache.messages._index import viewed
 from hicache.messages import (
     ActorName,
     AdmitItem,
@@ -161,7 +161,10 @@ class _Live:
     along: int = -1
     """While every committed token is the prompt's, how many are (`tokens` is then one view
     of the prompt's bytes): a commit that continues the prompt is compared with it, not copied
-    (`check.prompt_continued`). -1 once one differs (or was not compared)."""
+    (`check.prompt_continued`). -1 once one differs or was copied, and from the start at page
+    size 1: there every token ends a whole page, so the tree reads a finished request's last
+    token too and its tokens are joined into one copy anyway; a commit copies, as the join
+    would later, without the comparison."""
     page_tail: bytearray | None = None
     """The bytes of pages granted a few at a time (decode steps) after `pages`, one bytearray
     rather than an `Indices` each: a long decode of a large batch would otherwise keep an
@@ -172,17 +175,15 @@ class _Live:
     def follows_prompt(self) -> bool:
         """Whether the next commit is compared with the prompt rather than copied: every token
         committed so far is the prompt's, and the tree would keep what follows the cached prefix
-        as a view of the prompt's bytes (at least `VIEW_BYTES_MIN` bytes and `VIEW_FRACTION` of
-        them, `key_part`'s rule). Else the tree copies its key from them anyway, and a copy at
-        commit, which the tree then keeps as it is, costs no more than the comparison."""
-        rest = 8 * (len(self.prompt) - self.prefix)
-        return self.along == self.committed and rest >= VIEW_BYTES_MIN \
-            and rest >= VIEW_FRACTION * 8 * len(self.prompt)
+        as a view of the prompt's bytes (`viewed`, the rule of its node keys). Else the tree
+        copies its key from them anyway, and a copy at commit, which the tree then keeps as it
+        is, costs no more than the comparison."""
+        return self.along == self.committed and viewed(8 * (len(self.prompt) - self.prefix), 8 * len(self.prompt))
 
     def token_data(self) -> bytes:
-        """Every committed token's bytes, joined (for checks: `tokens` stays as it is)."""
-        first = self.tokens[0]
-        return first if len(self.tokens) == 1 and type(first) is bytes else b"".join(self.tokens)
+        """Every committed token's bytes, joined (for checks: `tokens` stays as it is; one
+        `bytes` piece is returned as it is)."""
+        return b"".join(self.tokens)
 
     def tokens_after_prefix(self) -> Tokens:
         """The committed tokens after the cached prefix: a slice of the prompt and the bytes
@@ -190,8 +191,7 @@ class _Live:
         prompt holds); else a commit's bytes as they are when they are all of it, or one join."""
         first = self.tokens[0]
         if type(first) is memoryview and len(first) > 8 * self.prefix:  # commits continued the prompt
-            rest = self.tokens[1:]
-            tail = b"" if not rest else rest[0] if len(rest) == 1 and type(rest[0]) is bytes else b"".join(rest)
+            tail = b"".join(self.tokens[1:])  # one bytes piece as it is
             return Tokens.view_then(self.prompt.to_bytes(), 8 * self.prefix, len(first), tail)
         i, skip = _past(self.tokens, 8 * self.prefix)
         rest = self.tokens[i:]
@@ -314,11 +314,6 @@ class HiCache:
         self._ops = self.system.services.ids
         self._slot_table: SlotTable | None = None
         """Built at the first start: 8 bytes per device slot."""
-        self._along_prompt = self.config.page_size > 1
-        """Whether a commit that continues the prompt is compared with it rather than copied
-        (`_Live.along`). At page size 1 every token ends a whole page, so the tree reads a
-        finished request's last token too, and its tokens are joined into one copy anyway:
-        there a commit copies, as the join would later, without the comparison."""
         self._interrupts = Interrupts(on_enter=self._collect)
         self._caller = 0
         self._kv: DeviceKV | None = None
@@ -433,7 +428,7 @@ class HiCache:
         self._storage_hit_tokens += storage
         handle = CacheHandle(rid, adm.handle)
         live = _Live(handle, item.namespace, [memoryview(item.tokens.to_bytes())[: 8 * cached]], cached, [], cached, -1,
-                     prefix=cached, prompt=item.tokens, along=cached)
+                     prefix=cached, prompt=item.tokens, along=cached if self.config.page_size > 1 else -1)
         live.add_pages(adm.device)
         self._live[rid] = live
         return AdmitResult(rid, handle, self._slots(adm.device, cached), adm.device_hit, adm.host_hit,
@@ -788,7 +783,7 @@ class HiCache:
             if live is None:
                 live = self._req(check.request_id(rid, "a request id in commit"))
             m, data = 0, b""
-            if self._along_prompt and live.follows_prompt():
+            if live.follows_prompt():
                 m, data = check.prompt_continued(live.prompt.to_bytes(), live.along, toks) or (0, b"")
             if not m:
                 data = check.token_bytes(toks, "tokens committed for request", rid)

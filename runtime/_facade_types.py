@@ -384,16 +384,15 @@ def prompt_continued(prompt: bytes, at: int, tokens: Any) -> tuple[int, bytes] |
     a negative id: `token_bytes` takes those, as any commit (and names what is wrong)."""
     kind = type(tokens)
     if kind is torch.Tensor:
-        if tokens.dtype is not torch.int64 or not tokens.is_cpu or tokens.dim() != 1 \
-                or not tokens.is_contiguous() or tokens.requires_grad:
-            return None
+        if tokens.dtype is not torch.int64 or not tokens.is_cpu or tokens.dim() != 1 or not tokens.is_contiguous():
+            return None  # (an int64 tensor never requires grad: `numpy()` takes it)
         ids = memoryview(tokens.numpy())
     elif kind is numpy.ndarray:
         if tokens.dtype != _NUMPY_INT64 or tokens.ndim != 1 or not tokens.flags.c_contiguous:
             return None
         ids = memoryview(tokens)
     elif kind is array:
-        if tokens.typecode not in "ql" or tokens.itemsize != 8:
+        if tokens.typecode != "q":  # as `token_bytes` reads int64s as they lie
             return None
         ids = memoryview(tokens)
     else:

@@ -26,6 +26,7 @@ INTERNAL = {
     "hicache.messages._doc.main": "the command that writes docs/messages.md (`python -m hicache.messages._doc`)",
     "hicache.messages._doc.page": "docs/messages.md as the message classes make it; the docs test compares",
     "hicache.messages._registry.frozen_fast_init": "how @message and the facade's frozen records get their __init__",
+    "hicache.messages._index.viewed": "the slice rule that Indices slices, node keys and the facade's commits share",
     "hicache.runtime._lazy.lazy_exports": "the PEP 562 exports of hicache.runtime and hicache.runtime.demo",
     "hicache.actors._transfer_core.batch_indices": "stream actors' helper over a TransferQueue batch",
     "hicache.actors._transfer_core.op_problem": "stream actors' check of a WriteKV/LoadKV before queueing",
