@@ -157,6 +157,10 @@ class Indices:
         view of the first and `tail`, which copies neither; at most `JOIN_LAZY_BYTES_MIN`
         bytes in all, one copy. A view whatever its share of `data`: for a caller that holds
         `data` as long as the value anyway (a request's prompt, while it is live)."""
+        if type(data) is not bytes or type(tail) is not bytes or lo % _ITEM_BYTES or hi % _ITEM_BYTES \
+                or len(tail) % _ITEM_BYTES or not 0 <= lo <= hi <= len(data):
+            raise ValueError(f"view_then needs bytes, 0 <= lo <= hi <= len(data) at int64 boundaries and a tail of "
+                             f"whole int64s, got lo={lo}, hi={hi}, {len(data)} and {len(tail)} bytes")
         if hi - lo + len(tail) < JOIN_LAZY_BYTES_MIN or hi <= lo:
             return cls._wrap(data[lo:hi] + tail)
         head = cls._wrap(memoryview(data)[lo:hi])
@@ -215,6 +219,8 @@ class Indices:
     def head_span(self, n: int) -> tuple[bytes, int, int]:
         """`span()` of the first `n` items (at most `len(self)`): for a lazy join whose first
         part holds them, that part's, so that reading a prefix joins nothing."""
+        if not 0 <= n <= len(self):
+            raise ValueError(f"head_span of {n} items of a value of {len(self)}")
         data, start, _ = self.span()
         return data, start, start + n * _ITEM_BYTES
 
@@ -306,7 +312,7 @@ class _Joined(Indices):
 
     def head_span(self, n: int) -> tuple[bytes, int, int]:
         parts = self._parts
-        if parts is not None and n <= len(parts[0]):
+        if parts is not None and 0 <= n <= len(parts[0]):
             return parts[0].head_span(n)
         return Indices.head_span(self, n)
 

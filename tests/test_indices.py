@@ -365,6 +365,11 @@ def test_view_then_is_a_view_and_a_tail_whatever_the_share_of_the_bytes() -> Non
     assert type(alone) is Tokens and alone.span() == (data, 0, 8000) and alone == Tokens.of(range(1000))
     small = Tokens.view_then(data, 8, 80, b"")  # a few ids: copied, keeping nothing alive
     assert type(small) is Tokens and small.span()[0] is not data and small == Tokens.of(range(1, 10))
+    for lo, hi, tail in ((8, 4, b""), (3, 80, b""), (0, 8 * 10_001, b""), (0, 80, b"123")):
+        with pytest.raises(ValueError, match="view_then needs"):
+            Tokens.view_then(data, lo, hi, tail)
+    with pytest.raises(ValueError, match="head_span of 1201 items of a value of 1200"):
+        Tokens.concat([Tokens.of(range(600)), Tokens.of(range(600))]).head_span(1201)
 
 
 @settings(max_examples=60)
