@@ -1,12 +1,15 @@
 """`System`: builds the cores and buffers from a `Config`, starts the actors, stops them.
 
-The threaded runtime runs each actor on its own thread (pykka's ThreadingActor).
+The threaded runtime runs the bookkeeping actors on a serial executor and the copying
+ones on threads of their own (pykka's ThreadingActor), which it waits for when the
+system stops.
 Time, ids, randomness, faults and delivery observation come from `Services`, so
 the deterministic runtime can run the same actor classes without threads.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections import deque
@@ -45,9 +48,18 @@ from hicache.actors._services import (
     Services,
 )
 from hicache.messages.config import Config, StorageKind, check_resources
+from hicache.actors._logging import logger
 
 DEFAULT_ASK_TIMEOUT_S = 60.0
 """How long the caller waits for an actor's reply before raising TimeoutError."""
+
+THREAD_JOIN_TIMEOUT_S = 10.0
+"""How long stopping a system waits for each thread it started (an actor's, a timer's) to end
+once told to: a storage call hung on a dead mount or server does not hold the caller longer."""
+
+_THREAD_NUMBERS = itertools.count(1)
+
+log = logger("hicache.system")
 
 
 EXECUTOR_ACTORS = frozenset({ActorName.TREE, ActorName.DEVICE, ActorName.HOST})
@@ -81,6 +93,9 @@ class ThreadedRuntime:
             raise TypeError(f"write_stream_thread must be None, True or False, got {write_stream_thread!r}")
         self.executor = SerialExecutor()
         self.write_stream_thread = write_stream_thread
+        self._threads: list[threading.Thread] = []
+        """The threads of the actors started on threads of their own, joined by `shutdown`."""
+        self._thread_classes: dict[type, type] = {}
         self._timers: list[threading.Timer] = []
         self._timers_lock = threading.Lock()
         self.services = Services(
@@ -97,7 +112,28 @@ class ThreadedRuntime:
     def start(self, cls: type[HiActor], **kwargs: Any) -> pykka.ActorRef[Any]:
         if cls.name in EXECUTOR_ACTORS or (cls.name is ActorName.WRITE and not self._write_thread(kwargs)):
             return self.executor.actor_class(cls).start(**kwargs)
-        return cls.start(**kwargs)
+        return self._thread_class(cls).start(**kwargs)
+
+    def _thread_class(self, cls: type[HiActor]) -> type[HiActor]:
+        """`cls` on a thread this runtime keeps (made once per class), so that stopping the
+        system waits for it to end. pykka's own actor starts its thread and forgets it, so a
+        system could be stopped while the thread still ran its last lines; a process that
+        exited then could abort in torch's native code (`terminate called without an active
+        exception`) as the interpreter stopped the thread."""
+        made = self._thread_classes.get(cls)
+        if made is None:
+            threads = self._threads
+
+            class OnThread(cls):  # type: ignore[valid-type, misc]
+                def _start_actor_loop(self) -> None:
+                    thread = threading.Thread(target=self._actor_loop, name=f"{cls.__name__}-{next(_THREAD_NUMBERS)}",
+                                              daemon=self.use_daemon_thread)
+                    threads.append(thread)
+                    thread.start()
+
+            OnThread.__name__ = OnThread.__qualname__ = cls.__name__
+            made = self._thread_classes[cls] = OnThread
+        return made
 
     def _write_thread(self, kwargs: Mapping[str, Any]) -> bool:
         cuda = kwargs["device_kv"].device.type != "cpu"
@@ -125,11 +161,21 @@ class ThreadedRuntime:
         timer.start()
 
     def shutdown(self) -> None:
-        """Cancel pending timers (called when the system stops)."""
+        """Cancel pending timers, then wait for them and for the actors' threads to end (called
+        once every actor was told to stop): when a system's stop returns, none of its threads
+        runs (each waited for at most `THREAD_JOIN_TIMEOUT_S`; one still running is logged)."""
         with self._timers_lock:
-            for t in self._timers:
-                t.cancel()
-            self._timers.clear()
+            timers, self._timers = self._timers, []
+        for t in timers:
+            t.cancel()
+        threads, self._threads = self._threads, []
+        me = threading.current_thread()
+        for thread in (*timers, *threads):
+            if thread is not me:
+                thread.join(THREAD_JOIN_TIMEOUT_S)
+                if thread.is_alive():
+                    log.warning("thread still running after the system stopped", thread=thread.name,
+                                waited_s=THREAD_JOIN_TIMEOUT_S)
 
 
 class _QueueMailbox:

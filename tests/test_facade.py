@@ -512,3 +512,33 @@ def test_a_handle_of_another_request_is_refused(open_cache: Callable[..., Schedu
         hc.finish([forged])
     hc.abort([a.handle, b.handle])
     s.assert_quiet()
+
+
+def test_no_thread_of_a_closed_cache_is_still_running(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The actors with threads of their own (the load stream, the prefetcher with its backend's
+    helpers) have ended when `close` returns: a process that exits then stops no thread halfway
+    through native code (which can abort it: `terminate called without an active exception`).
+    Each actor thread's last lines are slowed here, so a close that did not wait would return first."""
+    import threading
+
+    import pykka
+
+    teardown = pykka.Actor._actor_loop_teardown
+
+    def slow_teardown(self: Any) -> None:
+        time.sleep(0.2)
+        teardown(self)
+
+    monkeypatch.setattr(pykka.Actor, "_actor_loop_teardown", slow_teardown)
+    before = set(threading.enumerate())
+    config = Config(layers=1, kv_heads=1, head_dim=8, page_size=4, device_slots=64, host_slots=256,
+                    storage="file", storage_dir=str(tmp_path), prefetch_threshold_pages=1)
+    with HiCache(config) as hc:
+        started = set(threading.enumerate()) - before
+        assert {t.name.rsplit("-", 1)[0] for t in started} >= {"LoadStreamActor", "StoragePrefetcherActor"}
+        [adm] = hc.admit([Request("a", list(range(1, 10)))])
+        hc.allocate({"a": 10})
+        hc.commit({"a": list(range(1, 11))})
+        hc.finish([adm.handle])
+        hc.quiesce()
+    assert [t.name for t in set(threading.enumerate()) - before if t.is_alive()] == []

@@ -70,14 +70,16 @@ def test_a_failed_piece_is_raised_only_after_every_other_piece_finished() -> Non
         threads.close()
 
 
-def test_helpers_are_daemon_threads_that_stop_on_close() -> None:
+def test_helpers_are_daemon_threads_that_have_ended_when_close_returns() -> None:
+    """A process that exits right after a close must find no helper halfway through its work:
+    close waits for each to finish what it was given."""
     threads = IOThreads(3, "test-io-close")
     threads.map(abs, [1, 2, 3])
     helpers = [t for t in threading.enumerate() if t.name.startswith("test-io-close-")]
     assert len(helpers) == 2 and all(t.daemon for t in helpers)
+    busy = threads.start(time.sleep, 0.3)  # the first helper is still sleeping when close is called
     threads.close()
-    for t in helpers:
-        t.join(timeout=5)
+    assert busy.done() and busy.result() == [None]
     assert not any(t.is_alive() for t in helpers)
 
 
