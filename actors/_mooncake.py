@@ -142,7 +142,8 @@ class _BoundedCalls:
         """(returned, its value) or (raised, the exception), of the last call."""
         self._overran = ""
         """The name of a call the caller gave up on, until the thread is done with it."""
-        threading.Thread(target=self._work, name="hicache-mooncake", daemon=True).start()
+        self._thread = threading.Thread(target=self._work, name="hicache-mooncake", daemon=True)
+        self._thread.start()
 
     def busy(self) -> str:
         """What still runs after its caller gave up on it; "" when the thread is free."""
@@ -186,8 +187,12 @@ class _BoundedCalls:
             self._take_overrun(blocking=True)
         return self.busy()
 
-    def stop(self) -> None:
+    def stop(self, *, wait: bool) -> None:
+        """End the thread once it is free; `wait`: return once it has ended (up to the timeout;
+        a close does not wait for a thread whose call is stuck in the client)."""
         self._jobs.put(None)
+        if wait:
+            self._thread.join(self.timeout_s)
 
     def _work(self) -> None:
         while (job := self._jobs.get()) is not None:
@@ -238,10 +243,10 @@ class MooncakeBackend:
                                      self._block.address, self._block.nbytes)
         except _CallFailed as e:
             _ABANDONED.append(self._store)  # still inside setup: never destroy it mid-run
-            self._calls.stop()
+            self._calls.stop(wait=False)
             raise StorageError(_setup_failed(config, str(e))) from None
         if rc != 0:
-            self._calls.stop()
+            self._calls.stop(wait=True)
             raise StorageError(_setup_failed(config, _describe(rc)))
 
     @property
@@ -472,7 +477,7 @@ class MooncakeBackend:
             _ABANDONED.append(self._keep)  # the client and every buffer a stuck call may touch
         else:
             self._store.close()  # holds the GIL, so the call thread could not bound it either
-        self._calls.stop()
+        self._calls.stop(wait=not problem)
         self._threads.close()
 
 

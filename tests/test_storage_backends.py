@@ -602,7 +602,8 @@ def test_a_bounded_call_returns_its_value_and_reraises_what_it_raised() -> None:
             calls.run("lookup", {}.__getitem__, "missing")
         assert calls.run("after an error", lambda: "fine") == "fine" and calls.busy() == ""
     finally:
-        calls.stop()
+        calls.stop(wait=True)
+    assert not calls._thread.is_alive(), "a stop that waits returns once the call thread has ended"
 
 
 def test_a_call_that_overran_fails_the_next_ones_until_it_returns_and_its_value_is_never_taken() -> None:
@@ -639,7 +640,7 @@ def test_a_call_that_overran_fails_the_next_ones_until_it_returns_and_its_value_
         assert calls.busy() == ""
     finally:
         gate.set()
-        calls.stop()
+        calls.stop(wait=True)
 
 
 def test_a_wait_cut_short_by_an_interrupt_leaves_the_call_pending_not_its_value_for_the_next() -> None:
@@ -674,4 +675,4 @@ def test_a_wait_cut_short_by_an_interrupt_leaves_the_call_pending_not_its_value_
         assert calls.run("next", lambda: "fresh") == "fresh"
     finally:
         gate.set()
-        calls.stop()
+        calls.stop(wait=True)
