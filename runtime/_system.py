@@ -168,7 +168,8 @@ class ThreadedRuntime:
             timers, self._timers = self._timers, []
         for t in timers:
             t.cancel()
-        threads, self._threads = self._threads, []
+        threads = list(self._threads)
+        self._threads.clear()  # in place: the classes `_thread_class` made append to this list
         me = threading.current_thread()
         for thread in (*timers, *threads):
             if thread is not me:

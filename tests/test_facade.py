@@ -533,12 +533,15 @@ def test_no_thread_of_a_closed_cache_is_still_running(tmp_path: Any, monkeypatch
     before = set(threading.enumerate())
     config = Config(layers=1, kv_heads=1, head_dim=8, page_size=4, device_slots=64, host_slots=256,
                     storage="file", storage_dir=str(tmp_path), prefetch_threshold_pages=1)
-    with HiCache(config) as hc:
+    hc = HiCache(config)
+    for turn in range(2):  # a cache started again after a close: its new threads are waited for too
+        hc.start()
         started = set(threading.enumerate()) - before
         assert {t.name.rsplit("-", 1)[0] for t in started} >= {"LoadStreamActor", "StoragePrefetcherActor"}
-        [adm] = hc.admit([Request("a", list(range(1, 10)))])
-        hc.allocate({"a": 10})
-        hc.commit({"a": list(range(1, 11))})
+        [adm] = hc.admit([Request(f"a{turn}", list(range(1, 10)))])
+        hc.allocate({f"a{turn}": 10 - adm.cached_tokens})
+        hc.commit({f"a{turn}": list(range(1 + adm.cached_tokens, 11))})
         hc.finish([adm.handle])
         hc.quiesce()
-    assert [t.name for t in set(threading.enumerate()) - before if t.is_alive()] == []
+        hc.close()
+        assert [t.name for t in set(threading.enumerate()) - before if t.is_alive()] == [], f"after close {turn + 1}"
