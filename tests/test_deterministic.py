@@ -366,6 +366,9 @@ def test_pykka_still_has_the_three_hooks_the_deterministic_runtime_overrides() -
     assert "_create_future()" in inspect.getsource(pykka.ActorRef.ask)
     for hook in ("_create_actor_inbox", "_create_future", "_start_actor_loop"):
         assert hook in pykka.ThreadingActor.__dict__, f"pykka.ThreadingActor no longer defines {hook}"
+    # ThreadedRuntime._thread_class starts an actor's thread as pykka does, keeping it to wait for at stop.
+    start = inspect.getsource(pykka.ThreadingActor._start_actor_loop)
+    assert "target=self._actor_loop" in start and "self.use_daemon_thread" in start and "start()" in start
     loop = inspect.getsource(pykka.Actor._actor_loop_running)
     # The deterministic runtime copies this loop body for one envelope; if pykka changes it, re-check.
     digest = hashlib.sha256(loop.encode()).hexdigest()[:16]

@@ -1,0 +1,224 @@
+"""Seeded random sequences of the facade's calls, as a scheduler makes them and as it gets
+them wrong, on the threaded runtime with every tier.
+
+A seed picks a page size, pool sizes, a write policy, a storage tier (none or files) and a
+prefetch policy, and whether the write stream runs on a thread of its own; then it makes a
+few hundred calls: admissions (of new ids and of retracted ones, some after a storage
+prefetch), prefills committed in pieces, decode steps that allocate and commit in one call,
+`cache_unfinished`, finish, abort and retract, device and host eviction, and calls a
+scheduler must not make (each a one-line `RequestError` that changes nothing). Token ids
+come in every accepted form. The KV of every position is the fingerprint oracle's, written
+into the slots the cache handed out; every cached prefix an admission reports is read back
+from device memory and compared with it, whichever tier it came from. After each call the
+invariants of every actor and of the facade are checked. Some seeds log their deliveries,
+and the log must replay with no divergence.
+
+A failure names its seed and step: rerun that seed to reproduce it (the threads' timing
+may move it).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from array import array
+from pathlib import Path
+from typing import Any
+
+import numpy
+import pytest
+import torch
+
+from hicache.actors import KVShape
+from hicache.runtime import Config, HiCache, Request, RequestError, ThreadedRuntime, read_log
+from hicache.runtime.oracle import FingerprintOracle
+from hicache.runtime.testing import replay_log
+
+pytestmark = pytest.mark.timeout(120)
+
+STEPS = 160
+
+
+class _Run:
+    """One seed's calls and the scheduler-side state they need."""
+
+    def __init__(self, seed: int, tmp_path: Path) -> None:
+        self.seed = seed
+        rng = self.rng = random.Random(seed)
+        p = self.page = rng.choice([1, 2, 4, 8])
+        device = p * rng.choice([24, 40, 64])
+        config = Config(layers=2, kv_heads=1, head_dim=4, page_size=p, device_slots=device,
+                        host_slots=device * rng.choice([2, 4]), host_tier=rng.random() < 0.8,
+                        write_policy=rng.choice(["write_through", "write_back", "write_through_selective"]))
+        if config.host_tier and rng.random() < 0.6:
+            config = config.replace(storage="file", storage_dir=str(tmp_path / "l3"), prefetch_threshold_pages=1,
+                                    prefetch_policy=rng.choice(["best_effort", "wait_complete", "timeout"]))
+        self.logged = seed % 3 == 0
+        if self.logged:
+            config = config.replace(log_path=str(tmp_path / "deliveries.log"))
+        self.config = config
+        self.runtime = ThreadedRuntime(write_stream_thread=rng.random() < 0.5)
+        self.model = FingerprintOracle(KVShape.of(config))
+        vocab = [rng.randrange(1, 50) for _ in range(6)]
+        self.vocab = vocab
+        self.stems = [[rng.choice(vocab) for _ in range(rng.randrange(1, 3 * p + 4))] for _ in range(4)]
+        self.live: dict[str, dict[str, Any]] = {}
+        self.retracted: list[str] = []
+        self.turns: list[list[int]] = []
+        """The committed tokens of finished requests, which a later admission may continue."""
+        self.made = 0
+        self.verified = 0
+
+    def tokens(self, ids: list[int]) -> Any:
+        """`ids` in one of the forms the facade takes."""
+        form = self.rng.randrange(5)
+        if form == 1:
+            return torch.tensor(ids, dtype=torch.int64)
+        if form == 2:
+            return numpy.array(ids, dtype=numpy.int64)
+        if form == 3:
+            return array("q", ids)
+        return tuple(ids) if form == 4 else list(ids)
+
+    def write(self, cache: HiCache, st: dict[str, Any], upto: int) -> None:
+        """The oracle's KV of positions `st["committed"]`..`upto` into the request's slots."""
+        start = st["committed"]
+        if upto > start:
+            kv = cache.kv
+            new = self.model.expected(st["tokens"][:upto], start, upto)
+            for layer in range(kv.layers):
+                kv.write(layer, st["slots"][start:upto], new[0, layer], new[1, layer])
+
+    def commit(self, cache: HiCache, rid: str, upto: int) -> None:
+        st = self.live[rid]
+        self.write(cache, st, upto)
+        cache.commit({rid: self.tokens(st["tokens"][st["committed"]:upto])})
+        st["committed"] = upto
+
+    def admit(self, cache: HiCache, step: int) -> None:
+        rng = self.rng
+        if self.retracted and rng.random() < 0.4:
+            rid = self.retracted.pop(rng.randrange(len(self.retracted)))  # a retracted id may come back
+        else:
+            self.made += 1
+            rid = f"r{self.made}"
+        # A new conversation from a shared stem, or the next turn of one that finished (its
+        # prompt, the tokens it decoded, and new ones): the turn's hit reads decoded KV back.
+        start = rng.choice(self.turns) if self.turns and rng.random() < 0.5 else rng.choice(self.stems)
+        ids = list(start) + [rng.choice(self.vocab) for _ in range(rng.randrange(1, 2 * self.page + 3))]
+        if self.config.storage.value != "none" and rng.random() < 0.5:
+            cache.prefetch([Request(rid, ids[:-1])])
+            for _ in range(5000):  # once per scheduler tick
+                if cache.ready([rid]):
+                    break
+                time.sleep(0.001)
+            else:
+                raise AssertionError(f"seed {self.seed} step {step}: the prefetch of {rid} was never ready")
+        [adm] = cache.admit([Request(rid, self.tokens(ids[:-1]))])
+        cache.start_loads().wait_all()
+        cached = adm.cached_tokens
+        if cached:  # whatever tier it came from, the prefix's KV in device memory is the oracle's
+            kv, want = cache.kv, self.model.expected(ids[:cached], 0, cached)
+            for layer in range(kv.layers):
+                k, v = kv.gather(layer, adm.device_indices)
+                assert torch.equal(k, want[0, layer]) and torch.equal(v, want[1, layer]), (
+                    f"seed {self.seed} step {step}: the cached prefix of {rid} ({cached} tokens) reads wrong KV")
+            self.verified += 1
+        got = cache.allocate({rid: len(ids) - cached})
+        if not isinstance(got, dict):
+            cache.abort([adm.handle])
+            return
+        self.live[rid] = {"tokens": ids, "slots": torch.cat([adm.device_indices, got[rid]]), "committed": cached,
+                          "handle": adm.handle}
+        upto = rng.randrange(cached, len(ids) + 1)
+        if upto > cached:
+            self.commit(cache, rid, upto)
+
+    def extend(self, cache: HiCache) -> None:
+        """The rest of a prefill, or decode steps: each allocates its next slot and commits the last."""
+        rng = self.rng
+        rid = rng.choice(list(self.live))
+        st = self.live[rid]
+        if st["committed"] < len(st["tokens"]):
+            self.commit(cache, rid, rng.randrange(st["committed"] + 1, len(st["tokens"]) + 1))
+            return
+        got = cache.allocate({rid: 1})
+        for _ in range(rng.randrange(1, 2 * self.page + 2)):
+            if not isinstance(got, dict):
+                return
+            st["tokens"].append(rng.choice(self.vocab))
+            st["slots"] = torch.cat([st["slots"], got[rid]])
+            self.write(cache, st, len(st["tokens"]))
+            got = cache.allocate({rid: 1}, commit={rid: self.tokens(st["tokens"][-1:])})
+            st["committed"] = len(st["tokens"])  # the commit holds even when the allocation does not fit
+        if isinstance(got, dict):  # the slot allocated last takes one more token
+            st["tokens"].append(rng.choice(self.vocab))
+            st["slots"] = torch.cat([st["slots"], got[rid]])
+            self.commit(cache, rid, len(st["tokens"]))
+
+    def end(self, cache: HiCache) -> None:
+        rng = self.rng
+        rid = rng.choice(list(self.live))
+        st = self.live.pop(rid)
+        how = rng.random()
+        if how < 0.7:
+            cache.finish([st["handle"]])
+            self.turns.append(st["tokens"][: st["committed"]])
+        elif how < 0.85:
+            cache.abort([st["handle"]])
+        else:
+            cache.retract([st["handle"]])
+            self.retracted.append(rid)
+
+    def misuse(self, cache: HiCache, step: int) -> None:
+        """A call a scheduler must not make: a one-line `RequestError`, nothing changed."""
+        rng = self.rng
+        rid = rng.choice(list(self.live)) if self.live else None
+        calls = [lambda: cache.commit({"nobody": [1]}), lambda: cache.allocate({"": 3}),
+                 lambda: cache.finish(["not a handle"])]
+        if rid is not None:
+            calls += [lambda: cache.commit({rid: [-1]}), lambda: cache.commit({rid: [1] * 10_000}),
+                      lambda: cache.admit([Request(rid, [1, 2])]), lambda: cache.allocate({rid: -1})]
+        call = rng.choice(calls)
+        with pytest.raises(RequestError) as caught:
+            call()
+        assert "\n" not in str(caught.value), f"seed {self.seed} step {step}: a multi-line error"
+
+    def play(self) -> None:
+        rng = self.rng
+        with HiCache(self.config, runtime=self.runtime) as cache:
+            for step in range(STEPS):
+                op = rng.random()
+                if op < 0.3 and len(self.live) < 4:
+                    self.admit(cache, step)
+                elif op < 0.5 and self.live:
+                    self.extend(cache)
+                elif op < 0.6 and self.live:
+                    rid = rng.choice(list(self.live))
+                    [self.live[rid]["handle"]] = cache.cache_unfinished([self.live[rid]["handle"]])
+                elif op < 0.82 and self.live:
+                    self.end(cache)
+                elif op < 0.9:
+                    self.misuse(cache, step)
+                else:
+                    cache.quiesce()
+                    if rng.random() < 0.3:
+                        cache.evict_device(rng.randrange(1, 4 * self.page))
+                    if self.config.host_tier and rng.random() < 0.5:
+                        cache.evict_host(rng.randrange(1, 16 * self.page))
+                cache.check_invariants()
+            for st in self.live.values():
+                cache.finish([st["handle"]])
+            cache.quiesce()
+            cache.check_invariants()
+
+
+@pytest.mark.parametrize("seed", range(9))
+def test_random_facade_calls_keep_every_cached_prefix_right(seed: int, tmp_path: Path) -> None:
+    run = _Run(seed, tmp_path)
+    run.play()
+    assert run.made > 5 and run.verified > 3, "the seed admitted and hit too few requests to mean anything"
+    if run.logged:
+        result = replay_log(read_log(Path(run.config.log_path)))
+        assert result.divergence is None, f"seed {seed}: the log replays with a divergence: {result.divergence}"
+        assert result.deliveries > 100
