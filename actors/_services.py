@@ -49,6 +49,13 @@ class IdSource:
                 counter = self._next.setdefault(kind, itertools.count(1))
         return next(counter)  # atomic: a count is advanced in C under the interpreter lock
 
+    def restart(self) -> None:
+        """Every kind counts from 1 again: a system started again is numbered as a fresh one,
+        so that its delivery log replays (replay numbers from 1). Only while nothing of the
+        system runs (no id of the last start can still be in a message)."""
+        with self._lock:
+            self._next.clear()
+
 
 class FaultPlan(Protocol):
     def transfer_fault(self, stream: ActorName, op_ids: tuple[int, ...]) -> str | None:

@@ -327,6 +327,7 @@ class System:
             raise RuntimeError("system already started")
         cfg, svc = self.config, self.services
         check_resources(cfg)  # before anything is allocated: one line naming what does not fit
+        svc.ids.restart()  # numbered as a fresh system, as its log's replay numbers (none of the last runs)
         self.directory = Directory()
         self.probes = {}
         try:
