@@ -14,11 +14,13 @@ the tree's.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy
+import pykka
 import pytest
 import torch
 
@@ -519,10 +521,6 @@ def test_no_thread_of_a_closed_cache_is_still_running(tmp_path: Any, monkeypatch
     helpers) have ended when `close` returns: a process that exits then stops no thread halfway
     through native code (which can abort it: `terminate called without an active exception`).
     Each actor thread's last lines are slowed here, so a close that did not wait would return first."""
-    import threading
-
-    import pykka
-
     teardown = pykka.Actor._actor_loop_teardown
 
     def slow_teardown(self: Any) -> None:
