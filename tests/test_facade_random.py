@@ -3,14 +3,16 @@ them wrong, on the threaded runtime with every tier.
 
 A seed picks a page size, pool sizes, a write policy, a storage tier (none or files) and a
 prefetch policy, whether the write stream runs on a thread of its own, and whether copies,
-host reservations and storage calls fail now and then; then it makes a
-few hundred calls: admissions (of new ids and of retracted ones, some after a storage
-prefetch), prefills committed in pieces, decode steps that allocate and commit in one call,
-`cache_unfinished`, finish, abort and retract, device and host eviction, restarts, and
-calls a scheduler must not make (each a one-line `RequestError` that changes nothing). Token ids
-come in every accepted form. The KV of every position is the fingerprint oracle's, written
-into the slots the cache handed out; every cached prefix an admission reports is read back
-from device memory and compared with it, whichever tier it came from. After each call the
+host reservations and storage calls fail now and then. Then it makes a few hundred calls:
+admissions of one to three requests in one call (new ids and retracted ones, some after a
+storage prefetch, some given up by id while it runs), their slots allocated in one call
+(per request or as one flat tensor), prefills committed in pieces, decode steps that
+allocate and commit in one call, `cache_unfinished`, finish, abort and retract of one or
+two requests a call, device and host eviction, restarts, and calls a scheduler must not
+make (each a one-line `RequestError` that changes nothing). Token ids come in every
+accepted form. The KV of every position is the fingerprint oracle's, written into the
+slots the cache handed out; every cached prefix an admission reports is read back from
+device memory and compared with it, whichever tier it came from. After each call the
 invariants of every actor and of the facade are checked. Some seeds log their deliveries,
 and the log (of the last start) must replay with no divergence.
 
@@ -31,7 +33,7 @@ import pytest
 import torch
 
 from hicache.actors import KVShape, LoadFailedError, SeededFaults
-from hicache.runtime import Config, HiCache, Request, RequestError, ThreadedRuntime, read_log
+from hicache.runtime import Config, HiCache, Insufficient, Request, RequestError, ThreadedRuntime, read_log
 from hicache.runtime.oracle import FingerprintOracle
 from hicache.runtime.testing import replay_log
 
@@ -99,49 +101,73 @@ class _Run:
         cache.commit({rid: self.tokens(st["tokens"][st["committed"]:upto])})
         st["committed"] = upto
 
-    def admit(self, cache: HiCache, step: int) -> None:
+    def admit(self, cache: HiCache, step: int, k: int) -> None:
+        """`k` requests admitted in one call (some after a prefetch from storage), their slots
+        allocated in one call (per request, or as one flat tensor) and the first piece of each
+        prefill committed in one call."""
         rng = self.rng
-        if self.retracted and rng.random() < 0.4:
-            rid = self.retracted.pop(rng.randrange(len(self.retracted)))  # a retracted id may come back
-        else:
-            self.made += 1
-            rid = f"r{self.made}"
-        # A new conversation from a shared stem, or the next turn of one that finished (its
-        # prompt, the tokens it decoded, and new ones): the turn's hit reads decoded KV back.
-        start = rng.choice(self.turns) if self.turns and rng.random() < 0.5 else rng.choice(self.stems)
-        ids = list(start) + [rng.choice(self.vocab) for _ in range(rng.randrange(1, 2 * self.page + 3))]
-        if self.config.storage.value != "none" and rng.random() < 0.5:
-            cache.prefetch([Request(rid, ids[:-1])])
-            for _ in range(5000):  # once per scheduler tick
-                if cache.ready([rid]):
-                    break
-                time.sleep(0.001)
+        rids: list[str] = []
+        prompts: list[list[int]] = []
+        for _ in range(k):
+            if self.retracted and rng.random() < 0.4:
+                rid = self.retracted.pop(rng.randrange(len(self.retracted)))  # a retracted id may come back
             else:
-                raise AssertionError(f"seed {self.seed} step {step}: the prefetch of {rid} was never ready")
-        [adm] = cache.admit([Request(rid, self.tokens(ids[:-1]))])
+                self.made += 1
+                rid = f"r{self.made}"
+            # A new conversation from a shared stem, or the next turn of one that finished (its
+            # prompt, the tokens it decoded, and new ones): the turn's hit reads decoded KV back.
+            start = rng.choice(self.turns) if self.turns and rng.random() < 0.5 else rng.choice(self.stems)
+            ids = list(start) + [rng.choice(self.vocab) for _ in range(rng.randrange(1, 2 * self.page + 3))]
+            if self.config.storage.value != "none" and rng.random() < 0.5:
+                if cache.prefetch([Request(rid, ids[:-1])]).get(rid) and rng.random() < 0.2:
+                    cache.abort([rid])  # a queued request given up while its prefetch runs
+                    continue
+                for _ in range(5000):  # once per scheduler tick
+                    if cache.ready([rid]):
+                        break
+                    time.sleep(0.001)
+                else:
+                    raise AssertionError(f"seed {self.seed} step {step}: the prefetch of {rid} was never ready")
+            rids.append(rid)
+            prompts.append(ids)
+        if not rids:
+            return
+        admitted = cache.admit([Request(rid, self.tokens(ids[:-1])) for rid, ids in zip(rids, prompts)])
         try:
             cache.start_loads().wait_all()
         except LoadFailedError:  # the tree dropped what did not load: retract, and admit again later
-            cache.retract([adm.handle])
-            self.retracted.append(rid)
+            cache.retract([adm.handle for adm in admitted])
+            self.retracted += rids
             return
-        cached = adm.cached_tokens
-        if cached:  # whatever tier it came from, the prefix's KV in device memory is the oracle's
-            kv, want = cache.kv, self.model.expected(ids[:cached], 0, cached)
-            for layer in range(kv.layers):
-                k, v = kv.gather(layer, adm.device_indices)
-                assert torch.equal(k, want[0, layer]) and torch.equal(v, want[1, layer]), (
-                    f"seed {self.seed} step {step}: the cached prefix of {rid} ({cached} tokens) reads wrong KV")
-            self.verified += 1
-        got = cache.allocate({rid: len(ids) - cached})
-        if not isinstance(got, dict):
-            cache.abort([adm.handle])
+        for adm, ids in zip(admitted, prompts):
+            cached = adm.cached_tokens
+            if cached:  # whatever tier it came from, the prefix's KV in device memory is the oracle's
+                kv, want = cache.kv, self.model.expected(ids[:cached], 0, cached)
+                for layer in range(kv.layers):
+                    k_, v_ = kv.gather(layer, adm.device_indices)
+                    assert torch.equal(k_, want[0, layer]) and torch.equal(v_, want[1, layer]), (
+                        f"seed {self.seed} step {step}: the cached prefix of {adm.request_id} ({cached} tokens) "
+                        "reads wrong KV")
+                self.verified += 1
+        flat = rng.random() < 0.5
+        need = [len(ids) - adm.cached_tokens for adm, ids in zip(admitted, prompts)]
+        got = cache.allocate({adm.request_id: n for adm, n in zip(admitted, need)}, flat=flat)
+        if isinstance(got, Insufficient):
+            cache.abort([adm.handle for adm in admitted])
             return
-        self.live[rid] = {"tokens": ids, "slots": torch.cat([adm.device_indices, got[rid]]), "committed": cached,
-                          "handle": adm.handle}
-        upto = rng.randrange(cached, len(ids) + 1)
-        if upto > cached:
-            self.commit(cache, rid, upto)
+        at, commits = 0, {}
+        for adm, ids, n in zip(admitted, prompts, need):
+            mine = got[at : at + n] if flat else got[adm.request_id]
+            at += n
+            st = self.live[adm.request_id] = {"tokens": ids, "slots": torch.cat([adm.device_indices, mine]),
+                                              "committed": adm.cached_tokens, "handle": adm.handle}
+            upto = rng.randrange(adm.cached_tokens, len(ids) + 1)
+            if upto > st["committed"]:
+                self.write(cache, st, upto)
+                commits[adm.request_id] = self.tokens(ids[st["committed"]:upto])
+                st["committed"] = upto
+        if commits:
+            cache.commit(commits)
 
     def extend(self, cache: HiCache) -> None:
         """The rest of a prefill, or decode steps: each allocates its next slot and commits the last."""
@@ -166,18 +192,19 @@ class _Run:
             self.commit(cache, rid, len(st["tokens"]))
 
     def end(self, cache: HiCache) -> None:
+        """One or two requests finished, aborted or retracted in one call."""
         rng = self.rng
-        rid = rng.choice(list(self.live))
-        st = self.live.pop(rid)
+        rids = rng.sample(list(self.live), min(len(self.live), rng.choice([1, 1, 2])))
+        ended = [self.live.pop(rid) for rid in rids]
         how = rng.random()
         if how < 0.7:
-            cache.finish([st["handle"]])
-            self.turns.append(st["tokens"][: st["committed"]])
+            cache.finish([st["handle"] for st in ended])
+            self.turns += [st["tokens"][: st["committed"]] for st in ended]
         elif how < 0.85:
-            cache.abort([st["handle"]])
+            cache.abort([st["handle"] for st in ended])
         else:
-            cache.retract([st["handle"]])
-            self.retracted.append(rid)
+            cache.retract([st["handle"] for st in ended])
+            self.retracted += rids
 
     def misuse(self, cache: HiCache, step: int) -> None:
         """A call a scheduler must not make: a one-line `RequestError`, nothing changed."""
@@ -199,7 +226,7 @@ class _Run:
             for step in range(STEPS):
                 op = rng.random()
                 if op < 0.3 and len(self.live) < 4:
-                    self.admit(cache, step)
+                    self.admit(cache, step, rng.choice([1, 1, 2, 3]))
                 elif op < 0.5 and self.live:
                     self.extend(cache)
                 elif op < 0.6 and self.live:
