@@ -12,7 +12,8 @@ two requests a call, device and host eviction, restarts, and calls a scheduler m
 make (each a one-line `RequestError` that changes nothing). Token ids come in every
 accepted form. The KV of every position is the fingerprint oracle's, written into the
 slots the cache handed out; every cached prefix an admission reports is read back from
-device memory and compared with it, whichever tier it came from. After each call the
+device memory and compared with it, whichever tier it came from, and so is a request's
+committed prefix after `cache_unfinished`, in the slots the cache then reports. After each call the
 invariants of every actor and of the facade are checked. Some seeds log their deliveries,
 and the log (of the last start) must replay with no divergence.
 
@@ -191,6 +192,26 @@ class _Run:
             st["slots"] = torch.cat([st["slots"], got[rid]])
             self.commit(cache, rid, len(st["tokens"]))
 
+    def cache_unfinished(self, cache: HiCache, step: int) -> None:
+        """Cache a request's committed prefix mid-prefill. Its prefix may now lie in the tree's
+        slots (pages the tree held are used, the request's copies freed): the slots the cache
+        reports (`slots`) hold the oracle's KV at every committed position, and are the ones
+        used from here on."""
+        rid = self.rng.choice(list(self.live))
+        st = self.live[rid]
+        [st["handle"]] = cache.cache_unfinished([st["handle"]])
+        slots = cache.slots(rid)
+        n = st["committed"]
+        assert len(slots) == len(st["slots"]) and torch.equal(slots[n:], st["slots"][n:]), (
+            f"seed {self.seed} step {step}: cache_unfinished moved slots past the committed prefix of {rid}")
+        if n:
+            kv, want = cache.kv, self.model.expected(st["tokens"][:n], 0, n)
+            for layer in range(kv.layers):
+                k_, v_ = kv.gather(layer, slots[:n])
+                assert torch.equal(k_, want[0, layer]) and torch.equal(v_, want[1, layer]), (
+                    f"seed {self.seed} step {step}: after cache_unfinished, the slots of {rid} read wrong KV")
+        st["slots"] = slots
+
     def end(self, cache: HiCache) -> None:
         """One or two requests finished, aborted or retracted in one call."""
         rng = self.rng
@@ -230,8 +251,7 @@ class _Run:
                 elif op < 0.5 and self.live:
                     self.extend(cache)
                 elif op < 0.6 and self.live:
-                    rid = rng.choice(list(self.live))
-                    [self.live[rid]["handle"]] = cache.cache_unfinished([self.live[rid]["handle"]])
+                    self.cache_unfinished(cache, step)
                 elif op < 0.82 and self.live:
                     self.end(cache)
                 elif op < 0.9:
