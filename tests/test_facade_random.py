@@ -17,6 +17,9 @@ committed prefix after `cache_unfinished`, in the slots the cache then reports. 
 invariants of every actor and of the facade are checked. Some seeds log their deliveries,
 and the log (of the last start) must replay with no divergence.
 
+A second test runs two such instances (two servers) over one storage directory whose size
+bound keeps each evicting the other's pages.
+
 A failure names its seed and step: rerun that seed to reproduce it (the threads' timing
 may move it).
 """
@@ -46,29 +49,33 @@ STEPS = 160
 class _Run:
     """One seed's calls and the scheduler-side state they need."""
 
-    def __init__(self, seed: int, tmp_path: Path) -> None:
+    def __init__(self, seed: int, tmp_path: Path, *, like: _Run | None = None, storage_max_bytes: int = 0) -> None:
+        """`like`: another run whose page size, storage directory and conversations this one
+        shares (a second server over the same storage), with storage whatever the seed says."""
         self.seed = seed
         rng = self.rng = random.Random(seed)
-        p = self.page = rng.choice([1, 2, 4, 8])
+        p = self.page = rng.choice([1, 2, 4, 8]) if like is None else like.page
         device = p * rng.choice([24, 40, 64])
         config = Config(layers=2, kv_heads=1, head_dim=4, page_size=p, device_slots=device,
-                        host_slots=device * rng.choice([2, 4]), host_tier=rng.random() < 0.8,
+                        host_slots=device * rng.choice([2, 4]), host_tier=rng.random() < 0.8 or like is not None,
                         write_policy=rng.choice(["write_through", "write_back", "write_through_selective"]))
-        if config.host_tier and rng.random() < 0.6:
+        if config.host_tier and (rng.random() < 0.6 or like is not None or storage_max_bytes):
             config = config.replace(storage="file", storage_dir=str(tmp_path / "l3"), prefetch_threshold_pages=1,
-                                    prefetch_policy=rng.choice(["best_effort", "wait_complete", "timeout"]))
+                                    prefetch_policy=rng.choice(["best_effort", "wait_complete", "timeout"]),
+                                    storage_max_bytes=storage_max_bytes)
         self.logged = seed % 3 == 0
         if self.logged:
-            config = config.replace(log_path=str(tmp_path / "deliveries.log"))
+            config = config.replace(log_path=str(tmp_path / f"deliveries-{seed}.log"))
         self.config = config
         faults = None
         if seed % 4 == 1:  # failed copies, refused host reservations, failed storage calls
             faults = SeededFaults(seed, transfer_fail_rate=0.15, host_exhausted_rate=0.1, storage_fail_rate=0.1)
         self.runtime = ThreadedRuntime(write_stream_thread=rng.random() < 0.5, faults=faults)
         self.model = FingerprintOracle(KVShape.of(config))
-        vocab = [rng.randrange(1, 50) for _ in range(6)]
+        vocab = [rng.randrange(1, 50) for _ in range(6)] if like is None else like.vocab
         self.vocab = vocab
-        self.stems = [[rng.choice(vocab) for _ in range(rng.randrange(1, 3 * p + 4))] for _ in range(4)]
+        self.stems = ([[rng.choice(vocab) for _ in range(rng.randrange(1, 3 * p + 4))] for _ in range(4)]
+                      if like is None else like.stems)
         self.live: dict[str, dict[str, Any]] = {}
         self.retracted: list[str] = []
         self.turns: list[list[int]] = []
@@ -242,38 +249,46 @@ class _Run:
         assert "\n" not in str(caught.value), f"seed {self.seed} step {step}: a multi-line error"
 
     def play(self) -> None:
-        rng = self.rng
         with HiCache(self.config, runtime=self.runtime) as cache:
             for step in range(STEPS):
-                op = rng.random()
-                if op < 0.3 and len(self.live) < 4:
-                    self.admit(cache, step, rng.choice([1, 1, 2, 3]))
-                elif op < 0.5 and self.live:
-                    self.extend(cache)
-                elif op < 0.6 and self.live:
-                    self.cache_unfinished(cache, step)
-                elif op < 0.82 and self.live:
-                    self.end(cache)
-                elif op < 0.9:
-                    self.misuse(cache, step)
-                elif op < 0.915:  # a restart: a fresh L1 and L2 over the same storage (a new log)
-                    for st in self.live.values():
-                        (cache.finish if rng.random() < 0.5 else cache.abort)([st["handle"]])
-                    self.live.clear()
-                    self.retracted.clear()
-                    cache.close(drain=rng.random() < 0.7)
-                    cache.start()
-                else:
-                    cache.quiesce()
-                    if rng.random() < 0.3:
-                        cache.evict_device(rng.randrange(1, 4 * self.page))
-                    if self.config.host_tier and rng.random() < 0.5:
-                        cache.evict_host(rng.randrange(1, 16 * self.page))
-                cache.check_invariants()
+                self.step(cache, step)
+            self.finish(cache)
+
+    def finish(self, cache: HiCache) -> None:
+        for st in self.live.values():
+            cache.finish([st["handle"]])
+        self.live.clear()
+        cache.quiesce()
+        cache.check_invariants()
+
+    def step(self, cache: HiCache, step: int) -> None:
+        """One call (or a few that go together) chosen at random, then every invariant checked."""
+        rng = self.rng
+        op = rng.random()
+        if op < 0.3 and len(self.live) < 4:
+            self.admit(cache, step, rng.choice([1, 1, 2, 3]))
+        elif op < 0.5 and self.live:
+            self.extend(cache)
+        elif op < 0.6 and self.live:
+            self.cache_unfinished(cache, step)
+        elif op < 0.82 and self.live:
+            self.end(cache)
+        elif op < 0.9:
+            self.misuse(cache, step)
+        elif op < 0.915:  # a restart: a fresh L1 and L2 over the same storage (a new log)
             for st in self.live.values():
-                cache.finish([st["handle"]])
+                (cache.finish if rng.random() < 0.5 else cache.abort)([st["handle"]])
+            self.live.clear()
+            self.retracted.clear()
+            cache.close(drain=rng.random() < 0.7)
+            cache.start()
+        else:
             cache.quiesce()
-            cache.check_invariants()
+            if rng.random() < 0.3:
+                cache.evict_device(rng.randrange(1, 4 * self.page))
+            if self.config.host_tier and rng.random() < 0.5:
+                cache.evict_host(rng.randrange(1, 16 * self.page))
+        cache.check_invariants()
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -285,3 +300,27 @@ def test_random_facade_calls_keep_every_cached_prefix_right(seed: int, tmp_path:
         result = replay_log(read_log(Path(run.config.log_path)))
         assert result.divergence is None, f"seed {seed}: the log replays with a divergence: {result.divergence}"
         assert result.deliveries > 20
+
+
+STORAGE_BOUND_BYTES = 12 << 10
+"""The storage directory's bound in the shared test: a few dozen small pages, so that each
+instance evicts pages the other wrote, matched or is reading."""
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_two_caches_over_one_bounded_storage_directory_read_only_right_kv(seed: int, tmp_path: Path) -> None:
+    """Two instances (two servers) with the same conversations and page size over one storage
+    directory, under a size bound that keeps each evicting the other's pages, called in turn.
+    A page one of them finds in storage and loads back is the oracle's KV, or a miss."""
+    a = _Run(seed, tmp_path, storage_max_bytes=STORAGE_BOUND_BYTES)
+    b = _Run(seed + 100, tmp_path, like=a, storage_max_bytes=STORAGE_BOUND_BYTES)
+    turns = random.Random(seed)
+    with HiCache(a.config, runtime=a.runtime) as first, HiCache(b.config, runtime=b.runtime) as second:
+        for step in range(STEPS):
+            run, cache = (a, first) if turns.random() < 0.5 else (b, second)
+            run.step(cache, step)
+        a.finish(first)
+        b.finish(second)
+        stats = [first.statistics(), second.statistics()]
+    assert a.verified + b.verified > 5
+    assert sum(s.prefetch.evicted_pages for s in stats) > 0, "the bound never evicted: it tests nothing"
