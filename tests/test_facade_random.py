@@ -3,7 +3,7 @@ them wrong, on the threaded runtime with every tier.
 
 A seed picks a page size, pool sizes, a write policy, a storage tier (none or files) and a
 prefetch policy, whether the write stream runs on a thread of its own, and whether copies,
-host reservations and storage calls fail now and then. Then it makes a few hundred calls:
+host reservations and storage calls fail now and then. Then it makes 160 calls:
 admissions of one to three requests in one call (new ids and retracted ones, some after a
 storage prefetch, some given up by id while it runs), their slots allocated in one call
 (per request or as one flat tensor), prefills committed in pieces, decode steps that
@@ -13,9 +13,9 @@ make (each a one-line `RequestError` that changes nothing). Token ids come in ev
 accepted form. The KV of every position is the fingerprint oracle's, written into the
 slots the cache handed out; every cached prefix an admission reports is read back from
 device memory and compared with it, whichever tier it came from, and so is a request's
-committed prefix after `cache_unfinished`, in the slots the cache then reports. After each call the
-invariants of every actor and of the facade are checked. Some seeds log their deliveries,
-and the log (of the last start) must replay with no divergence.
+committed prefix after `cache_unfinished`, in the slots the cache then reports. After each
+call the invariants of every actor and of the facade are checked. Some seeds log their
+deliveries, and the log (of the last start) must replay with no divergence.
 
 A second test runs two such instances (two servers) over one storage directory whose size
 bound keeps each evicting the other's pages.
@@ -51,15 +51,17 @@ class _Run:
 
     def __init__(self, seed: int, tmp_path: Path, *, like: _Run | None = None, storage_max_bytes: int = 0) -> None:
         """`like`: another run whose page size, storage directory and conversations this one
-        shares (a second server over the same storage), with storage whatever the seed says."""
+        shares (a second server over the same storage). With `like` or a `storage_max_bytes`,
+        a run has a host tier and file storage whatever its seed draws."""
         self.seed = seed
         rng = self.rng = random.Random(seed)
         p = self.page = rng.choice([1, 2, 4, 8]) if like is None else like.page
         device = p * rng.choice([24, 40, 64])
         config = Config(layers=2, kv_heads=1, head_dim=4, page_size=p, device_slots=device,
-                        host_slots=device * rng.choice([2, 4]), host_tier=rng.random() < 0.8 or like is not None,
+                        host_slots=device * rng.choice([2, 4]),
+                        host_tier=rng.random() < 0.8 or like is not None or storage_max_bytes > 0,
                         write_policy=rng.choice(["write_through", "write_back", "write_through_selective"]))
-        if config.host_tier and (rng.random() < 0.6 or like is not None or storage_max_bytes):
+        if config.host_tier and (rng.random() < 0.6 or like is not None or storage_max_bytes > 0):
             config = config.replace(storage="file", storage_dir=str(tmp_path / "l3"), prefetch_threshold_pages=1,
                                     prefetch_policy=rng.choice(["best_effort", "wait_complete", "timeout"]),
                                     storage_max_bytes=storage_max_bytes)
