@@ -142,13 +142,14 @@ class Count:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Number:
-    """A finite number in `(0, hi]`: durations in seconds and fractions."""
+    """A finite number in `(0, hi]` (`[0, hi]` with `zero`): durations in seconds and fractions."""
 
     hi: float
+    zero: bool = False
 
     @property
     def allowed(self) -> str:
-        return f"a number > 0 and <= {self.hi:g}"
+        return f"a number >= 0 and <= {self.hi:g}" if self.zero else f"a number > 0 and <= {self.hi:g}"
 
     def parse(self, name: str, value: Any) -> float:
         x = value
@@ -160,7 +161,7 @@ class Number:
             x = float(x)
         except OverflowError:
             raise refuse(name, value, self.allowed) from None
-        if not (math.isfinite(x) and 0 < x <= self.hi):
+        if not (math.isfinite(x) and (0 <= x if self.zero else 0 < x) and x <= self.hi):
             raise refuse(name, value, self.allowed)
         return x
 

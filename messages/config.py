@@ -158,8 +158,8 @@ class Config:
                                            "Tokens being prefetched stay at most this fraction of the host capacity.")
     prefetch_timeout_base_s: float = _field(1.0, Number(SECONDS_MAX),
                                             "`timeout` policy: base seconds a request waits for its prefetch ...")
-    prefetch_timeout_per_1k_s: float = _field(0.25, Number(SECONDS_MAX),
-                                              "... plus these seconds per 1,000 prefetched tokens ...")
+    prefetch_timeout_per_1k_s: float = _field(0.25, Number(SECONDS_MAX, zero=True),
+                                              "... plus these seconds per 1,000 prefetched tokens (0: a flat timeout) ...")
     prefetch_timeout_max_s: float = _field(10.0, Number(SECONDS_MAX), "... capped at this.")
 
     # -- tensor parallel -----------------------------------------------------

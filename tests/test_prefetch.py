@@ -443,8 +443,8 @@ def test_small_pages_are_read_in_steps_of_as_many_as_fit_the_byte_bound(
 
 @pytest.mark.parametrize(
     ("base_s", "per_1k_s", "max_s", "expires_s"),
-    [(1.0, 25.0, 10.0, 2.0), (1.0, 1000.0, 3.0, 3.0)],
-    ids=["base+per_1k", "capped"],
+    [(1.0, 25.0, 10.0, 2.0), (1.0, 1000.0, 3.0, 3.0), (1.5, 0.0, 10.0, 1.5)],
+    ids=["base+per_1k", "capped", "flat"],
 )
 def test_timeout_holds_a_request_until_its_timeout_in_virtual_time_then_keeps_what_arrived(
     det_servers: Callable[..., Server], base_s: float, per_1k_s: float, max_s: float, expires_s: float
