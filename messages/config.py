@@ -66,6 +66,8 @@ SECONDS_MAX: Final = 86_400.0
 """Longest duration a field may name: a day is no timeout, and larger ones overflow timer waits."""
 STORAGE_STEP_PAGES_MAX: Final = 4096
 """Most pages of one prefetch step or one Mooncake call."""
+MOONCAKE_SEGMENT_MB_MIN: Final = 16
+"""Smallest segment the Mooncake client mounts (it refuses less with "invalid parameters")."""
 
 
 def _field(default: Any, rule: Rule, doc: str) -> Any:
@@ -135,8 +137,9 @@ class Config:
                                     "(`mooncake_master --enable_http_metadata_server`).")
     mooncake_local_host: str = _field("127.0.0.1", Host(),
                                       "This machine's address as other Mooncake clients reach it.")
-    mooncake_segment_mb: int = _field(256, Count(1, 1 << 20),
-                                      "Memory this instance contributes to the Mooncake Store, in MiB.")
+    mooncake_segment_mb: int = _field(256, Count(MOONCAKE_SEGMENT_MB_MIN, 1 << 20),
+                                      "Memory this instance contributes to the Mooncake Store, in MiB (the "
+                                      "Mooncake client refuses less than 16).")
     storage_timeout_s: float = _field(5.0, Number(SECONDS_MAX),
                                       "Longest one storage call may take before it counts as failed (never a hang).")
     storage_batch_pages: int = _field(16, Count(1, STORAGE_STEP_PAGES_MAX),

@@ -120,6 +120,7 @@ def test_raw_values_are_converted_the_same_way_by_every_path(raw: dict[str, Any]
     ({"storage_timeout_s": 10**400}, "storage_timeout_s=1" + "0" * 400 + " must be a number > 0 and <= 86400"),
     ({"storage_timeout_s": False}, "storage_timeout_s=False must be a number > 0 and <= 86400"),
     ({"prefetch_rate_fraction": 1.5}, "prefetch_rate_fraction=1.5 must be a number > 0 and <= 1"),
+    ({"mooncake_segment_mb": 8}, "mooncake_segment_mb=8 must be an integer in 16..1048576"),
     ({"prefetch_rate_fraction": 0}, "prefetch_rate_fraction=0 must be a number > 0 and <= 1"),
     ({"prefetch_timeout_per_1k_s": -0.25}, "prefetch_timeout_per_1k_s=-0.25 must be a number >= 0 and <= 86400"),
     ({"dtype": torch.float64}, "dtype=torch.float64 must be one of float16, bfloat16, float32, float8_e4m3fn, "
