@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ._facade_types import shown
+
 if TYPE_CHECKING:
     from hicache.actors import KVBuffer
 
@@ -156,7 +158,7 @@ class DeviceKV:
 
     def _layer(self, layer: int) -> int:
         if type(layer) is not int or not 0 <= layer < self.layers:
-            raise KVArgumentError(f"layer must be an int in 0..{self.layers - 1}, got {layer!r}")
+            raise KVArgumentError(f"layer must be an int in 0..{self.layers - 1}, got {shown(layer)}")
         return layer
 
     def _check_kv(self, name: str, x: torch.Tensor, n: int) -> None:

@@ -358,6 +358,7 @@ class HiCache:
     def close(self, *, drain: bool = True, timeout_s: float = CLOSE_DRAIN_TIMEOUT_S) -> Closed:
         """Stop the actors. First, unless `drain=False`, wait up to `timeout_s` for writes to
         host memory and backups to storage in flight; what did not land is reported (and logged)."""
+        drain, timeout_s = check.switch("drain", drain), check.seconds("timeout_s", timeout_s)
         if not self.system.started:
             return Closed(drained=True, writes_dropped=0, backups_dropped=0)
         self._check_caller()
@@ -455,7 +456,7 @@ class HiCache:
         seen: set[str] = set()
         for r in self._sequence(requests, "requests"):
             if not isinstance(r, Request):
-                raise RequestError(f"expected a Request, got {r!r}")
+                raise RequestError(f"expected a Request, got {check.shown(r)}")
             rid = check.request_id(r.request_id)
             if rid in self._live or rid in seen:
                 raise RequestError(f"request {rid!r} is already admitted; finish, abort or retract it first")
@@ -605,14 +606,13 @@ class HiCache:
         request's slots one after another, in the order of `demands` (a batch's output
         locations, with no tensor made per request)."""
         with self._call():
-            if type(flat) is not bool:
-                raise RequestError(f"flat must be True or False, got {flat!r}")
+            check.switch("flat", flat)
             want = check.demands(demands, "demands", check.COUNT_MAX)
             live = self._live
             for rid in want:
                 if rid not in live:
                     self._req(rid)  # names why it is not live
-            self._record(self._commits(commit or {}))
+            self._record(self._commits({} if commit is None else commit))
             if not want:
                 return torch.empty(0, dtype=torch.int64) if flat else {}
             p = self.config.page_size
@@ -915,6 +915,7 @@ class HiCache:
         """Wait until every write-through, load-back and backup to storage in flight has been
         acknowledged and applied. With several ranks, call it on every rank: it agrees too."""
         with self._call():
+            timeout_s = check.seconds("timeout_s", timeout_s)
             while True:
                 self.system.quiesce(timeout_s)
                 if self.group.size == 1:
@@ -1064,7 +1065,7 @@ class HiCache:
         seen: set[str] = set()
         for h in hs:
             if not isinstance(h, CacheHandle):
-                raise RequestError(f"expected a CacheHandle from admit() or cache_unfinished(), got {h!r}")
+                raise RequestError(f"expected a CacheHandle from admit() or cache_unfinished(), got {check.shown(h)}")
             live = self._req(h.request_id)
             if live.caching:
                 raise RequestError(f"request {h.request_id!r}: its cache_unfinished() is still in flight; get its "

@@ -11,7 +11,9 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import enum
+import math
 import operator
+import reprlib
 import struct
 import sys
 from array import array
@@ -230,13 +232,23 @@ def _plain(value: Any) -> Any:
 
 def request_id(value: Any, what: str = "request_id") -> str:
     if type(value) is not str or not value:
-        raise RequestError(f"{what} must be a non-empty str, got {value!r}")
+        raise RequestError(f"{what} must be a non-empty str, got {shown(value)}")
     return value
+
+
+_BRIEF = reprlib.Repr()
+_BRIEF.maxstring = _BRIEF.maxother = 80
+
+
+def shown(value: Any) -> str:
+    """`value` as an error message names it: its repr on one line (a 2-D array's has several),
+    long ones cut short."""
+    return " ".join(_BRIEF.repr(value).split())
 
 
 def namespace(value: Any) -> str:
     if type(value) is not str:
-        raise RequestError(f"namespace must be a str (\"\" for the default), got {value!r}")
+        raise RequestError(f"namespace must be a str (\"\" for the default), got {shown(value)}")
     return value
 
 
@@ -245,11 +257,27 @@ def count(what: str, value: Any, maximum: int) -> int:
     if type(value) is int and 0 <= value <= maximum:
         return value
     if type(value) is bool or not hasattr(type(value), "__index__"):
-        raise RequestError(f"{what} must be an int, got {value!r}")
-    n = operator.index(value)
+        raise RequestError(f"{what} must be an int, got {shown(value)}")
+    try:  # an array or tensor has `__index__`, which refuses all but one integer element
+        n = operator.index(value)
+    except TypeError:
+        raise RequestError(f"{what} must be an int, got {shown(value)}") from None
     if not 0 <= n <= maximum:
         raise RequestError(f"{what} must be in 0..{maximum}, got {n}")
     return n
+
+
+def seconds(what: str, value: Any) -> float:
+    """A wait in seconds: a finite int or float above 0 (not a bool)."""
+    if type(value) is bool or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise RequestError(f"{what} must be a number of seconds above 0, got {shown(value)}")
+    return float(value)
+
+
+def switch(what: str, value: Any) -> bool:
+    if type(value) is not bool:
+        raise RequestError(f"{what} must be True or False, got {shown(value)}")
+    return value
 
 
 def token_bytes(tokens: Any, what: str, request_id: str | None = None) -> bytes:
@@ -300,7 +328,7 @@ def _sequence_token_bytes(tokens: Any) -> bytes:
             suspects = numpy.flatnonzero(numpy.frombuffer(data, dtype=numpy.uint64) <= 1).tolist()
         for i in suspects:
             if type(tokens[i]) is bool:
-                raise _BadTokens(f" must be int token ids, got {tokens[i]!r} (bool)")
+                raise _BadTokens(f" must be int token ids, got {shown(tokens[i])} (bool)")
     return _nonnegative(data, n)
 
 
@@ -322,11 +350,11 @@ def _refuse_ids(tokens: Any) -> NoReturn:
     """Raise `_BadTokens` naming the first id of `tokens` that does not pack as an int64."""
     for t in tokens:
         if type(t) is bool or not hasattr(type(t), "__index__"):
-            raise _BadTokens(f" must be int token ids, got {t!r} ({type(t).__name__})")
+            raise _BadTokens(f" must be int token ids, got {shown(t)} ({type(t).__name__})")
         try:
             value = operator.index(t)
         except TypeError:  # an integer-like that is not one (a 0-d float tensor, say)
-            raise _BadTokens(f" must be int token ids, got {t!r} ({type(t).__name__})") from None
+            raise _BadTokens(f" must be int token ids, got {shown(t)} ({type(t).__name__})") from None
         if not 0 <= value <= TOKEN_ID_MAX:
             raise _BadTokens(f": token ids must be ints in 0..{TOKEN_ID_MAX} (got {value})")
     raise _BadTokens(f" must be int token ids in 0..{TOKEN_ID_MAX}")  # pragma: no cover - struct refused one of them

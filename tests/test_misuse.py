@@ -14,11 +14,21 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy
 import pytest
 import torch
 
 from hicache.messages import ActorName, SlotDemand
-from hicache.runtime import CacheHandle, CacheStateError, Config, HiCache, Request, RequestError, ThreadedRuntime
+from hicache.runtime import (
+    CacheHandle,
+    CacheStateError,
+    Config,
+    HiCache,
+    KVArgumentError,
+    Request,
+    RequestError,
+    ThreadedRuntime,
+)
 from hicache.runtime.testing import DeterministicRuntime
 
 from conftest import make_runtime
@@ -107,14 +117,31 @@ def test_a_malformed_request_is_one_request_error_and_reaches_no_actor(
     (lambda hc: hc.admit(None), r"requests must be a list, got NoneType"),
     (lambda hc: hc.admit([("a", [1])]), r"expected a Request, got \('a', \[1\]\)"),
     (lambda hc: hc.slots(None), r"request_id must be a non-empty str, got None"),
+    # arrays and tensors have `__index__`, which takes one integer element only
+    (lambda hc: hc.evict_device(numpy.array([1.0])), r"tokens must be an int, got array\(\[1\.\]\)"),
+    (lambda hc: hc.evict_host(torch.tensor([1.5])), r"tokens must be an int, got tensor\(\[1\.5000\]\)"),
+    (lambda hc: hc.allocate({"live": numpy.array([[1], [2]])}), r"demands\['live'\] must be an int, got array\(\[\[1\], \[2\]\]\)$"),
+    (lambda hc: hc.allocate({"live": torch.tensor([[1, 2], [3, 4]])}), r"must be an int, got tensor\(\[\[1, 2\], \[3, 4\]\]\)$"),
+    (lambda hc: hc.allocate({"live": 1}, commit=torch.tensor([[1, 2]])), r"commit must map request ids to tokens, got Tensor"),
+    (lambda hc: hc.allocate({"live": 1}, flat=numpy.array([[1], [2]])), r"flat must be True or False, got array\(\[\[1\], \[2\]\]\)$"),
+    (lambda hc: hc.admit([numpy.array([[1], [2]])]), r"expected a Request, got array\(\[\[1\], \[2\]\]\)$"),
+    (lambda hc: hc.admit([Request(numpy.array([[1], [2]]), [1])]), r"request_id must be a non-empty str, got array\("),
+    (lambda hc: hc.admit([Request("b", [1, numpy.array([[1], [2]])])]), r"must be int token ids, got array\(\[\[1\], \[2\]\]\) \(ndarray\)$"),
+    (lambda hc: hc.quiesce("1"), r"timeout_s must be a number of seconds above 0, got '1'"),
+    (lambda hc: hc.quiesce(0), r"timeout_s must be a number of seconds above 0, got 0"),
+    (lambda hc: hc.quiesce(float("nan")), r"timeout_s must be a number of seconds above 0, got nan"),
+    (lambda hc: hc.close(timeout_s=[1]), r"timeout_s must be a number of seconds above 0, got \[1\]"),
+    (lambda hc: hc.close(drain=1), r"drain must be True or False, got 1"),
+    (lambda hc: hc.kv.k(torch.tensor([[0], [1]])), r"layer must be an int in 0\.\.\d+, got tensor\(\[\[0\], \[1\]\]\)$"),
 ])
 def test_a_malformed_argument_is_one_request_error_and_the_cache_keeps_working(
     cache: HiCache, call: Callable[[HiCache], Any], error: str
 ) -> None:
     [live] = cache.admit([Request("live", seq(8))])
     before = cache.statistics()
-    with pytest.raises(RequestError, match=error):
+    with pytest.raises((RequestError, KVArgumentError), match=error) as caught:
         call(cache)
+    assert "\n" not in str(caught.value)
     after = cache.statistics()
     assert (after.tree, after.device, after.host) == (before.tree, before.device, before.host)
     got = cache.allocate({"live": 4})
