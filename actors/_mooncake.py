@@ -92,6 +92,9 @@ _TRANSFER_FAILED: Final = -800
 
 SETUP_RETRIES: Final = 3
 """Attempts of the client's `setup` (each up to `storage_timeout_s`)."""
+SETUP_WAIT_MIN_S: Final = 5.0
+"""Least time opening waits for the client's setup and registrations: a healthy setup takes
+40-300 ms here, longer than a tight `storage_timeout_s` meant for reads and writes."""
 
 _CLIENT_ENV: Final = ("MC_RPC_TIMEOUT_MS", "MC_RPC_CONNECT_TIMEOUT_MS", "MC_STORE_CLIENT_SETUP_RETRIES",
                       "MC_TCP_BIND_ADDRESS")
@@ -161,9 +164,11 @@ class _BoundedCalls:
             self._overran = ""
             self._outcome = (True, None)  # let go of its value (and of an exception's frames)
 
-    def run(self, what: str, fn: Callable[..., T], *args: Any) -> T:
+    def run(self, what: str, fn: Callable[..., T], *args: Any, timeout_s: float | None = None) -> T:
         """`fn(*args)` on the client thread; raises _CallFailed when it takes longer than
-        the timeout (or the thread is still busy); re-raises what `fn` raised."""
+        `timeout_s` (by default the calls' timeout) or the thread is still busy; re-raises what
+        `fn` raised."""
+        wait_s = self.timeout_s if timeout_s is None else timeout_s
         still = self.busy()
         if still:
             raise _CallFailed(still)
@@ -172,8 +177,8 @@ class _BoundedCalls:
         # never take another call's outcome.
         self._overran = what
         self._jobs.put((fn, args))
-        if not self._returned.acquire(timeout=self.timeout_s):
-            raise _CallFailed(f"Mooncake {what} did not return within {self.timeout_s:g} s")
+        if not self._returned.acquire(timeout=wait_s):
+            raise _CallFailed(f"Mooncake {what} did not return within {wait_s:g} s")
         self._overran = ""
         returned, value = self._outcome
         self._outcome = (True, None)  # let go of the value (and of an exception's frames)
@@ -230,17 +235,18 @@ class MooncakeBackend:
         self._calls = _BoundedCalls(config.storage_timeout_s, keep=self._keep)
         self._threads = IOThreads(config.storage_read_threads, "hicache-mooncake-verify")
         self._closed = False
+        wait_s = max(SETUP_RETRIES * config.storage_timeout_s, SETUP_WAIT_MIN_S)
         try:
             rc = self._calls.run(
                 "setup", self._store.setup, config.mooncake_local_host, config.mooncake_metadata,
-                config.mooncake_segment_mb << 20, 0, "tcp", "", config.mooncake_master,
+                config.mooncake_segment_mb << 20, 0, "tcp", "", config.mooncake_master, timeout_s=wait_s,
             )
             if rc == 0:
                 rc = self._calls.run("register_buffer", self._store.register_buffer,
-                                     self._headers.data_ptr(), self._headers.numel())
+                                     self._headers.data_ptr(), self._headers.numel(), timeout_s=wait_s)
             if rc == 0 and self._block is not None:
                 rc = self._calls.run("register_buffer", self._store.register_buffer,
-                                     self._block.address, self._block.nbytes)
+                                     self._block.address, self._block.nbytes, timeout_s=wait_s)
         except _CallFailed as e:
             _ABANDONED.append(self._store)  # still inside setup: never destroy it mid-run
             self._calls.stop(wait=False)

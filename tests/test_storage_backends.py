@@ -553,6 +553,21 @@ def test_an_address_that_answers_but_is_no_mooncake_master_is_a_storage_error_wi
     assert time.monotonic() - started < (SETUP_RETRIES + 2) * timeout_s + 1.0
 
 
+def test_a_storage_timeout_shorter_than_the_client_setup_still_opens(master: MooncakeMaster, keys) -> None:
+    """Setup takes 40-300 ms here: it gets `SETUP_WAIT_MIN_S`, not a timeout meant for reads and writes."""
+    src, dst = _host(HostLayout.PAGE_FIRST, seed=12), _host(HostLayout.PAGE_FIRST)
+    backend = open_backend(_config(storage="mooncake", storage_timeout_s=0.001, **master.config_fields()))
+    assert isinstance(backend, MooncakeBackend)
+    try:
+        ks = keys(2)
+        if backend.write(ks, src, _slots([0, 1])).written == 2:  # a 1 ms call may time out under load: a miss
+            read = backend.read(ks, dst, _slots([0, 1]))
+            assert read.pages in (0, 1, 2)
+            assert torch.equal(dst.read(_slots([0, 1])[: read.pages * PAGE]), src.read(_slots([0, 1])[: read.pages * PAGE]))
+    finally:
+        backend.close()
+
+
 def test_a_mooncake_master_killed_mid_run_gives_misses_and_errors_within_the_timeout(keys) -> None:
     timeout_s = 1.0
     src, dst = _host(HostLayout.PAGE_FIRST, seed=11), _host(HostLayout.PAGE_FIRST)
