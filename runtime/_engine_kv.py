@@ -103,6 +103,8 @@ class DeviceKV:
     def index(self, slots: torch.Tensor | SlotIndex, *, distinct: bool = True) -> SlotIndex:
         """`slots` checked once (in range; with `distinct`, no slot twice) and put on the pool's
         device, for every layer's `write` or `gather` of a forward pass."""
+        if type(distinct) is not bool:
+            raise KVArgumentError(f"distinct must be True or False, got {shown(distinct)}")
         if isinstance(slots, SlotIndex):
             if slots.pool != id(self._t):
                 raise KVArgumentError("these slots were checked against another cache's pool: index them again")

@@ -132,6 +132,8 @@ def test_a_malformed_request_is_one_request_error_and_reaches_no_actor(
     (lambda hc: hc.quiesce(float("nan")), r"timeout_s must be a number of seconds above 0, got nan"),
     (lambda hc: hc.close(timeout_s=[1]), r"timeout_s must be a number of seconds above 0, got \[1\]"),
     (lambda hc: hc.close(drain=1), r"drain must be True or False, got 1"),
+    (lambda hc: hc.kv.index(torch.tensor([0, 1]), distinct=torch.tensor([0, 0])),
+     r"distinct must be True or False, got tensor\(\[0, 0\]\)$"),
     (lambda hc: hc.kv.k(torch.tensor([[0], [1]])), r"layer must be an int in 0\.\.\d+, got tensor\(\[\[0\], \[1\]\]\)$"),
 ])
 def test_a_malformed_argument_is_one_request_error_and_the_cache_keeps_working(
