@@ -47,7 +47,7 @@ from hicache.actors._services import (
     NoFaults,
     Services,
 )
-from hicache.messages.config import Config, StorageKind, check_resources
+from hicache.messages.config import Config, ConfigError, StorageKind, check_resources
 from hicache.actors._logging import logger
 
 DEFAULT_ASK_TIMEOUT_S = 60.0
@@ -332,11 +332,11 @@ class System:
         self.probes = {}
         try:
             self._start_actors(cfg, svc)
+            if self._log_path:  # only once every actor runs: a failed start leaves an old log as it was
+                self._open_log(self._log_path)
         except BaseException:
             self._stop_actors()
             raise
-        if self._log_path:  # only once every actor runs: a failed start leaves an old log as it was
-            self._open_log(self._log_path)
         self._started = True
         return self
 
@@ -366,7 +366,11 @@ class System:
             "stand_ins": sorted(n.value for n in self._stand_in_names),
             "actor_classes": {n.value: c.__qualname__ for n, c in sorted(self._overrides.items(), key=lambda i: i[0].value)},
         }
-        svc.log = DeliveryLog(path, header)
+        try:
+            svc.log = DeliveryLog(path, header)
+        except OSError as e:
+            raise ConfigError(f"log_path={str(path)!r} cannot be written ({e.strerror or e}): give a file in a folder "
+                              "this process may write") from None
         self._unlogged_faults = svc.faults
         svc.faults = _LoggedFaults(svc.faults, svc.log)
 

@@ -52,6 +52,11 @@ def test_a_log_into_a_missing_folder_is_refused_before_serving(capsys: pytest.Ca
     assert "does not exist or is not writable" in err
 
 
+def test_a_log_that_is_a_folder_is_refused_before_serving(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert "is a folder; give the path of a file to write" in _refused(capsys, ["demo", "--requests", "1", "--log",
+                                                                                   str(tmp_path)])
+
+
 def test_a_delivery_log_given_to_explore_replay_is_refused_with_the_right_command(
         capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     log = tmp_path / "run.log"

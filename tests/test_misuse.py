@@ -18,7 +18,7 @@ import numpy
 import pytest
 import torch
 
-from hicache.messages import ActorName, SlotDemand
+from hicache.messages import ActorName, ConfigError, SlotDemand
 from hicache.runtime import (
     CacheHandle,
     CacheStateError,
@@ -253,6 +253,26 @@ def test_a_failed_start_leaves_an_existing_log_as_it_was_and_no_thread(
     while set(threading.enumerate()) - before and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not (set(threading.enumerate()) - before)
+
+
+@pytest.mark.parametrize("where", ["a folder", "in a missing folder", "under a file"])
+def test_a_log_path_that_cannot_be_written_is_one_config_error_at_start_and_no_thread(
+    make_config: Callable[..., Config], tmp_path: Path, where: str
+) -> None:
+    (tmp_path / "a-file").write_text("")
+    path = {"a folder": tmp_path, "in a missing folder": tmp_path / "no" / "x.log",
+            "under a file": tmp_path / "a-file" / "x.log"}[where]
+    before = set(threading.enumerate())
+    hc = HiCache(make_config(log_path=str(path)))
+    with pytest.raises(ConfigError, match=r"^log_path='.*' cannot be written \(.+\): give a file in a folder") as caught:
+        hc.start()
+    assert "\n" not in str(caught.value)
+    deadline = time.monotonic() + 10
+    while set(threading.enumerate()) - before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not (set(threading.enumerate()) - before), "a start that failed left actor threads running"
+    with HiCache(make_config(log_path=str(tmp_path / "x.log"))) as ok:  # a good path starts
+        ok.check_invariants()
 
 
 def test_close_drains_backups_in_flight_so_a_next_instance_finds_every_page(

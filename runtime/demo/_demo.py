@@ -91,6 +91,8 @@ def check_demo_arguments(requests: int, log_path: Path | None) -> None:
         raise UsageError(f"--requests {requests}: the embedded trace has {TRACE_RECORDS:,} requests; "
                          f"give 1..{TRACE_RECORDS}")
     if log_path is not None:
+        if log_path.is_dir():
+            raise UsageError(f"--log {log_path}: is a folder; give the path of a file to write")
         folder = log_path.parent if str(log_path.parent) else Path(".")
         if not folder.is_dir() or not os.access(folder, os.W_OK):
             raise UsageError(f"--log {log_path}: the folder {folder} does not exist or is not writable; "
