@@ -148,6 +148,8 @@ def test_token_traces_hit_their_repeated_prompts(tmp_path: Path, capsys: pytest.
     (["--l1", "10"], "--l1 10 holds no page of 64 tokens"),
     (["--l1", "64k", "--eviction-policy", "lru,mru"], "--eviction-policy: 'mru' is not one of lru, lfu, fifo"),
     (["--l1", "64k", "--plot", "out.svg"], "--plot out.svg: give a .png file name"),
+    (["--l1", "64k", "--plot", "/no-such-folder/sweep.png"],  # refused before the runs, not after
+     "--plot /no-such-folder/sweep.png: the folder /no-such-folder does not exist or is not writable"),
 ])
 def test_a_sweep_that_cannot_run_is_one_line(mooncake_file: Path, capsys: pytest.CaptureFixture[str],
                                              argv: list[str], says: str) -> None:
