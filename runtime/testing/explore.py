@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy
 import torch
 
 from hicache.actors._actor import HiActor, Mail
@@ -224,6 +225,11 @@ def _bad_calls(hc: HiCache, sched: ReferenceScheduler) -> list[Callable[[], Any]
         lambda: hc.abort(["not-prefetching"]),
         lambda: hc.cache_unfinished([CacheHandle("never-admitted", 1)]),
         lambda: hc.ready(None),  # type: ignore[arg-type]
+        lambda: hc.evict_device(numpy.array([1.0])),  # type: ignore[arg-type]
+        lambda: hc.allocate({rid: torch.tensor([[1, 2]])}),  # type: ignore[dict-item]
+        lambda: hc.allocate({rid: 1}, commit=torch.tensor([[1, 2]])),  # type: ignore[arg-type]
+        lambda: hc.quiesce("soon"),  # type: ignore[arg-type]
+        lambda: hc.close(timeout_s=[1.0]),  # type: ignore[arg-type]
         lambda: hc.admit([Request(rid, [1, 2, 3])]) if live else hc.allocate({"x": -1}),  # admitted twice
     ]
 
@@ -264,9 +270,9 @@ SCENARIOS: dict[str, Scenario] = {
     ),
     "misuse": Scenario(
         "misuse",
-        "the standard workload with a bad call after most ticks (malformed tokens, ids, namespaces and "
-        "counts, forged and repeated handles, unknown requests, commits past the allocation): each is one "
-        "RequestError that changes nothing, and the workload ends quiet",
+        "the standard workload with a bad call after most ticks (malformed tokens, ids, namespaces, "
+        "counts (arrays and tensors too) and timeouts, forged and repeated handles, unknown requests, commits "
+        "past the allocation): each is one RequestError that changes nothing, and the workload ends quiet",
         _misuse,
     ),
     "storage": Scenario(
