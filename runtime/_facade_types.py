@@ -11,7 +11,6 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import enum
-import math
 import operator
 import reprlib
 import struct
@@ -35,6 +34,7 @@ from hicache.messages import (
     TreeStatistics,
 )
 from hicache.messages._registry import frozen_fast_init
+from hicache.messages.config import SECONDS_MAX
 
 TOKEN_ID_MAX = 2**63 - 1
 """Token ids travel as int64: 0 .. 2**63 - 1."""
@@ -268,9 +268,10 @@ def count(what: str, value: Any, maximum: int) -> int:
 
 
 def seconds(what: str, value: Any) -> float:
-    """A wait in seconds: a finite int or float above 0 (not a bool)."""
-    if type(value) is bool or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-        raise RequestError(f"{what} must be a number of seconds above 0, got {shown(value)}")
+    """A wait in seconds: an int or float in (0, `SECONDS_MAX`] (not a bool)."""
+    if type(value) is bool or not isinstance(value, (int, float)) or not 0 < value <= SECONDS_MAX:
+        raise RequestError(f"{what} must be a number of seconds above 0 and at most {SECONDS_MAX:g}, "
+                           f"got {shown(value)}")
     return float(value)
 
 
