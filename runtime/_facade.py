@@ -300,6 +300,19 @@ class HiCache:
         group: Group | None = None,
         reply_timeout_s: float = DEFAULT_ASK_TIMEOUT_S,
     ) -> None:
+        if config is not None and not isinstance(config, Config):
+            raise RequestError(f"config must be a Config (None: the defaults), got {check.shown(config)}; build one "
+                               "with Config(...) or Config.from_mapping(...)")
+        if group is not None and not (type(getattr(group, "rank", None)) is int
+                                      and type(getattr(group, "size", None)) is int
+                                      and callable(getattr(group, "all_min", None))):
+            raise RequestError(f"group must be a Group (rank, size, all_min: SingleGroup, TorchGroup), got "
+                               f"{check.shown(group)}")
+        if runtime is not None and not all(callable(getattr(runtime, m, None))
+                                           for m in ("start", "new_mailbox", "shutdown")):
+            raise RequestError(f"runtime must be a ThreadedRuntime or a DeterministicRuntime, got "
+                               f"{check.shown(runtime)}")
+        reply_timeout_s = check.seconds("reply_timeout_s", reply_timeout_s)
         self.config = config or Config()
         self.group: Group = group or SingleGroup()
         if (self.group.size, self.group.rank) != (self.config.tp_size, self.config.tp_rank):
@@ -307,8 +320,6 @@ class HiCache:
                 f"the group is rank {self.group.rank} of {self.group.size} but the config says tp_rank="
                 f"{self.config.tp_rank}, tp_size={self.config.tp_size}; make them equal"
             )
-        if not reply_timeout_s > 0:
-            raise ValueError(f"reply_timeout_s must be > 0, got {reply_timeout_s}")
         self.reply_timeout_s = reply_timeout_s
         self.system = System(self.config, runtime=runtime, actor_classes=actor_classes)
         self._ops = self.system.services.ids

@@ -177,6 +177,28 @@ def test_with_a_delivery_log_a_huge_count_is_refused_at_the_facade_and_the_log_r
 # -- lifecycle and threads -------------------------------------------------------------------
 
 
+@pytest.mark.parametrize(("kwargs", "error"), [
+    ({"config": "small"}, r"config must be a Config \(None: the defaults\), got 'small'; build one with Config"),
+    ({"config": {"layers": 2}}, r"config must be a Config .*, got \{'layers': 2\}"),
+    ({"runtime": "threads"}, r"runtime must be a ThreadedRuntime or a DeterministicRuntime, got 'threads'"),
+    ({"group": 2}, r"group must be a Group \(rank, size, all_min: SingleGroup, TorchGroup\), got 2"),
+    ({"reply_timeout_s": "60"}, r"reply_timeout_s must be a number of seconds above 0 and at most 86400, got '60'"),
+    ({"reply_timeout_s": 0}, r"reply_timeout_s must be a number of seconds above 0 and at most 86400, got 0"),
+])
+def test_a_malformed_constructor_argument_is_one_request_error(make_config: Callable[..., Config],
+                                                               kwargs: dict[str, Any], error: str) -> None:
+    kwargs = {"config": make_config(), **kwargs}
+    with pytest.raises(RequestError, match=error) as caught:
+        HiCache(**kwargs)
+    assert "\n" not in str(caught.value)
+
+
+def test_actor_classes_keyed_by_a_name_that_is_not_an_actor_name_are_refused(make_config: Callable[..., Config]) -> None:
+    """A key "tree" (a str, not `ActorName.TREE`) would have been ignored: the real actor ran."""
+    with pytest.raises(TypeError, match=r"actor_classes maps an ActorName to an actor class, got 'tree'"):
+        HiCache(make_config(), actor_classes={"tree": object})  # type: ignore[dict-item]
+
+
 def test_calls_before_start_and_after_close_are_one_clear_error(make_config: Callable[..., Config]) -> None:
     hc = HiCache(make_config())
     with pytest.raises(CacheStateError, match=r"not running: call start\(\)"):
