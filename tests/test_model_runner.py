@@ -24,6 +24,7 @@ from hicache.runtime import (
     HostLayout,
     PrefetchPolicy,
     Request,
+    RequestError,
     StorageKind,
     ThreadedRuntime,
     WritePolicy,
@@ -302,6 +303,14 @@ def test_bad_generate_arguments_are_refused_and_the_cache_serves_on(model: Any) 
             runner.generate(Request("r", []), 2)
         with pytest.raises(ModelRunnerError, match=r"^request 'long': the device pool is \d+ slots short"):
             runner.generate(Request("long", list(range(100))), 2)
+        vocab = model.config.vocab_size
+        with pytest.raises(ModelRunnerError, match=rf"^request 'v': token id {vocab} is outside the model's "
+                                                   rf"vocabulary \(0\.\.{vocab - 1}\)$"):
+            runner.generate(Request("v", [1, vocab]), 2)  # an embedding's IndexError before
+        with pytest.raises(ModelRunnerError, match=r"^generate takes a Request, got 'r'$"):
+            runner.generate("r", 2)  # type: ignore[arg-type]
+        with pytest.raises(RequestError, match=r"must be int token ids, got 1\.5 \(float\)"):
+            runner.generate(Request("f", [1, 1.5]), 2)  # type: ignore[list-item]  # was truncated to 1
         assert hc.live_requests == ()
         hc.check_invariants()
         prompt = _user(0, 0, 20)

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy
 import torch
 from transformers import Cache, CacheLayerMixin
 
@@ -33,6 +34,7 @@ from hicache.messages.config import StorageKind
 
 from .._engine_kv import DeviceKV, SlotIndex
 from .._facade import AdmitResult, HiCache, Insufficient, Request
+from .._facade_types import request_id, shown, token_bytes
 
 LOAD_ATTEMPTS_MAX = 3
 """Admissions of one request whose load-back failed before `generate` gives up (each failure
@@ -193,11 +195,18 @@ class ModelRunner:
     def generate(self, request: Request, max_new_tokens: int) -> Generation:
         """Serve `request` from admission to finish: its storage prefetch first when the cache
         has storage, then prefill of the uncached positions and `max_new_tokens` greedy tokens."""
+        if not isinstance(request, Request):
+            raise ModelRunnerError(f"generate takes a Request, got {shown(request)}")
         if type(max_new_tokens) is not int or max_new_tokens < 1:
-            raise ModelRunnerError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-        prompt = [int(t) for t in request.tokens]
+            raise ModelRunnerError(f"max_new_tokens must be an int >= 1, got {shown(max_new_tokens)}")
+        rid = request_id(request.request_id)
+        prompt = numpy.frombuffer(token_bytes(request.tokens, "tokens of request", rid), dtype=numpy.int64).tolist()
         if not prompt:
-            raise ModelRunnerError(f"request {request.request_id!r} has an empty prompt: give at least one token")
+            raise ModelRunnerError(f"request {rid!r} has an empty prompt: give at least one token")
+        vocab = self.model.config.get_text_config(decoder=True).vocab_size
+        if max(prompt) >= vocab:
+            raise ModelRunnerError(f"request {rid!r}: token id {max(prompt)} is outside the model's vocabulary "
+                                   f"(0..{vocab - 1})")
         began = self._clock()
         self._prefetch(request, prompt)
         admitted, slots, logits = self._prefill(request, prompt)
