@@ -2,8 +2,9 @@
 them wrong, on the threaded runtime with every tier.
 
 A seed picks a page size, pool sizes, a write policy, a storage tier (none or files) and a
-prefetch policy, whether the write stream runs on a thread of its own, and whether copies,
-host reservations and storage calls fail now and then. Then it makes 160 calls:
+prefetch policy, whether the write stream runs on a thread of its own, whether copies,
+host reservations and storage calls fail now and then, and whether requests come in two
+namespaces whose KV differs for the same tokens. Then it makes 160 calls:
 admissions of one to three requests in one call (new ids and retracted ones, some after a
 storage prefetch, some given up by id while it runs), their slots allocated in one call
 (per request or as one flat tensor), prefills committed in pieces, decode steps that
@@ -73,17 +74,25 @@ class _Run:
         if seed % 4 == 1:  # failed copies, refused host reservations, failed storage calls
             faults = SeededFaults(seed, transfer_fail_rate=0.15, host_exhausted_rate=0.1, storage_fail_rate=0.1)
         self.runtime = ThreadedRuntime(write_stream_thread=rng.random() < 0.5, faults=faults)
-        self.model = FingerprintOracle(KVShape.of(config))
+        # Half the seeds serve two namespaces (two adapters, say) whose KV differs for the same
+        # tokens: a prefix cached under one must never be served to the other.
+        self.spaces = random.Random(seed * 7 + 3)
+        self.namespaces = ["", "adapter-1"] if self.spaces.random() < 0.5 else [""]
+        self.set_shape(config)
         vocab = [rng.randrange(1, 50) for _ in range(6)] if like is None else like.vocab
         self.vocab = vocab
         self.stems = ([[rng.choice(vocab) for _ in range(rng.randrange(1, 3 * p + 4))] for _ in range(4)]
                       if like is None else like.stems)
         self.live: dict[str, dict[str, Any]] = {}
         self.retracted: list[str] = []
-        self.turns: list[list[int]] = []
+        self.turns: list[tuple[list[int], str]] = []
         """The committed tokens of finished requests, which a later admission may continue."""
         self.made = 0
         self.verified = 0
+
+    def set_shape(self, config: Config) -> None:
+        """The fingerprint oracle of each namespace, for `config`'s KV shape."""
+        self.models = {ns: FingerprintOracle(KVShape.of(config), seed=i) for i, ns in enumerate(self.namespaces)}
 
     def tokens(self, ids: list[int]) -> Any:
         """`ids` in one of the forms the facade takes."""
@@ -101,7 +110,7 @@ class _Run:
         start = st["committed"]
         if upto > start:
             kv = cache.kv
-            new = self.model.expected(st["tokens"][:upto], start, upto)
+            new = self.models[st["ns"]].expected(st["tokens"][:upto], start, upto)
             for layer in range(kv.layers):
                 kv.write(layer, st["slots"][start:upto], new[0, layer], new[1, layer])
 
@@ -118,6 +127,7 @@ class _Run:
         rng = self.rng
         rids: list[str] = []
         prompts: list[list[int]] = []
+        spaces: list[str] = []
         for _ in range(k):
             if self.retracted and rng.random() < 0.4:
                 rid = self.retracted.pop(rng.randrange(len(self.retracted)))  # a retracted id may come back
@@ -126,10 +136,13 @@ class _Run:
                 rid = f"r{self.made}"
             # A new conversation from a shared stem, or the next turn of one that finished (its
             # prompt, the tokens it decoded, and new ones): the turn's hit reads decoded KV back.
-            start = rng.choice(self.turns) if self.turns and rng.random() < 0.5 else rng.choice(self.stems)
+            if self.turns and rng.random() < 0.5:  # a conversation goes on in its namespace
+                start, ns = rng.choice(self.turns)
+            else:
+                start, ns = rng.choice(self.stems), self.spaces.choice(self.namespaces)
             ids = list(start) + [rng.choice(self.vocab) for _ in range(rng.randrange(1, 2 * self.page + 3))]
             if self.config.storage.value != "none" and rng.random() < 0.5:
-                if cache.prefetch([Request(rid, ids[:-1])]).get(rid) and rng.random() < 0.2:
+                if cache.prefetch([Request(rid, ids[:-1], ns)]).get(rid) and rng.random() < 0.2:
                     cache.abort([rid])  # a queued request given up while its prefetch runs
                     continue
                 for _ in range(5000):  # once per scheduler tick
@@ -140,19 +153,20 @@ class _Run:
                     raise AssertionError(f"seed {self.seed} step {step}: the prefetch of {rid} was never ready")
             rids.append(rid)
             prompts.append(ids)
+            spaces.append(ns)
         if not rids:
             return
-        admitted = cache.admit([Request(rid, self.tokens(ids[:-1])) for rid, ids in zip(rids, prompts)])
+        admitted = cache.admit([Request(rid, self.tokens(ids[:-1]), ns) for rid, ids, ns in zip(rids, prompts, spaces)])
         try:
             cache.start_loads().wait_all()
         except LoadFailedError:  # the tree dropped what did not load: retract, and admit again later
             cache.retract([adm.handle for adm in admitted])
             self.retracted += rids
             return
-        for adm, ids in zip(admitted, prompts):
+        for adm, ids, ns in zip(admitted, prompts, spaces):
             cached = adm.cached_tokens
             if cached:  # whatever tier it came from, the prefix's KV in device memory is the oracle's
-                kv, want = cache.kv, self.model.expected(ids[:cached], 0, cached)
+                kv, want = cache.kv, self.models[ns].expected(ids[:cached], 0, cached)
                 for layer in range(kv.layers):
                     k_, v_ = kv.gather(layer, adm.device_indices)
                     assert torch.equal(k_, want[0, layer]) and torch.equal(v_, want[1, layer]), (
@@ -166,11 +180,11 @@ class _Run:
             cache.abort([adm.handle for adm in admitted])
             return
         at, commits = 0, {}
-        for adm, ids, n in zip(admitted, prompts, need):
+        for adm, ids, n, ns in zip(admitted, prompts, need, spaces):
             mine = got[at : at + n] if flat else got[adm.request_id]
             at += n
             st = self.live[adm.request_id] = {"tokens": ids, "slots": torch.cat([adm.device_indices, mine]),
-                                              "committed": adm.cached_tokens, "handle": adm.handle}
+                                              "committed": adm.cached_tokens, "handle": adm.handle, "ns": ns}
             upto = rng.randrange(adm.cached_tokens, len(ids) + 1)
             if upto > st["committed"]:
                 self.write(cache, st, upto)
@@ -214,7 +228,7 @@ class _Run:
         assert len(slots) == len(st["slots"]) and torch.equal(slots[n:], st["slots"][n:]), (
             f"seed {self.seed} step {step}: cache_unfinished moved slots past the committed prefix of {rid}")
         if n:
-            kv, want = cache.kv, self.model.expected(st["tokens"][:n], 0, n)
+            kv, want = cache.kv, self.models[st["ns"]].expected(st["tokens"][:n], 0, n)
             for layer in range(kv.layers):
                 k_, v_ = kv.gather(layer, slots[:n])
                 assert torch.equal(k_, want[0, layer]) and torch.equal(v_, want[1, layer]), (
@@ -229,7 +243,7 @@ class _Run:
         how = rng.random()
         if how < 0.7:
             cache.finish([st["handle"] for st in ended])
-            self.turns += [st["tokens"][: st["committed"]] for st in ended]
+            self.turns += [(st["tokens"][: st["committed"]], st["ns"]) for st in ended]
         elif how < 0.85:
             cache.abort([st["handle"] for st in ended])
         else:
