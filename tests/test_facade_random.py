@@ -16,7 +16,8 @@ slots the cache handed out; every cached prefix an admission reports is read bac
 device memory and compared with it, whichever tier it came from, and so is a request's
 committed prefix after `cache_unfinished`, in the slots the cache then reports. After each
 call the invariants of every actor and of the facade are checked. Some seeds log their
-deliveries, and the log (of the last start) must replay with no divergence.
+deliveries, and the log (of the last start) must replay with no divergence; some export
+Prometheus metrics, whose counters must never fall between the scrapes after each call.
 
 A second test runs two such instances (two servers) over one storage directory whose size
 bound keeps each evicting the other's pages.
@@ -27,6 +28,7 @@ may move it).
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from array import array
@@ -36,6 +38,8 @@ from typing import Any
 import numpy
 import pytest
 import torch
+from prometheus_client import REGISTRY, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from hicache.actors import KVShape, LoadFailedError, SeededFaults
 from hicache.runtime import Config, HiCache, Insufficient, Request, RequestError, ThreadedRuntime, read_log
@@ -69,7 +73,12 @@ class _Run:
         self.logged = seed % 3 == 0
         if self.logged:
             config = config.replace(log_path=str(tmp_path / f"deliveries-{seed}.log"))
+        self.exported = seed % 6 == 2
+        if self.exported:  # its Prometheus samples are scraped after every call (`scrape`)
+            config = config.replace(metrics=True, metrics_name=f"random-{seed}-{tmp_path.name}")
         self.config = config
+        self.counted: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        """The last scrape's cumulative samples (counters, histogram sums and counts) by name and labels."""
         faults = None
         if seed % 4 == 1:  # failed copies, refused host reservations, failed storage calls
             faults = SeededFaults(seed, transfer_fail_rate=0.15, host_exhausted_rate=0.1, storage_fail_rate=0.1)
@@ -298,6 +307,7 @@ class _Run:
             self.retracted.clear()
             cache.close(drain=rng.random() < 0.7)
             cache.start()
+            self.counted.clear()  # a cache started again counts from zero
         else:
             cache.quiesce()
             if rng.random() < 0.3:
@@ -305,6 +315,25 @@ class _Run:
             if self.config.host_tier and rng.random() < 0.5:
                 cache.evict_host(rng.randrange(1, 16 * self.page))
         cache.check_invariants()
+        if self.exported:
+            self.scrape(step)
+
+    def scrape(self, step: int) -> None:
+        """This cache's samples in the default registry: finite, never negative, and the
+        cumulative ones (counters, histograms' counts and sums) never fall between scrapes."""
+        mine = self.config.metrics_name
+        for family in text_string_to_metric_families(generate_latest(REGISTRY).decode()):
+            for sample in family.samples:
+                if sample.labels.get("cache") != mine or sample.name.endswith("_created"):
+                    continue
+                key = (sample.name, tuple(sorted(sample.labels.items())))
+                value = sample.value
+                assert value >= 0 and (math.isfinite(value) or sample.labels.get("le") == "+Inf"), (
+                    f"seed {self.seed} step {step}: {key} = {value}")
+                if family.type in ("counter", "histogram"):
+                    assert value >= self.counted.get(key, 0.0), (
+                        f"seed {self.seed} step {step}: {key} fell from {self.counted[key]} to {value}")
+                    self.counted[key] = value
 
 
 @pytest.mark.parametrize("seed", range(12))
