@@ -87,6 +87,16 @@ class HiActor(pykka.ThreadingActor, abc.ABC):
         self.actor_urn = self.actor_ref.actor_urn = f"urn:hicache:{self.name.value}"
         self._services = services
         self._directory = directory
+        self._delivery_s: float | None = None
+        """The logged time of the delivery being handled (None: not logging, or between deliveries)."""
+
+    def now_s(self) -> float:
+        """The runtime's time, as a handler reads it: while its delivery is logged, the time the
+        log gives it, so that a replay (which sets its clock to that time for the delivery)
+        reads the same. A handler's decision that a moment later would go the other way (a
+        prefetch's timeout) is then made the same way again."""
+        t = self._delivery_s
+        return self._services.clock.now_s() if t is None else t
 
     # -- the single delivery point -------------------------------------------
 
@@ -108,11 +118,14 @@ class HiActor(pykka.ThreadingActor, abc.ABC):
                 reply = self.handle(mail.sender, message)
         else:
             seq, t = log.next_seq(), services.clock.now_s()
+            self._delivery_s = t
             try:
                 reply = self._dispatch(mail)
             except Exception as err:
                 log.delivery(seq, t, self.name, mail.sender, mail.message, mail.ask, None, err)
                 raise
+            finally:
+                self._delivery_s = None
             log.delivery(seq, t, self.name, mail.sender, mail.message, mail.ask, reply, None)
         if mail.ask:
             return reply

@@ -106,7 +106,7 @@ class TreeActor(HiActor):
     def __init__(self, *, config: Config, services: Services, directory: Directory) -> None:
         super().__init__(services=services, directory=directory)
         # Its own id sequence: the ids it draws depend on its inbox only (replay needs that).
-        self.core = TreeCore(config, lambda: services.ids.next("tree-op"), services.clock.now_s)
+        self.core = TreeCore(config, lambda: services.ids.next("tree-op"), self.now_s)
 
     def handle(self, sender: ActorName, message: Message) -> Message | None:
         TREE_ROUTES.deliver(self.core, sender, message)

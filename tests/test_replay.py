@@ -5,14 +5,16 @@ from __future__ import annotations
 import base64
 import json
 import re
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from hicache.messages import AllocateSlots, SlotDemand, decode, encode
+from hicache.actors import TreeActor
+from hicache.messages import ActorName, AllocateSlots, Message, SlotDemand, decode, encode
 from hicache.messages.config import Config
-from hicache.runtime import LOG_VERSION, HiCache, read_log, rewrite_log
+from hicache.runtime import LOG_VERSION, HiCache, Request, ThreadedRuntime, read_log, rewrite_log
 from hicache.runtime.cli import main
 from hicache.runtime.testing import DeterministicRuntime, replay_log
 from hicache.runtime.testing._scheduler import ReferenceScheduler, SchedulerConfig
@@ -274,3 +276,61 @@ def test_the_log_of_a_cache_started_again_after_a_close_replays(tmp_path: Path, 
         result = replay_log(read_log(path))
         assert result.divergence is None, f"start {turn + 1}: {result.divergence}"
         assert result.deliveries > 50
+
+
+class _SteppingClock:
+    """A clock that moves on at every read (1 ms), as a real one does between two reads."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+        self._lock = threading.Lock()
+
+    def now_s(self) -> float:
+        with self._lock:
+            self.t += 0.001
+            return self.t
+
+
+class _TimedTree(TreeActor):
+    """The tree, noting the time its core reads at the start of each handler."""
+
+    reads: list[tuple[str, float]] = []
+
+    def handle(self, sender: ActorName, message: Message) -> Message | None:
+        type(self).reads.append((type(message).__name__, self.core.shared.now()))
+        return super().handle(sender, message)
+
+
+def test_a_logged_handler_reads_the_time_its_delivery_was_logged_with(tmp_path: Path) -> None:
+    """The tree decides on time (a prefetch's timeout: now - started >= timeout). A replay sets
+    its clock to each delivery's logged time, so the run must read that time too: a read a
+    moment later could decide the other way (a replay divergence under the `timeout` policy
+    with a short timeout, about 1 run in 20 before)."""
+    path = tmp_path / "timed.log"
+    runtime = ThreadedRuntime()
+    runtime.services.clock = _SteppingClock()
+    _TimedTree.reads = []
+    cfg = Config(layers=2, kv_heads=1, head_dim=8, page_size=4, device_slots=96, host_slots=192, log_path=str(path),
+                 storage="file", storage_dir=str(tmp_path / "l3"), prefetch_policy="timeout",
+                 prefetch_threshold_pages=1, prefetch_timeout_base_s=0.002, prefetch_timeout_per_1k_s=0.0)
+    prompt = list(range(1, 34))
+    with HiCache(cfg, runtime=runtime, actor_classes={ActorName.TREE: _TimedTree}) as hc:
+        [adm] = hc.admit([Request("a", prompt[:-1])])
+        hc.allocate({"a": len(prompt)})
+        hc.commit({"a": prompt})
+        hc.finish([adm.handle])
+        hc.quiesce()  # written through to host memory and backed up to storage
+        hc.evict_device(cfg.device_slots)
+        hc.evict_host(cfg.host_slots)
+        assert hc.prefetch([Request("b", prompt[:-1])]) == {"b": 32}
+        while not hc.ready(["b"]):
+            pass
+        [adm] = hc.admit([Request("b", prompt[:-1])])
+        hc.start_loads().wait_all()
+        hc.abort([adm.handle])
+        hc.quiesce()
+    logged = [(d.type_name, d.t) for d in read_log(path).deliveries
+              if d.receiver is ActorName.TREE and d.type_name not in ("CheckInvariants", "GetStatistics")]
+    assert len(logged) > 10 and _TimedTree.reads == logged
+    result = replay_log(read_log(path))
+    assert result.divergence is None, result.divergence
