@@ -230,12 +230,6 @@ def _plain(value: Any) -> Any:
 # -- argument checks ---------------------------------------------------------------------
 
 
-def request_id(value: Any, what: str = "request_id") -> str:
-    if type(value) is not str or not value:
-        raise RequestError(f"{what} must be a non-empty str, got {shown(value)}")
-    return value
-
-
 _BRIEF = reprlib.Repr()
 _BRIEF.maxstring = _BRIEF.maxother = 80
 
@@ -244,6 +238,12 @@ def shown(value: Any) -> str:
     """`value` as an error message names it: its repr on one line (a 2-D array's has several),
     long ones cut short."""
     return " ".join(_BRIEF.repr(value).split())
+
+
+def request_id(value: Any, what: str = "request_id") -> str:
+    if type(value) is not str or not value:
+        raise RequestError(f"{what} must be a non-empty str, got {shown(value)}")
+    return value
 
 
 def namespace(value: Any) -> str:

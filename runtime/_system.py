@@ -308,10 +308,10 @@ class System:
         if actor_classes is not None and not isinstance(actor_classes, Mapping):
             raise TypeError(f"actor_classes maps an ActorName to an actor class, got {type(actor_classes).__name__}")
         self._overrides = dict(actor_classes or {})
+        """Subclasses to run in place of an actor's class: exploration's mutants, never config."""
         for name, cls in self._overrides.items():
             if not isinstance(name, ActorName) or not isinstance(cls, type):
                 raise TypeError(f"actor_classes maps an ActorName to an actor class, got {name!r}: {cls!r}")
-        """Subclasses to run in place of an actor's class: exploration's mutants, never config."""
         self.directory = Directory()
         self.probes: dict[ActorName, Any] = {}
         self._started = False

@@ -23,7 +23,6 @@ cost model produced them.
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
@@ -38,7 +37,7 @@ from hicache.messages.config import Config, PrefetchPolicy
 from .._facade import HiCache
 from ._progress import progress
 from ..testing._scheduler import FakeModel, ReferenceScheduler, SchedulerConfig, ServeRequest
-from .._usage import UsageError
+from .._usage import UsageError, check_writable_file
 from ..trace import TRACE_RECORDS, TraceRequest, load_trace
 
 DEMO_REQUESTS = 600
@@ -91,12 +90,7 @@ def check_demo_arguments(requests: int, log_path: Path | None) -> None:
         raise UsageError(f"--requests {requests}: the embedded trace has {TRACE_RECORDS:,} requests; "
                          f"give 1..{TRACE_RECORDS}")
     if log_path is not None:
-        if log_path.is_dir():
-            raise UsageError(f"--log {log_path}: is a folder; give the path of a file to write")
-        folder = log_path.parent if str(log_path.parent) else Path(".")
-        if not folder.is_dir() or not os.access(folder, os.W_OK):
-            raise UsageError(f"--log {log_path}: the folder {folder} does not exist or is not writable; "
-                             "create it or give another path")
+        check_writable_file("--log", log_path)
 
 
 def run_demo(

@@ -7,21 +7,17 @@ backend (no display needed).
 
 from __future__ import annotations
 
-import os
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from .._usage import UsageError
+from .._usage import UsageError, check_writable_file
 
 
 def check_plot_available(path: Path) -> None:
     """UsageError unless matplotlib (the `plot` extra) can be imported and `path` can be
     written (checked before the runs, which may take long)."""
-    folder = path.parent if str(path.parent) else Path(".")
-    if path.is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
-        raise UsageError(f"--plot {path}: " + ("is a folder; give a .png file name" if path.is_dir() else
-                                               f"the folder {folder} does not exist or is not writable"))
+    check_writable_file("--plot", path)
     try:
         import matplotlib  # noqa: F401
     except ImportError:
