@@ -65,25 +65,14 @@ def _kv_args(cache: HiCache) -> torch.Tensor:
     return torch.zeros(2, kv.kv_heads, kv.head_dim, dtype=kv.dtype)
 
 
+ONE_ARGUMENT = ("admit", "prefetch", "ready", "allocate", "commit", "allocated", "slots", "committed_tokens", "handle",
+                "finish", "abort", "retract", "cache_unfinished", "quiesce", "evict_device", "evict_host")
+"""The facade's calls that take one argument: each gets the first value."""
+
 CALLS: dict[str, Callable[[HiCache, Any, Any, random.Random], Any]] = {
-    "admit": lambda c, x, y, r: c.admit(x),
-    "prefetch": lambda c, x, y, r: c.prefetch(x),
-    "ready": lambda c, x, y, r: c.ready(x),
-    "allocate": lambda c, x, y, r: c.allocate(x),
+    **{name: (lambda c, x, y, r, name=name: getattr(c, name)(x)) for name in ONE_ARGUMENT},
     "allocate(commit=)": lambda c, x, y, r: c.allocate(x, commit=y),
     "allocate(flat=)": lambda c, x, y, r: c.allocate(x, flat=y),
-    "commit": lambda c, x, y, r: c.commit(x),
-    "allocated": lambda c, x, y, r: c.allocated(x),
-    "slots": lambda c, x, y, r: c.slots(x),
-    "committed_tokens": lambda c, x, y, r: c.committed_tokens(x),
-    "handle": lambda c, x, y, r: c.handle(x),
-    "finish": lambda c, x, y, r: c.finish(x),
-    "abort": lambda c, x, y, r: c.abort(x),
-    "retract": lambda c, x, y, r: c.retract(x),
-    "cache_unfinished": lambda c, x, y, r: c.cache_unfinished(x),
-    "quiesce": lambda c, x, y, r: c.quiesce(x),
-    "evict_device": lambda c, x, y, r: c.evict_device(x),
-    "evict_host": lambda c, x, y, r: c.evict_host(x),
     "close": lambda c, x, y, r: c.close(drain=x, timeout_s=y) if r.random() < 0.5 else c.close(timeout_s=x),
     "kv.write(layer, slots)": lambda c, x, y, r: c.kv.write(x, y, _kv_args(c), _kv_args(c)),
     "kv.write(k, v)": lambda c, x, y, r: c.kv.write(0, torch.tensor([0, 1]), x, y),
