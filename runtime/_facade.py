@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, overload
 
+import pykka
 import torch
 from hicache.actors._logging import logger
 from hicache.actors._errors import InvariantError
@@ -326,6 +327,8 @@ class HiCache:
         self._slot_table: SlotTable | None = None
         """Built at the first start: 8 bytes per device slot."""
         self._interrupts = Interrupts(on_enter=self._collect)
+        self._closing = False
+        """From `close()` on until the next `start()`: a `statistics()` whose actors stopped under it says so."""
         self._caller = 0
         self._kv: DeviceKV | None = None
         self._timings: FacadeTimings | None = None
@@ -362,6 +365,7 @@ class HiCache:
         except BaseException:
             untrack(self)
             raise
+        self._closing = False
         self._caller = threading.get_ident()
         self._interrupts.start()
         return self
@@ -373,6 +377,7 @@ class HiCache:
         if not self.system.started:
             return Closed(drained=True, writes_dropped=0, backups_dropped=0)
         self._check_caller()
+        self._closing = True
         drained = True
         if drain:
             try:
@@ -386,9 +391,9 @@ class HiCache:
         except Exception:  # noqa: BLE001 - a failed actor: report what cannot be known as dropped
             writes = backups = -1
             drained = False
+        untrack(self)  # before the actors stop: a scrape from now on leaves this cache out
         self.system.stop()
         self._interrupts.stop()
-        untrack(self)
         if writes or backups:
             drained = False
             log.warning("closed with work in flight" if writes >= 0 else "closed after an actor failed: what was in "
@@ -952,10 +957,16 @@ class HiCache:
 
     def statistics(self) -> HiCacheStatistics:
         """Per tier (tokens looked up, hit and evicted; capacity used), and each actor's record
-        (any thread may call this)."""
+        (any thread may call this; one racing a `close()` raises `CacheStateError`)."""
         t = self._timings or _NO_TIMINGS
-        return cache_statistics(self.config, self._started().statistics(), self._storage_hit_tokens,
-                                t.load_back_wait, t.calls if self._timings else {})
+        system = self._started()
+        try:  # the actors' records, which a close racing this call may take away one by one
+            return cache_statistics(self.config, system.statistics(), self._storage_hit_tokens, t.load_back_wait,
+                                    t.calls if self._timings else {})
+        except (pykka.ActorDeadError, RuntimeError, LookupError):
+            if self._closing or not system.started:  # the actors stopped under it (a metrics scrape, say)
+                raise CacheStateError("the cache was closed while statistics() ran") from None
+            raise
 
     def check_invariants(self) -> None:
         """Every actor checks its core; the facade checks its own view against the tree's."""

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
+import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
+import pykka
 import pytest
+from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from hicache.actors import DURATION_BOUNDS_S, DurationHistogram, KVShape
@@ -152,6 +157,54 @@ def test_a_closed_cache_leaves_the_scrape() -> None:
         pass
     m = _scrape(port)
     assert not any(dict(labels).get("cache") == "closed-one" for labels in m.get("hicache_live_requests", {}))
+
+
+def test_scrapes_and_statistics_racing_a_close_never_fail(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A scrape runs on the exporter's thread whenever Prometheus asks, `statistics()` on any
+    thread: while a `close()` stops the actors (slowed here to 20 ms an actor), a scrape
+    leaves the cache out and `statistics()` raises `CacheStateError`, never an actor's
+    death (`ActorDeadError`, a missing actor, "the system is not running") seen through."""
+    stop_actor = pykka.ActorRef.stop
+
+    def slowly(self: pykka.ActorRef[Any], *args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.02)
+        return stop_actor(self, *args, **kwargs)
+
+    monkeypatch.setattr(pykka.ActorRef, "stop", slowly)
+    cache = HiCache(_config(metrics=True, metrics_name="racing"))
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def scrape() -> None:
+        while not done.is_set():
+            try:
+                generate_latest(REGISTRY)
+            except Exception as e:  # noqa: BLE001 - the test reports it
+                errors.append(e)
+
+    def read() -> None:
+        while not done.is_set():
+            try:
+                cache.statistics()
+            except CacheStateError:
+                pass
+            except Exception as e:  # noqa: BLE001 - the test reports it
+                errors.append(e)
+
+    threads = [threading.Thread(target=scrape), threading.Thread(target=read)]
+    try:
+        for _ in range(4):
+            cache.start()
+            if not threads[0].is_alive():
+                for t in threads:
+                    t.start()
+            serve(cache, Request("a", PROMPT))
+            cache.close()
+    finally:
+        done.set()
+        for t in threads:
+            t.join()
+    assert not errors, f"{len(errors)} failed while a close ran, the first: {errors[0]!r}"
 
 
 def test_the_config_port_starts_the_exporter() -> None:
