@@ -929,7 +929,8 @@ class HiCache:
 
     def quiesce(self, timeout_s: float = 60.0) -> None:
         """Wait until every write-through, load-back and backup to storage in flight has been
-        acknowledged and applied. With several ranks, call it on every rank: it agrees too."""
+        acknowledged and applied. With several ranks, call it on every rank: it agrees too.
+        After `timeout_s` a `TimeoutError` names what is still in flight; the cache goes on."""
         with self._call():
             timeout_s = check.seconds("timeout_s", timeout_s)
             while True:

@@ -472,7 +472,12 @@ class System:
                     "has mail: their acknowledgements will never be handled"
                 )
             if time.monotonic() > deadline:
-                raise TimeoutError(f"still in flight after {timeout_s}s: {stats}")
+                raise TimeoutError(
+                    f"still in flight after {timeout_s:g} s: {stats.writes_in_flight} write-throughs, "
+                    f"{stats.loads_in_flight} load-backs, {stats.backups_in_flight} backups and "
+                    f"{stats.prefetches_in_flight} prefetches; wait longer (timeout_s) or close(drain=False) to "
+                    "drop them"
+                )
             if run_until_idle is None:
                 time.sleep(0.0005)
 

@@ -18,6 +18,7 @@ import numpy
 import pytest
 import torch
 
+from hicache.actors import FileBackend
 from hicache.messages import ActorName, ConfigError, SlotDemand
 from hicache.runtime import (
     CacheHandle,
@@ -296,6 +297,31 @@ def test_a_log_path_that_cannot_be_written_is_one_config_error_at_start_and_no_t
     assert not (set(threading.enumerate()) - before), "a start that failed left actor threads running"
     with HiCache(make_config(log_path=str(tmp_path / "x.log"))) as ok:  # a good path starts
         ok.check_invariants()
+
+
+def test_a_quiesce_that_times_out_says_what_is_in_flight_and_the_cache_goes_on(
+    make_config: Callable[..., Config], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write = FileBackend.write
+
+    def slowly(self: FileBackend, *args: Any) -> Any:  # a backup to storage takes 0.5 s
+        time.sleep(0.5)
+        return write(self, *args)
+
+    monkeypatch.setattr(FileBackend, "write", slowly)
+    with HiCache(make_config(storage="file", storage_dir=str(tmp_path / "l3"))) as hc:
+        [a] = hc.admit([Request("a", seq(8))])
+        hc.allocate({"a": 9})
+        hc.commit({"a": seq(9)})
+        hc.finish([a.handle])  # written through to host memory at once (CPU), then backed up
+        with pytest.raises(TimeoutError, match=r"^still in flight after 0\.01 s: \d+ write-throughs, \d+ load-backs, "
+                                                r"1 backups and \d+ prefetches; wait longer \(timeout_s\) or "
+                                                r"close\(drain=False\) to drop them$"):
+            hc.quiesce(0.01)
+        hc.quiesce()
+        hc.check_invariants()
+        assert hc.statistics().tree.backups_in_flight == 0
+        _quiet(hc)
 
 
 def test_close_drains_backups_in_flight_so_a_next_instance_finds_every_page(
