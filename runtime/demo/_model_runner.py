@@ -203,9 +203,9 @@ class ModelRunner:
         prompt = numpy.frombuffer(token_bytes(request.tokens, "tokens of request", rid), dtype=numpy.int64).tolist()
         if not prompt:
             raise ModelRunnerError(f"request {rid!r} has an empty prompt: give at least one token")
-        vocab = self.model.config.get_text_config(decoder=True).vocab_size
-        if max(prompt) >= vocab:
-            raise ModelRunnerError(f"request {rid!r}: token id {max(prompt)} is outside the model's vocabulary "
+        vocab, top = self.model.config.get_text_config(decoder=True).vocab_size, max(prompt)
+        if top >= vocab:
+            raise ModelRunnerError(f"request {rid!r}: token id {top} is outside the model's vocabulary "
                                    f"(0..{vocab - 1})")
         began = self._clock()
         self._prefetch(request, prompt)
