@@ -59,6 +59,7 @@ from ._page_index import PageIndex
 from ._record_block import RecordBlock
 from ._segments import IOV_MAX, Segment, is_segment, preadv_all, punch, pwritev_all, scan, segment_name, writer_of
 from ._stored_page import (
+    PAGE_GONE,
     Headers,
     HostPages,
     PageFormat,
@@ -224,9 +225,12 @@ class FileBackend:
         bad, problem = received.first_bad(expected, keys[:whole], sums)
         problem = problem or f"truncated: the segment ends within its record ({seg.path})"
         self._index.touch(seg, first, bad)
+        self._release(*self._index.remove(keys[bad]), keys[bad])
+        if problem == PAGE_GONE:  # a peer evicted it (or a crash lost it): a miss, not damage
+            log.info("storage page gone", backend=self.name, key=keys[bad], path=str(seg.path))
+            return bad, f"page {keys[bad]} is not in storage ({problem})"
         log.warning("storage page unusable, dropped", backend=self.name, key=keys[bad], problem=problem,
                     path=str(seg.path))
-        self._release(*self._index.remove(keys[bad]), keys[bad])
         return bad, f"page {keys[bad]} is unusable ({problem}); dropped it"
 
     def _read_checksummed(
@@ -501,6 +505,7 @@ class FileBackend:
             self._forget_segment_if_gone(seg, e)
             if self._index.segment(seg.name) is seg:
                 self._error("scanning", seg.path, e)
+                self._index.set_allocated(seg, seg.allocated)  # counted as it is shaped now
             return
         self._index.set_allocated(seg, st.st_blocks * 512)
 

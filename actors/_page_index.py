@@ -82,8 +82,12 @@ class PageIndex:
         del self._by_name[seg.name]
 
     def set_allocated(self, seg: Segment, allocated: int) -> None:
-        if seg.shaped:
-            self.allocated += allocated - seg.allocated
+        """`seg` takes `allocated` bytes now. The total counts them once it holds records of
+        this shape: a segment looked at before its first whole record (another writer's,
+        caught mid-append) counts all its bytes from the look that finds one."""
+        counted = allocated if seg.shaped else 0
+        self.allocated += counted - seg.counted
+        seg.counted = counted
         seg.allocated = allocated
 
     # -- pages ---------------------------------------------------------------------------------
@@ -252,7 +256,7 @@ class PageIndex:
                                      f"{len(seg.keys)} records of {seg.record}")
         self._check_recency()
         allocated = sum(s.allocated for s in self._by_name.values() if s.shaped)
-        if allocated != self.allocated:
+        if allocated != self.allocated or any(s.counted != s.allocated * s.shaped for s in self._by_name.values()):
             raise InvariantError(f"page index: segments allocate {allocated} bytes, the total says {self.allocated}")
 
     def _check_recency(self) -> None:

@@ -77,6 +77,9 @@ class Segment:
     """Its writer writes another KV shape: nothing in it is ever a page of this instance."""
     allocated: int = 0
     """Bytes allocated to the file (`st_blocks x 512`) when last looked at."""
+    counted: int = 0
+    """Of those, what the index's total counts: all of them once it is `shaped`, else none
+    (`PageIndex.set_allocated`)."""
     fd: int = -1
 
     def hole(self, record: int, block: int) -> tuple[int, int]:

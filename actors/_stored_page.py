@@ -51,6 +51,10 @@ _KEY = re.compile(rf"[0-9A-Za-z_-]{{1,{KEY_CHARS_MAX}}}")
 _KEY_BYTES: Final = b"0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_-"
 
 log = logger("hicache.storage")
+PAGE_GONE: Final = "gone: its header reads as zeros (its bytes were punched out, or never written before a crash)"
+"""The problem of a stored page whose header is all zero bytes: in a file, a record another
+instance sharing the directory evicted (`fallocate` punched it out), or one a crash lost.
+Not damage: the file backend reads it as a miss and logs it at info level."""
 
 
 class StorageError(RuntimeError):
@@ -183,6 +187,8 @@ class PageFormat:
         magic, version, key_len, length, payload_sum, dtype, layers, heads, head_dim, page, layout, raw_key, own = (
             h.unpack_from(header))
         if magic != self.MAGIC:
+            if not any(header[: h.size]):
+                return Header(problem=PAGE_GONE)
             return Header(problem=f"not a hicache page (magic {magic!r}, expected {self.MAGIC!r})")
         if version != self.VERSION:
             return Header(problem=f"page format version {version}; this build reads version {self.VERSION}")

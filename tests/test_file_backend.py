@@ -259,6 +259,47 @@ def test_storage_max_bytes_bounds_the_bytes_on_disk_within_one_segment(tmp_path:
     assert again.exists(_keys("bound7", 16)) == 16
 
 
+def test_a_segment_first_seen_mid_append_counts_all_its_bytes_toward_the_bound(tmp_path: Path) -> None:
+    # Another writer's segment, listed while its first record was half written (no whole
+    # record yet: not a segment of this shape so far), then complete.
+    elsewhere = tmp_path / "elsewhere"
+    writer = FileBackend(_config(elsewhere))
+    src = _host(_config(tmp_path), seed=7)
+    ks = _keys("mid", 16)
+    assert writer.write(ks, src, _slots(list(range(16)))).written == 16
+    whole = writer.locate(ks[0])[0].read_bytes()
+    writer.close()
+    shared = tmp_path / "shared"
+    reader = FileBackend(_config(shared, storage_max_bytes=64 << 20))
+    segment = shared / "seg-99999-0-000000.hkv"
+    segment.write_bytes(whole[:8192])
+    assert reader.exists(ks) == 0
+    reader.check_invariants()
+    with open(segment, "ab") as f:
+        f.write(whole[8192:])
+    assert reader.exists(ks) == 16
+    reader.check_invariants()
+    assert reader.usage().stored_bytes == _du(shared)
+    reader.close()
+
+
+def test_a_page_another_instance_evicted_is_a_miss_logged_at_info(tmp_path: Path, opened: Any) -> None:
+    a, b = opened(storage_max_bytes=1 << 20), opened(storage_max_bytes=1 << 20)
+    src = _host(_config(tmp_path), seed=8)
+    ks = _keys("peer", 8)
+    assert a.write(ks, src, _slots(list(range(8)))).written == 8
+    for round_ in range(6):  # b fills the bound: a's pages, the oldest b knows of, are punched out
+        assert b.write(_keys(f"more{round_}", 8), src, _slots(list(range(8)))).written == 8
+    assert b.exists(ks[:1]) == 0 and a.locate(ks[0]) is not None
+
+    dst = _host(_config(tmp_path))
+    with capture_logs() as logs:
+        got = a.read(ks, dst, _slots(list(range(8))))
+    assert got.pages == 0 and got.error.startswith(f"page {ks[0]} is not in storage (gone:"), got
+    assert [(e["event"], e["log_level"]) for e in logs] == [("storage page gone", "info")], logs
+    assert a.locate(ks[0]) is None and a.exists(ks) == 0
+
+
 def test_the_least_recently_read_pages_are_evicted_first(tmp_path: Path, opened: Any) -> None:
     backend = opened(storage_max_bytes=24 * 33 * 1024)  # room for about 24 pages
     src, dst = _host(_config(tmp_path), seed=7), _host(_config(tmp_path))
