@@ -57,7 +57,20 @@ from ._kv import KVBuffer, KVShape
 from ._io_threads import IOThreads, shares
 from ._page_index import PageIndex
 from ._record_block import RecordBlock
-from ._segments import IOV_MAX, Segment, is_segment, preadv_all, punch, pwritev_all, scan, segment_name, writer_of
+from ._segments import (
+    IOV_MAX,
+    Segment,
+    blank,
+    is_segment,
+    preadv_all,
+    punch,
+    pwritev_all,
+    scan,
+    seal_name,
+    sealed_segment,
+    segment_name,
+    writer_of,
+)
 from ._stored_page import (
     PAGE_GONE,
     Headers,
@@ -169,6 +182,8 @@ class FileBackend:
         self._index.check_invariants()
 
     def close(self) -> None:
+        if self._current is not None:
+            self._seal(self._current)
         for seg in self._index.segments():
             self._close_fd(seg)
         self._index = PageIndex()
@@ -419,7 +434,7 @@ class FileBackend:
                 self._forget_segment(seg)
                 seg = None
             elif seg.scanned and seg.scanned + need > self._segment_bytes:
-                seg.sealed = True
+                self._seal(seg)
                 seg = None
         if seg is not None:
             return seg, ""
@@ -440,6 +455,15 @@ class FileBackend:
                                                 fd=fd)
         return self._current, ""
 
+    def _seal(self, seg: Segment) -> None:
+        """This writer appends no more to `seg`: mark it finished, for every instance (its seal
+        file), so that it is deleted once its pages are evicted."""
+        seg.sealed = True
+        try:
+            (self.root / seal_name(seg.name)).touch()
+        except OSError as e:
+            self._error("sealing", seg.path, e)
+
     def _cut_tail(self, seg: Segment) -> None:
         """After a failed append: cut the partial record off, or stop appending to this segment
         (a scan stops at a torn record, so nothing may follow it)."""
@@ -447,7 +471,7 @@ class FileBackend:
             os.ftruncate(seg.fd, seg.scanned)
         except OSError as e:
             self._error("truncating", seg.path, e)
-            seg.sealed = True
+            self._seal(seg)
             self._current = None
 
     # -- the index: listing and scans --------------------------------------------------------
@@ -470,17 +494,21 @@ class FileBackend:
     def _list(self) -> None:
         try:
             listed_ns = os.stat(self.root).st_mtime_ns
-            names = sorted(e.name for e in os.scandir(self.root) if is_segment(e.name))
+            entries = [e.name for e in os.scandir(self.root)]
         except FileNotFoundError:
-            listed_ns, names = -1, []  # removed under us: every page in it is gone; the next write recreates it
+            listed_ns, entries = -1, []  # removed under us: every page in it is gone; the next write recreates it
         except OSError as e:
             self._error("listing", self.root, e)
             return
         self._listed_ns = listed_ns
+        names = sorted(filter(is_segment, entries))
         present = set(names)
+        sealed = {seg for seg in map(sealed_segment, entries) if seg is not None}
         for seg in self._index.segments():
             if seg.name not in present and seg is not self._current:
                 self._forget_segment(seg)
+        for name in sealed - present:  # its segment was deleted: the seal is left over
+            self._unlink_seal(name)
         latest: dict[str, int] = {}
         for name in names:
             writer, seq = writer_of(name)
@@ -488,8 +516,8 @@ class FileBackend:
         for name in names:
             seg = self._index.segment(name) or self._index.new_segment(name, self.root / name)
             writer, seq = writer_of(name)
-            if not (seg.ours or seg.sealed) and seq < latest[writer]:
-                self._scan(seg)  # its writer moved on: this scan is its last
+            if not (seg.ours or seg.sealed) and (seq < latest[writer] or name in sealed):
+                self._scan(seg)  # its writer moved on, or closed: this scan is its last
                 seg.sealed = True
 
     def _scan(self, seg: Segment) -> None:
@@ -521,7 +549,7 @@ class FileBackend:
             self._release(*index.remove(key), key)
             self._evicted += 1
         for seg in index.segments():
-            if seg.shaped and seg.sealed and not seg.live:
+            if seg.sealed and not seg.live and (seg.shaped or self._blank(seg)):
                 self._delete_segment(seg)
 
     def _release(self, seg: Segment, record: int, key: str) -> None:
@@ -540,6 +568,19 @@ class FileBackend:
             return
         self._restat(seg)
 
+    def _blank(self, seg: Segment) -> bool:
+        """A finished segment none of whose records this instance reads holds no page of any
+        KV shape: every byte of it reads zero (its pages were punched out before this instance
+        first scanned it). Looked at once."""
+        if seg.blank is None and not seg.other_shape:
+            try:
+                fd = self._fd(seg)
+                seg.blank = blank(fd, os.fstat(fd).st_size)
+            except OSError as e:
+                self._forget_segment_if_gone(seg, e)
+                return False
+        return bool(seg.blank)
+
     def _delete_segment(self, seg: Segment) -> None:
         try:
             os.unlink(seg.path)
@@ -548,8 +589,17 @@ class FileBackend:
         except OSError as e:
             self._error("deleting", seg.path, e)
             return
+        self._unlink_seal(seg.name)
         self._forget_segment(seg)
 
+    def _unlink_seal(self, name: str) -> None:
+        """Delete the seal of segment `name`, if its writer left one."""
+        try:
+            os.unlink(self.root / seal_name(name))
+        except FileNotFoundError:
+            pass  # none, or another instance deleted it first
+        except OSError as e:
+            self._error("deleting", self.root / seal_name(name), e)
     def _forget_segment_if_gone(self, seg: Segment, e: OSError) -> None:
         if isinstance(e, FileNotFoundError) or e.errno == errno.ESTALE:
             self._forget_segment(seg)

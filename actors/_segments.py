@@ -6,6 +6,14 @@ created with O_EXCL so no two writers ever share one. All records of a segment h
 same size, so record `r` starts at `r x record size`, and a damaged record is skipped
 by that size.
 
+A segment is finished (sealed) once its writer appends no more to it: the writer moved
+on to a later segment, or closed. It then leaves an empty file
+`seg-<pid>-<instance>-<seq>.sealed` beside the segment, which goes with it. Only a
+finished segment is deleted once its pages are all evicted (or, read by an instance that
+never saw a page of it, once every byte of it reads zero): a writer may still be
+appending to any other. A writer killed before it closed leaves its last segment
+unfinished: its pages are still evicted, record by record, and the file stays.
+
 Crash safety without fsync: a record counts only when its header checks out and its
 whole payload lies within the file. A scan stops at the first record that does not,
 unless the next header is already there (damage in the middle): so a torn tail, or a
@@ -28,6 +36,7 @@ from ._stored_page import PageFormat
 
 PREFIX: Final = "seg-"
 SUFFIX: Final = ".hkv"
+SEALED: Final = ".sealed"
 SCAN_BYTES: Final = 1 << 20
 """A scan reads segments in chunks of this many bytes when records are small."""
 IOV_MAX: Final = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
@@ -40,6 +49,16 @@ def segment_name(writer: str, seq: int) -> str:
 
 def is_segment(name: str) -> bool:
     return name.startswith(PREFIX) and name.endswith(SUFFIX)
+
+
+def seal_name(name: str) -> str:
+    """The name of the file that marks segment `name` finished (its writer appends no more)."""
+    return name.removesuffix(SUFFIX) + SEALED
+
+
+def sealed_segment(name: str) -> str | None:
+    """The segment whose seal `name` is, or None when it is not a seal."""
+    return name.removesuffix(SEALED) + SUFFIX if name.startswith(PREFIX) and name.endswith(SEALED) else None
 
 
 def writer_of(name: str) -> tuple[str, int]:
@@ -75,6 +94,9 @@ class Segment:
     """It holds records of this instance's KV shape (only those segments count toward the bound)."""
     other_shape: bool = False
     """Its writer writes another KV shape: nothing in it is ever a page of this instance."""
+    blank: bool | None = None
+    """Every byte of it read zero when last looked (None: not looked): a finished segment
+    that holds no page of any KV shape (`FileBackend._make_room` deletes it)."""
     allocated: int = 0
     """Bytes allocated to the file (`st_blocks x 512`) when last looked at."""
     counted: int = 0
@@ -126,6 +148,30 @@ def scan(seg: Segment, fd: int, size: int, fmt: PageFormat, found: Callable[[str
 
 
 # -- system calls ------------------------------------------------------------------------
+
+
+def blank(fd: int, size: int) -> bool:
+    """Every byte of the file's first `size` bytes reads zero. Only the regions holding data
+    are read (`SEEK_DATA`/`SEEK_HOLE`; the whole file where they are not supported)."""
+    off = 0
+    while off < size:
+        try:
+            start = os.lseek(fd, off, os.SEEK_DATA)
+            end = min(size, os.lseek(fd, start, os.SEEK_HOLE))
+        except OSError as e:
+            if e.errno == errno.ENXIO:
+                return True  # no data past `off`
+            start, end = off, size
+        while start < end:
+            chunk = os.pread(fd, min(SCAN_BYTES, end - start), start)
+            if not chunk:
+                return True
+            if chunk.count(0) != len(chunk):
+                return False
+            start += len(chunk)
+        off = end
+    return True
+
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02

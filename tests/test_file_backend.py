@@ -300,6 +300,56 @@ def test_a_page_another_instance_evicted_is_a_miss_logged_at_info(tmp_path: Path
     assert a.locate(ks[0]) is None and a.exists(ks) == 0
 
 
+@pytest.mark.parametrize("shape", [{}, {"layers": 1, "kv_heads": 1, "head_dim": 32}], ids=["32 KiB", "2 KiB"])
+def test_restarts_under_a_bound_leave_neither_bytes_nor_files_behind(tmp_path: Path, shape: dict[str, Any]) -> None:
+    # Each instance writes a few pages and closes, leaving its last segment to the next ones:
+    # once its pages are evicted that segment goes, with its seal, even when the pages were
+    # punched out before a later instance first saw it (every byte zero, no header to read).
+    config = _config(tmp_path, storage_max_bytes=256 << 10, **shape)
+    src = _host(config, seed=9)
+    stored = PageFormat(KVShape.of(config)).stored_bytes
+    per_round = max(1, (64 << 10) // stored)
+    for round_ in range(40):
+        backend = FileBackend(config)
+        assert backend.write(_keys(f"restart{round_}", per_round), src, _slots(list(range(per_round)))).written \
+            == per_round
+        backend.check_invariants()
+        assert backend.usage().stored_bytes == _du(tmp_path) <= (256 << 10) + backend._segment_bytes, round_
+        backend.close()
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert len(files) <= 2 * (256 << 10) // (per_round * stored) + 2, files  # segments and their seals
+
+
+def test_a_closed_writers_segment_and_its_seal_go_with_its_last_page(tmp_path: Path, opened: Any) -> None:
+    a = opened()
+    src = _host(_config(tmp_path), seed=10)
+    assert a.write(_keys("closed", 4), src, _slots([0, 1, 2, 3])).written == 4
+    path = a.locate("closed-0")[0]
+    a.close()
+    assert (tmp_path / path.name.replace(".hkv", ".sealed")).exists()
+
+    b = opened(storage_max_bytes=1 << 20)
+    for round_ in range(4):  # 4 x 8 pages of 32 KiB fill the bound: the closed writer's pages go first
+        assert b.write(_keys(f"after{round_}", 8), src, _slots(list(range(8)))).written == 8
+    assert b.exists(["closed-0"]) == 0
+    assert not path.exists() and not (tmp_path / path.name.replace(".hkv", ".sealed")).exists()
+
+
+def test_a_finished_segment_whose_pages_were_all_punched_out_unseen_is_deleted(tmp_path: Path, opened: Any) -> None:
+    writer = opened()
+    src = _host(_config(tmp_path), seed=11)
+    assert writer.write(_keys("unseen", 4), src, _slots([0, 1, 2, 3])).written == 4
+    path = writer.locate("unseen-0")[0]
+    evictor = opened(storage_max_bytes=1 << 20)
+    for round_ in range(4):  # the writer's pages go first; its segment is not finished yet, so it stays
+        assert evictor.write(_keys(f"evicting{round_}", 8), src, _slots(list(range(8)))).written == 8
+    assert evictor.exists(["unseen-0"]) == 0 and path.exists()
+    writer.close()  # finished now, with no page left: nothing in it but zeros
+
+    opened(storage_max_bytes=1 << 20)  # a new instance, which never saw a page of it
+    assert not path.exists() and not (tmp_path / path.name.replace(".hkv", ".sealed")).exists()
+
+
 def test_the_least_recently_read_pages_are_evicted_first(tmp_path: Path, opened: Any) -> None:
     backend = opened(storage_max_bytes=24 * 33 * 1024)  # room for about 24 pages
     src, dst = _host(_config(tmp_path), seed=7), _host(_config(tmp_path))
