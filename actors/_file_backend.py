@@ -460,7 +460,10 @@ class FileBackend:
         file), so that it is deleted once its pages are evicted."""
         seg.sealed = True
         try:
-            (self.root / seal_name(seg.name)).touch()
+            if seg.fd < 0 or os.fstat(seg.fd).st_nlink:  # not deleted meanwhile
+                (self.root / seal_name(seg.name)).touch()
+        except FileNotFoundError:
+            pass  # its directory was removed, and the segment with it
         except OSError as e:
             self._error("sealing", seg.path, e)
 
