@@ -145,6 +145,31 @@ assert FileBackend(config).write(["late-0", "late-1"], host, torch.arange(2 * {P
     assert _same(dst, [5, 9], src, [0, 1])
 
 
+def test_processes_sharing_a_directory_under_a_bound_read_only_right_pages_and_agree_on_its_bytes(
+    tmp_path: Path,
+) -> None:
+    # Three processes back up, read, look up and restart over one directory at once, each
+    # evicting what the others stored (tests/_storage_worker.py). Afterwards a new instance's
+    # accounting is what `du` counts, within the bound, and no file is left but segments and seals.
+    max_bytes = 256 << 10
+    worker = Path(__file__).with_name("_storage_worker.py")
+    runs = [subprocess.Popen([sys.executable, str(worker), str(tmp_path), str(seed), "400", str(max_bytes)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for seed in range(3)]
+    read_in_all = 0
+    for run in runs:
+        out, err = run.communicate(timeout=120)
+        assert run.returncode == 0, f"a worker read a wrong page or failed: {out} {err[-2000:]}"
+        read, right = map(int, out.split())
+        assert read == right
+        read_in_all += read
+    assert read_in_all > 100  # the workers read what they and the others stored
+    after = FileBackend(_config(tmp_path, layers=2, kv_heads=1, head_dim=32, page_size=8, storage_max_bytes=max_bytes))
+    after.check_invariants()
+    assert after.usage().stored_bytes == _du(tmp_path) <= max_bytes
+    assert all(p.suffix in (".hkv", ".sealed") for p in tmp_path.iterdir()), sorted(tmp_path.iterdir())
+    after.close()
+
+
 def test_a_restart_finds_every_complete_page_and_none_of_a_torn_tail(tmp_path: Path, opened: Any) -> None:
     a = opened()
     src = _host(_config(tmp_path), seed=4)
