@@ -72,7 +72,7 @@ class PageIndex:
         """Forget a segment (deleted, or unreachable) and every page the index had in it."""
         where = self._where
         for key in seg.keys:
-            if key is not None:
+            if key:  # not dead, not a duplicate: indexed
                 del where[key]
         seg.keys.clear()
         del seg.ticks[:]
@@ -248,7 +248,7 @@ class PageIndex:
             if seg is None or seg.keys[loc & _RECORD] != key:
                 raise InvariantError(f"page index: {key!r} points at a record that does not hold it")
         for seg in self._by_name.values():
-            live = sum(k is not None for k in seg.keys)
+            live = sum(map(bool, seg.keys))
             if live != seg.live or self._by_id.get(seg.id) is not seg:
                 raise InvariantError(f"page index: segment {seg.name} counts {seg.live} live records, holds {live}")
             if seg.shaped and seg.scanned != len(seg.keys) * seg.record:
@@ -276,10 +276,10 @@ class PageIndex:
                                      f"{len(seg.keys)}")
             for i, key in enumerate(seg.keys):
                 tick = seg.ticks[i] if i < len(seg.ticks) else _UNUSED
-                if (key is None) != (tick == _UNUSED):
+                if (not key) != (tick == _UNUSED):
                     raise InvariantError(f"page index: record {i} of {seg.name} is "
-                                         f"{'dead' if key is None else 'live'} with tick {tick}")
-                if key is not None and (seg.id, i) not in held:
+                                         f"{'not indexed' if not key else 'live'} with tick {tick}")
+                if key and (seg.id, i) not in held:
                     raise InvariantError(f"page index: {key!r} is in no recency order")
 
 

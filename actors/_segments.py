@@ -37,6 +37,9 @@ from ._stored_page import PageFormat
 PREFIX: Final = "seg-"
 SUFFIX: Final = ".hkv"
 SEALED: Final = ".sealed"
+DUPLICATE: Final = ""
+"""`Segment.keys`' mark of a page stored twice whose other copy the index holds: not this
+index's, but no dead record either, since the instance that wrote it reads it."""
 SCAN_BYTES: Final = 1 << 20
 """A scan reads segments in chunks of this many bytes when records are small."""
 IOV_MAX: Final = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
@@ -81,8 +84,10 @@ class Segment:
     scanned: int = 0
     """Bytes of whole records from the start (the scan's position; for ours, the file's end)."""
     keys: list[str | None] = field(default_factory=list)
-    """The key of each record the index holds, by record number; None for a dead record
-    (evicted, damaged, or a page the index found elsewhere first)."""
+    """The key of each record the index holds, by record number; `DUPLICATE` for a whole
+    page the index found elsewhere first (another instance may be reading this copy);
+    None for a dead record (evicted, damaged, torn): only those may be punched out with a
+    neighbour (`hole`)."""
     ticks: array = field(default_factory=lambda: array("q"))
     """The recency stamp of each record the index holds, by record number (`PageIndex`; it
     may be shorter than `keys`, a dead record past its end)."""
@@ -139,9 +144,10 @@ def scan(seg: Segment, fd: int, size: int, fmt: PageFormat, found: Callable[[str
             break
         if off + record > size:
             break
-        taken = header.readable and not header.problem and found(header.key, off // record)
-        seg.shaped |= header.readable and not header.problem
-        seg.keys.append(header.key if taken else None)
+        whole = header.readable and not header.problem and header.key != DUPLICATE  # (a writer's keys are never empty)
+        taken = whole and found(header.key, off // record)
+        seg.shaped |= whole
+        seg.keys.append(header.key if taken else DUPLICATE if whole else None)
         seg.live += taken
         off += record
     seg.scanned = off

@@ -375,6 +375,27 @@ def test_a_finished_segment_whose_pages_were_all_punched_out_unseen_is_deleted(t
     assert not path.exists() and not (tmp_path / path.name.replace(".hkv", ".sealed")).exists()
 
 
+def test_evicting_next_to_another_instances_copy_of_a_page_leaves_that_copy_whole(
+    tmp_path: Path, opened: Any, monkeypatch: Any
+) -> None:
+    # Two instances back up the same page at once: each appends a copy, and each indexes its
+    # own. A third indexes the first copy it scans and holds the other as a duplicate; when it
+    # evicts the pages around that duplicate, it must not punch it out with them.
+    a, b = opened(), opened()
+    src = _host(_config(tmp_path), seed=12)
+    assert a.write(["twice"], src, _slots([0])).written == 1
+    with monkeypatch.context() as m:
+        m.setattr(b, "_refresh", lambda listing: None)  # b has not seen a's copy yet
+        assert b.write(["before", "twice", "after"], src, _slots([1, 0, 2])).written == 3
+    c = opened(storage_max_bytes=4 * a.fmt.stored_bytes)
+    assert c.write(_keys("newer", 3), src, _slots([3, 4, 5])).written == 3  # evicts all three it knows of
+    assert c.exists(["twice"]) == 0 and c.exists(["before"]) == 0 and c.exists(["after"]) == 0
+
+    dst = _host(_config(tmp_path))
+    assert b.read(["twice"], dst, _slots([7])).pages == 1, "b's own copy was punched out with its neighbours"
+    assert _same(dst, [7], src, [0])
+
+
 def test_the_least_recently_read_pages_are_evicted_first(tmp_path: Path, opened: Any) -> None:
     backend = opened(storage_max_bytes=24 * 33 * 1024)  # room for about 24 pages
     src, dst = _host(_config(tmp_path), seed=7), _host(_config(tmp_path))
