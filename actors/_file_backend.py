@@ -603,6 +603,7 @@ class FileBackend:
             pass  # none, or another instance deleted it first
         except OSError as e:
             self._error("deleting", self.root / seal_name(name), e)
+
     def _forget_segment_if_gone(self, seg: Segment, e: OSError) -> None:
         if isinstance(e, FileNotFoundError) or e.errno == errno.ESTALE:
             self._forget_segment(seg)

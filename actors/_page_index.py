@@ -255,8 +255,12 @@ class PageIndex:
                 raise InvariantError(f"page index: segment {seg.name} scanned {seg.scanned} bytes, "
                                      f"{len(seg.keys)} records of {seg.record}")
         self._check_recency()
+        for seg in self._by_name.values():
+            if seg.counted != seg.allocated * seg.shaped:
+                raise InvariantError(f"page index: segment {seg.name} counts {seg.counted} of its {seg.allocated} "
+                                     f"bytes toward the total ({'a' if seg.shaped else 'no'} segment of this shape)")
         allocated = sum(s.allocated for s in self._by_name.values() if s.shaped)
-        if allocated != self.allocated or any(s.counted != s.allocated * s.shaped for s in self._by_name.values()):
+        if allocated != self.allocated:
             raise InvariantError(f"page index: segments allocate {allocated} bytes, the total says {self.allocated}")
 
     def _check_recency(self) -> None:
