@@ -511,7 +511,7 @@ class FileBackend:
             if seg.name not in present and seg is not self._current:
                 self._forget_segment(seg)
         for name in sealed - present:  # its segment was deleted: the seal is left over
-            self._unlink_seal(name)
+            self._unlink(self.root / seal_name(name))
         latest: dict[str, int] = {}
         for name in names:
             writer, seq = writer_of(name)
@@ -585,24 +585,21 @@ class FileBackend:
         return bool(seg.blank)
 
     def _delete_segment(self, seg: Segment) -> None:
-        try:
-            os.unlink(seg.path)
-        except FileNotFoundError:
-            pass  # another instance deleted it first
-        except OSError as e:
-            self._error("deleting", seg.path, e)
-            return
-        self._unlink_seal(seg.name)
-        self._forget_segment(seg)
+        if self._unlink(seg.path):
+            self._unlink(self.root / seal_name(seg.name))
+            self._forget_segment(seg)
 
-    def _unlink_seal(self, name: str) -> None:
-        """Delete the seal of segment `name`, if its writer left one."""
+    def _unlink(self, path: Path) -> bool:
+        """Delete `path` (a segment or a seal); whether it is gone now (it may never have been
+        there, or another instance deleted it first). An error is counted and logged."""
         try:
-            os.unlink(self.root / seal_name(name))
+            os.unlink(path)
         except FileNotFoundError:
-            pass  # none, or another instance deleted it first
+            pass
         except OSError as e:
-            self._error("deleting", self.root / seal_name(name), e)
+            self._error("deleting", path, e)
+            return False
+        return True
 
     def _forget_segment_if_gone(self, seg: Segment, e: OSError) -> None:
         if isinstance(e, FileNotFoundError) or e.errno == errno.ESTALE:

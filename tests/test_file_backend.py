@@ -24,7 +24,7 @@ from hicache.actors import (
 )
 from hicache.runtime import Config, HostLayout
 from hicache.actors._record_block import RecordBlock
-from hicache.actors._segments import Segment
+from hicache.actors._segments import Segment, seal_name
 from hicache.actors._stored_page import HostPages
 from hicache.runtime.testing import capture_logs
 
@@ -351,13 +351,13 @@ def test_a_closed_writers_segment_and_its_seal_go_with_its_last_page(tmp_path: P
     assert a.write(_keys("closed", 4), src, _slots([0, 1, 2, 3])).written == 4
     path = a.locate("closed-0")[0]
     a.close()
-    assert (tmp_path / path.name.replace(".hkv", ".sealed")).exists()
+    assert (tmp_path / seal_name(path.name)).exists()
 
     b = opened(storage_max_bytes=1 << 20)
     for round_ in range(4):  # 4 x 8 pages of 32 KiB fill the bound: the closed writer's pages go first
         assert b.write(_keys(f"after{round_}", 8), src, _slots(list(range(8)))).written == 8
     assert b.exists(["closed-0"]) == 0
-    assert not path.exists() and not (tmp_path / path.name.replace(".hkv", ".sealed")).exists()
+    assert not path.exists() and not (tmp_path / seal_name(path.name)).exists()
 
 
 def test_a_finished_segment_whose_pages_were_all_punched_out_unseen_is_deleted(tmp_path: Path, opened: Any) -> None:
@@ -372,7 +372,7 @@ def test_a_finished_segment_whose_pages_were_all_punched_out_unseen_is_deleted(t
     writer.close()  # finished now, with no page left: nothing in it but zeros
 
     opened(storage_max_bytes=1 << 20)  # a new instance, which never saw a page of it
-    assert not path.exists() and not (tmp_path / path.name.replace(".hkv", ".sealed")).exists()
+    assert not path.exists() and not (tmp_path / seal_name(path.name)).exists()
 
 
 def test_evicting_next_to_another_instances_copy_of_a_page_leaves_that_copy_whole(
