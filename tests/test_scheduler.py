@@ -14,11 +14,12 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
+import torch
 
 from hicache.actors import DeviceCore, SeededFaults
 from hicache.messages import HostSlotState
 from hicache.runtime import HiCache, Insufficient, WritePolicy
-from hicache.runtime.testing._scheduler import FakeModel, ReferenceScheduler, SchedulerConfig
+from hicache.runtime.testing._scheduler import FakeModel, ReferenceScheduler, SchedulerConfig, ServeRequest
 from hicache.runtime.testing.explore import synthetic_workload
 
 from conftest import make_runtime, small_config
@@ -178,3 +179,46 @@ def test_a_lone_step_short_of_memory_waits_for_writes_in_flight_and_fails_only_w
         sched.run(on_tick=lambda s: hc.check_invariants())
         [outcome] = sched.outcomes.values()
         assert outcome.finished and outcome.retractions == 0 and refusals == [0]
+
+
+@pytest.mark.parametrize("lookahead", [0, 3])
+def test_a_request_that_fills_the_device_at_its_last_step_is_served_and_one_token_more_is_refused(
+        lookahead: int) -> None:
+    """A request's last step holds its prompt, all but its last output and the slots ahead: one
+    that needs every device slot then is served; one that needs a slot more is refused at
+    `submit`, with the rest of its batch, instead of being admitted and retracted forever."""
+    cfg = small_config(page_size=4, device_pages=8, host_pages=64)
+    outputs = 4
+    longest = cfg.device_slots - outputs + 1 - lookahead
+    with HiCache(cfg) as hc:
+        sched = ReferenceScheduler(hc, SchedulerConfig(max_running=2, prefill_tokens_per_tick=8, chunk_tokens=8,
+                                                       lookahead_slots=lookahead))
+        too_long = ServeRequest("too-long", torch.arange(1, longest + 2), outputs)
+        with pytest.raises(ValueError, match=r"'too-long' needs 33 device slots .* device_slots is 32: raise"):
+            sched.submit([ServeRequest("short", torch.arange(1, 5), 1), too_long])
+        assert not sched.waiting and not sched.outcomes
+        sched.submit([ServeRequest("fits", torch.arange(1, longest + 1), outputs)])
+        sched.run(on_tick=lambda s: hc.check_invariants())
+        [outcome] = sched.outcomes.values()
+        assert outcome.finished and outcome.retractions == 0 and len(outcome.output_tokens) == outputs
+
+
+def test_a_lone_request_the_pool_cannot_hold_fails_though_others_wait() -> None:
+    """Retracting the only running request frees nothing it could use: it would be admitted
+    again, alone, at the next tick. With others waiting behind it, that is still an error,
+    not a loop."""
+    cfg = small_config(page_size=4, device_pages=32, host_pages=400)
+    with HiCache(cfg) as hc:
+        sched = ReferenceScheduler(hc, SchedulerConfig(max_running=1, prefill_tokens_per_tick=24, chunk_tokens=8))
+        sched.submit(synthetic_workload(1, 3, cfg.page_size, blocks=2, blocks_per_prompt=2, tail_pages=1,
+                                        outputs_max=2))
+        real_allocate = hc.allocate
+
+        def allocate(demands: Any, *, commit: Any = None) -> Any:  # the pool is always short
+            real_allocate({}, commit=commit)
+            return Insufficient(requested_slots=sum(demands.values()), free_slots=0)
+
+        hc.allocate = allocate  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError, match="cannot hold one step"):
+            sched.run(max_ticks=200)
+        assert len(sched.waiting) == 2

@@ -240,13 +240,30 @@ class ReferenceScheduler:
     # -- driving ---------------------------------------------------------------------
 
     def submit(self, requests: Iterable[ServeRequest]) -> None:
-        for r in requests:
-            if r.request_id in self.outcomes:
+        batch = list(requests)
+        seen: set[str] = set()
+        for r in batch:  # all checked first: a refused batch queues none of its requests
+            if r.request_id in self.outcomes or r.request_id in seen:
                 raise ValueError(f"request {r.request_id!r} was submitted twice")
+            seen.add(r.request_id)
             if len(r.prompt) < 1 or r.output_tokens < 1:
                 raise ValueError(f"request {r.request_id!r} needs a prompt and at least one output token")
+            self._check_fits(r)
+        for r in batch:
             self.outcomes[r.request_id] = Outcome(r.request_id, len(r.prompt))
             self.waiting.append(r)
+
+    def _check_fits(self, r: ServeRequest) -> None:
+        """Refuse a request whose KV could never be on the device at once: admitted alone, it
+        would be retracted and admitted again forever."""
+        cfg = self.hc.config
+        slots = len(r.prompt) + r.output_tokens - 1 + self.config.lookahead_slots  # its last step's
+        if -(-slots // cfg.page_size) > cfg.device_pages:
+            raise ValueError(
+                f"request {r.request_id!r} needs {slots:,} device slots at its last step ({len(r.prompt):,} prompt "
+                f"tokens, {r.output_tokens:,} output) but device_slots is {cfg.device_slots:,}: "
+                "raise device_slots or shorten the request"
+            )
 
     def run(self, on_tick: Callable[[ReferenceScheduler], None] | None = None, max_ticks: int = 10_000_000) -> None:
         """Tick until every submitted request finished or was aborted."""
@@ -393,7 +410,7 @@ class ReferenceScheduler:
                     st.slots = self.hc.slots(st.request_id)[: st.start + st.count]
                 return steps
             victim = self._retraction_victim()
-            if victim is None or (len(self.running) == 1 and not self.waiting and len(steps) == 1):
+            if victim is None or len(self.running) == 1:  # alone, it would be admitted again as it is
                 if self.hc.statistics().tree.writes_in_flight:
                     # With several ranks an eviction cannot wait for write-backs (their acks apply
                     # only at the next agreement): nothing computes this tick; the next one's
