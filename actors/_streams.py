@@ -275,8 +275,10 @@ class LoadStreamActor(HiActor):
         src = _concat_slots([op.src for op in ops])
         dst = _concat_slots([op.dst for op in ops])
         self._started.append(_LoadBatch(b, ops, src, dst))
+        started = LoadsStarted(batch=b, ops=tuple(op.op_id for op in ops))
+        self.send(TREE, started)  # before any LoadDone of the batch: an eviction may wait for these
         self._run_next()
-        return LoadsStarted(batch=b, ops=tuple(op.op_id for op in ops))
+        return started
 
     def _run_next(self) -> None:
         if self._running is not None or not self._started:

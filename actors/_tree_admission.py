@@ -59,6 +59,8 @@ class _Handle:
 @dataclass(slots=True)
 class _Load:
     nodes: list[Node]
+    started: bool = False
+    """The load stream started its batch (`LoadsStarted`): it lands without a further call."""
 
 
 @dataclass(slots=True)
@@ -209,6 +211,14 @@ class Admissions:
             ))
         self.s.emit(FACADE, Admitted(op_id=op_id, admissions=tuple(admissions)))
 
+    def loads_started(self, ops: tuple[int, ...]) -> None:
+        """The load stream started these load-backs' batch (a load that failed before its start
+        is gone already)."""
+        for op in ops:
+            load = self.loads.get(op)
+            if load is not None:
+                load.started = True
+
     def loaded(self, op: int, value: int) -> None:
         """The agreed outcome of load-back `op`: 1 landed (SYNCED), 0 failed (back to HOST_ONLY)."""
         s = self.s
@@ -227,6 +237,7 @@ class Admissions:
         else:
             s.emit(HOST, SetHostState(pages=host, state=HostSlotState.HOST_ONLY))
             s.emit(DEVICE, FreeDeviceSlots(pages=device))
+        self._writes.op_landed(op, [] if value else load.nodes)  # an eviction waiting for it goes on
 
     # == release ===============================================================================
 

@@ -62,7 +62,9 @@ class TreeCore:
         self.tree: RadixTree = s.tree
         self.tree.on_split = self._follow_split
         self.backups = BackupBook(s)
-        self.writes = WriteBack(s, self.backups, loading=lambda: bool(self.admission.loads))
+        self.writes = WriteBack(s, self.backups, loading=lambda: bool(self.admission.loads),
+                                started_loads=lambda: {op: ld.nodes for op, ld in self.admission.loads.items()
+                                                       if ld.started})
         self.prefetches = PrefetchBook(s, self.writes)
         self.admission = Admissions(s, self.writes, self.prefetches.holds)
         self.agreement = s.agreement
@@ -147,6 +149,9 @@ class TreeCore:
 
     def on_write_failed(self, op: int) -> None:
         self.agreement.record(FactKind.WRITE, op, 0)
+
+    def on_loads_started(self, ops: tuple[int, ...]) -> None:
+        self.admission.loads_started(ops)
 
     def on_load_done(self, op: int) -> None:
         self.agreement.record(FactKind.LOAD, op, 1)

@@ -54,13 +54,14 @@ class _Write:
 @dataclass(slots=True)
 class _Eviction:
     """A device eviction that goes on until `want` tokens are free or nothing evictable is
-    left, waiting for writes in flight when they hold the rest: its own write-backs
-    (write_back), and write-throughs whose nodes only the write keeps locked."""
+    left, waiting for writes and loads in flight when they hold the rest: its own write-backs
+    (write_back), write-throughs whose nodes only the write keeps locked, and load-backs that
+    nothing locks any more (their request ended while they ran: landed, they are evictable)."""
 
     want: int
     freed: int = 0
     waiting: set[int] = field(default_factory=set)
-    """Writes whose landing lets it go on."""
+    """Writes and loads whose landing lets it go on."""
     reply_op: int = 0
     """The EvictDevice (of the facade) or EvictForAllocation (of the device) to answer with
     Evicted, if any."""
@@ -70,14 +71,23 @@ class _Eviction:
     """What to do once it ends (an admission sends its AllocateLoadSlots again), if anything."""
 
 
+def _unlocked(nodes: list[Node]) -> bool:
+    """Whether a node of a load-back in flight is locked by nothing (its request ended)."""
+    return any(nd.lock_ref == 0 for nd in nodes)
+
+
 class WriteBack:
     """Owns the writes in flight and the evictions waiting for them."""
 
-    def __init__(self, shared: TreeShared, backups: BackupBook, loading: Callable[[], bool]) -> None:
+    def __init__(self, shared: TreeShared, backups: BackupBook, loading: Callable[[], bool],
+                 started_loads: Callable[[], dict[int, list[Node]]]) -> None:
         self.s = shared
         self._backups = backups
         self._loading = loading
         """Whether load-backs are in flight (their nodes are neither evictable nor free)."""
+        self._started_loads = started_loads
+        """The load-backs in flight whose batch has started, each op's nodes: they land without
+        a further call (one the facade has not started waits for its next `start_loads`)."""
         self.writes: dict[int, _Write] = {}
         self._evictions: dict[int, _Eviction] = {}
         self._eviction_of: dict[int, list[int]] = {}
@@ -101,6 +111,7 @@ class WriteBack:
         ev.waiting.update(writes)
         if local and ev.freed + self._pending_frees(ev) < ev.want:
             ev.waiting.update(self._writes_holding_evictable())
+            ev.waiting.update(self._loads_holding_evictable())
         if not local or not ev.waiting:
             # With several ranks an ack applies only at an agreement (HiCache.sync), which the
             # caller cannot run while it waits for this reply: answer with what is free now; the
@@ -122,13 +133,27 @@ class WriteBack:
         return [op for op, w in self.writes.items()
                 if not w.evict_after and not w.doomed and all(nd.lock_ref == 1 for nd in w.nodes)]
 
+    def _loads_holding_evictable(self) -> list[int]:
+        """Started load-backs with a node nothing locks: the request that asked for them ended
+        (finished, aborted, retracted) before they landed, so once they land (or fail, which
+        frees their slots) that memory is the eviction's."""
+        return [op for op, nodes in self._started_loads().items() if _unlocked(nodes)]
+
     def _end_eviction(self, ev: _Eviction) -> None:
-        left = self.s.tree.evictable_tokens
-        if ev.freed < ev.want and left and self.s.agreement.local and not self._loading():
-            raise InvariantError(
-                f"tree: an eviction of {ev.want} tokens ended with {ev.freed} freed while {left} are evictable "
-                "(eviction goes on until the demand is met or nothing evictable remains)"
-            )
+        if ev.freed < ev.want and self.s.agreement.local:
+            left = self.s.tree.evictable_tokens
+            if left and not self._loading():
+                raise InvariantError(
+                    f"tree: an eviction of {ev.want} tokens ended with {ev.freed} freed while {left} are evictable "
+                    "(eviction goes on until the demand is met or nothing evictable remains)"
+                )
+            soon = sorted(op for op, nodes in self._started_loads().items() if _unlocked(nodes))
+            if soon:
+                raise InvariantError(
+                    f"tree: an eviction of {ev.want} tokens ended with {ev.freed} freed while started load-backs "
+                    f"{soon}, which nothing locks, are in flight (eviction waits for them: landed, their nodes are "
+                    "evictable)"
+                )
         if ev.reply_op:
             self.s.emit(ev.reply_to, Evicted(op_id=ev.reply_op, device_tokens=ev.freed, host_tokens=0))
         if ev.then is not None:
@@ -156,9 +181,10 @@ class WriteBack:
         self._emit_device_frees(frees)
         return freed, writes
 
-    def _write_landed(self, op: int, dropped: list[Node]) -> None:
-        """A write an eviction waits for landed or failed (a write-back's `dropped` slots are
-        free now): once it waits for nothing more, the eviction goes on."""
+    def op_landed(self, op: int, dropped: list[Node]) -> None:
+        """A write or load an eviction may wait for landed or failed (`dropped`: the nodes
+        whose device slots it freed, a write-back's or a failed load's): once an eviction
+        waits for nothing more, it goes on."""
         for key in self._eviction_of.pop(op, ()):
             ev = self._evictions[key]
             ev.freed += sum(nd.tokens for nd in dropped)
@@ -268,7 +294,7 @@ class WriteBack:
         s.n.backups_done += 1
         freed = [nd for nd in w.nodes if s.tree.device_evictable(nd)] if w.evict_after else []
         self._emit_device_frees([self._drop_device(nd) for nd in freed])
-        self._write_landed(op, freed)
+        self.op_landed(op, freed)
         for nd in w.nodes:
             self._backups.consider_store(nd)
         for nd in w.nodes:
@@ -298,7 +324,7 @@ class WriteBack:
         s.tree.lock(w.nodes[-1], -1)
         dropped = [nd for nd in w.nodes if s.tree.device_evictable(nd)] if w.evict_after else []
         self._emit_device_frees([self._drop_device(nd) for nd in dropped])
-        self._write_landed(op, dropped)
+        self.op_landed(op, dropped)
 
     def _doom_descendants(self, failed: _Write) -> None:
         """Writes in flight below a failed one fail too when they land (see `_Write.doomed`)."""
@@ -358,9 +384,11 @@ class WriteBack:
         for op, w in self.writes.items():
             if not w.nodes or w.nodes[-1].lock_ref <= 0:
                 raise InvariantError(f"tree: write {op} must hold a lock on its deepest node")
+        in_flight = set(self.writes) | set(self._started_loads())
         for key, ev in self._evictions.items():
-            if not ev.waiting or not ev.waiting <= set(self.writes):
-                raise InvariantError(f"tree: eviction {key} waits for writes {ev.waiting} that are not in flight")
+            if not ev.waiting or not ev.waiting <= in_flight:
+                raise InvariantError(f"tree: eviction {key} waits for writes or loads {ev.waiting} that are not "
+                                     "in flight")
         for w, keys in self._eviction_of.items():
             if any(key not in self._evictions for key in keys):
-                raise InvariantError(f"tree: write {w} lets evictions {keys} go on, but some are not waiting")
+                raise InvariantError(f"tree: write or load {w} lets evictions {keys} go on, but some are not waiting")

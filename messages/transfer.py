@@ -57,7 +57,8 @@ class StartLoads(Message):
 
 @message(305)
 class LoadsStarted(Message):
-    """Reply to `StartLoads`: which batch the forward pass waits on."""
+    """Reply to `StartLoads`: which batch the forward pass waits on. The tree is told too: an
+    eviction may wait for a started load-back (one the facade has not started may never land)."""
 
     batch: int
     """Batch number (generation); 0 when nothing was queued."""

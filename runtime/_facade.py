@@ -611,8 +611,9 @@ class HiCache:
         flat: bool = False,
     ) -> dict[str, torch.Tensor] | torch.Tensor | Insufficient:
         """Device slots for the next tokens of many requests, all or nothing. If the pool is
-        short, the tree evicts (waiting for writes in flight that hold evictable memory) and
-        the allocation is tried once more.
+        short, the tree evicts (waiting for writes in flight, and started load-backs of
+        requests that ended, that hold memory soon evictable) and the allocation is tried
+        once more.
 
         `commit` first records tokens whose KV was written (as `commit` does): a decode tick is
         `allocate({rid: 1, ...}, commit={rid: [last_token], ...})`, one round trip. The commit

@@ -340,6 +340,7 @@ class TreeSide:
         self.tell(ActorName.LOAD, LoadKV(op_id=op, host=host, device=device))
         started = self.ask(ActorName.LOAD, StartLoads(), sender=ActorName.FACADE)
         assert isinstance(started, LoadsStarted) and started.ops == (op,)
+        assert self.expect(LoadsStarted) == started  # told to the tree too, before the load's outcome
         assert self.system.ring is not None
         waiter = self.system.ring.waiter(started.batch)
         reply = self.expect(LoadDone, LoadFailed)

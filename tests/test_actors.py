@@ -130,6 +130,7 @@ def test_kv_bytes_round_trip_device_to_host_to_device_with_merged_and_split_tran
     started = tree.ask(LOAD, StartLoads(), sender=FACADE)
     assert isinstance(started, LoadsStarted) and started.batch == 1
     assert started.ops == tuple(op + 100 for op in op_of.values())
+    assert tree.expect(LoadsStarted) == started  # the tree hears of the start before any LoadDone
     tree.system.ring.waiter(started.batch).wait_all(timeout_s=30)
     load_done = [tree.expect(LoadDone) for _ in requests]
     assert {d.op_id for d in load_done} == set(started.ops) and {d.batch for d in load_done} == {1}
@@ -190,6 +191,7 @@ def test_the_forward_pass_may_read_a_layer_as_soon_as_its_load_is_done(
     held = gate.hold(LOAD, lambda m: isinstance(m, CopyLayer) and m.layer == 1)
     tree.system.tell(LOAD, LoadKV(op_id=1, host=host, device=device), sender=TREE)
     started = tree.system.ask(LOAD, StartLoads())
+    assert tree.probe.expect(LoadsStarted) == started  # no invariant check: it would ask the held stream
     waiter = tree.system.ring.waiter(started.batch)
     waiter.wait_layer(0, timeout_s=30)
     assert held.reached.wait(30)  # the stream is about to copy layer 1, and waits
@@ -322,6 +324,7 @@ def test_a_failed_load_is_reported_failed_and_waiting_on_it_raises(
     tree.host_move(host, S.LOADING)
     tree.tell(LOAD, LoadKV(op_id=77, host=host, device=target))
     started = tree.ask(LOAD, StartLoads(), sender=FACADE)
+    assert tree.expect(LoadsStarted) == started
     waiter = tree.system.ring.waiter(started.batch)
     failed = tree.expect(LoadDone, LoadFailed)
     assert failed == LoadFailed(op_id=77, reason="bit flip")

@@ -38,10 +38,11 @@ ANSWERED_BY_EVERY_ACTOR = {CheckInvariants, GetStatistics}
 
 NOT_DELIVERED_TO_ACTORS = {
     # what the actors answer the facade (its inbox, or the reply to its ask); `Evicted` answers
-    # the device too (an allocation's eviction), so it is routed
+    # the device too (an allocation's eviction) and `LoadsStarted` is told to the tree too, so
+    # they are routed
     "Admitted", "Cached", "Finished", "FactsApplied", "LocalFacts", "PrefetchReadiness",
     "PrefetchesSettled", "PrefetchesStarted", "PrefetchesStopped", "TreeDigest", "SlotsCommitted",
-    "LoadsStarted", "InvariantsHeld",
+    "InvariantsHeld",
     # statistics records, the answer to GetStatistics
     "DeviceStatistics", "HostStatistics", "PrefetcherStatistics", "StreamStatistics", "TreeStatistics",
     # records inside other messages

@@ -109,7 +109,7 @@ def test_the_same_seed_serves_the_same_way_on_the_deterministic_runtime() -> Non
         [(o.device_hit, o.host_hit, o.retractions, o.aborted) for o in b["outcomes"]]
 
 
-@pytest.mark.parametrize("seed", [0, 3, 9])
+@pytest.mark.parametrize("seed", [3, 15, 31])
 def test_a_failed_load_retracts_the_requests_admitted_with_it_that_had_no_step(seed: int) -> None:
     """A request admitted with a load-back but left without a step (the tick's prefill budget
     went to older requests) holds a prefix from the batch too: when the batch fails it is

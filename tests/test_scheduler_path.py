@@ -12,7 +12,7 @@ import gc
 import sys
 import threading
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -23,7 +23,16 @@ import torch
 import hicache.actors._radix as radix_module
 import hicache.actors._radix_node as node_module
 from hicache.messages import ActorName, SlotDemand, Tokens
-from hicache.runtime import Config, HiCache, Insufficient, Request, RequestError, ThreadedRuntime, WritePolicy
+from hicache.runtime import (
+    ActorFailedError,
+    Config,
+    HiCache,
+    Insufficient,
+    Request,
+    RequestError,
+    ThreadedRuntime,
+    WritePolicy,
+)
 from hicache.runtime.testing import DeterministicRuntime, RandomStrategy, ReferenceScheduler, SchedulerConfig
 from hicache.runtime.testing._mutants import mutant
 from hicache.runtime.testing.explore import synthetic_workload
@@ -574,6 +583,80 @@ def test_an_eviction_that_gives_up_after_one_round_is_what_that_test_catches(
             except Exception:  # noqa: BLE001 - the tree's invariant caught the short eviction
                 short += 1
     assert short > 0
+
+
+def _load_then_leave(hc: HiCache, seed: int, *, start: bool) -> int:
+    """A prompt cached in host memory only, admitted again (its load-back queued, and started if
+    `start`), then retracted before the load lands: that load's 12 pages of the 16 will be
+    evictable, and no others are. Returns the tokens of a new prompt that needs them."""
+    first = seq(48, 10_000)
+    _serve(hc, "a", first)
+    hc.quiesce()  # written through
+    hc.evict_device(hc.config.device_slots)
+    [adm] = hc.admit([Request("again", first + [7])])
+    assert adm.host_hit == 48, adm
+    if start:
+        hc.start_loads()  # not waited for: the load is in flight
+    hc.retract([adm.handle])
+    return 56 + 4 * (seed % 2)
+
+
+class LoadsLast:
+    """A schedule in which the load stream handles its mail only when no other actor has any:
+    a started load-back is still in flight when the calls after it run."""
+
+    name = "loads-last"
+
+    def choose(self, step: int, choices: Sequence[str]) -> str:
+        others = [c for c in choices if c != ActorName.LOAD.value]
+        return others[0] if others else choices[0]
+
+
+@pytest.mark.parametrize("seed", [None, *range(4)], ids=["loads-last", *(f"random-{s}" for s in range(4))])
+def test_an_allocation_waits_for_the_started_load_of_a_request_that_ended(
+        make_config: Callable[..., Config], seed: int | None) -> None:
+    """Memory a retracted request's started load-back holds is evictable once it lands: an
+    allocation that needs it waits for that load instead of answering `Insufficient` (which
+    made the reference scheduler retract, or give up on a request that would fit)."""
+    config = make_config(device_pages=16, host_pages=64)
+    strategy = LoadsLast() if seed is None else RandomStrategy(seed)
+    with HiCache(config, runtime=DeterministicRuntime(seed=seed or 0, strategy=strategy)) as hc:
+        seed = seed or 0
+        n = _load_then_leave(hc, seed, start=True)
+        [adm] = hc.admit([Request("b", seq(n, 50_000))])
+        got = hc.allocate({"b": n})
+        assert not isinstance(got, Insufficient), (got, hc.statistics().tree)
+        hc.commit({"b": seq(n, 50_000)})
+        hc.finish([adm.handle])
+        hc.check_invariants()
+
+
+def test_an_eviction_that_does_not_wait_for_loads_is_what_that_test_catches(
+        make_config: Callable[..., Config]) -> None:
+    """The same, loads last, with the eviction that waits for writes but not for loads (a
+    mutant of the tree): the tree's check stops it when it ends short."""
+    config = make_config(device_pages=16, host_pages=64)
+    runtime = DeterministicRuntime(seed=0, strategy=LoadsLast())
+    with HiCache(config, runtime=runtime, actor_classes=mutant("eviction-skips-loads").actor_classes) as hc:
+        n = _load_then_leave(hc, 0, start=True)
+        hc.admit([Request("b", seq(n, 50_000))])
+        with pytest.raises(ActorFailedError, match=r"ended with 0 freed while started load-backs \[\d+\], which"):
+            hc.allocate({"b": n})
+
+
+def test_an_allocation_does_not_wait_for_a_load_nobody_started(make_config: Callable[..., Config]) -> None:
+    """A queued load-back lands only after the next `start_loads`: an allocation that would need
+    its memory answers `Insufficient` at once instead of waiting for it, and fits once it landed."""
+    config = make_config(device_pages=16, host_pages=64)
+    with HiCache(config, runtime=DeterministicRuntime(seed=0)) as hc:
+        n = _load_then_leave(hc, 0, start=False)
+        [adm] = hc.admit([Request("b", seq(n, 50_000))])
+        assert isinstance(hc.allocate({"b": n}), Insufficient)
+        hc.start_loads().wait_all()
+        got = hc.allocate({"b": n})
+        assert not isinstance(got, Insufficient), got
+        hc.finish([adm.handle])
+        hc.check_invariants()
 
 
 @pytest.mark.parametrize("write_stream_thread", [None, True])

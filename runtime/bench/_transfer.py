@@ -155,8 +155,10 @@ def _time_loads(system: System, ops: list[tuple[Indices, Indices]], op_ids: Iter
     started = system.ask(ActorName.LOAD, StartLoads(), timeout_s=WAIT_S)
     assert isinstance(started, LoadsStarted) and len(started.ops) == len(messages), started
     system.ring.waiter(started.batch).wait_all(timeout_s=WAIT_S)
-    replies = probe.collect(len(messages), timeout_s=WAIT_S)
+    told, *replies = probe.collect(1 + len(messages), timeout_s=WAIT_S)  # the start, told to the tree too
     elapsed = time.perf_counter() - t0
+    if told != started:
+        raise RuntimeError(f"bench transfer: expected the tree to hear {started!r} first, got {told!r}")
     _expect_all(replies, LoadDone, messages)
     return elapsed
 

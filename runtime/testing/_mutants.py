@@ -200,7 +200,7 @@ class _OneRoundWrites(WriteBack):
     def _writes_holding_evictable(self) -> list[int]:
         return []
 
-    def _write_landed(self, op: int, dropped: list[Node]) -> None:
+    def op_landed(self, op: int, dropped: list[Node]) -> None:
         for key in self._eviction_of.pop(op, ()):
             ev = self._evictions[key]
             ev.freed += sum(nd.tokens for nd in dropped)
@@ -214,6 +214,24 @@ class _OneRoundEviction(TreeActor):
     def __init__(self, **kw: Any) -> None:
         super().__init__(**kw)
         self.core.writes.__class__ = _OneRoundWrites
+
+
+# -- an eviction does not wait for the load-backs of requests that ended ---------------------
+
+
+class _SkipLoadsWrites(WriteBack):
+    """Waits for writes in flight but not for load-backs whose request ended while they ran:
+    the allocation that asked gets `Insufficient` though the load lands a moment later and
+    leaves its nodes evictable (the scheduler gives up on a request that would fit)."""
+
+    def _loads_holding_evictable(self) -> list[int]:
+        return []
+
+
+class _SkipLoads(TreeActor):
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.core.writes.__class__ = _SkipLoadsWrites
 
 
 # -- write_back deletes a victim whose parent is not backed up ---------------------------------
@@ -381,6 +399,9 @@ MUTANTS: tuple[Mutant, ...] = (
            {ActorName.TREE: _UnclosedBackup}),
     Mutant("eviction-ends-short", "an eviction that ends after one round, without waiting for the writes it started",
            "an allocation or load-back gives up while evictable tokens remain", {ActorName.TREE: _OneRoundEviction}),
+    Mutant("eviction-skips-loads", "an eviction that does not wait for the load-backs of requests that ended "
+           "while they ran", "an allocation is refused though a load lands a moment later and leaves its nodes "
+           "evictable", {ActorName.TREE: _SkipLoads}, "pressure"),
     Mutant("write-back-drops-tail", "write_back deletes a victim whose parent is not backed up instead of writing "
            "the ancestors back with it", "a tail under a hot prefix is lost on every eviction instead of kept in host memory",
            {ActorName.TREE: _DropTail}),

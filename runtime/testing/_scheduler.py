@@ -411,10 +411,12 @@ class ReferenceScheduler:
                 return steps
             victim = self._retraction_victim()
             if victim is None or len(self.running) == 1:  # alone, it would be admitted again as it is
-                if self.hc.statistics().tree.writes_in_flight:
-                    # With several ranks an eviction cannot wait for write-backs (their acks apply
-                    # only at the next agreement): nothing computes this tick; the next one's
-                    # `sync` applies them, frees what they hold and plans again.
+                tree = self.hc.statistics().tree
+                if tree.writes_in_flight or tree.loads_in_flight:
+                    # With several ranks an eviction cannot wait for write-backs or the loads of
+                    # requests that ended (their acks apply only at the next agreement): nothing
+                    # computes this tick; the next one's `sync` applies them, frees or unlocks
+                    # what they hold and plans again.
                     return []
                 raise RuntimeError(
                     f"the device pool cannot hold one step of request {steps[0].run.spec.request_id!r} "

@@ -34,7 +34,7 @@ import torch
 from hicache.actors._actor import HiActor, Mail
 from hicache.actors._services import SeededFaults
 from hicache.messages import ActorName, HostSlotState, encode
-from hicache.messages.config import Config, PrefetchPolicy, WritePolicy
+from hicache.messages.config import Config, EvictionPolicy, PrefetchPolicy, WritePolicy
 
 from ._deterministic import DeterministicRuntime
 from .._facade import CacheHandle, HiCache, Request, RequestError
@@ -133,6 +133,26 @@ def _serve_workload(rt: DeterministicRuntime, seed: int, mut: Mutant | None) -> 
             lookahead_slots=2, device_budget_ratio=2.0,
         ))
         sched.submit(synthetic_workload(seed, 12, cfg.page_size))
+        sched.run(on_tick=lambda s: hc.check_invariants())
+        hc.quiesce()
+        hc.check_invariants()
+        check_quiescent(hc)
+
+
+def _pressure(rt: DeterministicRuntime, seed: int, mut: Mutant | None) -> None:
+    """16 requests on a device of 25 pages of 2 tokens under write_back and priority eviction,
+    admitted at twice what the device holds: the newest request is retracted while its
+    load-back is still in flight, and the allocation after must wait for that load."""
+    cfg = Config(layers=2, kv_heads=1, head_dim=8, page_size=2, device_slots=2 * 25, host_slots=2 * 46,
+                 write_policy=WritePolicy.WRITE_BACK, eviction_policy=EvictionPolicy.PRIORITY, ahead_slots=2,
+                 load_back_min_tokens=1)
+    with HiCache(cfg, runtime=rt, actor_classes=mut.actor_classes if mut else None) as hc:
+        sched = ReferenceScheduler(hc, SchedulerConfig(
+            max_running=7, prefill_tokens_per_tick=47, chunk_tokens=26, seed=seed, device_budget_ratio=2.0,
+            prefetch_window=1,
+        ))
+        sched.submit(synthetic_workload(seed, 16, cfg.page_size, blocks=4, blocks_per_prompt=3, tail_pages=3,
+                                        outputs_max=6))
         sched.run(on_tick=lambda s: hc.check_invariants())
         hc.quiesce()
         hc.check_invariants()
@@ -274,6 +294,13 @@ SCENARIOS: dict[str, Scenario] = {
         "counts (arrays and tensors too) and timeouts, forged and repeated handles, unknown requests, commits "
         "past the allocation): each is one RequestError that changes nothing, and the workload ends quiet",
         _misuse,
+    ),
+    "pressure": Scenario(
+        "pressure",
+        "16 requests on a device of 25 pages of 2 tokens, admitted at twice what it holds, under "
+        "write_back, priority eviction and pages held ahead: retractions of requests whose load-backs "
+        "are in flight, and allocations that must wait for those loads to land",
+        _pressure,
     ),
     "storage": Scenario(
         "storage",
