@@ -39,6 +39,7 @@ def test_every_mutant_is_caught_within_fifty_pct_schedules() -> None:
     ("short-write-marked-done", "FingerprintMismatchError"),
     ("backup-under-unbacked-parent", "is written under .* which is not backed up"),
     ("eviction-ends-short", "ended with .* freed while .* are evictable"),
+    ("eviction-skips-loads", r"ended with .* freed while started load-backs \[.*\], which nothing locks"),
     ("write-back-drops-tail", r"write_back would delete .* \(and lose its tail\)"),
     ("trim-before-served-slots", "slots taken from the pages it holds, which have .* free"),
     ("prefetcher-frees-slots", "freeing host slots is accepted only from the tree actor, got it from prefetch"),
@@ -66,6 +67,13 @@ def test_the_unmutated_storage_scenario_passes_thirty_seeds_on_every_policy() ->
     """Seeds rotate the prefetch policy (seed % 3) and the write policy (seed // 3 % 3)."""
     report = explore("storage", strategy="pct", seeds=range(30))
     assert report.failures == [], report.failures[0].error
+
+
+def test_the_unmutated_pressure_scenario_passes_forty_seeds() -> None:
+    """Retractions of requests whose load-backs are in flight, on a device admitted at twice its size."""
+    report = explore("pressure", strategy="pct", seeds=range(40))
+    assert report.failures == [], report.failures[0].error
+    assert report.deliveries > 40 * 100
 
 
 def test_a_failure_found_by_pct_replays_exactly_from_its_trace(tmp_path: Path) -> None:
