@@ -266,8 +266,9 @@ class LoadStreamActor(HiActor):
 
     def _start(self, m: StartLoads) -> LoadsStarted:
         ops = self._queue.drain()
-        if not ops:
-            return LoadsStarted(batch=0, ops=())
+        if not ops:  # a prefix an admission counted as a host hit may still be in a batch in flight
+            last = self._started[-1] if self._started else self._running
+            return LoadsStarted(batch=last.batch if last is not None else 0, ops=())
         if len(ops) > 1:
             self._queue.merged_ops += len(ops)
         b = self._next_batch

@@ -197,7 +197,9 @@ class Admissions:
     def _reply_admitted(self, op_id: int, plans: list[_Plan]) -> None:
         n = self.s.n
         admissions = []
-        loading = {nd.id for p in plans for nd in p.load_nodes}  # loaded by this batch, for any of its plans
+        # Loaded by this batch (for any of its plans), or by an earlier load that has not landed (its
+        # requester may have left before `start_loads`): the forward pass must wait for those layers.
+        loading = {nd.id for p in plans for nd in p.device_nodes + p.load_nodes if nd.state is NodeState.LOADING}
         for p in plans:
             nodes = p.device_nodes + p.load_nodes
             dev_hit = sum(nd.tokens for nd in nodes if nd.id not in loading)

@@ -382,6 +382,7 @@ class HiCache:
         if drain:
             try:
                 with self._interrupts:
+                    self._start_queued_loads()
                     self.system.quiesce(timeout_s)
             except (TimeoutError, RuntimeError):
                 drained = False
@@ -590,7 +591,9 @@ class HiCache:
             return reply.digest, reply.host_used
 
     def start_loads(self) -> LayerWaiter:
-        """Start every queued load-back as one batch; the forward pass waits per layer on the result."""
+        """Start every queued load-back as one batch; the forward pass waits per layer on the result.
+        With nothing queued, the waiter is that of the last batch still in flight, if any: an
+        admission counts a prefix that an earlier load has not landed yet as a host hit."""
         with self._call():
             started = self.system.ask(ActorName.LOAD, StartLoads(), timeout_s=self.reply_timeout_s)
             assert self.system.ring is not None
@@ -934,6 +937,7 @@ class HiCache:
         After `timeout_s` a `TimeoutError` names what is still in flight; the cache goes on."""
         with self._call():
             timeout_s = check.seconds("timeout_s", timeout_s)
+            self._start_queued_loads()
             while True:
                 self.system.quiesce(timeout_s)
                 if self.group.size == 1:
@@ -943,6 +947,12 @@ class HiCache:
                 # is pending. The count is agreed state, so every rank leaves after as many syncs.
                 if not self.system.ask(ActorName.TREE, GetStatistics()).facts_pending:
                     return
+
+    def _start_queued_loads(self) -> None:
+        """Start the load-backs admitted since the last `start_loads`: a load lands only once
+        started, and its requests may have left before they ran (nobody waits on this batch;
+        a later `start_loads` answers the waiter of a batch still in flight)."""
+        self.system.ask(ActorName.LOAD, StartLoads(), timeout_s=self.reply_timeout_s)
 
     def evict_device(self, tokens: int) -> int:
         """Free at least `tokens` device slots held by the cache if it can; returns how many."""

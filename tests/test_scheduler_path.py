@@ -659,6 +659,83 @@ def test_an_allocation_does_not_wait_for_a_load_nobody_started(make_config: Call
         hc.check_invariants()
 
 
+def _prefix_in_host_memory_only(hc: HiCache, oracle: Any) -> list[int]:
+    """48 tokens served with fingerprint KV, written through, evicted from the device, and the
+    device zeroed: whatever a later request reads there comes from a load-back."""
+    tokens = seq(48, 10_000)
+    [adm] = hc.admit([Request("a", tokens[:-1])])
+    oracle.write(hc.device_kv, tokens, hc.allocate({"a": 48})["a"])
+    hc.commit({"a": tokens})
+    hc.finish([adm.handle])
+    hc.quiesce()
+    hc.evict_device(hc.config.device_slots)
+    hc.device_kv.tensor.zero_()
+    return tokens
+
+
+def test_a_prefix_whose_load_was_never_started_is_a_host_hit_for_the_next_request(
+        make_config: Callable[..., Config], oracle_for: Callable[[Config], Any]) -> None:
+    """A request admitted with a load-back leaves before `start_loads` (an engine drops it before
+    its forward pass). The next request on that prefix must be told it is a host hit, so that
+    it starts the load and waits for it; counted as a device hit, it read zeros."""
+    config = make_config(device_pages=16, host_pages=64)
+    oracle = oracle_for(config)
+    with HiCache(config) as hc:
+        tokens = _prefix_in_host_memory_only(hc, oracle)
+        [b] = hc.admit([Request("b", tokens + [7])])
+        assert (b.device_hit, b.host_hit) == (0, 48)
+        hc.abort([b.handle])
+        [c] = hc.admit([Request("c", tokens + [8])])
+        assert (c.device_hit, c.host_hit) == (0, 48)
+        hc.start_loads().wait_all(timeout_s=30)
+        oracle.verify(hc.device_kv, tokens, c.device_indices)
+        hc.finish([c.handle])
+        hc.check_invariants()
+
+
+def test_start_loads_with_nothing_queued_answers_the_waiter_of_the_batch_in_flight(
+        make_config: Callable[..., Config], oracle_for: Callable[[Config], Any]) -> None:
+    """The same with the load started, still in flight (loads last), when the next request is
+    admitted: its `start_loads` has nothing to queue, so it must wait on that batch."""
+    config = make_config(device_pages=16, host_pages=64)
+    oracle = oracle_for(config)
+    with HiCache(config, runtime=DeterministicRuntime(seed=0, strategy=LoadsLast())) as hc:
+        tokens = _prefix_in_host_memory_only(hc, oracle)
+        [b] = hc.admit([Request("b", tokens + [7])])
+        first = hc.start_loads()
+        hc.abort([b.handle])
+        [c] = hc.admit([Request("c", tokens + [8])])
+        assert (c.device_hit, c.host_hit) == (0, 48)
+        waiter = hc.start_loads()
+        waiter.wait_all(timeout_s=30)
+        oracle.verify(hc.device_kv, tokens, c.device_indices)  # zeros, had it not waited
+        assert waiter.batch == first.batch > 0
+        hc.finish([c.handle])
+        hc.check_invariants()
+
+
+@pytest.mark.parametrize("close", [False, True], ids=["quiesce", "close"])
+def test_quiesce_and_close_start_the_loads_of_requests_that_left_before_start_loads(
+        make_config: Callable[..., Config], oracle_for: Callable[[Config], Any], close: bool) -> None:
+    """A load nobody started would never land: `quiesce` timed out on it and `close` waited for
+    its whole drain timeout. Both start it first."""
+    config = make_config(device_pages=16, host_pages=64)
+    hc = HiCache(config).start()
+    try:
+        tokens = _prefix_in_host_memory_only(hc, oracle_for(config))
+        [b] = hc.admit([Request("b", tokens + [7])])
+        hc.abort([b.handle])
+        assert hc.statistics().tree.loads_in_flight == 1
+        if close:
+            assert hc.close(timeout_s=5).drained
+            return
+        hc.quiesce(timeout_s=5)
+        assert hc.statistics().tree.loads_in_flight == 0
+        hc.check_invariants()
+    finally:
+        hc.close()
+
+
 @pytest.mark.parametrize("write_stream_thread", [None, True])
 def test_on_cpu_a_write_through_is_copied_within_the_call_that_starts_it_unless_the_stream_has_a_thread(
     make_config: Callable[..., Config], write_stream_thread: bool | None
