@@ -194,12 +194,17 @@ class Admissions:
             p.host_miss += sum(nd.tokens for nd in dropped)
             p.device_nodes, p.load_nodes = keep, []
 
+    @staticmethod
+    def _loading(plans: list[_Plan]) -> set[int]:
+        """The nodes the plans' requests must wait for (their host hits): loaded by this batch (for
+        any of its plans), or by an earlier load that has not landed (its requester may have left
+        before `start_loads`, which has not started it yet)."""
+        return {nd.id for p in plans for nd in p.device_nodes + p.load_nodes if nd.state is NodeState.LOADING}
+
     def _reply_admitted(self, op_id: int, plans: list[_Plan]) -> None:
         n = self.s.n
         admissions = []
-        # Loaded by this batch (for any of its plans), or by an earlier load that has not landed (its
-        # requester may have left before `start_loads`): the forward pass must wait for those layers.
-        loading = {nd.id for p in plans for nd in p.device_nodes + p.load_nodes if nd.state is NodeState.LOADING}
+        loading = self._loading(plans)
         for p in plans:
             nodes = p.device_nodes + p.load_nodes
             dev_hit = sum(nd.tokens for nd in nodes if nd.id not in loading)

@@ -76,6 +76,13 @@ def _unlocked(nodes: list[Node]) -> bool:
     return any(nd.lock_ref == 0 for nd in nodes)
 
 
+def _soon_free(w: _Write) -> bool:
+    """Whether a write-through in flight holds a node nothing but its own lock keeps: once it
+    lands, that node is evictable (synced, so it moves to host memory). Its upper nodes may be
+    locked by a request whose prefix they are (a node split by the request's match)."""
+    return not w.evict_after and not w.doomed and any(nd.lock_ref == 1 for nd in w.nodes)
+
+
 class WriteBack:
     """Owns the writes in flight and the evictions waiting for them."""
 
@@ -128,10 +135,8 @@ class WriteBack:
         return sum(self.writes[w].tokens for w in ev.waiting if w in self.writes and self.writes[w].evict_after)
 
     def _writes_holding_evictable(self) -> list[int]:
-        """Write-throughs in flight whose nodes nothing but the write keeps locked: once they
-        land, those nodes are evictable (synced, so they move to host memory)."""
-        return [op for op, w in self.writes.items()
-                if not w.evict_after and not w.doomed and all(nd.lock_ref == 1 for nd in w.nodes)]
+        """Write-throughs in flight that hold a node only their own lock keeps (`_soon_free`)."""
+        return [op for op, w in self.writes.items() if _soon_free(w)]
 
     def _loads_holding_evictable(self) -> list[int]:
         """Started load-backs with a node nothing locks: the request that asked for them ended
@@ -153,6 +158,12 @@ class WriteBack:
                     f"tree: an eviction of {ev.want} tokens ended with {ev.freed} freed while started load-backs "
                     f"{soon}, which nothing locks, are in flight (eviction waits for them: landed, their nodes are "
                     "evictable)"
+                )
+            soon = sorted(op for op, w in self.writes.items() if _soon_free(w))
+            if soon:
+                raise InvariantError(
+                    f"tree: an eviction of {ev.want} tokens ended with {ev.freed} freed while write-throughs {soon} "
+                    "hold nodes only they lock (eviction waits for them: landed, those nodes are evictable)"
                 )
         if ev.reply_op:
             self.s.emit(ev.reply_to, Evicted(op_id=ev.reply_op, device_tokens=ev.freed, host_tokens=0))

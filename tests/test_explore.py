@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -35,18 +36,20 @@ def test_every_mutant_is_caught_within_fifty_pct_schedules() -> None:
     ("free-by-inferred-length", "ledgers hold .* pages but .* pages are marked request-owned"),
     ("evict-before-synced",
      "illegal host slot transition to HOST_ONLY .* is WRITING|host_only .*backed-up state without a full host copy"),
-    ("double-unlock-on-retract", "would become -1 .*a lock released twice"),
+    ("double-unlock-on-retract", "would become -1 .*a lock released twice|write .* must hold a lock on its deepest node"),
     ("short-write-marked-done", "FingerprintMismatchError"),
     ("backup-under-unbacked-parent", "is written under .* which is not backed up"),
     ("eviction-ends-short", "ended with .* freed while .* are evictable"),
     ("eviction-skips-loads", r"ended with .* freed while started load-backs \[.*\], which nothing locks"),
+    ("write-wait-needs-every-node", r"ended with .* freed while write-throughs \[.*\] hold nodes only they lock"),
+    ("loading-prefix-as-device-hit", "FingerprintMismatchError"),
     ("write-back-drops-tail", r"write_back would delete .* \(and lose its tail\)"),
     ("trim-before-served-slots", "slots taken from the pages it holds, which have .* free"),
     ("prefetcher-frees-slots", "freeing host slots is accepted only from the tree actor, got it from prefetch"),
     ("prefetch-gives-up", "SGLang #16370: shrink to the page-aligned free space"),
     ("anchor-evictable", "anchored on .* which must be alive, backed up and host-pinned"),
     ("page-complete-before-bytes", "FingerprintMismatchError"),
-    ("aborted-prefetch-leaks", "host mirror says .* reserved by prefetches differs"),
+    ("aborted-prefetch-leaks", r"host mirror says .* reserved by prefetches differs|are host-pinned \(a leaked pin\)"),
 ])
 def test_each_mutant_fails_with_the_symptom_of_its_bug(name: str, symptom: str) -> None:
     import re
@@ -96,7 +99,8 @@ def test_the_cli_reports_a_failure_with_the_command_that_replays_it(tmp_path: Pa
     trace, _ = write_failure(failing, tmp_path)
     assert main(["explore", "--replay", str(trace), "--json"]) == 1
     out = json.loads(capsys.readouterr().out)
-    assert out["failed"] and "would become -1" in out["error"]
+    assert out["failed"] and out["error"] == failing.error
+    assert re.search("would become -1|must hold a lock on its deepest node", out["error"]), out["error"]
 
 
 def test_explore_json_names_scenario_strategy_seeds_failures_and_speed(tmp_path: Path, capsys) -> None:

@@ -659,6 +659,39 @@ def test_an_allocation_does_not_wait_for_a_load_nobody_started(make_config: Call
         hc.check_invariants()
 
 
+class WritesLast:
+    """A schedule in which the write stream handles its mail only when no other actor has any."""
+
+    name = "writes-last"
+
+    def choose(self, step: int, choices: Sequence[str]) -> str:
+        others = [c for c in choices if c != ActorName.WRITE.value]
+        return others[0] if others else choices[0]
+
+
+def test_an_allocation_waits_for_a_write_whose_upper_node_a_request_holds(make_config: Callable[..., Config]) -> None:
+    """A request matches the first 8 of 48 tokens whose write-through is in flight: the node
+    splits and the request locks the upper part. Once the write lands the lower 40 tokens are
+    evictable, so an allocation that needs them waits for it (it was refused: the tree waited
+    only for writes whose every node the write alone locked)."""
+    config = make_config(device_pages=16, host_pages=64)
+    with HiCache(config, runtime=DeterministicRuntime(seed=0, strategy=WritesLast())) as hc:
+        a = seq(48, 1000)
+        [adm] = hc.admit([Request("a", a[:-1])])
+        hc.allocate({"a": 48})
+        hc.commit({"a": a})
+        hc.finish([adm.handle])
+        assert hc.statistics().tree.writes_in_flight == 1
+        b = a[:8] + seq(40, 5000)
+        [adm] = hc.admit([Request("b", b[:-1])])
+        assert adm.cached_tokens == 8 and hc.statistics().tree.evictable_tokens == 0
+        got = hc.allocate({"b": len(b) - 8})
+        assert not isinstance(got, Insufficient), got
+        hc.commit({"b": b[8:]})
+        hc.finish([adm.handle])
+        hc.check_invariants()
+
+
 def _prefix_in_host_memory_only(hc: HiCache, oracle: Any) -> list[int]:
     """48 tokens served with fingerprint KV, written through, evicted from the device, and the
     device zeroed: whatever a later request reads there comes from a load-back."""

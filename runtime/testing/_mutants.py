@@ -26,6 +26,7 @@ from hicache.actors import (
 )
 from hicache.actors._actor import HiActor
 from hicache.actors._pages import Pages, as_list
+from hicache.actors._tree_admission import Admissions, _Plan
 from hicache.actors._tree_prefetch import PrefetchBook, _Prefetch
 from hicache.actors._tree_writes import WriteBack
 from hicache.messages import (
@@ -234,6 +235,44 @@ class _SkipLoads(TreeActor):
         self.core.writes.__class__ = _SkipLoadsWrites
 
 
+# -- an eviction waits for a write only when the write is all that locks every node of it ------
+
+
+class _EveryNodeWrites(WriteBack):
+    """Waits for a write-through only when every node of it is locked by the write alone: a
+    write whose upper node a request's match split off and locks is not waited for, though
+    its lower node is evictable the moment it lands."""
+
+    def _writes_holding_evictable(self) -> list[int]:
+        return [op for op, w in self.writes.items()
+                if not w.evict_after and not w.doomed and all(nd.lock_ref == 1 for nd in w.nodes)]
+
+
+class _EveryNodeWait(TreeActor):
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.core.writes.__class__ = _EveryNodeWrites
+
+
+# -- a prefix an earlier load has not landed counted as a device hit ---------------------------
+
+
+class _BatchLoadsOnly(Admissions):
+    """Counts as host hits only the nodes this admission's own batch loads: a prefix whose
+    load an earlier request queued, and left before `start_loads`, is a device hit, so the
+    engine starts no load and reads device pages nothing was copied to."""
+
+    @staticmethod
+    def _loading(plans: list[_Plan]) -> set[int]:
+        return {nd.id for p in plans for nd in p.load_nodes}
+
+
+class _LoadingAsDevice(TreeActor):
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.core.admission.__class__ = _BatchLoadsOnly
+
+
 # -- write_back deletes a victim whose parent is not backed up ---------------------------------
 
 
@@ -402,6 +441,13 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("eviction-skips-loads", "an eviction that does not wait for the load-backs of requests that ended "
            "while they ran", "an allocation is refused though a load lands a moment later and leaves its nodes "
            "evictable", {ActorName.TREE: _SkipLoads}, "pressure"),
+    Mutant("write-wait-needs-every-node", "an eviction waits for a write-through only when the write alone "
+           "locks every node of it", "an allocation is refused though a write lands a moment later and leaves "
+           "its lower node evictable (its upper node is a running request's prefix)",
+           {ActorName.TREE: _EveryNodeWait}, "pressure"),
+    Mutant("loading-prefix-as-device-hit", "an admission counts only its own batch's load-backs as host hits",
+           "a prefix whose load was queued by a request that left before `start_loads` is a device hit: no load "
+           "starts, and the model reads pages nothing was copied to", {ActorName.TREE: _LoadingAsDevice}),
     Mutant("write-back-drops-tail", "write_back deletes a victim whose parent is not backed up instead of writing "
            "the ancestors back with it", "a tail under a hot prefix is lost on every eviction instead of kept in host memory",
            {ActorName.TREE: _DropTail}),

@@ -60,7 +60,8 @@ class SchedulerConfig:
     chunk_tokens: int = 4096
     """Most prompt tokens one request computes in one tick (chunked prefill)."""
     abort_rate: float = 0.0
-    """Chance per tick that a running request is aborted (tests)."""
+    """Chance per tick that a running request is aborted (tests); a request just admitted may
+    be aborted before its load-backs start, as an engine drops one that went away."""
     seed: int = 0
     """Seeds abort choices."""
     verify: bool = True
@@ -378,6 +379,17 @@ class ReferenceScheduler:
             if out.first_tick < 0:
                 out.first_tick = self.ticks
                 out.device_hit, out.host_hit = res.device_hit, res.host_hit
+        if self.config.abort_rate:  # gone before its forward pass: its load-backs were never started
+            gone = [(item, res) for item, res in zip(batch, results, strict=True)
+                    if self._rng.random() < self.config.abort_rate]
+            if gone:
+                self.hc.abort([res.handle for _, res in gone])
+                for item, _ in gone:
+                    rid = _spec(item).request_id
+                    del self.running[rid]
+                    self._uncommitted.pop(rid, None)
+                    self.outcomes[rid].aborted = True
+                results = [res for res in results if res.request_id not in {r.request_id for _, r in gone}]
         if any(r.host_hit for r in results):
             return self.hc.start_loads()
         return None

@@ -140,11 +140,14 @@ def _serve_workload(rt: DeterministicRuntime, seed: int, mut: Mutant | None) -> 
 
 
 def _pressure(rt: DeterministicRuntime, seed: int, mut: Mutant | None) -> None:
-    """16 requests on a device of 25 pages of 2 tokens under write_back and priority eviction,
-    admitted at twice what the device holds: the newest request is retracted while its
-    load-back is still in flight, and the allocation after must wait for that load."""
-    cfg = Config(layers=2, kv_heads=1, head_dim=8, page_size=2, device_slots=2 * 25, host_slots=2 * 46,
-                 write_policy=WritePolicy.WRITE_BACK, eviction_policy=EvictionPolicy.PRIORITY, ahead_slots=2,
+    """16 requests on a device of 25 pages under priority eviction, admitted at twice what the
+    device holds: the newest request is retracted while its load-back is still in flight, and
+    the allocation after must wait for that load. Even seeds: write_back, pages of 2 tokens; odd
+    seeds: write_through, pages of 1 (a request's match splits a node under write, so the
+    write's upper part stays locked by the request when it lands)."""
+    policy, page = ((WritePolicy.WRITE_BACK, 2), (WritePolicy.WRITE_THROUGH, 1))[seed % 2]
+    cfg = Config(layers=2, kv_heads=1, head_dim=8, page_size=page, device_slots=page * 25, host_slots=page * 46,
+                 write_policy=policy, eviction_policy=EvictionPolicy.PRIORITY, ahead_slots=2,
                  load_back_min_tokens=1)
     with HiCache(cfg, runtime=rt, actor_classes=mut.actor_classes if mut else None) as hc:
         sched = ReferenceScheduler(hc, SchedulerConfig(
@@ -297,9 +300,10 @@ SCENARIOS: dict[str, Scenario] = {
     ),
     "pressure": Scenario(
         "pressure",
-        "16 requests on a device of 25 pages of 2 tokens, admitted at twice what it holds, under "
-        "write_back, priority eviction and pages held ahead: retractions of requests whose load-backs "
-        "are in flight, and allocations that must wait for those loads to land",
+        "16 requests on a device of 25 pages, admitted at twice what it holds, under priority eviction "
+        "and pages held ahead, write_back (pages of 2 tokens) or write_through (pages of 1) by the seed: "
+        "retractions of requests whose load-backs are in flight, writes whose upper nodes a request "
+        "locks, and allocations that must wait for those loads and writes to land",
         _pressure,
     ),
     "storage": Scenario(
