@@ -389,7 +389,8 @@ class ReferenceScheduler:
                     del self.running[rid]
                     self._uncommitted.pop(rid, None)
                     self.outcomes[rid].aborted = True
-                results = [res for res in results if res.request_id not in {r.request_id for _, r in gone}]
+                gone_ids = {res.request_id for _, res in gone}
+                results = [res for res in results if res.request_id not in gone_ids]
         if any(r.host_hit for r in results):
             return self.hc.start_loads()
         return None
