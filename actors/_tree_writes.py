@@ -78,9 +78,10 @@ def _unlocked(nodes: list[Node]) -> bool:
 
 def _soon_free(w: _Write) -> bool:
     """Whether a write-through in flight holds a node nothing but its own lock keeps: once it
-    lands, that node is evictable (synced, so it moves to host memory). Its upper nodes may be
-    locked by a request whose prefix they are (a node split by the request's match)."""
-    return not w.evict_after and not w.doomed and any(nd.lock_ref == 1 for nd in w.nodes)
+    lands, that node is evictable (synced, so it moves to host memory; or, if the write fails,
+    as a doomed one will, back on device only and deletable). Its upper nodes may be locked by
+    a request whose prefix they are (a node split by the request's match)."""
+    return not w.evict_after and any(nd.lock_ref == 1 for nd in w.nodes)
 
 
 class WriteBack:

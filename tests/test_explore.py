@@ -42,6 +42,7 @@ def test_every_mutant_is_caught_within_fifty_pct_schedules() -> None:
     ("eviction-ends-short", "ended with .* freed while .* are evictable"),
     ("eviction-skips-loads", r"ended with .* freed while started load-backs \[.*\], which nothing locks"),
     ("write-wait-needs-every-node", r"ended with .* freed while write-throughs \[.*\] hold nodes only they lock"),
+    ("eviction-skips-doomed-writes", r"ended with .* freed while write-throughs \[.*\] hold nodes only they lock"),
     ("loading-prefix-as-device-hit", "FingerprintMismatchError"),
     ("write-back-drops-tail", r"write_back would delete .* \(and lose its tail\)"),
     ("trim-before-served-slots", "slots taken from the pages it holds, which have .* free"),

@@ -254,6 +254,23 @@ class _EveryNodeWait(TreeActor):
         self.core.writes.__class__ = _EveryNodeWrites
 
 
+# -- an eviction does not wait for a write that will fail -------------------------------------
+
+
+class _SkipDoomedWrites(WriteBack):
+    """Does not wait for a write-through doomed by its ancestor's failed write: it fails when
+    it lands, and leaves its nodes on device only, unlocked and deletable."""
+
+    def _writes_holding_evictable(self) -> list[int]:
+        return [op for op in super()._writes_holding_evictable() if not self.writes[op].doomed]
+
+
+class _SkipDoomed(TreeActor):
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.core.writes.__class__ = _SkipDoomedWrites
+
+
 # -- a prefix an earlier load has not landed counted as a device hit ---------------------------
 
 
@@ -445,6 +462,9 @@ MUTANTS: tuple[Mutant, ...] = (
            "locks every node of it", "an allocation is refused though a write lands a moment later and leaves "
            "its lower node evictable (its upper node is a running request's prefix)",
            {ActorName.TREE: _EveryNodeWait}, "pressure"),
+    Mutant("eviction-skips-doomed-writes", "an eviction does not wait for a write-through that fails when it "
+           "lands (its ancestor's write failed)", "an allocation is refused though the write's nodes are unlocked "
+           "and deletable a moment later", {ActorName.TREE: _SkipDoomed}, "faults"),
     Mutant("loading-prefix-as-device-hit", "an admission counts only its own batch's load-backs as host hits",
            "a prefix whose load was queued by a request that left before `start_loads` is a device hit: no load "
            "starts, and the model reads pages nothing was copied to", {ActorName.TREE: _LoadingAsDevice}),
