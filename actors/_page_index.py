@@ -254,11 +254,10 @@ class PageIndex:
             if seg.shaped and seg.scanned != len(seg.keys) * seg.record:
                 raise InvariantError(f"page index: segment {seg.name} scanned {seg.scanned} bytes, "
                                      f"{len(seg.keys)} records of {seg.record}")
-        self._check_recency()
-        for seg in self._by_name.values():
             if seg.counted != seg.allocated * seg.shaped:
                 raise InvariantError(f"page index: segment {seg.name} counts {seg.counted} of its {seg.allocated} "
                                      f"bytes toward the total ({'a' if seg.shaped else 'no'} segment of this shape)")
+        self._check_recency()
         allocated = sum(s.allocated for s in self._by_name.values() if s.shaped)
         if allocated != self.allocated:
             raise InvariantError(f"page index: segments allocate {allocated} bytes, the total says {self.allocated}")

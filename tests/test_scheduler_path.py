@@ -601,14 +601,16 @@ def _load_then_leave(hc: HiCache, seed: int, *, start: bool) -> int:
     return 56 + 4 * (seed % 2)
 
 
-class LoadsLast:
-    """A schedule in which the load stream handles its mail only when no other actor has any:
-    a started load-back is still in flight when the calls after it run."""
+class Last:
+    """A schedule in which `actor` handles its mail only when no other actor has any: a load
+    (or a write) it started is still in flight when the calls after it run."""
 
-    name = "loads-last"
+    def __init__(self, actor: ActorName) -> None:
+        self.actor = actor.value
+        self.name = f"{self.actor}-last"
 
     def choose(self, step: int, choices: Sequence[str]) -> str:
-        others = [c for c in choices if c != ActorName.LOAD.value]
+        others = [c for c in choices if c != self.actor]
         return others[0] if others else choices[0]
 
 
@@ -619,9 +621,9 @@ def test_an_allocation_waits_for_the_started_load_of_a_request_that_ended(
     allocation that needs it waits for that load instead of answering `Insufficient` (which
     made the reference scheduler retract, or give up on a request that would fit)."""
     config = make_config(device_pages=16, host_pages=64)
-    strategy = LoadsLast() if seed is None else RandomStrategy(seed)
-    with HiCache(config, runtime=DeterministicRuntime(seed=seed or 0, strategy=strategy)) as hc:
-        seed = seed or 0
+    strategy = Last(ActorName.LOAD) if seed is None else RandomStrategy(seed)
+    seed = seed or 0
+    with HiCache(config, runtime=DeterministicRuntime(seed=seed, strategy=strategy)) as hc:
         n = _load_then_leave(hc, seed, start=True)
         [adm] = hc.admit([Request("b", seq(n, 50_000))])
         got = hc.allocate({"b": n})
@@ -636,7 +638,7 @@ def test_an_eviction_that_does_not_wait_for_loads_is_what_that_test_catches(
     """The same, loads last, with the eviction that waits for writes but not for loads (a
     mutant of the tree): the tree's check stops it when it ends short."""
     config = make_config(device_pages=16, host_pages=64)
-    runtime = DeterministicRuntime(seed=0, strategy=LoadsLast())
+    runtime = DeterministicRuntime(seed=0, strategy=Last(ActorName.LOAD))
     with HiCache(config, runtime=runtime, actor_classes=mutant("eviction-skips-loads").actor_classes) as hc:
         n = _load_then_leave(hc, 0, start=True)
         hc.admit([Request("b", seq(n, 50_000))])
@@ -659,23 +661,13 @@ def test_an_allocation_does_not_wait_for_a_load_nobody_started(make_config: Call
         hc.check_invariants()
 
 
-class WritesLast:
-    """A schedule in which the write stream handles its mail only when no other actor has any."""
-
-    name = "writes-last"
-
-    def choose(self, step: int, choices: Sequence[str]) -> str:
-        others = [c for c in choices if c != ActorName.WRITE.value]
-        return others[0] if others else choices[0]
-
-
 def test_an_allocation_waits_for_a_write_whose_upper_node_a_request_holds(make_config: Callable[..., Config]) -> None:
     """A request matches the first 8 of 48 tokens whose write-through is in flight: the node
     splits and the request locks the upper part. Once the write lands the lower 40 tokens are
     evictable, so an allocation that needs them waits for it (it was refused: the tree waited
     only for writes whose every node the write alone locked)."""
     config = make_config(device_pages=16, host_pages=64)
-    with HiCache(config, runtime=DeterministicRuntime(seed=0, strategy=WritesLast())) as hc:
+    with HiCache(config, runtime=DeterministicRuntime(seed=0, strategy=Last(ActorName.WRITE))) as hc:
         a = seq(48, 1000)
         [adm] = hc.admit([Request("a", a[:-1])])
         hc.allocate({"a": 48})
@@ -732,7 +724,7 @@ def test_start_loads_with_nothing_queued_answers_the_waiter_of_the_batch_in_flig
     admitted: its `start_loads` has nothing to queue, so it must wait on that batch."""
     config = make_config(device_pages=16, host_pages=64)
     oracle = oracle_for(config)
-    with HiCache(config, runtime=DeterministicRuntime(seed=0, strategy=LoadsLast())) as hc:
+    with HiCache(config, runtime=DeterministicRuntime(seed=0, strategy=Last(ActorName.LOAD))) as hc:
         tokens = _prefix_in_host_memory_only(hc, oracle)
         [b] = hc.admit([Request("b", tokens + [7])])
         first = hc.start_loads()
