@@ -101,6 +101,18 @@ _WRITERS = itertools.count()
 """Instance number of each backend of this process: with the pid, its writer name."""
 
 
+def _writer_name() -> str:
+    """A name no other writer on this directory has: `<pid>-<instance>-<nonce>`. The pid and
+    the instance number tell the writers of one process apart (and order them, for listings);
+    the nonce tells apart processes of one pid, which servers in containers of their own
+    (each its pid 1) or on other machines sharing the volume are. Two writers of one name
+    would take each other's live segment for a finished one (a later sequence number of the
+    same writer) and delete it. The nonce is the operating system's randomness, not the
+    runtime's: a seeded id would repeat in every process, and the name decides nothing
+    but which file a writer appends to."""
+    return f"{os.getpid()}-{next(_WRITERS)}-{os.urandom(4).hex()}"
+
+
 class FileBackend:
     """Pages in per-writer append-only segment files under `config.storage_dir` (module docstring)."""
 
@@ -110,7 +122,7 @@ class FileBackend:
         self.root = Path(config.storage_dir)
         self.fmt = PageFormat(KVShape.of(config))
         self.max_bytes = config.storage_max_bytes
-        self._writer = f"{os.getpid()}-{next(_WRITERS)}"
+        self._writer = _writer_name()
         self._seq = 0
         self._segment_bytes = SEGMENT_BYTES_MAX
         if self.max_bytes:
@@ -447,8 +459,8 @@ class FileBackend:
                 try:
                     fd = os.open(self.root / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
                     break
-                except FileExistsError:
-                    continue  # a writer of an earlier process with this pid left it
+                except FileExistsError:  # another writer has this name: never append after its segments
+                    self._writer, self._seq = _writer_name(), 0
         except OSError as e:
             return None, self._error("creating a segment in", self.root, e)
         self._current = self._index.new_segment(name, self.root / name, ours=True, record=self.fmt.stored_bytes,

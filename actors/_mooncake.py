@@ -57,6 +57,7 @@ import torch
 
 from hicache.messages.config import Config
 
+from ._errors import InvariantError
 from ._io_threads import IOThreads, shares
 from ._kv import KVBuffer, KVShape
 from ._record_block import RecordBlock
@@ -186,6 +187,13 @@ class _BoundedCalls:
             return value  # type: ignore[no-any-return]
         raise value
 
+    def check_invariants(self) -> None:
+        """Between calls, an outcome is handed over only for a call that overran: one for
+        nobody would be taken by the next call as its own."""
+        if not self._overran and not self._returned.locked():
+            raise InvariantError("Mooncake calls: an outcome was handed over with no call waiting for it "
+                                 "(each call's thread releases exactly once)")
+
     def settle(self) -> str:
         """Wait up to the timeout for a call that overran; then `busy()`."""
         if self._overran:
@@ -272,6 +280,10 @@ class MooncakeBackend:
 
     def usage(self) -> StorageUsage:
         return StorageUsage(io_errors=self._errors)
+
+    def check_invariants(self) -> None:
+        """The pages' bookkeeping is the store's; here, the hand-over of client calls."""
+        self._calls.check_invariants()
 
     def _failed(self, call: str, key: str, error: str) -> None:
         self._errors += 1

@@ -208,6 +208,8 @@ class StoragePrefetcherActor(HiActor):
         return (f"{steps} storage read steps",) if steps else ()
 
     def check_invariants(self) -> None:
+        if self._backend is not None:
+            self._backend.check_invariants()
         for op, r in self._reads.items():
             if not 0 <= r.done <= r.target <= r.hit <= len(r.keys):
                 raise InvariantError(f"prefetch {op}: 0 <= done {r.done} <= target {r.target} <= hit {r.hit} "

@@ -1,6 +1,6 @@
 """The file backend's segment files: their names, their records, and the system calls on them.
 
-A segment is a file `seg-<pid>-<instance>-<seq>.hkv` that one writer (a `FileBackend`
+A segment is a file `seg-<writer>-<seq>.hkv` that one writer (a `FileBackend`
 instance, so one KV shape) appends page records to (`PageFormat`: header, then payload),
 created with O_EXCL so no two writers ever share one. All records of a segment have the
 same size, so record `r` starts at `r x record size`, and a damaged record is skipped
@@ -8,7 +8,7 @@ by that size.
 
 A segment is finished (sealed) once its writer appends no more to it: the writer moved
 on to a later segment, or closed. It then leaves an empty file
-`seg-<pid>-<instance>-<seq>.sealed` beside the segment, which goes with it. Only a
+`seg-<writer>-<seq>.sealed` beside the segment, which goes with it. Only a
 finished segment is deleted once its pages are all evicted (or, read by an instance that
 never saw a page of it, once every byte of it reads zero): a writer may still be
 appending to any other. A writer killed before it closed leaves its last segment
@@ -65,10 +65,10 @@ def sealed_segment(name: str) -> str | None:
 
 
 def writer_of(name: str) -> tuple[str, int]:
-    """(writer, sequence number) of a segment named `seg-<pid>-<instance>-<seq>.hkv`."""
+    """(writer, sequence number) of a segment named `seg-<writer>-<seq>.hkv` (older writers' names have no nonce)."""
     stem = name.removeprefix(PREFIX).removesuffix(SUFFIX)
     writer, _, seq = stem.rpartition("-")
-    return writer, int(seq) if seq.isdigit() else 0
+    return writer, int(seq) if seq.isascii() and seq.isdigit() else 0  # (str.isdigit takes "²", int does not)
 
 
 @dataclass(slots=True, eq=False)
@@ -137,14 +137,17 @@ def scan(seg: Segment, fd: int, size: int, fmt: PageFormat, found: Callable[[str
             if len(buf) < h:
                 break
         header = fmt.unpack(buf[off - buf_at : off - buf_at + h])
-        if header.readable:
+        if header.readable and not seg.record:  # the first header tells the writer's record size and KV shape
             record = seg.record = h + header.payload_bytes
             seg.other_shape = bool(header.problem)
-        elif off + record + h > size:
+        # A later header of another size (bytes put there from outside: its writer writes one
+        # shape) is damage, skipped by the size the segment's records have.
+        readable = header.readable and h + header.payload_bytes == record
+        if not readable and off + record + h > size:
             break
         if off + record > size:
             break
-        whole = header.readable and not header.problem and header.key != DUPLICATE  # (a writer's keys are never empty)
+        whole = readable and not header.problem and header.key != DUPLICATE  # (a writer's keys are never empty)
         taken = whole and found(header.key, off // record)
         seg.shaped |= whole
         seg.keys.append(header.key if taken else DUPLICATE if whole else None)

@@ -482,6 +482,11 @@ class StorageBackend(Protocol):
         """What the backend holds and has done."""
         ...
 
+    def check_invariants(self) -> None:
+        """Raise `InvariantError` if the backend's own bookkeeping (an index of what it
+        stores) is broken."""
+        ...
+
     def close(self) -> None:
         """Release the backend's resources; it is unusable afterwards."""
         ...

@@ -16,6 +16,7 @@ import pytest
 import torch
 from hicache.actors import (
     FileBackend,
+    InvariantError,
     KVBuffer,
     KVShape,
     PageFormat,
@@ -308,6 +309,76 @@ def test_a_segment_first_seen_mid_append_counts_all_its_bytes_toward_the_bound(t
     reader.close()
 
 
+def test_a_record_of_another_shape_put_into_a_segment_being_read_is_skipped_as_damage(
+        tmp_path: Path, opened: Any) -> None:
+    # A writer still appends to its segment (one KV shape); from outside, another server's
+    # record (another shape, another size) is appended to it. A reader must skip it by its
+    # segment's record size: before, it took the new size for every later record, read
+    # and punched the writer's good pages at wrong offsets.
+    a, b = opened(), opened()
+    src = _host(_config(tmp_path), seed=11)
+    ks = _keys("shape", 8)
+    assert a.write(ks, src, _slots(list(range(8)))).written == 8
+    assert b.exists(ks) == 8  # b has scanned a's segment, still being appended to
+    elsewhere = tmp_path / "elsewhere"
+    other = FileBackend(_config(elsewhere, layers=2, head_dim=32))
+    assert other.write(["other-0"], _host(_config(elsewhere, layers=2, head_dim=32), seed=1), _slots([0])).written == 1
+    foreign = other.locate("other-0")[0].read_bytes()
+    other.close()
+    with open(a.locate(ks[0])[0], "ab") as f:
+        f.write(foreign)
+    assert b.exists(["not-stored"]) == 0  # a miss: b scans the segment again, the foreign record too
+    b.check_invariants()
+    more = _keys("shape-more", 4)
+    assert a.write(more, src, _slots([8, 9, 10, 11])).written == 4  # a appends on (over the stray bytes)
+    for reader in (b, a):
+        dst = _host(_config(tmp_path))
+        got = reader.read(ks + more, dst, _slots(list(range(12))))
+        assert got.pages == 12 and not got.error, got
+        assert _same(src, list(range(12)), dst, list(range(12)))
+
+
+@pytest.mark.parametrize("when", ["at open", "while serving"])
+def test_a_stray_file_named_like_a_segment_is_no_error(tmp_path: Path, opened: Any, when: str) -> None:
+    # "²" is a digit to str.isdigit but not to int(): its listing raised ValueError, which
+    # failed the prefetch actor (every call after it) or the start of every instance.
+    stray = tmp_path / "seg-1-0-\u00b2.hkv"
+    if when == "at open":
+        stray.write_bytes(b"")
+    backend = opened()
+    src = _host(_config(tmp_path), seed=12)
+    assert backend.write(_keys("stray", 4), src, _slots([0, 1, 2, 3])).written == 4
+    stray.write_bytes(b"")
+    assert backend.exists(_keys("stray", 4) + ["not-stored"]) == 4  # a miss lists the directory again
+    assert opened().exists(_keys("stray", 4)) == 4
+
+
+@pytest.mark.parametrize("names", ["same pid and instance", "same name"])
+def test_writers_of_one_pid_sharing_a_directory_never_take_each_others_live_segment_for_a_finished_one(
+        tmp_path: Path, opened: Any, monkeypatch, names: str) -> None:
+    # Two servers, each its container's pid 1, on one volume: their writers' names had
+    # only the pid and the instance number, so they were equal. Each took the other's
+    # live segment for one its writer had moved on from, and a reader's bound deleted it
+    # while its writer still appended to it.
+    monkeypatch.setattr(_file_backend.os, "getpid", lambda: 1)
+    if names == "same name":  # the nonce too: the second writer meets the first's segment when it creates its own
+        monkeypatch.setattr(_file_backend.os, "urandom", lambda n: bytes(n))
+    monkeypatch.setattr(_file_backend, "_WRITERS", iter([0, 0, 1, 2, 3]))
+    a, b = opened(), opened(storage_max_bytes=1 << 20)
+    src = _host(_config(tmp_path), seed=13)
+    assert a.write(_keys("a", 4), src, _slots([0, 1, 2, 3])).written == 4
+    assert b.write(_keys("b", 4), src, _slots([4, 5, 6, 7])).written == 4
+    assert a.locate("a-0")[0].name.split("-")[:-1] != b.locate("b-0")[0].name.split("-")[:-1]  # two writers
+    assert b.exists(_keys("a", 4)) == 4
+    assert a.write(_keys("a2", 4), src, _slots([8, 9, 10, 11])).written == 4
+    assert b.exists(_keys("a2", 4)) == 4  # b scans a's live segment again: it is not finished
+    b.max_bytes = 1  # b's bound is reached: it evicts every page it can, a's too
+    b.write(_keys("b2", 1), src, _slots([12]))
+    assert a.locate("a2-0")[0].exists()  # a's live segment stays (its pages are punched out)
+    assert a.write(_keys("a3", 4), src, _slots([13, 14, 15, 16])).written == 4
+    assert opened().exists(_keys("a3", 4)) == 4  # what a appends after it is found
+
+
 def test_a_page_another_instance_evicted_is_a_miss_logged_at_info(tmp_path: Path, opened: Any) -> None:
     a, b = opened(storage_max_bytes=1 << 20), opened(storage_max_bytes=1 << 20)
     src = _host(_config(tmp_path), seed=8)
@@ -532,6 +603,26 @@ def test_a_corrupt_page_that_cannot_be_removed_is_a_miss_and_the_backend_goes_on
     finally:
         mutable(path, tmp_path)
     a.close()
+
+
+def test_the_caches_check_covers_the_file_backends_page_index(tmp_path: Path, monkeypatch) -> None:
+    # The prefetch actor checks its backend's index with its own state, on its own thread.
+    from hicache.runtime import HiCache
+
+    checked: list[FileBackend] = []
+
+    def planted(self: FileBackend) -> None:
+        checked.append(self)
+        raise InvariantError("page index: planted")
+
+    with HiCache(_config(tmp_path)) as hc:
+        hc.check_invariants()
+        monkeypatch.setattr(FileBackend, "check_invariants", planted)
+        with pytest.raises(InvariantError, match="planted"):
+            hc.check_invariants()
+        monkeypatch.undo()
+        hc.check_invariants()  # a failed check changes nothing
+    assert len(checked) == 1
 
 
 def immutable(*paths: Path) -> None:

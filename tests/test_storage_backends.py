@@ -26,6 +26,7 @@ import torch
 import xxhash
 from hicache.actors import (
     FileBackend,
+    InvariantError,
     KVBuffer,
     KVShape,
     MooncakeBackend,
@@ -616,6 +617,10 @@ def test_a_bounded_call_returns_its_value_and_reraises_what_it_raised() -> None:
         with pytest.raises(KeyError, match="missing"):
             calls.run("lookup", {}.__getitem__, "missing")
         assert calls.run("after an error", lambda: "fine") == "fine" and calls.busy() == ""
+        calls.check_invariants()
+        calls._returned.release()  # an outcome handed over for no call: the next call would take it
+        with pytest.raises(InvariantError, match="no call waiting"):
+            calls.check_invariants()
     finally:
         calls.stop(wait=True)
     assert not calls._thread.is_alive(), "a stop that waits returns once the call thread has ended"
