@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
-from ._stored_page import PageFormat
+from ._stored_page import PAGE_GONE, PageFormat
 
 PREFIX: Final = "seg-"
 SUFFIX: Final = ".hkv"
@@ -153,7 +153,24 @@ def scan(seg: Segment, fd: int, size: int, fmt: PageFormat, found: Callable[[str
         seg.keys.append(header.key if taken else DUPLICATE if whole else None)
         seg.live += taken
         off += record
+        if header.problem == PAGE_GONE:  # punched out: step over the hole to the next record with data
+            gone = _gone_records(fd, off, size, record, h)
+            seg.keys += [None] * gone
+            off += gone * record
     seg.scanned = off
+
+
+def _gone_records(fd: int, off: int, size: int, record: int, h: int) -> int:
+    """How many records from `off` on have their header in a hole of the file (punched
+    out: read, they are zeros), each followed by room for another header (as a scan steps
+    over a record that is not whole). 0 where holes are not reported (`SEEK_DATA`)."""
+    try:
+        data = os.lseek(fd, off, os.SEEK_DATA)
+    except OSError as e:
+        if e.errno != errno.ENXIO:  # ENXIO: no data past `off`
+            return 0
+        data = size
+    return max(0, min((data - h - off) // record + 1, (size - h - off) // record))
 
 
 # -- system calls ------------------------------------------------------------------------
