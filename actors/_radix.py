@@ -7,6 +7,8 @@ Plain and synchronous; `TreeCore` drives it. What it guarantees:
   splitting a node at a page boundary when a match ends inside it.
 - A node's lifecycle is a `NodeState`, moved only through `set_state`, which
   checks `NODE_TRANSITIONS`. No boolean flags.
+- `insert` stops at a node whose load-back has not landed (`UNLANDED`): its pages
+  hold no KV yet, and a node under it would stay resident if the load failed.
 - `lock` counts a lock up the whole path; `protected_tokens` (device tokens under
   a lock) and `evictable_tokens` (device tokens under none) are kept exact on every
   change, and `check_invariants` recomputes them.
@@ -38,6 +40,9 @@ from ._radix_node import (BACKED, NODE_TRANSITIONS, RESIDENT, HostInsert, Insert
 
 
 class RadixTree:
+    UNLANDED: frozenset[NodeState] = frozenset({NodeState.LOADING})
+    """States of a node whose pages hold no KV yet (a load-back not landed): `insert` stops at one."""
+
     def __init__(self, page_size: int, policy: EvictionPolicy, *, index_tokens: int = 1) -> None:
         if index_tokens not in (1, page_size):
             raise ValueError(f"index_tokens must be 1 (slots) or page_size={page_size} (pages), got {index_tokens}")
@@ -113,7 +118,11 @@ class RadixTree:
         With `after` (a live node of `namespace`), `tokens` continue the cached prefix that
         ends at `after`: the nodes from the root to it count as matched, as a walk over the
         whole sequence would count them (hit count, access time, priority, `path`, `present`),
-        without their tokens being given or compared; `own_from` must then be 0."""
+        without their tokens being given or compared; `own_from` must then be 0.
+
+        The walk stops at a node whose load-back has not landed (LOADING) past `own_from`: the
+        caller's pages from there on are neither adopted nor duplicates (they stay the caller's),
+        and `path` ends above it."""
         p = self.page_size
         n = len(tokens) if length is None else length
         u = self.index_tokens
@@ -148,6 +157,10 @@ class RadixTree:
                     self.offer(nd)
                 out.path.append(new)
                 return out
+            if child.state in self.UNLANDED and pos >= own_from:
+                # Its load-back has not landed (it may never start, or fail): its pages hold no KV
+                # yet, and a node under it would outlive a failed load. The caller keeps its pages.
+                break
             same = self._common(child.key, data, at, end)
             if pos < own_from < pos + same:
                 same = own_from - pos  # keep the tree's part and the caller's part in separate nodes

@@ -220,6 +220,8 @@ class _LoadBatch:
     dst: Ints
     plan: CopyPlan | None = None
     """The batch's pieces, planned at its first layer and run for every layer."""
+    refused: str = ""
+    """Why a load queued for this batch was refused ("" when none was): the batch fails."""
 
 
 class LoadStreamActor(HiActor):
@@ -251,6 +253,8 @@ class LoadStreamActor(HiActor):
         self._started: deque[_LoadBatch] = deque()
         self._running: _LoadBatch | None = None
         self._next_batch = 1
+        self._refused = ""
+        """The first load refused since the last start, and why: the next batch fails."""
         self._cuda = _CudaStream(device_kv.device)
         self._n = _Counters()
 
@@ -261,21 +265,25 @@ class LoadStreamActor(HiActor):
         # The tree is the only sender its route admits: the requester the completion goes to.
         refused = _enqueue(self._queue, self._n, TREE, m.op_id, (m.host, self._host), (m.device, self._device), "load")
         if refused is not None:
+            # The admission that sent it has answered a host hit already: the forward pass must
+            # not read slots no load fills. The batch the next start gives it fails.
+            self._refused = self._refused or f"load {m.op_id} was refused: {refused}"
             return LoadFailed(op_id=m.op_id, reason=refused)
         return None
 
     def _start(self, m: StartLoads) -> LoadsStarted:
         ops = self._queue.drain()
-        if not ops:  # a prefix an admission counted as a host hit may still be in a batch in flight
+        refused, self._refused = self._refused, ""
+        if not ops and not refused:  # a prefix an admission counted as a host hit may still be in a batch in flight
             last = self._started[-1] if self._started else self._running
             return LoadsStarted(batch=last.batch if last is not None else 0, ops=())
         if len(ops) > 1:
             self._queue.merged_ops += len(ops)
         b = self._next_batch
         self._next_batch += 1
-        src = _concat_slots([op.src for op in ops])
-        dst = _concat_slots([op.dst for op in ops])
-        self._started.append(_LoadBatch(b, ops, src, dst))
+        src = _concat_slots([op.src for op in ops]) if ops else []
+        dst = _concat_slots([op.dst for op in ops]) if ops else []
+        self._started.append(_LoadBatch(b, ops, src, dst, refused=refused))
         started = LoadsStarted(batch=b, ops=tuple(op.op_id for op in ops))
         self.send(TREE, started)  # before any LoadDone of the batch: an eviction may wait for these
         self._run_next()
@@ -295,7 +303,7 @@ class LoadStreamActor(HiActor):
             raise AssertionError(f"load stream: CopyLayer for batch {b} but batch {run and run.batch} is running")
         reason = None
         if layer == 0:
-            reason = self._services.faults.transfer_fault(self.name, tuple(op.op_id for op in run.ops))
+            reason = run.refused or self._services.faults.transfer_fault(self.name, tuple(op.op_id for op in run.ops))
         if reason is None:
             try:
                 if run.plan is None:

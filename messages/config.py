@@ -194,7 +194,8 @@ class Config:
                                     "Most MiB one write copy batch moves (at least one page): a batch ends at this "
                                     "or at `transfer_pages_max`, whichever comes first.")
     transfer_queue_ops_max: int = _field(4096, Count(1, 1 << 20),
-                                         "Most operations a stream holds queued; more are refused as failed.")
+                                         "Most operations a stream holds queued; more are refused as failed "
+                                         "(a refused load-back fails the batch the next start_loads gives).")
     load_ring_size: int = _field(4, Count(1, 256),
                                  "Load batches whose per-layer progress stays observable "
                                  "(the next can overlap a forward pass).")

@@ -373,7 +373,12 @@ def test_a_load_with_unusable_indices_is_failed_at_once(
     tree.tell(LOAD, LoadKV(op_id=4, host=Indices.of([0, 1]), device=Indices.of([5_000, 5_001])))
     failed = tree.expect(LoadFailed)
     assert failed == LoadFailed(op_id=4, reason="bad load: destination page out of range 0..15")
-    assert tree.ask(LOAD, StartLoads(), sender=FACADE).batch == 0
+    # The admission that sent it has answered a host hit: the batch the next start gives fails.
+    started = tree.ask(LOAD, StartLoads(), sender=FACADE)
+    assert started.batch > 0 and started.ops == ()
+    with pytest.raises(LoadFailedError, match="load 4 was refused: bad load"):
+        tree.system.ring.waiter(started.batch).wait_all(timeout_s=30)
+    assert tree.ask(LOAD, StartLoads(), sender=FACADE).batch == 0  # once: the next start has nothing to fail
 
 
 def test_writes_beyond_the_queue_bound_are_refused_as_failed(

@@ -44,6 +44,8 @@ def test_every_mutant_is_caught_within_fifty_pct_schedules() -> None:
     ("write-wait-needs-every-node", r"ended with .* freed while write-throughs \[.*\] hold nodes only they lock"),
     ("eviction-skips-doomed-writes", r"ended with .* freed while write-throughs \[.*\] hold nodes only they lock"),
     ("loading-prefix-as-device-hit", "FingerprintMismatchError"),
+    ("refused-load-unseen", "FingerprintMismatchError"),
+    ("insert-through-loads", "FingerprintMismatchError|device residency is not prefix-closed"),
     ("write-back-drops-tail", r"write_back would delete .* \(and lose its tail\)"),
     ("trim-before-served-slots", "slots taken from the pages it holds, which have .* free"),
     ("prefetcher-frees-slots", "freeing host slots is accepted only from the tree actor, got it from prefetch"),
@@ -78,6 +80,13 @@ def test_the_unmutated_pressure_scenario_passes_forty_seeds() -> None:
     report = explore("pressure", strategy="pct", seeds=range(40))
     assert report.failures == [], report.failures[0].error
     assert report.deliveries > 40 * 100
+
+
+def test_the_unmutated_orphans_scenario_passes_twenty_seeds() -> None:
+    # (its mutants are caught within fifty schedules: test_every_mutant_is_caught_within_fifty_pct_schedules)
+    report = explore("orphans", strategy="pct", seeds=range(20))
+    assert report.failures == [], report.failures[0].error
+    assert report.deliveries > 20 * 100
 
 
 def test_a_failure_found_by_pct_replays_exactly_from_its_trace(tmp_path: Path) -> None:

@@ -350,14 +350,16 @@ def test_insert_revives_a_host_only_node_with_the_callers_fresh_device_pages(tre
     assert (tree.device_tokens, tree.host_tokens, tree.evictable_tokens) == (8, 8, 8)
 
 
-def test_insert_does_not_revive_a_loading_node_but_reports_the_callers_pages_as_duplicates(tree: Any) -> None:
+def test_insert_stops_at_a_loading_node_and_leaves_the_callers_pages_to_it(tree: Any) -> None:
+    # The load has not landed: the node's pages hold no KV yet, and a node under it would
+    # outlive a failed load (device residency must stay prefix-closed).
     [node] = tree.insert("", toks(8), pages(2)).path
     to_host_only(tree, node, pages(2, 16))
     tree.start_load(node, pages(2, 8))
-    out = tree.insert("", toks(8), pages(2, 4))
-    assert out.revived == []
-    assert [d.tolist() for d in out.duplicates] == [pages(2, 4).tolist()]
-    assert node.device.tolist() == pages(2, 8).tolist()
+    out = tree.insert("", toks(12), pages(3, 4))
+    assert (out.path, out.present, out.adopted, out.duplicates, out.revived) == ([], 0, [], [], [])
+    assert node.device.tolist() == pages(2, 8).tolist() and not node.children
+    tree.check_invariants()
 
 
 # -- split -------------------------------------------------------------------------------------

@@ -22,12 +22,14 @@ import torch
 
 import hicache.actors._radix as radix_module
 import hicache.actors._radix_node as node_module
+from hicache.actors import NoFaults
 from hicache.messages import ActorName, SlotDemand, Tokens
 from hicache.runtime import (
     ActorFailedError,
     Config,
     HiCache,
     Insufficient,
+    LoadFailedError,
     Request,
     RequestError,
     ThreadedRuntime,
@@ -715,6 +717,96 @@ def test_a_prefix_whose_load_was_never_started_is_a_host_hit_for_the_next_reques
         hc.start_loads().wait_all(timeout_s=30)
         oracle.verify(hc.device_kv, tokens, c.device_indices)
         hc.finish([c.handle])
+        hc.check_invariants()
+
+
+@pytest.mark.parametrize("kind", ["threads", "deterministic"])
+def test_a_host_hit_whose_load_the_stream_refused_fails_the_batch_the_forward_pass_waits_on(
+        make_config: Callable[..., Config], oracle_for: Callable[[Config], Any], kind: str) -> None:
+    """A load the stream refuses (its queue full: a load of a request that left before
+    `start_loads` holds the one place) comes after its admission answered a host hit. The
+    waiter `start_loads` gives must fail, or the forward pass reads slots nothing loaded."""
+    config = make_config(device_pages=16, host_pages=64, transfer_queue_ops_max=1)
+    oracle = oracle_for(config)
+    with HiCache(config, runtime=make_runtime(kind, seed=3)) as hc:
+        first, second = seq(16, 10_000), seq(16, 20_000)
+        for rid, tokens in (("a", first), ("b", second)):
+            [adm] = hc.admit([Request(rid, tokens[:-1])])
+            oracle.write(hc.device_kv, tokens, hc.allocate({rid: 16})[rid])
+            hc.commit({rid: tokens})
+            hc.finish([adm.handle])
+        hc.quiesce()
+        hc.evict_device(hc.config.device_slots)
+        hc.device_kv.tensor.zero_()
+        [x] = hc.admit([Request("x", first + [7])])
+        hc.abort([x.handle])  # gone before its forward pass: its load stays queued
+        [y] = hc.admit([Request("y", second + [7])])
+        assert y.host_hit == 16
+        with pytest.raises(LoadFailedError, match="refused"):
+            hc.start_loads().wait_all(timeout_s=30)
+        hc.retract([y.handle])
+        hc.check_invariants()
+        [y] = hc.admit([Request("y", second + [7])])  # admitted again: this time it loads
+        assert y.host_hit == 16
+        hc.start_loads().wait_all(timeout_s=30)
+        oracle.verify(hc.device_kv, second, y.device_indices)
+        hc.finish([y.handle])
+        hc.check_invariants()
+
+
+class _FailLoads(NoFaults):
+    """Copies of the load stream fail once `on`; writes never do."""
+
+    def __init__(self) -> None:
+        self.on = False
+
+    def transfer_fault(self, stream: ActorName, op_ids: tuple[int, ...]) -> str | None:
+        return "injected load failure" if self.on and stream is ActorName.LOAD else None
+
+
+@pytest.mark.parametrize("kind", ["threads", "deterministic"])
+def test_a_request_caching_a_prefix_whose_load_has_not_landed_keeps_its_own_kv(
+        make_config: Callable[..., Config], oracle_for: Callable[[Config], Any], kind: str) -> None:
+    """Request y computed a prefix P itself while P went to host memory, and another request's
+    load-back of P is queued (that request left before `start_loads`). y's `cache_unfinished`
+    used to take the loading pages as P's and free y's own: y then read pages nothing had
+    loaded, and its further tokens hung under a node whose load could still fail."""
+    config = make_config(device_pages=16, host_pages=64)
+    oracle = oracle_for(config)
+    faults = _FailLoads()
+    with HiCache(config, runtime=make_runtime(kind, seed=5, faults=faults)) as hc:
+        prefix, more = seq(16, 10_000), seq(16, 30_000)
+        [adm] = hc.admit([Request("y", prefix + more + [8])])  # nothing cached yet: y computes P
+        y = adm.handle
+        y_slots = hc.allocate({"y": 32})["y"]
+        hc.commit({"y": prefix + more})
+        [a] = hc.admit([Request("a", prefix + [9])])
+        oracle.write(hc.device_kv, prefix, hc.allocate({"a": 17})["a"][:16])
+        hc.commit({"a": prefix + [9]})
+        hc.finish([a.handle])
+        hc.quiesce()
+        hc.evict_device(hc.config.device_slots)  # P is in host memory only; y's pages are its own
+        hc.device_kv.tensor.zero_()
+        oracle.write(hc.device_kv, prefix + more, y_slots)
+        [x] = hc.admit([Request("x", prefix + [7])])
+        assert x.host_hit == 16
+        hc.abort([x.handle])  # its load stays queued: P is loading
+        [y] = hc.cache_unfinished([y])
+        oracle.verify(hc.device_kv, prefix + more, hc.slots("y")[:32])
+        hc.check_invariants()
+        faults.on = True
+        hc.quiesce()  # starts the queued load, which fails: P is in host memory only again
+        hc.check_invariants()
+        faults.on = False
+        oracle.verify(hc.device_kv, prefix + more, hc.slots("y")[:32])
+        [y] = hc.cache_unfinished([y])  # now P is cached from y's pages (revived), and the rest too
+        oracle.verify(hc.device_kv, prefix + more, hc.slots("y")[:32])
+        hc.finish([y])
+        hc.check_invariants()
+        [z] = hc.admit([Request("z", prefix + more + [1])])
+        assert z.device_hit == 32
+        oracle.verify(hc.device_kv, prefix + more, z.device_indices)
+        hc.finish([z.handle])
         hc.check_invariants()
 
 

@@ -16,6 +16,7 @@ from hicache.actors import (
     BACKED,
     DeviceAllocatorActor,
     DeviceCore,
+    LoadStreamActor,
     Node,
     NodeState,
     RadixTree,
@@ -36,6 +37,7 @@ from hicache.messages import (
     FreeHostSlots,
     HostSlotState,
     Indices,
+    LoadKV,
     Message,
     Prefetch,
     PrefetchEnd,
@@ -434,6 +436,36 @@ class _TrimFirstDevice(DeviceAllocatorActor):
         return super().handle(sender, message)
 
 
+# -- a load the stream refused, unseen by the forward pass ---------------------------------------
+
+
+class _RefusalUnseen(LoadStreamActor):
+    """Refuses a load (its queue full) as before, but the batch the next start gives does not
+    fail: the forward pass waits on it and reads the refused load's pages, which nothing filled."""
+
+    def handle(self, sender: ActorName, message: Message) -> Message | None:
+        reply = super().handle(sender, message)
+        if isinstance(message, LoadKV):
+            self._refused = ""
+        return reply
+
+
+# -- an insert through a node whose load has not landed ----------------------------------------
+
+
+class _ThroughLoads(RadixTree):
+    UNLANDED = frozenset()
+
+
+class _InsertThroughLoads(TreeActor):
+    """A request caching a prefix that another request's load-back is bringing in takes the
+    loading pages for its own KV (and frees its own), and hangs its further tokens under them."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.core.tree.__class__ = _ThroughLoads
+
+
 MUTANTS: tuple[Mutant, ...] = (
     Mutant("write-acks-on-admission", "SGLang #20049: write-through acks handled only on the prefill path",
            "a pure decode loop never unlocks the nodes it wrote; protected tokens pile up until memory runs out",
@@ -468,6 +500,12 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("loading-prefix-as-device-hit", "an admission counts only its own batch's load-backs as host hits",
            "a prefix whose load was queued by a request that left before `start_loads` is a device hit: no load "
            "starts, and the model reads pages nothing was copied to", {ActorName.TREE: _LoadingAsDevice}),
+    Mutant("refused-load-unseen", "a load-back the stream refuses (its queue full) after its admission answered a "
+           "host hit, with no failure for the forward pass", "the forward pass reads pages no load filled",
+           {ActorName.LOAD: _RefusalUnseen}, "orphans"),
+    Mutant("insert-through-loads", "a request's insert takes the pages of a node whose load-back has not landed for "
+           "its own KV", "a running request reads pages nothing loaded; a failed load leaves device nodes under a "
+           "host-only one", {ActorName.TREE: _InsertThroughLoads}, "orphans"),
     Mutant("write-back-drops-tail", "write_back deletes a victim whose parent is not backed up instead of writing "
            "the ancestors back with it", "a tail under a hot prefix is lost on every eviction instead of kept in host memory",
            {ActorName.TREE: _DropTail}),

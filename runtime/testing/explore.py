@@ -162,6 +162,29 @@ def _pressure(rt: DeterministicRuntime, seed: int, mut: Mutant | None) -> None:
         check_quiescent(hc)
 
 
+def _orphans(rt: DeterministicRuntime, seed: int, mut: Mutant | None) -> None:
+    """22 requests of short prompts on prefixes of two blocks, served twice, prefilled two tokens a
+    chunk, with requests often dropped right after admission: their load-backs stay queued (the
+    load queue holds one operation), the next load is refused, and running requests cache prefixes
+    that those queued loads bring in. Write_through or write_back by the seed."""
+    policy = (WritePolicy.WRITE_THROUGH, WritePolicy.WRITE_BACK)[seed % 2]
+    cfg = Config(layers=2, kv_heads=1, head_dim=8, page_size=2, device_slots=2 * 12, host_slots=2 * 31,
+                 write_policy=policy, load_back_min_tokens=1, transfer_queue_ops_max=1)
+    with HiCache(cfg, runtime=rt, actor_classes=mut.actor_classes if mut else None) as hc:
+        sched = ReferenceScheduler(hc, SchedulerConfig(
+            max_running=5, prefill_tokens_per_tick=8, chunk_tokens=2, abort_rate=0.08, seed=seed,
+            lookahead_slots=1, device_budget_ratio=2.0, prefetch_window=1,
+        ))
+        work = synthetic_workload(seed, 22, cfg.page_size, blocks=2, blocks_per_prompt=4, tail_pages=1, outputs_max=3)
+        sched.submit(work)
+        sched.run(on_tick=lambda s: hc.check_invariants())
+        sched.submit([ServeRequest(f"again-{r.request_id}", r.prompt, r.output_tokens) for r in work])
+        sched.run(on_tick=lambda s: hc.check_invariants())
+        hc.quiesce()
+        hc.check_invariants()
+        check_quiescent(hc)
+
+
 def _storage(rt: DeterministicRuntime, seed: int, mut: Mutant | None) -> None:
     """The workload on a host tier too small for it, with a file L3 in a fresh directory, twice:
     the first pass backs its pages up to storage, then L1 and L2 are emptied and the second pass
@@ -305,6 +328,13 @@ SCENARIOS: dict[str, Scenario] = {
         "retractions of requests whose load-backs are in flight, writes whose upper nodes a request "
         "locks, and allocations that must wait for those loads and writes to land",
         _pressure,
+    ),
+    "orphans": Scenario(
+        "orphans",
+        "22 requests on 12 device pages, served twice in chunks of two tokens, many dropped right after "
+        "admission: load-backs nobody started hold the load queue (one operation), the next one is refused, "
+        "and running requests cache prefixes those loads bring in",
+        _orphans,
     ),
     "storage": Scenario(
         "storage",
