@@ -735,7 +735,7 @@ def test_a_host_hit_whose_load_the_stream_refused_fails_the_batch_the_forward_pa
             oracle.write(hc.device_kv, tokens, hc.allocate({rid: 16})[rid])
             hc.commit({rid: tokens})
             hc.finish([adm.handle])
-        hc.quiesce()
+            hc.quiesce()  # the write queue holds one operation too: a second write in it would be refused
         hc.evict_device(hc.config.device_slots)
         hc.device_kv.tensor.zero_()
         [x] = hc.admit([Request("x", first + [7])])
