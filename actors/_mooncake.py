@@ -24,7 +24,7 @@ place hicache starts a thread outside the runtime: it wraps a blocking C client,
 actor logic. A call that overran makes the next calls fail at once until it returns, so
 the thread never queues work and the buffers it may still be filling are not reused
 meanwhile: the prefetcher does not report a prefetch stopped (after which the tree may
-reuse its host slots) while a call is pending (`pending`).
+reuse its host slots) while a get into host slots is pending (`pending`).
 
 Three client calls hold the interpreter lock, so no timeout of ours can bound them:
 - `close` (about 2 s here with a live master, over 10 s against a dead one), and the
@@ -121,6 +121,10 @@ class _CallFailed(Exception):
     """A client call did not return within the timeout, or an earlier one still runs."""
 
 
+_WRITES_HOST_SLOTS: Final = frozenset({"batch_get_into_multi_buffers"})
+"""The client calls that write into host slots (a small page's get fills the record block)."""
+
+
 class _BoundedCalls:
     """Runs one blocking client call at a time on a daemon thread; waits at most `timeout_s`.
 
@@ -148,6 +152,11 @@ class _BoundedCalls:
         """The name of a call the caller gave up on, until the thread is done with it."""
         self._thread = threading.Thread(target=self._work, name="hicache-mooncake", daemon=True)
         self._thread.start()
+
+    @property
+    def overran(self) -> str:
+        """The name of the call its caller gave up on, until the thread is done with it ("": none)."""
+        return self._overran
 
     def busy(self) -> str:
         """What still runs after its caller gave up on it; "" when the thread is free."""
@@ -265,9 +274,13 @@ class MooncakeBackend:
 
     @property
     def pending(self) -> str:
-        """The client call that still runs after its caller gave up on it ("" when none):
-        until it returns, every call fails at once, and a read may still write host slots."""
-        return self._calls.busy()
+        """A client call that still runs after its caller gave up on it and may still write
+        host slots ("" when none): a get straight into host pages. Any call that overran makes
+        the next calls fail at once until it returns, but only such a get holds back a stopped
+        prefetch (whose host slots the tree may then reuse): against a dead master an
+        existence check or a put returns after about 4 s, and a stop waited that long."""
+        still = self._calls.busy()
+        return still if still and self._calls.overran in _WRITES_HOST_SLOTS else ""
 
     @property
     def client(self) -> Any:
@@ -477,9 +490,9 @@ class MooncakeBackend:
     def close(self) -> None:
         """Unmount this client's segment (its pages leave the store) and stop the call thread.
 
-        When the master does not answer, or a call still hangs after waiting the timeout
-        once more, the client is left open for Mooncake to tear down at exit (a close then
-        would block the interpreter for over 10 s).
+        When the master does not answer a request within the timeout, or a call still hangs
+        after waiting the timeout once more, the client is left open for Mooncake to tear
+        down at exit (a close then would block the interpreter for over 10 s).
         """
         if self._closed:
             return
@@ -490,6 +503,8 @@ class MooncakeBackend:
                 _probe(self._config)
             except StorageError as e:
                 problem = str(e)
+        if not problem:
+            problem = self._unanswered()
         if problem:
             log.warning("storage client left open until exit", backend=self.name, reason=problem)
             _ABANDONED.append(self._keep)  # the client and every buffer a stuck call may touch
@@ -497,6 +512,22 @@ class MooncakeBackend:
             self._store.close()  # holds the GIL, so the call thread could not bound it either
         self._calls.stop(wait=not problem)
         self._threads.close()
+
+
+    def _unanswered(self) -> str:
+        """Why the master does not answer a request within the timeout ("" when it does). A
+        connection alone is no answer: the kernel of a stopped (SIGSTOP) master accepts it,
+        and a close against that master blocked the interpreter for about 9 s."""
+        try:
+            found = self._calls.run("batch_is_exist", self._store.batch_is_exist, [self.object_key(_PROBE_KEY)])
+        except _CallFailed as e:
+            return str(e)
+        bad = [f for f in found if f < 0]
+        return f"the master answered a probe with {_describe(bad[0])}" if bad else ""
+
+
+_PROBE_KEY: Final = "hicache-close-probe"
+"""The key whose existence `close` asks the master for, to see that it answers."""
 
 
 def _bytes_of(buffer: torch.Tensor) -> memoryview:

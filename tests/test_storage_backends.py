@@ -605,6 +605,52 @@ def test_a_mooncake_master_killed_mid_run_gives_misses_and_errors_within_the_tim
         assert not logs, "close left the client open although the master answers"
 
 
+def test_closing_against_a_hung_mooncake_master_leaves_the_client_open_within_the_timeout(keys) -> None:
+    # A stopped (SIGSTOP) master's kernel still accepts connections, so a connection was
+    # taken for an answer, and the client's close, which holds the interpreter lock, blocked
+    # every thread for about 9 s.
+    timeout_s = 0.5
+    src = _host(HostLayout.PAGE_FIRST, seed=12)
+    with MooncakeMaster() as m:
+        backend = open_backend(_config(storage="mooncake", storage_timeout_s=timeout_s, **m.config_fields()))
+        assert isinstance(backend, MooncakeBackend)
+        assert backend.write(keys(2), src, _slots([0, 1])).written == 2
+        m.pause()
+        try:
+            started = time.monotonic()
+            with capture_logs() as logs:
+                backend.close()
+            assert time.monotonic() - started < timeout_s + 1.0
+        finally:
+            m.resume()
+        assert [e["event"] for e in logs] == ["storage client left open until exit"], logs
+        assert "did not return within" in logs[0]["reason"]
+
+
+def test_only_a_get_into_host_slots_that_overran_holds_back_a_stopped_prefetch() -> None:
+    # Against a dead master an existence check or a put returns after about 4 s; a stopped
+    # prefetch (and the scheduler's `ready`) waited for it, though it writes no host slot.
+    from hicache.actors._mooncake import _BoundedCalls, _CallFailed
+
+    with MooncakeMaster() as m:
+        backend = open_backend(_config(storage="mooncake", **m.config_fields()))
+        assert isinstance(backend, MooncakeBackend)
+        real, backend._calls = backend._calls, _BoundedCalls(0.05, keep=[])
+        try:
+            for call, holds in (("batch_is_exist", False), ("batch_put_from", False), ("batch_get_into", False),
+                                ("batch_get_into_multi_buffers", True)):
+                gate = threading.Event()
+                with pytest.raises(_CallFailed):
+                    backend._calls.run(call, gate.wait)
+                assert backend._calls.busy() and bool(backend.pending) is holds, call
+                gate.set()
+                assert backend._calls.settle() == "" and backend.pending == ""
+        finally:
+            backend._calls.stop(wait=True)
+            backend._calls = real
+            backend.close()
+
+
 # -- the Mooncake client's call thread ----------------------------------------------------------
 
 

@@ -142,9 +142,20 @@ class MooncakeMaster:
             self._process.send_signal(signal.SIGKILL)
             self._process.wait()
 
+    def pause(self) -> None:
+        """Freeze the master (SIGSTOP), as a hung one: its kernel still accepts connections."""
+        if self._process is not None and self._process.poll() is None:
+            self._process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """Let a paused master run again (SIGCONT)."""
+        if self._process is not None and self._process.poll() is None:
+            self._process.send_signal(signal.SIGCONT)
+
     def stop(self) -> None:
         """Stop the master (SIGTERM, then SIGKILL after STOP_TIMEOUT_S) and remove its log."""
         if self._process is not None and self._process.poll() is None:
+            self.resume()  # a paused process takes SIGTERM only once it runs
             self._process.terminate()
             try:
                 self._process.wait(STOP_TIMEOUT_S)
