@@ -101,6 +101,8 @@ class Interrupts:
         self._on_main = False
         """Calls come from the main thread (one thread makes them: the one that started the cache)."""
         self._on_interrupt: list[Callable[[], None]] = []
+        self._undoing = False
+        """Taking back a call an interrupt stopped: no further interrupt lands meanwhile."""
 
     def start(self) -> None:
         self._on_main = threading.get_ident() == _MAIN
@@ -129,15 +131,28 @@ class Interrupts:
         undo, self._on_interrupt = self._on_interrupt, []
         if not self._main:
             return
-        _GATE.depth -= 1
-        if _GATE.hit and not _GATE.depth:
-            try:
-                _GATE.deliver()
-            except BaseException:
-                if exc_type is None:  # the caller never sees this call's result: take its effects back
-                    for fn in undo:
-                        fn()
-                raise
+        try:
+            if _GATE.hit and _GATE.depth == 1:
+                try:
+                    _GATE.deliver()
+                except BaseException:
+                    if exc_type is None:  # the caller never sees this call's result: take its effects back
+                        self._take_back(undo)
+                    raise
+        finally:
+            _GATE.depth -= 1
+
+    def _take_back(self, undo: list[Callable[[], None]]) -> None:
+        """Run the take-backs of a call an interrupt stopped, with the gate still closed: a
+        second Ctrl-C meanwhile is folded into the one being raised (it landed inside an
+        actor's handler on this thread, and lost the message that released the locks)."""
+        self._undoing = True
+        try:
+            for fn in undo:
+                fn()
+        finally:
+            self._undoing = False
+            _GATE.hit = False
 
     def on_interrupt(self, fn: Callable[[], None]) -> None:
         """Run `fn` if this call completes but an interrupt then stops it from returning."""
@@ -145,5 +160,5 @@ class Interrupts:
 
     def deliver(self) -> None:
         """At a point where the call may give up: run a deferred SIGINT's handler now."""
-        if self._main:
+        if self._main and not self._undoing:
             _GATE.deliver()

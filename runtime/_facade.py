@@ -346,6 +346,10 @@ class HiCache:
         self._ended: OrderedDict[str, str] = OrderedDict()
         self._pending: dict[int, Pending] = {}
         """Calls whose reply has not been applied (abandoned ones until their late reply comes)."""
+        self._early: dict[int, Message] = {}
+        """Replies to calls still waiting, taken by a wait nested inside theirs: a late reply's
+        handler that asks (an admission taken back) waits within another call's wait, and
+        that call's reply may come first. Each wait takes its own from here."""
         self._storage_hit_tokens = 0
         """Tokens admissions loaded back that a storage prefetch had brought (L3 hits)."""
 
@@ -1046,7 +1050,9 @@ class HiCache:
     def _wait(self, op: int, entry: Pending) -> Any:
         waited, poll = 0.0, self.system.runtime.poll_s
         while True:
-            reply = self.system.next_reply(poll)
+            reply = self._early.pop(op, None) if self._early else None
+            if reply is None:
+                reply = self.system.next_reply(poll)
             if reply is None:
                 self._interrupts.deliver()
                 waited += poll or 0.0
@@ -1059,6 +1065,10 @@ class HiCache:
                 if not isinstance(reply, entry.replies):
                     raise RuntimeError(f"op {op} got {reply!r}, not a {' or '.join(t.__name__ for t in entry.replies)}")
                 return reply
+            other = self._pending.get(getattr(reply, "op_id", None))  # type: ignore[arg-type]
+            if other is not None and not other.abandoned:  # an outer call's, this wait nested in its wait
+                self._early[reply.op_id] = reply  # type: ignore[attr-defined]
+                continue
             self._late(reply)
 
     def _collect(self) -> None:
@@ -1066,6 +1076,8 @@ class HiCache:
         answers no call is caught by the next wait, which sees every reply)."""
         if not self._pending:
             return
+        for op in [op for op in self._early if self._pending[op].abandoned]:  # taken early, then given up
+            self._late(self._early.pop(op))
         while (reply := self.system.next_reply(0.0, block=False)) is not None:
             self._late(reply)
 

@@ -466,6 +466,78 @@ def test_ctrl_c_during_a_call_lands_where_the_call_may_give_up_and_leaks_nothing
     assert interrupts > 0
 
 
+def test_a_late_admission_taken_back_during_the_next_calls_wait_leaves_that_call_its_reply(
+        make_config: Callable[..., Config]) -> None:
+    """An admission given up before the tree saw it; the next call (`tree_digest`) is sent, and
+    its wait first gets the late `Admitted`, whose take-back asks the tree and waits too. That
+    inner wait got the digest first: 'answers no call it made', the call failed and its op
+    stayed pending for good (which also switched the facade's leaked-lock check off)."""
+    rt = DeterministicRuntime(seed=1)
+    with HiCache(make_config(), runtime=rt, reply_timeout_s=5) as hc:
+        [a] = hc.admit([Request("a", seq(16))])
+        hc.allocate({"a": 16})
+        hc.commit({"a": seq(16)})
+        hc.finish([a.handle])
+        real = hc.system.next_reply
+
+        def not_yet(timeout_s: Any, *, block: bool = True) -> Any:
+            if not block:  # the next call starts before the late reply has come
+                return None
+            hc.system.next_reply = real  # type: ignore[method-assign]
+            return real(timeout_s, block=block)
+
+        def give_up(timeout_s: Any, *, block: bool = True) -> Any:  # before the tree has seen the admission
+            hc.system.next_reply = not_yet  # type: ignore[method-assign]
+            raise KeyboardInterrupt
+
+        hc.system.next_reply = give_up  # type: ignore[method-assign]
+        with pytest.raises(KeyboardInterrupt):
+            hc.admit([Request("b", seq(16, 500))])
+        digest, host_used = hc.tree_digest()  # the late Admitted, then this call's reply, come in its wait
+        assert isinstance(digest, str) and hc._pending == {} and hc.live_requests == ()
+        hc.check_invariants()
+        [b] = hc.admit([Request("b", seq(16, 500))])
+        hc.finish([b.handle])
+        _quiet(hc)
+
+
+def test_a_second_ctrl_c_while_an_interrupted_admission_is_taken_back_waits_for_the_take_back(
+    make_config: Callable[..., Config], request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ctrl-C during an admission, and again while the facade takes it back: the second one
+    landed inside the tree's handler on this thread (the take-back ran after the gate had
+    opened), the message releasing the admission's lock was lost, and the lock leaked."""
+    from hicache.actors._actor import HiActor
+    from hicache.runtime._calls import _GATE
+
+    assert threading.current_thread() is threading.main_thread()
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        request.addfinalizer(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    assert signal.getsignal(signal.SIGINT) in (signal.default_int_handler, _GATE._handle)
+    armed = {"AdmitRequests": False, "FinishRequests": False}
+    real = HiActor.on_receive
+
+    def on_receive(self: HiActor, mail: Any) -> Any:
+        name = type(mail.message).__name__
+        if armed.get(name):
+            armed[name] = False
+            _thread.interrupt_main()
+        return real(self, mail)
+
+    monkeypatch.setattr(HiActor, "on_receive", on_receive)
+    with HiCache(make_config()) as hc:
+        armed.update(AdmitRequests=True, FinishRequests=True)
+        with pytest.raises(KeyboardInterrupt):
+            hc.admit([Request("a", seq(8))])
+        assert not any(armed.values())  # both interrupts were raised
+        assert hc.live_requests == () and hc.statistics().tree.live_handles == 0
+        hc.check_invariants()
+        [a] = hc.admit([Request("a", seq(8))])
+        hc.finish([a.handle])
+        _quiet(hc)
+
+
 def test_a_late_admission_is_released_and_its_id_stays_usable(make_config: Callable[..., Config]) -> None:
     """An admission cut short on the deterministic runtime (its reply held back): the late
     `Admitted` is undone by the next call, so no lock leaks and the id can be admitted again."""
