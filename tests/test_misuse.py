@@ -466,6 +466,14 @@ def test_ctrl_c_during_a_call_lands_where_the_call_may_give_up_and_leaks_nothing
     assert interrupts > 0
 
 
+def _serve(hc: HiCache, rid: str, tokens: list[int]) -> None:
+    """A request computes and caches `tokens` and finishes."""
+    [adm] = hc.admit([Request(rid, tokens)])
+    hc.allocate({rid: len(tokens)})
+    hc.commit({rid: tokens})
+    hc.finish([adm.handle])
+
+
 def test_a_late_admission_taken_back_during_the_next_calls_wait_leaves_that_call_its_reply(
         make_config: Callable[..., Config]) -> None:
     """An admission given up before the tree saw it; the next call (`tree_digest`) is sent, and
@@ -474,10 +482,7 @@ def test_a_late_admission_taken_back_during_the_next_calls_wait_leaves_that_call
     stayed pending for good (which also switched the facade's leaked-lock check off)."""
     rt = DeterministicRuntime(seed=1)
     with HiCache(make_config(), runtime=rt, reply_timeout_s=5) as hc:
-        [a] = hc.admit([Request("a", seq(16))])
-        hc.allocate({"a": 16})
-        hc.commit({"a": seq(16)})
-        hc.finish([a.handle])
+        _serve(hc, "a", seq(16))
         real = hc.system.next_reply
 
         def not_yet(timeout_s: Any, *, block: bool = True) -> Any:
@@ -543,10 +548,7 @@ def test_a_late_admission_is_released_and_its_id_stays_usable(make_config: Calla
     `Admitted` is undone by the next call, so no lock leaks and the id can be admitted again."""
     rt = DeterministicRuntime(seed=1)
     with HiCache(make_config(), runtime=rt, reply_timeout_s=0.5) as hc:
-        [a] = hc.admit([Request("a", seq(16))])
-        hc.allocate({"a": 16})
-        hc.commit({"a": seq(16)})
-        hc.finish([a.handle])
+        _serve(hc, "a", seq(16))
         real = hc.system.next_reply
 
         def lose_one(timeout_s: Any, *, block: bool = True) -> Any:  # the reply arrives after the wait gave up
