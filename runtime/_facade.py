@@ -62,6 +62,7 @@ from hicache.messages import (
     GetStatistics,
     Indices,
     LedgerEntry,
+    LoadsStarted,
     LocalFacts,
     Message,
     PrefetchEnd,
@@ -599,7 +600,7 @@ class HiCache:
         With nothing queued, the waiter is that of the last batch still in flight, if any: an
         admission counts a prefix that an earlier load has not landed yet as a host hit."""
         with self._call():
-            started = self.system.ask(ActorName.LOAD, StartLoads(), timeout_s=self.reply_timeout_s)
+            started = self._start_queued_loads()
             assert self.system.ring is not None
             return self.system.ring.waiter(started.batch)
 
@@ -952,11 +953,12 @@ class HiCache:
                 if not self.system.ask(ActorName.TREE, GetStatistics()).facts_pending:
                     return
 
-    def _start_queued_loads(self) -> None:
-        """Start the load-backs admitted since the last `start_loads`: a load lands only once
-        started, and its requests may have left before they ran (nobody waits on this batch;
-        a later `start_loads` answers the waiter of a batch still in flight)."""
-        self.system.ask(ActorName.LOAD, StartLoads(), timeout_s=self.reply_timeout_s)
+    def _start_queued_loads(self) -> LoadsStarted:
+        """Start the load-backs admitted since the last start, as one batch: `start_loads`, and
+        `quiesce` and `close`, since a load lands only once started and its requests may have
+        left before they ran (nobody waits on such a batch; a later `start_loads` answers the
+        waiter of a batch still in flight)."""
+        return self.system.ask(ActorName.LOAD, StartLoads(), timeout_s=self.reply_timeout_s)
 
     def evict_device(self, tokens: int) -> int:
         """Free at least `tokens` device slots held by the cache if it can; returns how many."""
