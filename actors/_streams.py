@@ -221,7 +221,11 @@ class _LoadBatch:
     plan: CopyPlan | None = None
     """The batch's pieces, planned at its first layer and run for every layer."""
     refused: str = ""
-    """Why a load queued for this batch was refused ("" when none was): the batch fails."""
+    """Why a load queued for this batch was refused, or why an earlier batch that no forward
+    pass waited on failed ("" when neither): the batch fails."""
+    awaited: bool = True
+    """A forward pass waits on it: `start_loads` started it or handed it out since. The failure
+    of one that none waits on (`quiesce` and `close` start those) fails the next awaited one."""
 
 
 class LoadStreamActor(HiActor):
@@ -273,9 +277,13 @@ class LoadStreamActor(HiActor):
 
     def _start(self, m: StartLoads) -> LoadsStarted:
         ops = self._queue.drain()
-        refused, self._refused = self._refused, ""
+        refused = ""
+        if m.awaited:  # a refusal fails a batch a forward pass waits on, not one that none does
+            refused, self._refused = self._refused, ""
         if not ops and not refused:  # a prefix an admission counted as a host hit may still be in a batch in flight
             last = self._started[-1] if self._started else self._running
+            if last is not None and m.awaited:
+                last.awaited = True
             return LoadsStarted(batch=last.batch if last is not None else 0, ops=())
         if len(ops) > 1:
             self._queue.merged_ops += len(ops)
@@ -283,7 +291,7 @@ class LoadStreamActor(HiActor):
         self._next_batch += 1
         src = _concat_slots([op.src for op in ops]) if ops else []
         dst = _concat_slots([op.dst for op in ops]) if ops else []
-        self._started.append(_LoadBatch(b, ops, src, dst, refused=refused))
+        self._started.append(_LoadBatch(b, ops, src, dst, refused=refused, awaited=m.awaited))
         started = LoadsStarted(batch=b, ops=tuple(op.op_id for op in ops))
         self.send(TREE, started)  # before any LoadDone of the batch: an eviction may wait for these
         self._run_next()
@@ -326,6 +334,15 @@ class LoadStreamActor(HiActor):
     def _finish(self, run: _LoadBatch, reason: str | None) -> None:
         self._running = None
         self._n.batches += 1
+        if reason is not None and not run.awaited:
+            # Its requests' admissions answered host hits, and their forward pass waits on a later
+            # batch: fail the next awaited one (started already, or the next start's).
+            failed = f"load-back batch {run.batch}, which no forward pass waited on, failed: {reason}"
+            later = next((r for r in self._started if r.awaited), None)
+            if later is None:
+                self._refused = self._refused or failed
+            elif not later.refused:
+                later.refused = failed
         for op in run.ops:
             if reason is None:
                 self._n.ops_done += 1

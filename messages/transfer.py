@@ -54,6 +54,11 @@ class LoadKV(Message):
 class StartLoads(Message):
     """Start every queued load as one batch, layer by layer."""
 
+    awaited: bool = True
+    """A forward pass waits on the batch (`start_loads`). False: `quiesce` and `close`, which
+    start queued loads that nobody waits on; if such a batch fails, the next awaited batch
+    fails too (the requests it counted a host hit for would read slots no load filled)."""
+
 
 @message(305)
 class LoadsStarted(Message):

@@ -387,7 +387,7 @@ class HiCache:
         if drain:
             try:
                 with self._interrupts:
-                    self._start_queued_loads()
+                    self._start_queued_loads(awaited=False)
                     self.system.quiesce(timeout_s)
             except (TimeoutError, RuntimeError):
                 drained = False
@@ -600,7 +600,7 @@ class HiCache:
         With nothing queued, the waiter is that of the last batch still in flight, if any: an
         admission counts a prefix that an earlier load has not landed yet as a host hit."""
         with self._call():
-            started = self._start_queued_loads()
+            started = self._start_queued_loads(awaited=True)
             assert self.system.ring is not None
             return self.system.ring.waiter(started.batch)
 
@@ -942,7 +942,7 @@ class HiCache:
         After `timeout_s` a `TimeoutError` names what is still in flight; the cache goes on."""
         with self._call():
             timeout_s = check.seconds("timeout_s", timeout_s)
-            self._start_queued_loads()
+            self._start_queued_loads(awaited=False)
             while True:
                 self.system.quiesce(timeout_s)
                 if self.group.size == 1:
@@ -953,12 +953,13 @@ class HiCache:
                 if not self.system.ask(ActorName.TREE, GetStatistics()).facts_pending:
                     return
 
-    def _start_queued_loads(self) -> LoadsStarted:
-        """Start the load-backs admitted since the last start, as one batch: `start_loads`, and
-        `quiesce` and `close`, since a load lands only once started and its requests may have
-        left before they ran (nobody waits on such a batch; a later `start_loads` answers the
-        waiter of a batch still in flight)."""
-        return self.system.ask(ActorName.LOAD, StartLoads(), timeout_s=self.reply_timeout_s)
+    def _start_queued_loads(self, *, awaited: bool) -> LoadsStarted:
+        """Start the load-backs admitted since the last start, as one batch: `start_loads`
+        (`awaited`: the forward pass waits on it), and `quiesce` and `close`, since a load lands
+        only once started and its requests may have left before they ran. Nobody waits on such
+        a batch: a later `start_loads` answers the waiter of a batch still in flight, and if it
+        failed, that of a batch that fails too."""
+        return self.system.ask(ActorName.LOAD, StartLoads(awaited=awaited), timeout_s=self.reply_timeout_s)
 
     def evict_device(self, tokens: int) -> int:
         """Free at least `tokens` device slots held by the cache if it can; returns how many."""

@@ -381,6 +381,76 @@ def test_a_load_with_unusable_indices_is_failed_at_once(
     assert tree.ask(LOAD, StartLoads(), sender=FACADE).batch == 0  # once: the next start has nothing to fail
 
 
+def _start_loads(tree: Any, *, awaited: bool = True) -> Any:
+    """Tell the load stream to start its queued loads, as the facade does; its reply comes
+    to the facade's inbox (`_replies`)."""
+    tree.system.tell(LOAD, StartLoads(awaited=awaited), sender=FACADE)
+
+
+def _replies(tree: Any, n: int) -> list[Any]:
+    return [tree.system.next_reply(30.0) for _ in range(n)]
+
+
+@pytest.mark.parametrize("queued_behind", [False, True])
+def test_a_failed_load_back_no_forward_pass_waited_on_fails_the_next_awaited_batch(
+    make_config: Callable[..., Config], start_system: Callable[..., Any], gate: Any, queued_behind: bool
+) -> None:
+    """`quiesce()` and `close()` start queued load-backs that no forward pass waits on
+    (`StartLoads(awaited=False)`), but the admissions that queued them answered host hits,
+    and the engine's forward pass waits on the batch its `start_loads` gives. If the earlier
+    batch fails, that one must fail too, or the pass reads slots no load filled. The failure
+    comes before the awaited batch starts, or while it is queued behind the failing one (the
+    stream is held at the first start, so the second is in its inbox before the first's copies)."""
+    tree = start_system(make_config(page_size=4), faults=FailedTransfers(frozenset({4})), observe=gate)
+    gate.hold(LOAD, lambda m: isinstance(m, StartLoads))
+    tree.tell(LOAD, LoadKV(op_id=4, host=Indices.of([0]), device=Indices.of([1])))
+    _start_loads(tree, awaited=False)
+    if not queued_behind:
+        gate.open()
+        assert tree.expect(LoadsStarted).ops == (4,)
+        assert tree.expect(LoadFailed).op_id == 4
+    tree.tell(LOAD, LoadKV(op_id=5, host=Indices.of([2]), device=Indices.of([3])))
+    _start_loads(tree)
+    gate.open()
+    unawaited, started = _replies(tree, 2)
+    assert started.batch > unawaited.batch and started.ops == (5,)
+    with pytest.raises(LoadFailedError, match=f"batch {unawaited.batch}, which no forward pass waited on, failed"):
+        tree.system.ring.waiter(started.batch).wait_all(timeout_s=30)
+    mail = [tree.expect(LoadsStarted, LoadFailed) for _ in range(2 if not queued_behind else 4)]
+    assert {m.op_id for m in mail if isinstance(m, LoadFailed)} == ({5} if not queued_behind else {4, 5})
+    tree.tell(LOAD, LoadKV(op_id=6, host=Indices.of([4]), device=Indices.of([5])))
+    _start_loads(tree)
+    [again] = _replies(tree, 1)
+    tree.system.ring.waiter(again.batch).wait_all(timeout_s=30)  # once: the next batch does not fail
+    assert tree.expect(LoadsStarted).ops == (6,)
+    assert tree.expect(LoadDone).op_id == 6
+
+
+def test_a_batch_quiesce_started_that_start_loads_hands_out_reports_its_own_failure_once(
+    make_config: Callable[..., Config], start_system: Callable[..., Any], gate: Any
+) -> None:
+    """A batch `quiesce()` started that `start_loads` then hands out (nothing new queued, the
+    batch still in flight) is awaited: its failure reaches that waiter and fails no later batch."""
+    tree = start_system(make_config(page_size=4), faults=FailedTransfers(frozenset({4})), observe=gate)
+    gate.hold(LOAD, lambda m: isinstance(m, StartLoads))
+    tree.tell(LOAD, LoadKV(op_id=4, host=Indices.of([0]), device=Indices.of([1])))
+    _start_loads(tree, awaited=False)
+    _start_loads(tree)
+    gate.open()
+    unawaited, handed = _replies(tree, 2)
+    assert handed.batch == unawaited.batch and handed.ops == ()
+    with pytest.raises(LoadFailedError, match="injected transfer failure"):
+        tree.system.ring.waiter(handed.batch).wait_all(timeout_s=30)
+    assert tree.expect(LoadsStarted).ops == (4,)
+    assert tree.expect(LoadFailed).op_id == 4
+    tree.tell(LOAD, LoadKV(op_id=5, host=Indices.of([2]), device=Indices.of([3])))
+    _start_loads(tree)
+    [started] = _replies(tree, 1)
+    tree.system.ring.waiter(started.batch).wait_all(timeout_s=30)
+    assert tree.expect(LoadsStarted).ops == (5,)
+    assert tree.expect(LoadDone).op_id == 5
+
+
 def test_writes_beyond_the_queue_bound_are_refused_as_failed(
     make_config: Callable[..., Config], oracle_for: Callable[[Config], Any], start_system: Callable[..., Any],
     gate: Any,

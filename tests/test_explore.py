@@ -45,6 +45,7 @@ def test_every_mutant_is_caught_within_fifty_pct_schedules() -> None:
     ("eviction-skips-doomed-writes", r"ended with .* freed while write-throughs \[.*\] hold nodes only they lock"),
     ("loading-prefix-as-device-hit", "FingerprintMismatchError"),
     ("refused-load-unseen", "FingerprintMismatchError"),
+    ("unawaited-load-failure-lost", "FingerprintMismatchError"),
     ("insert-through-loads", "FingerprintMismatchError|device residency is not prefix-closed"),
     ("write-back-drops-tail", r"write_back would delete .* \(and lose its tail\)"),
     ("trim-before-served-slots", "slots taken from the pages it holds, which have .* free"),

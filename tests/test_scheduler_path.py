@@ -754,6 +754,41 @@ def test_a_host_hit_whose_load_the_stream_refused_fails_the_batch_the_forward_pa
         hc.check_invariants()
 
 
+@pytest.mark.parametrize("kind", ["threads", "deterministic"])
+def test_a_host_hit_whose_load_a_quiesce_started_and_which_failed_fails_the_forward_pass(
+        make_config: Callable[..., Config], oracle_for: Callable[[Config], Any], kind: str) -> None:
+    """`quiesce()` between an admission and `start_loads` starts the admitted load-back, and
+    nobody waits on that batch. When it failed, `start_loads` used to give a waiter that waited
+    for nothing, and the forward pass read zeros where the prefix's KV belonged."""
+    config = make_config(device_pages=16, host_pages=64)
+    oracle = oracle_for(config)
+    faults = _FailLoads()
+    with HiCache(config, runtime=make_runtime(kind, seed=3, faults=faults)) as hc:
+        tokens = seq(16, 10_000)
+        [adm] = hc.admit([Request("a", tokens[:-1])])
+        oracle.write(hc.device_kv, tokens, hc.allocate({"a": 16})["a"])
+        hc.commit({"a": tokens})
+        hc.finish([adm.handle])
+        hc.quiesce()
+        hc.evict_device(hc.config.device_slots)
+        hc.device_kv.tensor.zero_()
+        [y] = hc.admit([Request("y", tokens + [7])])
+        assert y.host_hit == 16
+        faults.on = True
+        hc.quiesce()  # starts y's load-back, which fails
+        faults.on = False
+        with pytest.raises(LoadFailedError, match="which no forward pass waited on, failed: injected load failure"):
+            hc.start_loads().wait_all(timeout_s=30)
+        hc.retract([y.handle])
+        hc.check_invariants()
+        [y] = hc.admit([Request("y", tokens + [7])])  # host memory still holds the prefix: it loads now
+        assert y.host_hit == 16
+        hc.start_loads().wait_all(timeout_s=30)
+        oracle.verify(hc.device_kv, tokens, y.device_indices)
+        hc.finish([y.handle])
+        hc.check_invariants()
+
+
 class _FailLoads(NoFaults):
     """Copies of the load stream fail once `on`; writes never do."""
 

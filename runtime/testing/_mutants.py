@@ -43,6 +43,7 @@ from hicache.messages import (
     PrefetchEnd,
     ReleaseReason,
     SetHostState,
+    StartLoads,
     WriteDone,
 )
 
@@ -450,6 +451,17 @@ class _RefusalUnseen(LoadStreamActor):
         return reply
 
 
+class _UnawaitedFailureLost(LoadStreamActor):
+    """Treats every batch as one a forward pass waits on: the failure of a batch that `quiesce()`
+    started after an admission answered a host hit reaches no waiter, and the forward pass
+    waits on a later batch that succeeds."""
+
+    def handle(self, sender: ActorName, message: Message) -> Message | None:
+        if isinstance(message, StartLoads):
+            message = StartLoads()
+        return super().handle(sender, message)
+
+
 # -- an insert through a node whose load has not landed ----------------------------------------
 
 
@@ -503,6 +515,9 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("refused-load-unseen", "a load-back the stream refuses (its queue full) after its admission answered a "
            "host hit, with no failure for the forward pass", "the forward pass reads pages no load filled",
            {ActorName.LOAD: _RefusalUnseen}, "orphans"),
+    Mutant("unawaited-load-failure-lost", "the failure of a load-back batch that `quiesce()` started, which no "
+           "forward pass waits on, fails no later batch", "the forward pass waits on a later batch that succeeds "
+           "and reads pages no load filled", {ActorName.LOAD: _UnawaitedFailureLost}, "orphans"),
     Mutant("insert-through-loads", "a request's insert takes the pages of a node whose load-back has not landed for "
            "its own KV", "a running request reads pages nothing loaded; a failed load leaves device nodes under a "
            "host-only one", {ActorName.TREE: _InsertThroughLoads}, "orphans"),

@@ -77,6 +77,11 @@ class SchedulerConfig:
     tick_s: float = 0.0
     """Virtual seconds one tick's forward pass takes on the deterministic runtime (its timers,
     such as delayed storage reads and prefetch timeouts, move with it); real time flows on threads."""
+    quiesce_rate: float = 0.0
+    """Chance per tick with load-backs to start that the scheduler waits for the cache to
+    settle (`quiesce()`) between admitting and starting them, as an engine draining before a
+    checkpoint does (tests): the quiesce starts those loads, and the forward pass then waits
+    on what `start_loads` gives. Drawn from a generator of its own (the abort draws stay)."""
 
     def __post_init__(self) -> None:
         for name in ("max_running", "prefill_tokens_per_tick", "chunk_tokens"):
@@ -88,8 +93,9 @@ class SchedulerConfig:
             raise ValueError(f"SchedulerConfig.device_budget_ratio must be > 0, got {self.device_budget_ratio}")
         if self.tick_s < 0:
             raise ValueError(f"SchedulerConfig.tick_s must be >= 0, got {self.tick_s}")
-        if not 0.0 <= self.abort_rate <= 1.0:
-            raise ValueError(f"SchedulerConfig.abort_rate must be in [0, 1], got {self.abort_rate}")
+        for name in ("abort_rate", "quiesce_rate"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"SchedulerConfig.{name} must be in [0, 1], got {getattr(self, name)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,6 +235,7 @@ class ReferenceScheduler:
         self.config = config or SchedulerConfig()
         self.model: StepModel = model if model is not None else FakeModel(hc, self.config.verify)
         self._rng = random.Random(f"scheduler:{self.config.seed}")
+        self._quiesce_rng = random.Random(f"scheduler-quiesce:{self.config.seed}")
         self.waiting: deque[ServeRequest | _Running] = deque()
         self.running: dict[str, _Running] = {}
         self.outcomes: dict[str, Outcome] = {}
@@ -392,6 +399,8 @@ class ReferenceScheduler:
                 gone_ids = {res.request_id for _, res in gone}
                 results = [res for res in results if res.request_id not in gone_ids]
         if any(r.host_hit for r in results):
+            if self.config.quiesce_rate and self._quiesce_rng.random() < self.config.quiesce_rate:
+                self.hc.quiesce()  # starts their load-backs, on which no forward pass waits
             return self.hc.start_loads()
         return None
 

@@ -166,14 +166,16 @@ def _orphans(rt: DeterministicRuntime, seed: int, mut: Mutant | None) -> None:
     """22 requests of short prompts on prefixes of two blocks, served twice, prefilled two tokens a
     chunk, with requests often dropped right after admission: their load-backs stay queued (the
     load queue holds one operation), the next load is refused, and running requests cache prefixes
-    that those queued loads bring in. Write_through or write_back by the seed."""
+    that those queued loads bring in; the scheduler sometimes quiesces between admitting and
+    starting load-backs (the quiesce starts them, and no forward pass waits on that batch).
+    Write_through or write_back by the seed."""
     policy = (WritePolicy.WRITE_THROUGH, WritePolicy.WRITE_BACK)[seed % 2]
     cfg = Config(layers=2, kv_heads=1, head_dim=8, page_size=2, device_slots=2 * 12, host_slots=2 * 31,
                  write_policy=policy, load_back_min_tokens=1, transfer_queue_ops_max=1)
     with HiCache(cfg, runtime=rt, actor_classes=mut.actor_classes if mut else None) as hc:
         sched = ReferenceScheduler(hc, SchedulerConfig(
             max_running=5, prefill_tokens_per_tick=8, chunk_tokens=2, abort_rate=0.08, seed=seed,
-            lookahead_slots=1, device_budget_ratio=2.0, prefetch_window=1,
+            lookahead_slots=1, device_budget_ratio=2.0, prefetch_window=1, quiesce_rate=0.3,
         ))
         work = synthetic_workload(seed, 22, cfg.page_size, blocks=2, blocks_per_prompt=4, tail_pages=1, outputs_max=3)
         sched.submit(work)
