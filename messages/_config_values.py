@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import ipaddress
 import math
 import re
 import urllib.parse
@@ -265,7 +266,7 @@ class HostPort:
     def parse(self, name: str, value: Any) -> str:
         text = value.strip() if isinstance(value, str) else ""
         host, _, port = text.rpartition(":")
-        if not _port_ok(port) or not host or any(c.isspace() for c in host):
+        if not _port_ok(port) or not _host_ok(host):
             raise refuse(name, value, self.allowed)
         return text
 
@@ -276,16 +277,19 @@ class HttpUrl:
 
     @property
     def allowed(self) -> str:
-        return "an http:// URL with a host and a port in 1..65535, like http://10.0.0.1:8080/metadata"
+        return "an http:// URL with a host (and a port in 1..65535, if any), like http://10.0.0.1:8080/metadata"
 
     def parse(self, name: str, value: Any) -> str:
         text = value.strip() if isinstance(value, str) else ""
-        url = urllib.parse.urlsplit(text)
-        try:
-            port = url.port
+        try:  # urlsplit refuses some malformed IPv6 hosts itself, with a ValueError
+            netloc = urllib.parse.urlsplit(text).netloc if text.startswith("http://") else ""
         except ValueError:
-            port = 0
-        if url.scheme != "http" or not url.hostname or port == 0 or any(c.isspace() for c in text):
+            netloc = ""
+        host, port = netloc, ""
+        if netloc.rfind(":") > netloc.rfind("]"):  # a port after the host (an IPv6 host's colons are in brackets)
+            host, _, port = netloc.rpartition(":")
+        if not _host_ok(host) or (port and not _port_ok(port)) or (not port and netloc.endswith(":")) \
+                or any(c.isspace() for c in text):
             raise refuse(name, value, self.allowed)
         return text
 
@@ -306,6 +310,20 @@ class Name:
 
 
 _NAME: Final = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def _host_ok(host: str) -> bool:
+    """A host name, an IPv4 address, or an IPv6 address in brackets."""
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            return False
+        return True
+    return _HOST.fullmatch(host) is not None
+
+
+_HOST: Final = re.compile(r"[A-Za-z0-9_.-]+")
 
 
 def _port_ok(port: str) -> bool:

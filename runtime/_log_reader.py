@@ -308,7 +308,8 @@ class LogReader:
             event = rec.get("event")
             if event == "delivery":
                 before = blobs.looked_up_bytes
-                decided = faults.pop(rec.get("receiver"), None) if faults else None  # type: ignore[arg-type]
+                receiver = rec.get("receiver")  # checked by `_delivery`; a malformed one takes no fault
+                decided = faults.pop(receiver, None) if faults and isinstance(receiver, str) else None
                 d = self._delivery(n, rec, tuple(decided) if decided else ())
                 if blobs.held_bytes > blobs.held_bytes_max:
                     blobs.trim()
@@ -338,7 +339,7 @@ class LogReader:
                 blobs.add(f"{self.path}: line {n}", rec)
             elif event == "fault":
                 actor, hook = rec.get("actor"), rec.get("hook")
-                if actor not in _ACTORS or not isinstance(hook, str) or "value" not in rec:
+                if not isinstance(actor, str) or actor not in _ACTORS or not isinstance(hook, str) or "value" not in rec:
                     raise self._error(n, f"malformed fault line (actor {actor!r}, hook {hook!r})")
                 faults[actor].append((hook, rec["value"]))
             elif event == "end":

@@ -235,7 +235,7 @@ def test_the_rank_must_be_below_the_group_size(rank: object, size: object) -> No
 # -- Mooncake addresses --------------------------------------------------------------------
 
 MASTER_RULE = "host:port with a port in 1..65535, like 10.0.0.1:50051"
-URL_RULE = "an http:// URL with a host and a port in 1..65535, like http://10.0.0.1:8080/metadata"
+URL_RULE = "an http:// URL with a host (and a port in 1..65535, if any), like http://10.0.0.1:8080/metadata"
 
 
 @pytest.mark.parametrize(("field", "value", "rule"), [
@@ -253,6 +253,15 @@ URL_RULE = "an http:// URL with a host and a port in 1..65535, like http://10.0.
     ("mooncake_master", ":50051", MASTER_RULE),
     ("mooncake_master", "127.0.0.1:+80", MASTER_RULE),
     ("mooncake_master", "my host:50051", MASTER_RULE),
+    ("mooncake_master", "::1:50051", MASTER_RULE),  # an IPv6 host needs its brackets
+    ("mooncake_master", "[::1:50051", MASTER_RULE),
+    ("mooncake_master", "[zz]:50051", MASTER_RULE),
+    ("mooncake_master", "http://h:50051", MASTER_RULE),
+    ("mooncake_metadata", "http://[::1:8080/metadata", URL_RULE),  # urlsplit raises ValueError for these
+    ("mooncake_metadata", "http://[zz]:8080/m", URL_RULE),
+    ("mooncake_metadata", "http://[::1]]:8080/m", URL_RULE),
+    ("mooncake_metadata", "http://user@h:8080/m", URL_RULE),
+    ("mooncake_metadata", "http://h:/m", URL_RULE),
     ("mooncake_local_host", "", "a host name or IP address, without spaces"),
     ("mooncake_local_host", "my host", "a host name or IP address, without spaces"),
 ])

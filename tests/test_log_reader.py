@@ -339,6 +339,20 @@ def test_a_fault_decision_left_out_is_a_divergence_at_the_delivery_that_took_it(
     assert div["expected"] != div["actual"] and fault["hook"] in div["actual"]
 
 
+@pytest.mark.parametrize(("event", "field"), [("fault", "actor"), ("delivery", "receiver")])
+def test_a_sealed_fault_or_delivery_line_naming_an_actor_by_a_list_is_one_line(
+        faults_log: Path, tmp_path: Path, capsys, event: str, field: str) -> None:
+    """Its checksum holds, so only the reader's checks stand between it and a traceback: a list
+    is no actor name (nor a key of the faults the reader holds for each actor)."""
+    records = _records(faults_log)
+    first_fault = next(i for i, r in enumerate(records) if r.get("event") == "fault")
+    target = next(r["n"] for r in records[first_fault:] if r.get("event") == event)
+    line = iter(range(1, 1 << 62))
+    bad = _rewrite(faults_log, tmp_path / "listed.log",
+                   edit=lambda rec: {**rec, field: []} if next(line) == target else rec)
+    _refused(bad, capsys, f"line {target}: (malformed fault line|corrupt delivery)")
+
+
 # -- bounded memory --------------------------------------------------------------------------------
 
 
