@@ -212,9 +212,11 @@ class Admissions:
             n.looked_up_tokens += len(p.item.tokens)
             n.device_hit_tokens += dev_hit
             n.host_hit_tokens += host_hit
+            storage_hit = min(p.item.stored, host_hit)
+            n.host_hit_storage_tokens += storage_hit
             admissions.append(Admission(
                 request_id=p.item.request_id, handle=p.handle, device=cat([nd.device for nd in nodes]),
-                device_hit=dev_hit, host_hit=host_hit, host_miss=p.host_miss,
+                device_hit=dev_hit, host_hit=host_hit, host_miss=p.host_miss, storage_hit=storage_hit,
             ))
         self.s.emit(FACADE, Admitted(op_id=op_id, admissions=tuple(admissions)))
 

@@ -189,6 +189,7 @@ class TreeCore:
             storage_hit_tokens=n.storage_hit_tokens, stored_tokens=n.stored_tokens,
             backups_in_flight=len(self.backups.stores),
             facts_pending=self.agreement.pending(), facts_unknown=self.agreement.unknown(),
+            host_hit_storage_tokens=n.host_hit_storage_tokens,
         )
 
     def idle(self) -> bool:

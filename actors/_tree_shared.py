@@ -29,6 +29,7 @@ class Counters:
     looked_up_tokens: int = 0
     device_hit_tokens: int = 0
     host_hit_tokens: int = 0
+    host_hit_storage_tokens: int = 0
     evicted_device_tokens: int = 0
     evicted_host_tokens: int = 0
     backups_done: int = 0

@@ -23,6 +23,9 @@ class AdmitItem(Message):
     """Model / LoRA / cache-salt key; requests of different namespaces never share KV."""
     tokens: Tokens
     """The request's prompt (all of it; only whole pages can match)."""
+    stored: int = 0
+    """Tokens its settled storage prefetch read into host memory: of its host hit, at most
+    this many are a storage hit (`Admission.storage_hit`)."""
 
 
 @message(401)
@@ -51,6 +54,8 @@ class Admission(Message):
     """Tokens of the prefix being loaded back from host memory now."""
     host_miss: int
     """Tokens found in host memory but not loaded (quota, minimum length or device memory)."""
+    storage_hit: int = 0
+    """Of `host_hit`, the tokens the request's own storage prefetch read (`AdmitItem.stored`)."""
 
 
 @message(403)
@@ -259,6 +264,9 @@ class TreeStatistics(Message):
     """Rank-local outcomes issued and not yet applied (waiting for agreement with several ranks)."""
     facts_unknown: int
     """Rank-local outcomes issued whose local result has not arrived yet."""
+    host_hit_storage_tokens: int = 0
+    """Of `host_hit_tokens`, those the requests' own storage prefetches read
+    (`Admission.storage_hit`): counted with them, so that one record splits L2's hits from L3's."""
 
 
 @message(415)

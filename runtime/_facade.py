@@ -330,6 +330,9 @@ class HiCache:
         self._interrupts = Interrupts(on_enter=self._collect)
         self._closing = False
         """From `close()` on until the next `start()`: a `statistics()` whose actors stopped under it says so."""
+        self._starts = 0
+        """`start()`s so far: a `statistics()` whose actors stopped under it while a `close()` and
+        a `start()` ran says so too."""
         self._caller = 0
         self._kv: DeviceKV | None = None
         self._timings: FacadeTimings | None = None
@@ -351,8 +354,6 @@ class HiCache:
         """Replies to calls still waiting, taken by a wait nested inside theirs: a late reply's
         handler that asks (an admission taken back) waits within another call's wait, and
         that call's reply may come first. Each wait takes its own from here."""
-        self._storage_hit_tokens = 0
-        """Tokens admissions loaded back that a storage prefetch had brought (L3 hits)."""
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -370,6 +371,7 @@ class HiCache:
         except BaseException:
             untrack(self)
             raise
+        self._starts += 1
         self._closing = False
         self._caller = threading.get_ident()
         self._interrupts.start()
@@ -447,15 +449,14 @@ class HiCache:
     def _admitted(self, item: AdmitItem, adm: Any) -> AdmitResult:
         rid = item.request_id
         cached = adm.device_hit + adm.host_hit
-        storage = min(self._stored.pop(rid, 0), adm.host_hit)
-        self._storage_hit_tokens += storage
+        self._stored.pop(rid, None)
         handle = CacheHandle(rid, adm.handle)
         live = _Live(handle, item.namespace, [memoryview(item.tokens.to_bytes())[: 8 * cached]], cached, [], cached, -1,
                      prefix=cached, prompt=item.tokens, along=cached if self.config.page_size > 1 else -1)
         live.add_pages(adm.device)
         self._live[rid] = live
         return AdmitResult(rid, handle, self._slots(adm.device, cached), adm.device_hit, adm.host_hit,
-                           adm.host_miss, storage)
+                           adm.host_miss, adm.storage_hit)
 
     def _slots(self, pages: Indices, n: int) -> torch.Tensor:
         """The engine's view: the first `n` slots of `pages`, as a tensor the caller owns."""
@@ -490,7 +491,8 @@ class HiCache:
                                    "a finished or aborted request id is never admitted again")
             seen.add(rid)
             data = check.token_bytes(r.tokens, "tokens of request", rid)
-            items.append(AdmitItem(request_id=rid, namespace=check.namespace(r.namespace), tokens=Tokens(data)))
+            items.append(AdmitItem(request_id=rid, namespace=check.namespace(r.namespace), tokens=Tokens(data),
+                                   stored=self._stored.get(rid, 0)))
         return items
 
     # -- storage prefetch (L3 -> host) ----------------------------------------------------
@@ -979,11 +981,12 @@ class HiCache:
         (any thread may call this; one racing a `close()` raises `CacheStateError`)."""
         t = self._timings or _NO_TIMINGS
         system = self._started()
+        starts = self._starts
         try:  # the actors' records, which a close racing this call may take away one by one
-            return cache_statistics(self.config, system.statistics(), self._storage_hit_tokens, t.load_back_wait,
+            return cache_statistics(self.config, system.statistics(), t.load_back_wait,
                                     t.calls if self._timings else {})
-        except (pykka.ActorDeadError, RuntimeError, LookupError):
-            if self._closing or not system.started:  # the actors stopped under it (a metrics scrape, say)
+        except (pykka.ActorDeadError, RuntimeError, LookupError, TimeoutError):
+            if self._closing or not system.started or self._starts != starts:  # the actors stopped under it
                 raise CacheStateError("the cache was closed while statistics() ran") from None
             raise
 

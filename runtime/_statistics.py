@@ -1,9 +1,10 @@
 """`HiCache.statistics()`: the actors' records and the facade's counts made into tiers.
 
 The tree counts what admissions looked up and hit in device memory and loaded back from
-host memory; the facade alone knows which loaded-back tokens a storage prefetch brought
-(it hands them to the scheduler as `AdmitResult.storage_hit`), so L2's and L3's hits are
-split here.
+host memory, and of the latter what each request's own storage prefetch had read (the
+facade tells it with the admission, `AdmitItem.stored`; the scheduler gets it as
+`AdmitResult.storage_hit`): L2's and L3's hits are split here from that one record, so a
+`statistics()` racing an admission sees both or neither.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from ._facade_types import HiCacheStatistics, TierStatistics
 def cache_statistics(
     config: Config,
     actors: Mapping[ActorName, Any],
-    storage_hit_tokens: int,
     load_back_wait: DurationHistogram,
     calls: Mapping[str, DurationHistogram],
 ) -> HiCacheStatistics:
@@ -39,7 +39,7 @@ def cache_statistics(
     per_slot, looked = config.bytes_per_slot, tree.looked_up_tokens
     storage = config.storage is not StorageKind.NONE
     l1_hit = tree.device_hit_tokens
-    l3_hit = storage_hit_tokens if storage else 0
+    l3_hit = tree.host_hit_storage_tokens if storage else 0
     l2_hit = tree.host_hit_tokens - l3_hit
     used = device.capacity_slots - device.free_slots
     l1 = TierStatistics("L1", looked, l1_hit, tree.evicted_device_tokens, used, config.device_slots,

@@ -429,15 +429,28 @@ class System:
         sender: ActorName = ActorName.FACADE,
         timeout_s: float = DEFAULT_ASK_TIMEOUT_S,
     ) -> Any:
-        """Send `message` and wait for the reply. Errors the handler raised are raised here."""
+        """Send `message` and wait for the reply. Errors the handler raised are raised here.
+        On threads, a wait gives up with `pykka.ActorDeadError` once the actor has stopped
+        without answering: an ask that races its stop (a `statistics()` from another thread
+        racing `close()`) can land in an inbox pykka no longer reads."""
         self.raise_if_failed()
-        future = self._ref(to).ask(Mail(sender, message, ask=True), block=False)
-        try:
-            return future.get(timeout=timeout_s)
-        except pykka.Timeout:
-            raise TimeoutError(
-                f"no reply from the {to.value} actor to {type(message).__name__} within {timeout_s}s"
-            ) from None
+        ref = self._ref(to)
+        future = ref.ask(Mail(sender, message, ask=True), block=False)
+        poll, deadline = self.runtime.poll_s, time.monotonic() + timeout_s
+        while True:
+            try:
+                return future.get(timeout=timeout_s if poll is None else min(poll, max(0.0, deadline - time.monotonic())))
+            except pykka.Timeout:
+                if poll is not None and not ref.is_alive():
+                    try:  # answered just before it stopped
+                        return future.get(timeout=0)
+                    except pykka.Timeout:
+                        raise pykka.ActorDeadError(f"the {to.value} actor stopped without answering "
+                                                   f"{type(message).__name__}") from None
+                if poll is None or time.monotonic() >= deadline:
+                    raise TimeoutError(
+                        f"no reply from the {to.value} actor to {type(message).__name__} within {timeout_s}s"
+                    ) from None
 
     def next_reply(self, timeout_s: float | None, *, block: bool = True) -> Message | None:
         """The next message told to the caller (the facade), waiting up to `timeout_s`

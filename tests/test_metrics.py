@@ -207,6 +207,84 @@ def test_scrapes_and_statistics_racing_a_close_never_fail(monkeypatch: pytest.Mo
     assert not errors, f"{len(errors)} failed while a close ran, the first: {errors[0]!r}"
 
 
+def test_an_ask_an_actor_never_reads_ends_once_it_has_stopped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pykka's ask checks that the actor lives, then puts the message in its inbox; if the actor
+    stops in between, nobody reads it. A `statistics()` racing `close()` waited the whole
+    reply timeout for it (60 s; 2 here), then failed with a `TimeoutError`."""
+    from hicache.messages import ActorName, GetStatistics
+
+    cache = HiCache(_config()).start()
+    try:
+        real = cache.system.directory.ref
+
+        class Dropped:
+            """The ref of an actor that stopped between the liveness check and the put."""
+
+            def ask(self, message: Any, block: bool = True) -> Any:
+                return pykka.ThreadingFuture()
+
+            def is_alive(self) -> bool:
+                return False
+
+        monkeypatch.setattr(cache.system.directory, "ref", lambda name: Dropped() if name is ActorName.LOAD else real(name))
+        with pytest.raises(pykka.ActorDeadError, match="the load actor stopped without answering GetStatistics"):
+            cache.system.ask(ActorName.LOAD, GetStatistics(), timeout_s=2.0)
+        monkeypatch.undo()
+    finally:
+        cache.close()
+
+
+def test_a_statistics_call_that_a_close_and_a_start_overtook_says_the_cache_was_closed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The actors a `statistics()` asks stop under it, and by the time it sees the error a
+    `start()` has run too (another thread's restart): that is still the documented
+    `CacheStateError`, not the dead actor's error seen through."""
+    cache = HiCache(_config()).start()
+    try:
+        def overtaken() -> Any:
+            cache.close()
+            cache.start()
+            raise pykka.ActorDeadError("DeviceAllocatorActor (urn:hicache:device) not found")
+
+        monkeypatch.setattr(cache.system, "statistics", overtaken)
+        with pytest.raises(CacheStateError, match="closed while statistics"):
+            cache.statistics()
+        monkeypatch.undo()
+        assert cache.statistics().l1.requested_tokens == 0
+    finally:
+        cache.close()
+
+
+def test_l2_and_l3_hits_split_from_one_record_so_a_racing_statistics_sees_both_or_neither(tmp_path: Path) -> None:
+    """`statistics()` between the tree's handling of an admission with a storage hit and the
+    facade's return from `admit` (another thread's scrape) counted the request's host hit as
+    L2's, then took it back: L2's hit counter went down. The tree now counts the storage
+    part with the host hit."""
+    config = _config(storage="file", storage_dir=str(tmp_path), prefetch_policy="wait_complete",
+                     prefetch_threshold_pages=1)
+    with HiCache(config) as cache:
+        serve(cache, Request("a", PROMPT))
+        cache.quiesce()
+    with HiCache(config) as cache:
+        request = Request("b", LONGER)
+        assert cache.prefetch([request]) == {"b": 16}
+        while not cache.ready(["b"]):
+            pass
+        seen = []
+        admitted = cache._admitted
+
+        def between(item: Any, adm: Any) -> Any:  # the tree has answered; admit() has not returned
+            seen.append(cache.statistics())
+            return admitted(item, adm)
+
+        cache._admitted = between  # type: ignore[method-assign]
+        assert serve(cache, request) == (0, 12, 12)
+        after = cache.statistics()
+    [during] = seen
+    assert during.l2 is not None and during.l3 is not None and after.l2 is not None and after.l3 is not None
+    assert (during.l2.hit_tokens, during.l3.hit_tokens) == (after.l2.hit_tokens, after.l3.hit_tokens) == (0, 12)
+
+
 def test_the_config_port_starts_the_exporter() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
