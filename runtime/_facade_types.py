@@ -243,13 +243,26 @@ def shown(value: Any) -> str:
 def request_id(value: Any, what: str = "request_id") -> str:
     if type(value) is not str or not value:
         raise RequestError(f"{what} must be a non-empty str, got {shown(value)}")
+    if not value.isascii():
+        _encodable(value, what)
     return value
 
 
 def namespace(value: Any) -> str:
     if type(value) is not str:
         raise RequestError(f"namespace must be a str (\"\" for the default), got {shown(value)}")
+    if not value.isascii():
+        _encodable(value, "namespace")
     return value
+
+
+def _encodable(value: str, what: str) -> None:
+    """A name the cache keys KV by and the log records as UTF-8: a lone surrogate (from a
+    bytes-to-str decode with `surrogateescape`, say) cannot be encoded."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise RequestError(f"{what} must be text UTF-8 can encode (no lone surrogates), got {shown(value)}") from None
 
 
 def count(what: str, value: Any, maximum: int) -> int:

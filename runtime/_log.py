@@ -63,8 +63,11 @@ try:
 except ImportError:  # the `fast` extra is not installed: the same checksum, slower
     from zlib import crc32
 
-LOG_VERSION = 6
-"""6: the device answers a finish to the facade itself (`Finished`; no `RequestsReleased` to the
+LOG_VERSION = 7
+"""7: `StartLoads` says whether a forward pass waits on the batch (`awaited`); an admission
+carries its settled prefetch's tokens (`AdmitItem.stored`) and the tree answers the storage
+part of its host hit (`Admission.storage_hit`, `TreeStatistics.host_hit_storage_tokens`).
+6: the device answers a finish to the facade itself (`Finished`; no `RequestsReleased` to the
 tree). 5: allocations may grant pages ahead of a request's slots and give them back (`ahead`,
 `trim`). 4: the device's messages carry the slots the facade served from a request's last page
 (`allocs`). 3: numbered, checksummed lines, an `end` line, blobs forgotten only between

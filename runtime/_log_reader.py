@@ -209,7 +209,11 @@ class LogReader:
             if len(raw) > HEADER_BYTES_MAX:
                 raise self._error(1, f"no line end in its first {HEADER_BYTES_MAX} bytes: not a delivery log")
             raise self._error(1, "the header line is cut short: the log holds nothing to replay")
-        header = self._json(1, raw[:-1])
+        line = raw[:-1]
+        at = len(line) - SEAL_BYTES
+        if line[at:at + 8] == b',"crc":"' and line[-2:] == b'"}':  # sealed (version 3 on): damage is damage
+            self._unseal(1, line)
+        header = self._json(1, line)
         if header.get("event") != "header":
             raise self._error(1, f"expected the header line, found {header.get('event')!r}")
         version = header.get("version")

@@ -179,13 +179,15 @@ def _line_of(path: Path, event: str, nth: int = 3) -> int:
     return [i for i, r in enumerate(_records(path), start=1) if r.get("event") == event][nth]
 
 
-@pytest.mark.parametrize("event", ["delivery", "blob", "fault"])
+@pytest.mark.parametrize("event", ["header", "delivery", "blob", "fault"])
 def test_one_changed_byte_in_any_line_is_a_checksum_mismatch_naming_it(blob_faults_log: Path, tmp_path: Path,
                                                                         capsys, event: str) -> None:
+    """The header's too: read as a header before its seal was checked, a changed byte there was
+    named a log version, a missing header or a line that is not JSON."""
     lines = blob_faults_log.read_bytes().splitlines(keepends=True)
-    n = _line_of(blob_faults_log, event)
+    n = 1 if event == "header" else _line_of(blob_faults_log, event)
     line = bytearray(lines[n - 1])
-    at = line.index(b'"event"') - 3  # inside the value before `event`
+    at = line.index(b'"header"') + 2 if event == "header" else line.index(b'"event"') - 3  # in a value
     line[at] = ord("1") if line[at] != ord("1") else ord("2")
     lines[n - 1] = bytes(line)
     bad = tmp_path / "changed.log"

@@ -61,6 +61,9 @@ BAD_REQUESTS = [
     (Request("a", seq(8), namespace=None), r"namespace must be a str"),  # type: ignore[arg-type]
     (Request("a", seq(8), namespace=b"x"), r"namespace must be a str"),  # type: ignore[arg-type]
     (Request("a", seq(8), namespace=123), r"namespace must be a str"),  # type: ignore[arg-type]
+    # A lone surrogate (a surrogateescape decode's) is no UTF-8: as a namespace it killed the tree.
+    (Request("a", seq(8), namespace="ns\udfff"), r"namespace must be text UTF-8 can encode"),
+    (Request("b\udfff", seq(8)), r"request_id must be text UTF-8 can encode"),
     (Request(None, seq(8)), r"request_id must be a non-empty str"),  # type: ignore[arg-type]
     (Request("", seq(8)), r"request_id must be a non-empty str"),
     (Request("a", [1, 2, 10.7]), r"must be int token ids, got 10\.7 \(float\)"),

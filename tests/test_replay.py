@@ -14,6 +14,7 @@ import pytest
 from hicache.actors import TreeActor
 from hicache.messages import ActorName, AllocateSlots, Message, SlotDemand, decode, encode
 from hicache.messages.config import Config
+from hicache.runtime import _log
 from hicache.runtime import LOG_VERSION, HiCache, Request, ThreadedRuntime, read_log, rewrite_log
 from hicache.runtime.cli import main
 from hicache.runtime.testing import DeterministicRuntime, replay_log
@@ -59,7 +60,7 @@ def test_every_delivery_is_one_json_line_with_a_re_decodable_body(threaded_log: 
     lines = _lines(threaded_log)
     header, rest = lines[0], lines[1:]
     blobs = _blobs(lines)
-    assert header["event"] == "header" and header["version"] == LOG_VERSION == 6
+    assert header["event"] == "header" and header["version"] == LOG_VERSION == 7
     assert [x["n"] for x in lines] == list(range(1, len(lines) + 1)) and lines[-1]["event"] == "end"
     assert header["config"]["page_size"] == 4 and "torch" in header["versions"]
     deliveries = [x for x in rest if x["event"] == "delivery"]
@@ -142,12 +143,22 @@ def test_until_and_dump_show_the_tree_at_a_chosen_point(threaded_log: Path, caps
     assert "host slots: free" in capsys.readouterr().out
 
 
+def _header_of_version(text: str, version: int, *, sealed: bool = True) -> str:
+    """The log with its header saying `version`: sealed again (a later format's), or without a
+    seal (a version 2 log's: written before lines were numbered and sealed)."""
+    head, rest = text.split("\n", 1)
+    body = head[: head.rindex(',"crc":')].replace(f'"version":{LOG_VERSION}', f'"version":{version}', 1)
+    return (body + (',"crc":"%08x"}' % _log.crc32(body.encode()) if sealed else "}")) + "\n" + rest
+
+
 @pytest.mark.parametrize(("damage", "message"), [
     (lambda text: "", r"line 1: the log is empty"),
     (lambda text: text.replace('"event":"delivery"', '"event":"delivery" garbage', 1), r"line \d+: checksum mismatch"),
-    (lambda text: text.replace(f'"version":{LOG_VERSION}', '"version":99', 1), r"line 1: log version 99 is not supported"),
-    (lambda text: text.replace(f'"version":{LOG_VERSION}', '"version":2', 1),
-     r"line 1: log version 2 is not supported \(this hicache reads version 6; replay it with the hicache that wrote it"),
+    (lambda text: _header_of_version(text, 99), r"line 1: log version 99 is not supported"),
+    (lambda text: _header_of_version(text, 2, sealed=False),
+     r"line 1: log version 2 is not supported \(this hicache reads version 7; replay it with the hicache that wrote it"),
+    (lambda text: text.replace(f'"version":{LOG_VERSION}', '"version":99', 1),  # one byte changed, not resealed
+     r"line 1: checksum mismatch: the line was changed or damaged"),
 ])
 def test_a_bad_log_is_one_clear_line_with_exit_code_2(threaded_log: Path, tmp_path: Path, capsys, damage: Any,
                                                      message: str) -> None:
