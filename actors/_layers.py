@@ -49,6 +49,11 @@ class LayerDoneRing:
 
     # -- producer side (the load stream) ------------------------------------
 
+    def check_layer(self, layer: Any) -> None:
+        """ValueError unless `layer` is an int (not a bool) in 0..layers - 1."""
+        if type(layer) is not int or not 0 <= layer < self.layers:
+            raise ValueError(f"layer must be an int in 0..{self.layers - 1}, got {layer!r}")
+
     def begin(self, batch: int) -> None:
         """Start publishing `batch` (overwrites the slot of batch - ring_size)."""
         with self._cond:
@@ -86,8 +91,7 @@ class LayerDoneRing:
         return LayerWaiter(self, batch)
 
     def wait_layer(self, batch: int, layer: int, timeout_s: float | None = None) -> None:
-        if not 0 <= layer < self.layers:
-            raise IndexError(f"layer {layer} out of range 0..{self.layers - 1}")
+        self.check_layer(layer)
         if batch == 0:  # nothing was loaded
             return
         with self._cond:

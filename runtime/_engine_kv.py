@@ -123,7 +123,10 @@ class DeviceKV:
                 ordered = slots.sort().values
                 if bool((ordered[1:] == ordered[:-1]).any()):
                     raise KVArgumentError("a write names a slot twice: each new token needs a slot of its own")
-        return SlotIndex(slots.to(self.device, torch.int64, non_blocking=True), distinct, id(self._t))
+        placed = slots.to(self.device, torch.int64, non_blocking=True)
+        if placed is slots:  # int64 on the pool's device already: a copy, so that what was checked stays so
+            placed = slots.clone()  # (an engine reuses its output-slot buffer for the next pass)
+        return SlotIndex(placed, distinct, id(self._t))
 
     def write(self, layer: int, slots: torch.Tensor | SlotIndex, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write layer `layer`'s K and V of new tokens (`[n, kv_heads, head_dim]` each, on the
@@ -133,6 +136,15 @@ class DeviceKV:
         n = len(idx)
         for name, x in (("k", k), ("v", v)):
             self._check_kv(name, x, n)
+        # K and V of a pass computed with autograd on: the pool keeps no graph (it would hold every
+        # pass's tensors alive). Views of the pool itself (a copy between slots): copied first, so
+        # that K's write cannot change V's source and torch's overlap check cannot refuse V after K landed.
+        k, v = k.detach(), v.detach()
+        pool = self._t.untyped_storage().data_ptr()
+        if k.untyped_storage().data_ptr() == pool:
+            k = k.clone()
+        if v.untyped_storage().data_ptr() == pool:
+            v = v.clone()
         self._t[0, layer].index_copy_(0, idx.tensor, k)
         self._t[1, layer].index_copy_(0, idx.tensor, v)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -132,6 +133,49 @@ def test_slots_checked_for_one_cache_are_refused_by_another(cache: HiCache) -> N
     with HiCache(CFG) as other:
         with pytest.raises(KVArgumentError, match=r"^these slots were checked against another cache's pool"):
             other.kv.gather(0, index)
+
+
+def test_k_and_v_copied_from_other_slots_of_the_pool_land_whole(cache: HiCache) -> None:
+    """V given as a view of the pool (a copy from slots 0-1 to 4-5): torch refused the second
+    `index_copy_` as overlapping after K had landed, with its own multi-line error."""
+    kv = cache.kv
+    k, v = _kv_of(2, 1, 2)
+    kv.write(0, torch.tensor([0, 1]), k, v)
+    kv.write(0, torch.tensor([4, 5]), kv.k(0)[0:2], kv.v(0)[0:2])
+    got_k, got_v = kv.gather(0, torch.tensor([4, 5]))
+    assert torch.equal(got_k, k) and torch.equal(got_v, v)
+
+
+def test_checked_slots_are_the_index_own_copy(cache: HiCache) -> None:
+    """An engine reuses its output-slot buffer: changing it after `index` must not change what
+    was checked (a slot named twice, or out of range, written unchecked)."""
+    kv = cache.kv
+    buf = torch.tensor([1, 2])
+    index = kv.index(buf)
+    buf[1] = 1
+    k, v = _kv_of(2, 2, 2)
+    kv.write(0, index, k, v)
+    got_k, _ = kv.gather(0, torch.tensor([1, 2]))
+    assert torch.equal(got_k, k)
+
+
+def test_k_and_v_computed_with_autograd_on_leave_no_graph_in_the_pool(cache: HiCache) -> None:
+    """The pool kept a `grad_fn`, and each write's graph held that pass's tensors alive."""
+    kv = cache.kv
+    w = torch.ones(1, requires_grad=True)
+    k, v = (x * w for x in _kv_of(2, 3, 2))
+    kv.write(0, torch.tensor([1, 2]), k, v)
+    got_k, got_v = kv.gather(0, torch.tensor([1, 2]))
+    assert kv.k(0).grad_fn is None and not got_k.requires_grad and not got_v.requires_grad
+    assert torch.equal(got_k, k.detach())
+
+
+@pytest.mark.parametrize("layer", [1.5, "0", None, True, 3, -1])
+def test_a_waiter_refuses_a_layer_that_is_not_one_of_the_model(cache: HiCache, layer: Any) -> None:
+    waiter = cache.start_loads()
+    with pytest.raises(ValueError, match=rf"^layer must be an int in 0\.\.2, got {re.escape(repr(layer))}$"):
+        waiter.wait_layer(layer)
+    waiter.wait_all()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is absent on this machine")

@@ -165,7 +165,8 @@ class _DeterministicLayerRing(LayerDoneRing):
         self._runtime = runtime
 
     def wait_layer(self, batch: int, layer: int, timeout_s: float | None = None) -> None:
-        if batch and 0 <= layer < self.layers and not self._ready(batch, layer):
+        self.check_layer(layer)
+        if batch and not self._ready(batch, layer):
             self._runtime.drive_until(
                 lambda: self._ready(batch, layer), f"layer {layer} of load batch {batch}", timeout_s=timeout_s
             )
