@@ -44,9 +44,12 @@ from __future__ import annotations
 
 import base64
 import binascii
+import fcntl
 import importlib.metadata
 import itertools
 import json
+import os
+import stat
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -160,6 +163,31 @@ _NULL = b"null"
 _END = b',"event":"delivery"'
 
 
+class LogInUseError(OSError):
+    """Another writer (another instance of this process, or another process) holds the log file."""
+
+
+def _open_exclusive(path: Path) -> BinaryIO:
+    """`path` emptied and opened for writing, with an exclusive `flock` held until it is
+    closed: two instances given one `log_path` (tensor-parallel ranks sharing a config file,
+    say) would interleave their lines into a log no replay reads. The lock is taken before
+    the file is emptied, so a refused writer leaves the other's log whole."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise LogInUseError(f"log_path={str(path)!r} is being written by another running instance (of this "
+                                "process or another): give each instance, and each tensor-parallel rank, a log "
+                                "file of its own") from None
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            os.ftruncate(fd, 0)
+        return os.fdopen(fd, "wb", buffering=LOG_BUFFER_BYTES)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 class _LineWriter:
     """The log file, written through a buffer of `LOG_BUFFER_BYTES`: each line is numbered,
     sealed with its checksum and put into the buffer whole, under one lock; the buffer goes
@@ -176,7 +204,7 @@ class _LineWriter:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._file: BinaryIO = path.open("wb", buffering=LOG_BUFFER_BYTES)
+        self._file: BinaryIO = _open_exclusive(path)
         self.lock = threading.Lock()
         self.lines = 0
         """Lines written (or being written): the number of the last one."""

@@ -35,7 +35,7 @@ from hicache.messages import ActorName, CheckInvariants, GetStatistics, Message
 from hicache.actors._actor import Directory, HiActor, Mail
 from ._executor import SerialExecutor
 from ._inbox import Inbox
-from ._log import DeliveryLog, _LoggedFaults, _versions
+from ._log import DeliveryLog, LogInUseError, _LoggedFaults, _versions
 from hicache.actors._layers import LayerDoneRing
 from hicache.actors._services import (
     ActorFailedError,
@@ -373,6 +373,8 @@ class System:
         }
         try:
             svc.log = DeliveryLog(path, header)
+        except LogInUseError as e:
+            raise ConfigError(str(e)) from None
         except OSError as e:
             raise ConfigError(f"log_path={str(path)!r} cannot be written ({e.strerror or e}): give a file in a folder "
                               "this process may write") from None

@@ -151,3 +151,23 @@ def test_a_run_logged_with_unencodable_deliveries_still_reads_whole(tmp_path: Pa
     log = read_log(path)
     assert log.end.complete and [d.seq for d in log.deliveries] == list(range(1, len(log.deliveries) + 1))
     assert sum(d.message is None for d in log.deliveries) == 1
+
+
+def test_a_second_running_instance_on_one_log_path_is_refused_and_leaves_the_log_whole(tmp_path: Path) -> None:
+    """Tensor-parallel ranks sharing one config file once started on one `log_path`: each
+    emptied the file and wrote its lines between the other's, into a log no replay reads."""
+    path = tmp_path / "shared.log"
+    config = CONFIG.replace(log_path=str(path))
+    with HiCache(config) as first:
+        [a] = first.admit([Request("a", list(range(8)))])
+        first.finish([a.handle])
+        second = HiCache(config)
+        with pytest.raises(Exception, match=r"^log_path=.* is being written by "
+                           r"another running instance .*: give each instance, and each tensor-parallel rank, a log "
+                           r"file of its own$") as refused:
+            second.start()
+        assert type(refused.value).__name__ == "ConfigError" and not second.system.started
+    assert main(["replay", str(path)]) == 0  # the first instance's log, whole
+    with HiCache(config):  # free again once the first closed
+        pass
+
