@@ -1,13 +1,15 @@
-"""A model's KV shape, read from a transformers `PretrainedConfig` or any object with its attributes.
+"""A model's KV shape, read from a transformers `PretrainedConfig`, any object with its
+attributes, or a mapping of them (a `config.json` loaded as a dict).
 
 transformers is never imported here: the reader asks for attributes by name, so
 it works with the optional extra absent, with a `PretrainedConfig` of any version,
-and with a plain object that carries the same attribute names.
+and with a plain object or dict that carries the same names.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 from ._config_values import ConfigError, DType, refuse
@@ -35,11 +37,28 @@ def model_shape(model_config: Any, tp_size: int, dtype: Any = None) -> ModelShap
     `head_dim` missing means `hidden_size // num_attention_heads`; the dtype is
     `dtype` (transformers' current name) or `torch_dtype`, a `torch.dtype` or a string.
     """
-    text = getattr(model_config, "get_text_config", None)
-    cfg = text() if callable(text) else model_config
+    cfg: Any = model_config
+    if isinstance(model_config, Mapping):
+        cfg = _Attributes(model_config.get("text_config") or model_config)
+    else:
+        text = getattr(model_config, "get_text_config", None)
+        if callable(text):
+            try:
+                cfg = text()
+            except Exception as e:  # noqa: BLE001 - the model's own code: say where it failed
+                raise ConfigError(f"model_config.get_text_config() failed ({type(e).__name__}: {e}): give the "
+                                  "text model's config") from None
+    rank = getattr(cfg, "kv_lora_rank", None)
+    if rank:
+        raise ConfigError(f"model_config is a multi-head latent attention model (kv_lora_rank={rank!r}): its cache "
+                          "holds one compressed latent a token, and hicache holds per-head K and V; it cannot size "
+                          "or serve this model's KV")
     layers = _positive(cfg, "num_hidden_layers")
     heads = _positive(cfg, "num_attention_heads")
     kv_heads = _positive(cfg, "num_key_value_heads", default=heads)
+    if kv_heads > heads:
+        raise ConfigError(f"model_config has num_key_value_heads={kv_heads} above num_attention_heads={heads}: "
+                          "each KV head serves one or more attention heads; check the model config")
     head_dim = _positive(cfg, "head_dim", default=None)
     if head_dim is None:
         hidden = _positive(cfg, "hidden_size")
@@ -50,6 +69,19 @@ def model_shape(model_config: Any, tp_size: int, dtype: Any = None) -> ModelShap
             )
         head_dim = hidden // heads
     return ModelShape(layers, _per_rank(kv_heads, tp_size), head_dim, _dtype(cfg) if dtype is None else dtype)
+
+
+class _Attributes:
+    """A mapping's keys read as attributes (missing ones as absent)."""
+
+    def __init__(self, values: Mapping[str, Any]) -> None:
+        self._values = values
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self._values[name]
+        except KeyError:
+            raise AttributeError(name) from None
 
 
 def _positive(cfg: Any, attr: str, default: Any = _NO_VALUE) -> Any:

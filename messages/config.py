@@ -41,6 +41,7 @@ from ._config_values import (
     StorageKind,
     Switch,
     WritePolicy,
+    refuse,
 )
 from ._model_shape import model_shape
 from ._resources import Available, check_resources
@@ -305,12 +306,14 @@ class Config:
         """A `Config` for a transformers model, its sizes given as memory budgets.
 
         `model_config` is a transformers `PretrainedConfig` (or any object with its
-        attribute names): layers, KV heads (this rank's share of `tp_size`), head
+        attribute names, or a dict of them, as a `config.json` loads): layers, KV heads (this rank's share of `tp_size`), head
         dim and dtype come from it; `dtype=` in `fields` overrides the model's.
         `device_bytes` and `host_bytes` (or `host_ratio` times `device_bytes`) are the
         bytes of KV each tier may hold, turned into whole pages. `fields` sets any
         other field. With `check` (the default) the result is checked against this
         machine's memory (`check_resources`)."""
+        if type(check) is not bool:
+            raise refuse("check", check, "True or False")
         taken = sorted({"layers", "kv_heads", "head_dim", "device_slots", "host_slots"} & set(fields))
         if taken:
             raise ConfigError(f"for_model sets {', '.join(taken)} from the model and the byte budgets: leave "

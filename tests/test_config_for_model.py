@@ -104,6 +104,9 @@ def test_a_tp_size_that_does_not_split_the_kv_heads_is_refused() -> None:
     ({"num_attention_heads": "32"}, r"^model_config.num_attention_heads='32' must be a positive integer$"),
     ({"head_dim": 64.0}, r"^model_config.head_dim=64.0 must be a positive integer$"),
     ({"num_key_value_heads": True}, r"^model_config.num_key_value_heads=True must be a positive integer$"),
+    ({"num_key_value_heads": 64}, r"^model_config has num_key_value_heads=64 above num_attention_heads=32"),
+    ({"kv_lora_rank": 512, "qk_rope_head_dim": 64},  # DeepSeek-V2/V3: sized as 8 x 128 per-head K and V before
+     r"^model_config is a multi-head latent attention model \(kv_lora_rank=512\): .*it cannot size or serve"),
 ])
 def test_a_model_config_with_a_bad_attribute_is_one_config_error(change: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
@@ -156,6 +159,26 @@ def test_the_buffers_a_for_model_config_allocates_stay_within_the_budgets() -> N
     page_bytes = c.bytes_per_slot * c.page_size
     assert device_bytes - page_bytes < device.kv.tensor.nbytes <= device_bytes
     assert host_bytes - page_bytes < host.kv.tensor.nbytes <= host_bytes
+
+
+def test_a_dict_of_a_config_json_is_read_like_a_config() -> None:
+    """A dict was read by attribute: 'model_config has no num_hidden_layers', though it had."""
+    raw = {"num_hidden_layers": 8, "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
+           "head_dim": 128, "torch_dtype": "bfloat16"}
+    c = Config.for_model(raw, device_bytes=64 * MIB, host_ratio=2)
+    assert (c.layers, c.kv_heads, c.head_dim, c.dtype) == (8, 8, 128, "bfloat16")
+    nested = {"text_config": raw, "architectures": ["LlavaForConditionalGeneration"]}
+    assert Config.for_model(nested, device_bytes=64 * MIB, host_ratio=2) == c
+
+
+def test_a_text_config_that_fails_and_a_check_that_is_not_a_bool_are_one_config_error() -> None:
+    def broken() -> Any:
+        raise KeyError("vision_config")
+
+    with pytest.raises(ConfigError, match=r"^model_config.get_text_config\(\) failed \(KeyError: 'vision_config'\)"):
+        Config.for_model(SimpleNamespace(get_text_config=broken), device_bytes=64 * MIB, host_ratio=2)
+    with pytest.raises(ConfigError, match=r"^check='no' must be True or False$"):
+        Config.for_model(_llama_like(), device_bytes=64 * MIB, host_ratio=2, check="no")
 
 
 def test_a_multimodal_config_is_read_through_its_text_config() -> None:
