@@ -63,9 +63,9 @@ _MOVE_TO = tuple(f"move to {s.name}" for s in HostSlotState)
 class HostCore:
     def __init__(self, config: Config) -> None:
         self.page_size = config.page_size
-        self.capacity_slots = config.host_slots
+        self.capacity_slots = config.host_buffer_slots
         pin = config.device is DeviceKind.CUDA and torch.cuda.is_available()
-        self.kv = KVBuffer.allocate(KVShape.of(config), config.host_slots, config.host_layout, "cpu", pin=pin)
+        self.kv = KVBuffer.allocate(KVShape.of(config), config.host_buffer_slots, config.host_layout, "cpu", pin=pin)
         self._pool = PagePool(config.host_pages, config.page_size)
         self._pages = config.host_pages
         self._states = PageTable(config.host_pages, "B", runs=HostSlotState)

@@ -210,7 +210,7 @@ class TreeCore:
             h.update(struct.pack("<qqqq", op, pf.reserved, pf.hit, pf.read))
         h.update(struct.pack("<qq", self.host_free, self.agreement.pending()))
         self.shared.emit(FACADE, TreeDigest(op_id=op_id, digest=h.hexdigest(),
-                                            host_used=self.config.host_slots - self.host_free))
+                                            host_used=self.config.host_buffer_slots - self.host_free))
 
     def check_invariants(self) -> None:
         self.tree.check_invariants()
@@ -223,7 +223,7 @@ class TreeCore:
     def _check_host_mirror(self) -> None:
         unassigned = self.writes.unassigned_tokens()
         prefetching = self.prefetches.reserved_tokens()
-        cap = self.config.host_slots
+        cap = self.config.host_buffer_slots
         if self.host_free != cap - self.tree.host_tokens - unassigned - prefetching:
             raise InvariantError(
                 f"tree: host mirror says {self.host_free} free, but capacity {cap} - {self.tree.host_tokens} "

@@ -54,7 +54,7 @@ class TreeShared:
         self.next_id = next_id
         self.now = now
         self.outbox: list[tuple[ActorName, Message]] = []
-        self.host_free = config.host_slots
+        self.host_free = config.host_buffer_slots
         """The host pool's free slots, mirrored: only the tree reserves or frees host slots."""
         self.n = Counters()
         self.agreement = Agreement(local=config.tp_size == 1)

@@ -79,7 +79,7 @@ def needs(config: _Sizes) -> tuple[Need, ...]:
         Need(f"device KV buffer (device_slots={config.device_slots} x {_size(bps)} a slot)",
              "device_slots", config.device_slots * bps, on_cuda),
         Need(f"host KV buffer (host_slots={config.host_slots} x {_size(bps)} a slot)",
-             "host_slots", config.host_slots * bps, False),
+             "host_slots", config.host_pages * config.page_size * bps, False),
         Need("host page states, free list and check table (17 bytes per host page; the table at its first use)",
              "host_slots", 17 * config.host_pages, False),
         Need("device page owners, free list and free pages' codes (16 bytes per device page)",

@@ -100,7 +100,8 @@ class Config:
     device_slots: int = _field(4096, Count(1, SLOTS_MAX),
                                "Token slots of the device (L1) buffer; a multiple of `page_size`.")
     host_slots: int = _field(16384, Count(1, SLOTS_MAX),
-                             "Token slots of the host (L2) buffer; larger than `device_slots`, a multiple of `page_size`.")
+                             "Token slots of the host (L2) buffer; larger than `device_slots`, a multiple of `page_size`. "
+                             "Unused with `host_tier=false` (then one page is allocated).")
     device: DeviceKind = _field(DeviceKind.CPU, Choice(DeviceKind),
                                 "Where the device buffer lives: `cpu` (a CPU tensor stands in) or `cuda`.")
     host_layout: HostLayout = _field(HostLayout.LAYER_FIRST, Choice(HostLayout), "Layout of the host buffer.")
@@ -217,7 +218,7 @@ class Config:
         for name in ("device_slots", "host_slots"):
             if getattr(self, name) % self.page_size:
                 raise ConfigError(f"{name}={getattr(self, name)} must be a multiple of page_size={self.page_size}")
-        if self.host_slots <= self.device_slots:
+        if self.host_tier and self.host_slots <= self.device_slots:
             raise ConfigError(f"host_slots={self.host_slots} must be larger than device_slots="
                               f"{self.device_slots}: the host tier backs up the device tier")
         if self.tp_rank >= self.tp_size:
@@ -269,7 +270,15 @@ class Config:
 
     @property
     def host_pages(self) -> int:
-        return self.host_slots // self.page_size
+        """Pages of the host buffer: `host_slots`' with a host tier; one without (an L1-only
+        cache writes nothing there, and a host buffer of `host_slots` would be memory spent on
+        nothing)."""
+        return self.host_slots // self.page_size if self.host_tier else 1
+
+    @property
+    def host_buffer_slots(self) -> int:
+        """Slots of the host buffer (`host_pages` whole pages)."""
+        return self.host_pages * self.page_size
 
     def replace(self, **changes: Any) -> Config:
         """A copy with some fields changed (parsed and checked like any other)."""

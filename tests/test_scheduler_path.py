@@ -1023,3 +1023,29 @@ def test_a_commit_that_differs_from_the_prompt_is_what_gets_cached_and_a_bad_one
         assert (b.cached_tokens, c.cached_tokens) == (40 * p, 25 * p)
         hc.finish([b.handle, c.handle])
         hc.check_invariants()
+
+
+@pytest.mark.parametrize("kind", ["threads", "deterministic"])
+def test_an_l1_only_cache_allocates_one_host_page_whatever_host_slots_says(
+        make_config: Callable[..., Config], oracle_for: Callable[[Config], Any], kind: str) -> None:
+    """`host_tier=False` still required `host_slots > device_slots` and allocated a host buffer
+    of `host_slots` (2 GiB for a real model at the default): memory spent on nothing."""
+    config = Config(layers=2, kv_heads=1, head_dim=8, page_size=4, device_slots=64, host_slots=1 << 20, host_tier=False)
+    assert Config(layers=2, kv_heads=1, head_dim=8, page_size=4, device_slots=64, host_slots=8,
+                  host_tier=False).host_pages == 1  # the rule between the two is the host tier's
+    oracle = oracle_for(config)
+    with HiCache(config, runtime=make_runtime(kind, seed=2)) as hc:
+        assert hc.system.host_kv.tensor.numel() * hc.system.host_kv.tensor.element_size() == 4 * config.bytes_per_slot
+        assert hc.statistics().host.capacity_slots == 4 and hc.statistics().l2 is None
+        for round_ in range(3):  # 3 x 10 pages through 16: eviction deletes, nothing goes to the host
+            for i in range(10):
+                tokens = seq(8, 1000 * round_ + 100 * i)
+                [adm] = hc.admit([Request(f"r{round_}-{i}", tokens[:-1])])
+                slots = hc.allocate({f"r{round_}-{i}": 8 - adm.cached_tokens})[f"r{round_}-{i}"]
+                oracle.write(hc.device_kv, tokens, slots, start=adm.cached_tokens)
+                hc.commit({f"r{round_}-{i}": tokens[adm.cached_tokens:]})
+                oracle.verify(hc.device_kv, tokens, hc.slots(f"r{round_}-{i}"))
+                hc.finish([adm.handle])
+                hc.check_invariants()
+        s = hc.statistics()
+        assert s.l1.evicted_tokens > 0 and s.host.free_slots == 4
