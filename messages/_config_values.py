@@ -246,12 +246,15 @@ class Host:
 
     @property
     def allowed(self) -> str:
-        return "a host name or IP address, without spaces"
+        return "a host name or IP address (no port, no scheme)"
 
     def parse(self, name: str, value: Any) -> str:
         host = value.strip() if isinstance(value, str) else ""
-        if not host or any(c.isspace() for c in host):
-            raise refuse(name, value, self.allowed)
+        if not _HOST.fullmatch(host):
+            try:
+                ipaddress.ip_address(host)  # an IPv6 address, which binds and names without brackets here
+            except ValueError:
+                raise refuse(name, value, self.allowed) from None
         return host
 
 

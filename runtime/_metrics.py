@@ -16,6 +16,7 @@ address serves every exporting instance of the process.
 
 from __future__ import annotations
 
+import socket
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
@@ -96,6 +97,8 @@ def _serve(port: int, host: str) -> int:
         return bound
     try:
         server, _thread = start_http_server(port, addr=host)
+    except socket.gaierror as e:  # the address, not the port
+        raise OSError(e.errno, f"cannot serve metrics on {host}:{port}: {e.strerror}; check metrics_host") from None
     except OSError as e:
         raise OSError(e.errno, f"cannot serve metrics on {host}:{port}: {e.strerror}; pick another port") from None
     bound = int(server.server_address[1])

@@ -262,8 +262,11 @@ URL_RULE = "an http:// URL with a host (and a port in 1..65535, if any), like ht
     ("mooncake_metadata", "http://[::1]]:8080/m", URL_RULE),
     ("mooncake_metadata", "http://user@h:8080/m", URL_RULE),
     ("mooncake_metadata", "http://h:/m", URL_RULE),
-    ("mooncake_local_host", "", "a host name or IP address, without spaces"),
-    ("mooncake_local_host", "my host", "a host name or IP address, without spaces"),
+    ("mooncake_local_host", "", "a host name or IP address (no port, no scheme)"),
+    ("mooncake_local_host", "my host", "a host name or IP address (no port, no scheme)"),
+    ("metrics_host", "h:1", "a host name or IP address (no port, no scheme)"),
+    ("metrics_host", "http://x", "a host name or IP address (no port, no scheme)"),
+    ("metrics_host", "[::1]", "a host name or IP address (no port, no scheme)"),
 ])
 def test_a_bad_mooncake_address_is_one_config_error(field: str, value: object, rule: str) -> None:
     assert _same_through_every_path({field: value}) == f"ConfigError: {field}={value!r} must be {rule}"

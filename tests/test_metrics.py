@@ -285,6 +285,13 @@ def test_l2_and_l3_hits_split_from_one_record_so_a_racing_statistics_sees_both_o
     assert (during.l2.hit_tokens, during.l3.hit_tokens) == (after.l2.hit_tokens, after.l3.hit_tokens) == (0, 12)
 
 
+def test_an_exporter_address_that_does_not_resolve_names_the_host_not_the_port() -> None:
+    """It said "pick another port" for a host name that resolves to nothing."""
+    with pytest.raises(OSError, match=r"cannot serve metrics on no-such-host\.invalid:0: .*; check metrics_host$"):
+        start_metrics_exporter(0, host="no-such-host.invalid")
+    assert Config(metrics_host="::1").metrics_host == "::1"  # an IPv6 address binds without brackets
+
+
 def test_the_config_port_starts_the_exporter() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
