@@ -14,6 +14,7 @@ Each admitted request holds one lock handle, on the deepest node it uses.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -97,6 +98,11 @@ class Admissions:
         self.handles: dict[int, _Handle] = {}
         self._next_handle = 1
         self._admissions: dict[int, _Admission] = {}
+        self._deferred: deque[tuple[int, Sequence[AdmitItem]]] = deque()
+        """Admissions that came while another waited for its load-back's device slots: planned in
+        turn once it is answered. The facade sends one at a time, but after an `admit` it gave up
+        on (a timeout, Ctrl-C) its next one may come first; planned at once, both would load the
+        same host-only node."""
         self.loads: dict[int, _Load] = {}
         self._swaps: dict[int, _Swaps] = {}
         self._swap_of: dict[int, int] = {}
@@ -106,6 +112,17 @@ class Admissions:
     # == admission and load-back ===============================================================
 
     def admit(self, op_id: int, items: Sequence[AdmitItem]) -> None:
+        if self._admissions:
+            self._deferred.append((op_id, items))
+            return
+        self._admit(op_id, items)
+
+    def _admit_deferred(self) -> None:
+        """Plan the admissions that waited for one to be answered, in order, while none waits."""
+        while self._deferred and not self._admissions:
+            self._admit(*self._deferred.popleft())
+
+    def _admit(self, op_id: int, items: Sequence[AdmitItem]) -> None:
         plans: list[_Plan] = []
         self._building = plans
         try:
@@ -155,6 +172,7 @@ class Admissions:
                 return
             self._give_up_loads(adm)
             self._reply_admitted(adm.facade_op, adm.plans)
+            self._admit_deferred()
             return
         nodes = [nd for p in adm.plans for nd in p.load_nodes]
         at = 0
@@ -170,6 +188,7 @@ class Admissions:
         s.emit(HOST, SetHostState(pages=host, state=HostSlotState.LOADING))
         s.emit(LOAD, LoadKV(op_id=load_op, host=host, device=device))
         self._reply_admitted(adm.facade_op, adm.plans)
+        self._admit_deferred()
 
     def _retry_load_slots(self, load_op: int) -> None:
         adm = self._admissions[load_op]
@@ -382,7 +401,7 @@ class Admissions:
         return bool(self._admissions) or any(h.node is not None for h in self.handles.values())
 
     def busy(self) -> bool:
-        return bool(self.handles or self.loads or self._admissions or self._swaps)
+        return bool(self.handles or self.loads or self._admissions or self._deferred or self._swaps)
 
     def check_invariants(self) -> None:
         for handle, h in self.handles.items():
@@ -390,6 +409,9 @@ class Admissions:
                 raise InvariantError(f"tree: handle {handle} of {h.request_id!r} holds {h.node}, not alive and locked")
         if self._building:
             raise InvariantError("tree: an admission's plans are still being built between two messages")
+        if self._deferred and not self._admissions:
+            raise InvariantError(f"tree: {len(self._deferred)} admissions wait for their turn, but none is "
+                                 "in flight to be answered first")
         for op, load in self.loads.items():
             for nd in load.nodes:
                 if nd.state is not NodeState.LOADING or nd.op != op:

@@ -449,6 +449,35 @@ def test_write_back_evicts_only_as_much_as_was_asked_for(play: Callable[..., Pla
     p.assert_idle()
 
 
+def test_an_admission_that_comes_while_another_waits_for_load_slots_is_planned_after_it(
+        play: Callable[..., Player]) -> None:
+    """The facade sends one admission at a time, but after an `admit` it gave up on (a timeout,
+    Ctrl-C) its next one reaches the tree while the first still waits for its load-back's device
+    slots. Both planned to load the same host-only prefix, and the second `start_load` of it
+    killed the tree (an illegal LOADING -> LOADING). The second now waits its turn, and counts
+    the prefix the first is loading as its host hit."""
+    p = play(write_policy=WritePolicy.WRITE_THROUGH)
+    prefix = seq(8, 1)
+    p.finish(p.run("a", prefix + [99]))
+    p.complete_writes()
+    assert p.evict_device(8) == 8 and p.node(prefix).state is S.HOST_ONLY
+    first, second = next(p._ops), next(p._ops)
+    for op, rid in ((first, "x"), (second, "y")):  # both in the tree's inbox before the device answers
+        p.to_tree(ActorName.FACADE, AdmitRequests(op_id=op, items=(
+            AdmitItem(request_id=rid, namespace="", tokens=Tokens.of(prefix + [7])),)))
+        p.check()
+    p.pump()
+    x, y = (p._reply(op, Admitted).admissions[0] for op in (first, second))
+    assert (x.host_hit, y.host_hit) == (8, 8) and x.device == y.device
+    p.complete_loads()
+    for adm in (x, y):
+        p.oracle.verify(p.device.kv, prefix, pages_to_slots(adm.device.tolist(), P))
+    assert p.node(prefix).state is S.SYNCED
+    for adm in (x, y):
+        p.finish(Req(adm.request_id, "", prefix, adm.device.tolist(), 8, adm.handle, 0, 8, 0, prefix=8))
+    p.assert_idle()
+
+
 def test_without_a_host_tier_nothing_is_backed_up_and_eviction_deletes(play: Callable[..., Player]) -> None:
     p = play(write_policy=WritePolicy.WRITE_BACK, host_tier=False)
     p.finish(p.run("a", seq(8, 1)))
