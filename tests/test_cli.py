@@ -30,16 +30,28 @@ def _refused(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
 
 
 @pytest.mark.parametrize(("argv", "says"), [
-    (["demo", "--prefill-tps", "0"], "hicache demo: argument --prefill-tps: 0 must be above 0"),
+    (["demo", "--prefill-tps", "0"], "hicache demo: argument --prefill-tps: 0 must be >= 1e-12"),
     (["demo", "--l2-gbps", "fast"], "hicache demo: argument --l2-gbps: 'fast' is not a number"),
     (["explore", "--depth", "0"], "hicache explore: argument --depth: 0 must be >= 1"),
     (["explore", "--seeds", "-3"], "hicache explore: argument --seeds: -3 must be >= 1"),
+    (["explore", "--seeds", "9" * 50], f"hicache explore: argument --seeds: {'9' * 50} is more than any count takes "
+                                       "(at most 4611686018427387903)"),
     (["explore", "--scenario", "nope"], "invalid choice: 'nope' (choose from 'standard', 'faults', 'misuse', 'pressure', 'orphans', 'storage')"),
     (["replay", "x.log", "--actor", "prefetch"], "hicache replay: argument --actor: invalid choice: 'prefetch'"),
-    (["soak", "--every-s", "0"], "hicache soak: argument --every-s: 0 must be above 0"),
-    (["bench", "storage", "--mib", "0"], "hicache bench storage: argument --mib: 0 must be >= 1"),
+    (["soak", "--every-s", "0"], "hicache soak: argument --every-s: 0 must be >= 1e-12"),
+    (["bench", "storage", "--mib", "0"], "hicache bench storage: argument --mib: 0 must be >= 2"),
     (["simulate", "--l1", "100k"], "hicache simulate: the following arguments are required: --trace"),
     (["frobnicate"], "hicache: argument COMMAND: invalid choice: 'frobnicate'"),
+    (["demo", "--l2-gbps", "1e-300"], "hicache demo: argument --l2-gbps: 1e-300 must be >= 1e-12"),
+    (["simulate", "--trace", "t.jsonl", "--l1", "1k", "--prefill-tps", "inf"],
+     "hicache simulate: argument --prefill-tps: 'inf' is not a finite number; give one >= 1e-12"),
+    (["simulate", "--trace", "t.jsonl", "--l1", "1k", "--l2-gbps", "nan"], "argument --l2-gbps: 'nan' is not a finite"),
+    (["demo", "--l3-gbps=1e999"], "hicache demo: argument --l3-gbps: '1e999' is not a finite number"),
+    (["soak", "--minutes", "inf"], "hicache soak: argument --minutes: 'inf' is not a finite number"),
+    (["soak", "--every-s=-inf"], "hicache soak: argument --every-s: '-inf' is not a finite number"),
+    (["bench", "storage", "--mib", "1"], "hicache bench storage: argument --mib: 1 must be >= 2"),
+    (["bench", "storage", "--read-threads", "100"],
+     "hicache bench storage: argument --read-threads: 100 must be in 1..64"),
 ])
 def test_an_argument_argparse_refuses_is_one_line(capsys: pytest.CaptureFixture[str], argv: list[str],
                                                   says: str) -> None:

@@ -11,6 +11,8 @@ import time
 import pytest
 
 from hicache.runtime.bench import _storage as _bench_storage
+from hicache.runtime import cli
+from hicache.runtime._usage import UsageError
 from hicache.runtime.cli import main
 from hicache.runtime.testing import MasterStartError
 
@@ -120,5 +122,40 @@ def test_read_threads_reach_the_backends_and_the_report(capsys, monkeypatch) -> 
 
 @pytest.mark.timeout(30)
 def test_read_threads_outside_one_to_64_are_refused_with_the_range(capsys) -> None:
-    with pytest.raises(SystemExit, match=r"--read-threads must be in 1\.\.64, got 65"):
+    with pytest.raises(SystemExit) as refused:
         main(["bench", "storage", "--mib", "2", "--backend", "file", "--read-threads", "65", "--json"])
+    assert refused.value.code == 2
+    assert capsys.readouterr().err == ("hicache bench storage: argument --read-threads: 65 must be in 1..64 "
+                                       "(see hicache bench storage --help)\n")
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("kwargs", "says"), [
+    ({"mib": 1}, "--mib 1: give at least 2 (one 2 MiB page)"),
+    ({"mib": 2, "read_threads": 65}, "--read-threads must be in 1..64, got 65"),
+    ({"mib": 2, "write_pages": 0}, "--write-pages 0: give at least 1"),
+    ({"mib": 2, "backends": ("tape",)}, "unknown backend ['tape']"),
+])
+def test_the_bench_refuses_what_cannot_run_as_a_usage_error_that_exits_2(capsys, kwargs, says) -> None:
+    """Called from Python it raises `UsageError` (exit 2 through the command line), not
+    `SystemExit` with a message (exit 1)."""
+    with pytest.raises(UsageError) as refused:
+        _bench_storage.run_bench_storage(as_json=True, **kwargs)
+    assert str(refused.value).startswith(says)
+    assert capsys.readouterr().out == ""  # refused before any backend was timed
+
+
+def test_the_command_lines_bounds_and_help_are_the_benchs(capsys) -> None:
+    """`--mib` and `--read-threads` are parsed without importing the bench (so `--help` stays
+    instant); their bounds and their help must still be the bench's."""
+    low, high = _bench_storage.MIB_MIN, _bench_storage.READ_THREADS_MAX
+    parse = cli._parser().parse_args
+    args = parse(["bench", "storage", "--mib", str(low), "--read-threads", str(high)])
+    assert (args.mib, args.read_threads) == (low, high)
+    for wrong in (["--mib", str(low - 1)], ["--read-threads", str(high + 1)], ["--read-threads", "0"]):
+        with pytest.raises(SystemExit):
+            parse(["bench", "storage", *wrong])
+    with pytest.raises(SystemExit):
+        parse(["bench", "storage", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert f"at least {low} (one 2 MiB page)" in shown and f"storage_read_threads, 1..{high}:" in shown

@@ -1,6 +1,7 @@
 """`hicache demo` runs end to end on a small prefix of the trace."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -74,3 +75,34 @@ def test_the_demo_and_simulate_load_without_the_model_extra() -> None:
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('transformers', 'mooncake')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
+
+
+def test_a_model_that_is_neither_tiny_nor_a_model_directory_is_one_line_with_exit_2(capsys, tmp_path) -> None:
+    nowhere = tmp_path / "nowhere"
+    assert main(["demo", "--model", str(nowhere)]) == 2
+    assert capsys.readouterr().err == (f"hicache demo: --model takes 'tiny' or a local transformers model directory "
+                                       f"(with a config.json); '{nowhere}' is neither\n")
+
+
+@pytest.mark.skipif(not (os.path.exists("/dev/full") and os.access("/dev/full", os.W_OK)),
+                    reason="needs Linux's /dev/full (it opens for writing and refuses every byte)")
+def test_a_log_file_that_refuses_bytes_is_refused_before_serving(capsys) -> None:
+    assert main(["demo", "--requests", "1", "--log", "/dev/full"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == ("hicache demo: --log /dev/full: cannot be written (No space left "
+                                                   "on device); give a file in a folder this process may write\n")
+
+
+def test_a_log_another_instance_is_writing_is_refused_and_left_whole(capsys, tmp_path) -> None:
+    """The check that the log takes bytes must not empty a log another running instance
+    holds (the delivery log's lock says so)."""
+    import fcntl
+
+    log = tmp_path / "shared.log"
+    log.write_bytes(b"another instance's lines\n")
+    with log.open("ab") as holder:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        assert main(["demo", "--requests", "1", "--log", str(log)]) == 2
+    assert capsys.readouterr().err == (f"hicache demo: --log {log}: another running instance is writing it; give "
+                                       "each run a log file of its own\n")
+    assert log.read_bytes() == b"another instance's lines\n"

@@ -41,8 +41,3 @@ def test_a_local_model_directory_is_served_like_the_tiny_model(tmp_path: Path, c
     assert f["model"] == str(tmp_path) and f["device"] in ("cpu", "cuda:0")
     assert "L3" in f["tiers"] and f["first_tokens_equal"] == f["requests"]
 
-
-def test_a_model_argument_that_is_neither_tiny_nor_a_model_directory_is_one_line(tmp_path: Path) -> None:
-    with pytest.raises(SystemExit, match=r"^hicache demo: --model takes 'tiny' or a local transformers model "
-                                         r"directory \(with a config.json\); '.*nowhere' is neither$"):
-        main(["demo", "--model", str(tmp_path / "nowhere")])

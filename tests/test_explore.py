@@ -179,3 +179,50 @@ def test_seeded_faults_repeat_for_the_same_seed_and_differ_across_seeds() -> Non
     assert draws(1) == draws(1) and draws(1) != draws(2)
     with pytest.raises(ValueError, match="transfer_fail_rate must be in"):
         SeededFaults(0, transfer_fail_rate=2.0)
+
+
+_TRACE = {"version": 1, "scenario": "standard", "seed": 0, "strategy": "pct", "depth": 3, "mutant": None,
+          "error": "", "choices": []}
+
+
+@pytest.mark.parametrize(("text", "says"), [
+    ("[1, 2]", "the top level is an array, not the object a schedule trace is"),
+    ('"x"', "the top level is a string"),
+    ("null", "the top level is null"),
+    ("5", "the top level is a number"),
+    (json.dumps(_TRACE).replace('"seed": 0', '"seed": Infinity'), "field seed must be an integer >= 0, got inf"),
+    (json.dumps({**_TRACE, "seed": 1.5}), "field seed must be an integer >= 0, got 1.5"),
+    (json.dumps({**_TRACE, "choices": ["tree", 1]}), "field choices must be a list of actor names"),
+    (json.dumps({**_TRACE, "choices": {"tree": 1}}), "field choices must be a list of actor names"),
+    (json.dumps({k: v for k, v in _TRACE.items() if k != "scenario"}), "no field scenario"),
+    ("[" * 100_000 + "]" * 100_000, "JSON nested too deeply"),
+])
+def test_a_replay_file_that_is_not_a_schedule_trace_is_one_line_with_exit_2(tmp_path: Path, capsys, text: str,
+                                                                            says: str) -> None:
+    path = tmp_path / "bad.trace.json"
+    path.write_text(text)
+    assert main(["explore", "--replay", str(path)]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"hicache explore: --replay {path} is not a schedule trace") and says in line, line
+    with pytest.raises(ValueError, match=re.escape(says)):
+        replay(path)
+
+
+def test_a_replay_file_over_the_size_bound_is_refused_unread(tmp_path: Path, monkeypatch) -> None:
+    from hicache.runtime.testing import explore as ex
+
+    monkeypatch.setattr(ex, "TRACE_BYTES_MAX", 1 << 20)
+    path = tmp_path / "big.trace.json"
+    path.write_text(json.dumps({**_TRACE, "choices": ["tree"] * 200_000}))
+    with pytest.raises(ValueError, match=r"cannot read schedule trace .*: larger than 1 MiB"):
+        replay(path)
+
+
+def test_a_trace_that_diverges_from_this_build_fails_as_documented_and_says_diverged(tmp_path: Path, capsys) -> None:
+    """docs/testing.md: when the code or inputs no longer allow a recorded choice, the replay
+    fails (exit 1) with `ScheduleDivergedError`; it is not reported as a reproduced failure."""
+    path = tmp_path / "other-build.trace.json"
+    path.write_text(json.dumps({**_TRACE, "choices": ["no-such-actor"]}))
+    assert main(["explore", "--replay", str(path)]) == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert err.startswith("diverged: ScheduleDivergedError: step 0: the recorded schedule picks 'no-such-actor'"), err

@@ -66,6 +66,8 @@ INTERNAL = {
     "hicache.actors._io_threads.shares": "both storage backends' split of a read's pages among its threads",
     "hicache.runtime.testing._mooncake_master.master_binary": "MooncakeMaster's lookup of the mooncake_master executable",
     "hicache.messages._codec.BlobRefs": "protocol of encode's blob store; only the delivery log implements it",
+    "hicache.runtime._log.LogInUseError": "the log writer's refusal of a file another instance holds; start() "
+                                          "raises it as a ConfigError",
     "hicache.runtime._log.unbase64": "read_log's base64 decoding (pybase64 when installed), next to the encoding",
     "hicache.runtime._log.error_text": "the text of a handler's error, as the log writes it and replay compares it",
     "hicache.runtime._log_reader.Blobs": "the blobs a log being read may refer to, for LogReader",

@@ -150,6 +150,10 @@ def test_token_traces_hit_their_repeated_prompts(tmp_path: Path, capsys: pytest.
     (["--l1", "64k", "--plot", "out.svg"], "--plot out.svg: give a .png file name"),
     (["--l1", "64k", "--plot", "/no-such-folder/sweep.png"],  # refused before the runs, not after
      "--plot /no-such-folder/sweep.png: the folder /no-such-folder does not exist or is not writable"),
+    (["--l1", "64k", "--l2", "128k", "--l3", "8"], "--l3 8 holds no page of 64 tokens"),  # not an unbounded L3
+    (["--l1", "64k", "--l2", "128k", "--l3", "1KiB,unbounded"], "--l3 1KiB holds no page of 64 tokens"),
+    (["--l1", "99999999999999999999999999"],
+     "--l1 99999999999999999999999999 is more than a tier may hold; give at most 1,099,511,627,776 tokens"),
 ])
 def test_a_sweep_that_cannot_run_is_one_line(mooncake_file: Path, capsys: pytest.CaptureFixture[str],
                                              argv: list[str], says: str) -> None:
@@ -167,3 +171,35 @@ def test_a_plot_without_matplotlib_is_one_line(mooncake_file: Path, tmp_path: Pa
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "needs matplotlib" in err and "hicache[plot]" in err, err
     assert not plot.exists()
+
+
+@pytest.mark.parametrize(("data", "says"), [
+    (b"[1, 2, 3]\n\xff\xfe\n", "line 2: not UTF-8 text"),
+    (b"[" * 100_000 + b"]" * 100_000 + b"\n", "line 1: JSON nested too deeply to read"),
+    (b"[1]\n[" + b"9" * 5000 + b"]\n", "line 2: a number of more than 4300 digits"),
+    (b'{"input_length": 10, "hash_ids": []}\n', "line 1: hash_ids is empty"),
+])
+def test_a_trace_python_cannot_read_as_records_is_one_line_naming_the_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], data: bytes, says: str) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(data)
+    assert main(["simulate", "--trace", str(path), "--l1", "1k", "--no-kv"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"hicache simulate: {path} {says}"), err
+
+
+def test_a_line_longer_than_the_bound_is_refused_without_reading_on(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from hicache.runtime.demo import _simulate_trace
+
+    monkeypatch.setattr(_simulate_trace, "LINE_BYTES_MAX", 1 << 20)
+    path = tmp_path / "one-line.bin"
+    path.write_bytes(b"[1]\n" + b"\0" * (2 << 20))
+    with pytest.raises(TraceError, match=r"line 2: longer than 1 MiB"):
+        read_trace(path)
+
+
+@pytest.mark.skipif(not Path("/proc/self/mem").exists(), reason="needs Linux's /proc/self/mem (a read fails)")
+def test_a_trace_whose_read_fails_is_one_line() -> None:
+    with pytest.raises(TraceError, match=r"^cannot read the trace /proc/self/mem at line 1: "):
+        read_trace(Path("/proc/self/mem"))

@@ -72,6 +72,7 @@ from hicache.messages.config import Config, DeviceKind, HostLayout
 from ._cli import progress_bar, report
 from ._transfer import _machine
 from ..testing._mooncake_master import MasterStartError, MooncakeMaster
+from .._usage import UsageError
 
 SHAPES: dict[str, dict[str, Any]] = {
     "2MiB": {"layers": 32, "kv_heads": 8, "head_dim": 128, "dtype": "float16", "page_size": 16},
@@ -89,6 +90,11 @@ WRITE_PAGES = 256
 WARMUP = 1
 REPS = 5
 DEFAULT_MIB = 256
+MIB_MIN = 2
+"""Least `--mib`: one page of the largest shape, 2 MiB (`hicache bench storage --mib` is parsed
+with this bound; a test keeps the two equal)."""
+READ_THREADS_MAX = 64
+"""Most `--read-threads`: `Config.storage_read_threads`' bound (parsed as `--mib` is)."""
 BACKENDS = ("file", "mooncake")
 LOAD_BACK_PAGE = "2MiB"
 """The page size the L3-hit path is timed at: a model's pages."""
@@ -513,17 +519,17 @@ def _load_back_table(paths: list[LoadBack], mib: int, machine: dict[str, object]
 def run_bench_storage(*, as_json: bool, mib: int, write_pages: int = WRITE_PAGES, backends: tuple[str, ...] = BACKENDS,
                       load_back: bool = False, read_threads: int | None = None) -> int:
     """`read_threads`: the backends' `storage_read_threads` (None: the default)."""
-    if mib < 2:
-        raise SystemExit("hicache bench storage: --mib must be at least 2 (one 2 MiB page)")
+    if mib < MIB_MIN:
+        raise UsageError(f"--mib {mib}: give at least {MIB_MIN} (one 2 MiB page)")
     if write_pages < 1:
-        raise SystemExit("hicache bench storage: --write-pages must be at least 1")
+        raise UsageError(f"--write-pages {write_pages}: give at least 1")
     threads = Config().storage_read_threads if read_threads is None else read_threads
-    if type(threads) is not int or not 1 <= threads <= 64:
-        raise SystemExit(f"hicache bench storage: --read-threads must be in 1..64, got {read_threads!r}")
+    if type(threads) is not int or not 1 <= threads <= READ_THREADS_MAX:
+        raise UsageError(f"--read-threads must be in 1..{READ_THREADS_MAX}, got {read_threads!r}")
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # Mooncake's client logs every step at INFO
     unknown = [b for b in backends if b not in BACKENDS]
     if unknown or not backends:
-        raise SystemExit(f"hicache bench storage: unknown backend {unknown or backends}; choose from {BACKENDS}")
+        raise UsageError(f"unknown backend {unknown or backends}; choose from {BACKENDS}")
     kind = DeviceKind.CUDA if load_back and torch.cuda.is_available() else DeviceKind.CPU
     device = torch.device("cuda" if kind is DeviceKind.CUDA else "cpu") if load_back else None
     progress = progress_bar(as_json)

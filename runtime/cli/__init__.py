@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -48,21 +49,31 @@ class _Help(argparse.HelpFormatter):
 
 
 def _number(kind: type, low: float, high: float | None = None, what: str = "") -> Callable[[str], Any]:
-    """An argparse type: an int or float in low..high, refused in one line otherwise."""
+    """An argparse type: an int or float in low..high, refused in one line otherwise. `float`
+    reads `inf` and `nan` too; neither is a rate or a duration, and `inf` would reach
+    `--json` as `Infinity`, which is not JSON."""
     def parse(text: str) -> Any:
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
-        if value != value or value < low or (high is not None and value > high):
-            span = f"in {low}..{high}" if high is not None else (f"above 0" if low == _TINY else f">= {low}")
-            raise argparse.ArgumentTypeError(f"{text} must be {span}{what}")
+        if kind is float and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number; give one {_span(low, high)}{what}")
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"{text} must be {_span(low, high)}{what}")
+        if kind is int and value > _INT_MAX:  # past what a range or an array takes: an OverflowError deep inside
+            raise argparse.ArgumentTypeError(f"{text} is more than any count takes (at most {_INT_MAX})")
         return value
 
     return parse
 
 
+def _span(low: float, high: float | None) -> str:
+    return f"in {low}..{high}" if high is not None else f">= {low}"
+
+
 _TINY = 1e-12
+_INT_MAX = (1 << 62) - 1
 _positive = _number(float, _TINY)
 _count = _number(int, 1)
 
@@ -184,14 +195,15 @@ def _bench_args(bench: argparse.ArgumentParser) -> None:
     tc.add_argument("--requests", type=_count, default=None, help="serve the trace's first N requests (default 2000)")
     st = bsub.add_parser("storage", help="reading pages from each storage backend into host memory vs a raw read")
     st.add_argument("--json", action="store_true", help="print one JSON object with `results`")
-    st.add_argument("--mib", type=_count, default=256, help="MiB of pages written and read per backend")
+    st.add_argument("--mib", type=_number(int, 2), default=256,
+                    help="MiB of pages written and read per backend, at least 2 (one 2 MiB page)")
     st.add_argument("--write-pages", type=_count, default=256, help="pages per backend write call, a backup's size")
     st.add_argument("--backend", choices=("file", "mooncake", "both"), default="both",
                     help="the storage backends to time (default both)")
     st.add_argument("--load-back", action="store_true",
                     help="also time an L3 hit's path: storage -> host -> device (the GPU when CUDA is present)")
-    st.add_argument("--read-threads", type=_count, default=None,
-                    help="the backends' storage_read_threads: threads that verify a read's large pages "
+    st.add_argument("--read-threads", type=_number(int, 1, 64), default=None,
+                    help="the backends' storage_read_threads, 1..64: threads that verify a read's large pages "
                          "together (default: Config's, 2)")
 
 

@@ -96,8 +96,9 @@ def _replay(path: Path, as_json: bool, err: Console) -> int:
         print(json.dumps({"trace": str(path), "failed": res.failed, "error": res.error,
                           "deliveries": res.deliveries, "digest": res.digest}))
     else:
-        if res.failed:
-            err.print(f"[bold red]reproduced[/]: {res.error}")
+        if res.failed:  # a divergence fails the replay too (docs/testing.md), but it reproduces nothing
+            verdict = "diverged" if res.error_type == "ScheduleDivergedError" else "reproduced"
+            err.print(f"[bold red]{verdict}[/]: {res.error}")
         Console().print(f"replayed {res.deliveries} deliveries of {res.scenario} seed {res.seed}: "
                         + ("failed" if res.failed else "no failure"))
     return 1 if res.failed else 0

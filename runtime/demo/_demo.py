@@ -22,6 +22,7 @@ cost model produced them.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import tempfile
 from collections.abc import Iterable
@@ -91,6 +92,30 @@ def check_demo_arguments(requests: int, log_path: Path | None) -> None:
                          f"give 1..{TRACE_RECORDS}")
     if log_path is not None:
         check_writable_file("--log", log_path)
+        _check_log_takes_bytes(log_path)
+
+
+def _check_log_takes_bytes(path: Path) -> None:
+    """Append a byte to the log file and take it back, under the lock the delivery log takes.
+    Some files open for writing and then refuse every byte (`/proc/version`, `/dev/full`); the
+    delivery log only warns when a write fails, since a run must go on without its log, so
+    without this the demo would end with status 0 and no log. A log another running instance
+    writes is left as it is (the lock), and so is an old one (the byte is taken back: a run
+    that fails to start leaves it whole)."""
+    try:
+        with path.open("ab") as f:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            size = f.seek(0, 2)
+            f.write(b"\n")
+            f.flush()
+            if path.is_file():
+                f.truncate(size)
+    except BlockingIOError:
+        raise UsageError(f"--log {path}: another running instance is writing it; give each run a log file of "
+                         "its own") from None
+    except OSError as e:
+        raise UsageError(f"--log {path}: cannot be written ({e.strerror or e}); give a file in a folder this "
+                         "process may write") from None
 
 
 def run_demo(

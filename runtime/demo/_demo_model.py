@@ -41,6 +41,7 @@ from ._demo import CostModel
 from .._facade import HiCache, Request
 from ._model_runner import Generation, ModelRunner
 from ._tiny_model import tiny_llama
+from .._usage import UsageError
 
 TIERS = ("none", "L1", "L2", "L3")
 
@@ -101,8 +102,8 @@ def _load(arg: str) -> tuple[Any, str]:
         return tiny_llama(seed=0), "tiny (random Llama, float32)"
     path = Path(arg)
     if not (path / "config.json").is_file():
-        raise SystemExit(f"hicache demo: --model takes 'tiny' or a local transformers model directory (with a "
-                         f"config.json); {arg!r} is neither")
+        raise UsageError(f"--model takes 'tiny' or a local transformers model directory (with a config.json); "
+                         f"{arg!r} is neither")
     from transformers import AutoModelForCausalLM
 
     on_gpu = torch.cuda.is_available()

@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, Final
 
@@ -32,7 +33,7 @@ from rich.table import Table
 
 from hicache.actors import KVShape, PageFormat
 from hicache.messages import Tokens
-from hicache.messages.config import DTYPES, Config
+from hicache.messages.config import DTYPES, SLOTS_MAX, Config
 
 from ._demo import CostModel, _percentile, _Run, _serve, serve_requests
 from ._simulate_plot import plot_sweep
@@ -58,6 +59,10 @@ class Size:
     tokens: int | None = None
     nbytes: int | None = None
 
+    @property
+    def unbounded(self) -> bool:
+        return self.tokens is None and self.nbytes is None
+
     def in_tokens(self, kv_bytes_per_token: int) -> int | None:
         if self.nbytes is not None:
             return self.nbytes // kv_bytes_per_token
@@ -77,7 +82,11 @@ def parse_sizes(option: str, text: str, *, unbounded: bool = False) -> tuple[Siz
             extra = " or 'unbounded'" if unbounded else ""
             raise UsageError(f"{option}: {part!r} is not a size: give tokens (100000, 100k, 2M) or bytes "
                              f"(4GiB, 500MB){extra}, comma-separated")
-        value = float(m["n"])
+        try:
+            value = Fraction(m["n"])  # exact: a float would report a long number as another one
+        except ValueError:  # more digits than Python converts
+            raise UsageError(f"{option}: {part!r} is larger than any capacity; give at most {SLOTS_MAX:,} "
+                             "tokens") from None
         size = (Size(part, tokens=int(value * _UNITS[unit])) if unit in _UNITS
                 else Size(part, nbytes=int(value * _BYTE_UNITS[unit])))
         if not (size.tokens or size.nbytes):
@@ -136,7 +145,6 @@ class Sweep:
         return out
 
     def _point(self, l1: Size, l2: Size | None, l3: Size | None, w: str, e: str, p: str) -> Point:
-        pages = self.page_size
         t1 = self._tokens("--l1", l1)
         t2 = self._tokens("--l2", l2) if l2 is not None else None
         if t2 is not None and t2 <= t1:
@@ -144,16 +152,19 @@ class Sweep:
                              "host memory backs device memory up")
         if l3 is not None and t2 is None:
             raise UsageError("--l3 needs --l2: pages move between storage and host memory")
-        t3 = l3.in_tokens(self.kv_bytes_per_token) if l3 is not None else None
-        t3 = t3 // pages * pages if t3 else t3
+        t3 = None if l3 is None or l3.unbounded else self._tokens("--l3", l3)
         return Point(t1, t2, t3, l3 is not None, w, e, p)
 
     def _tokens(self, option: str, size: Size) -> int:
+        """The whole pages of `size`, in tokens. A bounded tier must hold a page: an L3 of 0
+        tokens would otherwise read as unbounded (None and 0 are both "no bound" to a `Point`)."""
         n = size.in_tokens(self.kv_bytes_per_token) or 0
         n = n // self.page_size * self.page_size
         if n < self.page_size:
             raise UsageError(f"{option} {size.text} holds no page of {self.page_size} tokens "
                              f"({self.kv_bytes_per_token:,} KV bytes per token)")
+        if n > SLOTS_MAX:
+            raise UsageError(f"{option} {size.text} is more than a tier may hold; give at most {SLOTS_MAX:,} tokens")
         return n
 
 

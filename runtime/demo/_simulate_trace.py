@@ -15,10 +15,11 @@ naming the file, the line and what was wrong.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, BinaryIO, Final
 
 import torch
 
@@ -26,6 +27,9 @@ from ..trace import TOKEN_ID_BOUND, TraceError, block_tokens
 
 FORMATS: Final = ("auto", "mooncake", "tokens")
 TOKEN_KEYS: Final = ("tokens", "input_ids", "prompt_token_ids")
+LINE_BYTES_MAX: Final = 64 << 20
+"""Longest line read: a prompt of a million token ids takes under 8 MiB; a file without line
+breaks (a device, a binary) is refused at this size rather than read whole into memory."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,12 +56,12 @@ def read_trace(path: Path, fmt: str = "auto", block_size: int = 512, limit: int 
     if fmt not in FORMATS:
         raise TraceError(f"unknown trace format {fmt!r}; use one of {', '.join(FORMATS)}")
     try:
-        text = path.open(encoding="utf-8")
+        lines = path.open("rb")
     except OSError as e:
         raise TraceError(f"cannot read the trace {path}: {e.strerror}") from None
     out: list[SimRequest] = []
-    with text:
-        for n, record in _records(path, text):
+    with lines:
+        for n, record in _records(path, lines):
             if limit is not None and len(out) >= limit:
                 break
             if fmt == "auto":
@@ -68,16 +72,35 @@ def read_trace(path: Path, fmt: str = "auto", block_size: int = 512, limit: int 
     return out
 
 
-def _records(path: Path, lines: Any) -> Iterator[tuple[int, Any]]:
-    for n, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            yield n, json.loads(line)
-        except json.JSONDecodeError as e:
-            raise TraceError(f"{path} line {n + 1}: not JSON ({e.msg})") from None
-        except UnicodeDecodeError:
-            raise TraceError(f"{path} line {n + 1}: not UTF-8 text (is it a JSONL trace?)") from None
+def _records(path: Path, lines: BinaryIO) -> Iterator[tuple[int, Any]]:
+    """Each non-empty line's number (0-based) and JSON value. The file is read as bytes and
+    decoded a line at a time, so that bytes that are not UTF-8 are reported at their line."""
+    n = 0
+    try:
+        while raw := lines.readline(LINE_BYTES_MAX + 1):
+            if len(raw) > LINE_BYTES_MAX:
+                raise TraceError(f"{path} line {n + 1}: longer than {LINE_BYTES_MAX >> 20} MiB (is it a JSONL "
+                                 "trace, one request per line?)")
+            if raw.strip():
+                yield n, _record(f"{path} line {n + 1}", raw)
+            n += 1
+    except OSError as e:
+        raise TraceError(f"cannot read the trace {path} at line {n + 1}: {e.strerror or e}") from None
+
+
+def _record(where: str, raw: bytes) -> Any:
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise TraceError(f"{where}: not UTF-8 text (is it a JSONL trace?)") from None
+    except json.JSONDecodeError as e:
+        raise TraceError(f"{where}: not JSON ({e.msg})") from None
+    except RecursionError:
+        raise TraceError(f"{where}: JSON nested too deeply to read (a record is one array of token ids "
+                         "or one object)") from None
+    except ValueError:  # an integer of more digits than Python converts
+        raise TraceError(f"{where}: a number of more than {sys.get_int_max_str_digits()} digits (token ids and "
+                         "lengths are far shorter)") from None
 
 
 def _mooncake(path: Path, n: int, rec: Any, block_size: int) -> SimRequest:
@@ -87,6 +110,8 @@ def _mooncake(path: Path, n: int, rec: Any, block_size: int) -> SimRequest:
     hashes, length = rec["hash_ids"], rec["input_length"]
     if not isinstance(hashes, list) or not all(type(h) is int and h >= 0 for h in hashes):
         raise TraceError(f"{where}: hash_ids must be a list of non-negative ints")
+    if not hashes:
+        raise TraceError(f"{where}: hash_ids is empty; a request's prompt needs at least one block id")
     if type(length) is not int or not 0 < length <= len(hashes) * block_size:
         raise TraceError(f"{where}: input_length {length!r} must be an int in 1..{len(hashes) * block_size} "
                          f"({len(hashes)} blocks of {block_size}; is --block-size right?)")

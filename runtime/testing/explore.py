@@ -493,15 +493,72 @@ def write_failure(res: ScheduleResult, out_dir: Path) -> tuple[Path, Path]:
 
 
 def replay(trace_path: Path, keep_log: bool = False) -> ScheduleResult:
-    """Run the schedule recorded in a trace file again, choice for choice."""
+    """Run the schedule recorded in a trace file again, choice for choice. A file that is not
+    a schedule trace (another JSON value, a field of the wrong type) is a ValueError naming
+    the file and the field."""
+    data = _read_trace(Path(trace_path))
+    return run_schedule(data["scenario"], data["seed"], data.get("strategy", "pct"), data.get("depth", 3),
+                        data.get("mutant"), choices=data["choices"], keep_log=keep_log)
+
+
+TRACE_BYTES_MAX = 64 << 20
+"""Largest schedule trace `replay` reads: millions of choices; a device or a stray binary is
+refused at this size rather than read whole into memory."""
+
+@dataclass(frozen=True, slots=True)
+class _TraceField:
+    required: bool
+    ok: Callable[[Any], bool]
+    want: str
+    """What the value must be, as the refusal says it."""
+
+
+_TRACE_FIELDS = {
+    "scenario": _TraceField(True, lambda v: isinstance(v, str), "a scenario name"),
+    "seed": _TraceField(True, lambda v: type(v) is int and v >= 0, "an integer >= 0"),
+    "depth": _TraceField(False, lambda v: type(v) is int and v >= 1, "an integer >= 1"),
+    "mutant": _TraceField(False, lambda v: v is None or isinstance(v, str), "a mutant name or null"),
+    "choices": _TraceField(True, lambda v: isinstance(v, list) and all(isinstance(c, str) for c in v),
+                           "a list of actor names"),
+}
+"""The fields `replay` runs on (`strategy` and `error` are only recorded)."""
+
+
+def _read_trace(path: Path) -> dict[str, Any]:
+    """The trace's JSON object, its version and the fields `replay` runs on checked, so that a
+    trace edited by hand or cut short is refused by name, not somewhere inside the scenario."""
     try:
-        data = json.loads(Path(trace_path).read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"cannot read schedule trace {trace_path}: {err}") from err
-    if data.get("version") != TRACE_VERSION:
-        raise ValueError(f"{trace_path}: trace version {data.get('version')!r}, this hicache reads {TRACE_VERSION}")
-    return run_schedule(data["scenario"], int(data["seed"]), data.get("strategy", "pct"), int(data.get("depth", 3)),
-                        data.get("mutant"), choices=list(data["choices"]), keep_log=keep_log)
+        with path.open("rb") as f:
+            raw = f.read(TRACE_BYTES_MAX + 1)
+        if len(raw) > TRACE_BYTES_MAX:
+            raise ValueError(f"larger than {TRACE_BYTES_MAX >> 20} MiB")
+        data = json.loads(raw)
+    except RecursionError:
+        raise ValueError(f"cannot read schedule trace {path}: JSON nested too deeply") from None
+    except (OSError, ValueError) as err:  # ValueError: not UTF-8, not JSON, too large
+        raise ValueError(f"cannot read schedule trace {path}: {err}") from err
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: the top level is {_json_kind(data)}, not the object a schedule trace is")
+    version = data.get("version")
+    if type(version) is not int or version != TRACE_VERSION:
+        raise ValueError(f"{path}: trace version {_brief(version)}, this hicache reads {TRACE_VERSION}")
+    for key, field_ in _TRACE_FIELDS.items():
+        if key not in data:
+            if field_.required:
+                raise ValueError(f"{path}: no field {key} (it must be {field_.want})")
+        elif not field_.ok(data[key]):
+            raise ValueError(f"{path}: field {key} must be {field_.want}, got {_brief(data[key])}")
+    return data
+
+
+def _json_kind(value: Any) -> str:
+    kinds = {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
+    return "null" if value is None else kinds.get(type(value), type(value).__name__)
+
+
+def _brief(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 @dataclass(frozen=True, slots=True)
