@@ -568,3 +568,46 @@ def test_a_late_admission_is_released_and_its_id_stays_usable(make_config: Calla
         assert b.cached_tokens == 16
         hc.finish([b.handle])
         _quiet(hc)
+
+
+def test_an_admit_given_up_on_while_its_load_waits_for_slots_leaves_the_next_admit_of_that_prefix_working(
+    make_config: Callable[..., Config], oracle_for: Callable[[Config], Any],
+) -> None:
+    """`admit` of a host-only prefix waits for its load-back's slots (the eviction waits for a
+    write held here) and times out; the next `admit` of the same prefix reached the tree while
+    the first still waited, both planned to load the prefix, and the tree died when the second
+    load started (LOADING -> LOADING). Now the second is planned after the first is answered."""
+    hold, held = threading.Event(), threading.Event()
+
+    def observe(receiver: ActorName, mail: Any) -> None:
+        if receiver is ActorName.WRITE and type(mail.message).__name__ == "DrainWrites" and hold.is_set():
+            held.set()
+            while hold.is_set():
+                time.sleep(0.005)
+
+    config = make_config(page_size=4, device_pages=8, host_pages=32)
+    oracle = oracle_for(config)
+    with HiCache(config, runtime=ThreadedRuntime(observe=observe, write_stream_thread=True),
+                 reply_timeout_s=1.0) as hc:
+        prefix = seq(8, 1000)
+        [p] = hc.admit([Request("p", prefix + [1])])
+        oracle.write(hc.device_kv, prefix + [1], hc.allocate({"p": 9})["p"])
+        hc.commit({"p": prefix + [1]})
+        hc.finish([p.handle])
+        hc.quiesce()
+        hc.evict_device(config.device_slots)
+        hold.set()  # "a" fills 7 of the 8 pages, and its write is held: its node stays locked
+        [a] = hc.admit([Request("a", seq(28, 5000))])
+        hc.allocate({"a": 28})
+        hc.commit({"a": seq(28, 5000)})
+        hc.finish([a.handle])
+        assert held.wait(10)
+        with pytest.raises(TimeoutError, match=r"no reply to op \d+ within 1\.0s"):
+            hc.admit([Request("x", prefix + [7])])  # its load needs 2 pages: the eviction waits for the write
+        threading.Timer(0.1, hold.clear).start()  # the write lands while the next admission waits its turn
+        [y] = hc.admit([Request("y", prefix + [8])])
+        assert y.host_hit == 8
+        hc.start_loads().wait_all(timeout_s=30)
+        oracle.verify(hc.device_kv, prefix, y.device_indices)
+        hc.finish([y.handle])
+        _quiet(hc)
