@@ -686,12 +686,12 @@ def test_an_allocation_waits_for_a_write_whose_upper_node_a_request_holds(make_c
         hc.check_invariants()
 
 
-def _prefix_in_host_memory_only(hc: HiCache, oracle: Any) -> list[int]:
-    """48 tokens served with fingerprint KV, written through, evicted from the device, and the
+def _prefix_in_host_memory_only(hc: HiCache, oracle: Any, n: int = 48) -> list[int]:
+    """`n` tokens served with fingerprint KV, written through, evicted from the device, and the
     device zeroed: whatever a later request reads there comes from a load-back."""
-    tokens = seq(48, 10_000)
+    tokens = seq(n, 10_000)
     [adm] = hc.admit([Request("a", tokens[:-1])])
-    oracle.write(hc.device_kv, tokens, hc.allocate({"a": 48})["a"])
+    oracle.write(hc.device_kv, tokens, hc.allocate({"a": n})["a"])
     hc.commit({"a": tokens})
     hc.finish([adm.handle])
     hc.quiesce()
@@ -764,14 +764,7 @@ def test_a_host_hit_whose_load_a_quiesce_started_and_which_failed_fails_the_forw
     oracle = oracle_for(config)
     faults = _FailLoads()
     with HiCache(config, runtime=make_runtime(kind, seed=3, faults=faults)) as hc:
-        tokens = seq(16, 10_000)
-        [adm] = hc.admit([Request("a", tokens[:-1])])
-        oracle.write(hc.device_kv, tokens, hc.allocate({"a": 16})["a"])
-        hc.commit({"a": tokens})
-        hc.finish([adm.handle])
-        hc.quiesce()
-        hc.evict_device(hc.config.device_slots)
-        hc.device_kv.tensor.zero_()
+        tokens = _prefix_in_host_memory_only(hc, oracle, 16)
         [y] = hc.admit([Request("y", tokens + [7])])
         assert y.host_hit == 16
         faults.on = True
