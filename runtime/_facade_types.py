@@ -269,9 +269,10 @@ def count(what: str, value: Any, maximum: int) -> int:
     """A number of tokens or slots: an int (not a bool) in 0..maximum."""
     if type(value) is int and 0 <= value <= maximum:
         return value
-    if type(value) is bool or not hasattr(type(value), "__index__"):
+    if type(value) is bool or not hasattr(type(value), "__index__") or getattr(value, "ndim", 0):
+        # (an array or tensor of one integer element has `__index__` too; a 0-d one is a scalar)
         raise RequestError(f"{what} must be an int, got {shown(value)}")
-    try:  # an array or tensor has `__index__`, which refuses all but one integer element
+    try:
         n = operator.index(value)
     except TypeError:
         raise RequestError(f"{what} must be an int, got {shown(value)}") from None

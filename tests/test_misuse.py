@@ -126,6 +126,8 @@ def test_a_malformed_request_is_one_request_error_and_reaches_no_actor(
     (lambda hc: hc.evict_host(torch.tensor([1.5])), r"tokens must be an int, got tensor\(\[1\.5000\]\)"),
     (lambda hc: hc.allocate({"live": numpy.array([[1], [2]])}), r"demands\['live'\] must be an int, got array\(\[\[1\], \[2\]\]\)$"),
     (lambda hc: hc.allocate({"live": torch.tensor([[1, 2], [3, 4]])}), r"must be an int, got tensor\(\[\[1, 2\], \[3, 4\]\]\)$"),
+    (lambda hc: hc.allocate({"live": torch.tensor([3])}), r"demands\['live'\] must be an int, got tensor\(\[3\]\)$"),
+    (lambda hc: hc.evict_device(numpy.array([2])), r"tokens must be an int, got array\(\[2\]\)$"),
     (lambda hc: hc.allocate({"live": 1}, commit=torch.tensor([[1, 2]])), r"commit must map request ids to tokens, got Tensor"),
     (lambda hc: hc.allocate({"live": 1}, flat=numpy.array([[1], [2]])), r"flat must be True or False, got array\(\[\[1\], \[2\]\]\)$"),
     (lambda hc: hc.admit([numpy.array([[1], [2]])]), r"expected a Request, got array\(\[\[1\], \[2\]\]\)$"),
@@ -154,6 +156,19 @@ def test_a_malformed_argument_is_one_request_error_and_the_cache_keeps_working(
     got = cache.allocate({"live": 4})
     assert isinstance(got, dict) and len(got["live"]) == 4
     cache.commit({"live": seq(4, 9)})
+    cache.finish([live.handle])
+    _quiet(cache)
+
+
+def test_a_count_may_be_a_numpy_or_torch_integer_scalar(cache: HiCache) -> None:
+    """What an engine's own arithmetic gives (a 0-d tensor, a numpy integer) counts as an int;
+    only an array or a tensor with a dimension is refused (the table above)."""
+    [live] = cache.admit([Request("live", seq(8))])
+    got = cache.allocate({"live": torch.tensor(3)})
+    assert isinstance(got, dict) and len(got["live"]) == 3
+    got = cache.allocate({"live": numpy.int64(2)})
+    assert isinstance(got, dict) and len(got["live"]) == 2
+    cache.commit({"live": seq(5, 9)})
     cache.finish([live.handle])
     _quiet(cache)
 
