@@ -35,14 +35,17 @@ be written twice (both copies are whole pages; each index keeps one).
 pages are evicted, each by punching its record (and the dead blocks around it) out of
 its segment (`fallocate(PUNCH_HOLE)`), and a finished segment with no page left is
 deleted. Several instances may share the directory and its bound; each evicts by its
-own reads.
+own reads. A segment whose writer was killed (its `flock` free, the file unchanged for
+`ABANDONED_AFTER_S`) is finished by the instance that lists it next, so that it goes too.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import itertools
 import os
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -94,6 +97,9 @@ the CPU's cache. A prefetch step of `storage_batch_mb`'s default is one read: sp
 by its headers, 64 KiB page_first reads took 8-13% longer."""
 FDS_OPEN_MAX: Final = 256
 """Segment files kept open for reading; past this the cache of open files is emptied."""
+ABANDONED_AFTER_S: Final = 5.0
+"""An unfinished segment whose writer's lock is free is finished (sealed, its torn tail cut off)
+once it has not changed for this long."""
 _PAGES_PER_CALL_MAX: Final = IOV_MAX // 2
 """Most pages one `preadv`/`pwritev` moves (a header and at least one run each)."""
 
@@ -461,6 +467,10 @@ class FileBackend:
                     break
                 except FileExistsError:  # another writer has this name: never append after its segments
                     self._writer, self._seq = _writer_name(), 0
+            try:  # held while this process lives: a segment of some bytes whose lock is free lost its writer
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                pass  # no locks here: other instances then take this writer for a live one, as before
         except OSError as e:
             return None, self._error("creating a segment in", self.root, e)
         self._current = self._index.new_segment(name, self.root / name, ours=True, record=self.fmt.stored_bytes,
@@ -534,6 +544,40 @@ class FileBackend:
             if not (seg.ours or seg.sealed) and (seq < latest[writer] or name in sealed):
                 self._scan(seg)  # its writer moved on, or closed: this scan is its last
                 seg.sealed = True
+            elif not (seg.ours or seg.sealed) and self._writer_died(seg):
+                self._scan(seg)  # its writer was killed: its last scan, then finish it for every instance
+                self._finish_abandoned(seg)
+
+    def _writer_died(self, seg: Segment) -> bool:
+        """The writer of this unfinished segment is gone: its lock (`_writable`) is free, though
+        the segment has bytes (a writer locks it before its first write) and has not changed for
+        `ABANDONED_AFTER_S` (a writer that takes no lock, of an earlier version, is left alone
+        while it appends)."""
+        try:
+            fd = self._fd(seg)
+            st = os.fstat(fd)
+            if st.st_size == 0 or time.time() - st.st_mtime < ABANDONED_AFTER_S:
+                return False
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False  # held (a live writer), or no locks here
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return True
+
+    def _finish_abandoned(self, seg: Segment) -> None:
+        """Seal a segment whose writer died, and cut off the torn record it left after its whole
+        ones (when the records are of this KV shape, or no header is whole): no instance would."""
+        h = self.fmt.header_bytes
+        try:
+            fd = self._fd(seg)
+            size = os.fstat(fd).st_size
+            if seg.scanned < size and ((seg.record and not seg.other_shape) or size < h):
+                os.ftruncate(fd, seg.scanned)
+                self._restat(seg)
+        except OSError as e:
+            self._forget_segment_if_gone(seg, e)
+            self._error("truncating", seg.path, e)
+        self._seal(seg)
 
     def _scan(self, seg: Segment) -> None:
         """Index the whole records `seg` gained since the last scan."""

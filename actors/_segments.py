@@ -11,8 +11,10 @@ on to a later segment, or closed. It then leaves an empty file
 `seg-<writer>-<seq>.sealed` beside the segment, which goes with it. Only a
 finished segment is deleted once its pages are all evicted (or, read by an instance that
 never saw a page of it, once every byte of it reads zero): a writer may still be
-appending to any other. A writer killed before it closed leaves its last segment
-unfinished: its pages are still evicted, record by record, and the file stays.
+appending to any other. A writer holds an exclusive `flock` on the segment it appends
+to; a writer killed before it closed leaves it unfinished, with the lock free, and
+another instance finishes it (`FileBackend._finish_abandoned`: the torn tail cut off,
+the seal written) once it has not changed for a while.
 
 Crash safety without fsync: a record counts only when its header checks out and its
 whole payload lies within the file. A scan stops at the first record that does not,

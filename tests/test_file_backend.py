@@ -4,6 +4,7 @@ logged once with its path; never a raised error, never wrong KV)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -460,6 +461,67 @@ def test_a_closed_writers_segment_and_its_seal_go_with_its_last_page(tmp_path: P
         assert b.write(_keys(f"after{round_}", 8), src, _slots(list(range(8)))).written == 8
     assert b.exists(["closed-0"]) == 0
     assert not path.exists() and not (tmp_path / seal_name(path.name)).exists()
+
+
+def _killed_writer(root: Path, keys: list[str], seed: int) -> Path:
+    """The segment of a process that wrote the pages of `keys` (host pages 0.., of seed `seed`,
+    page_first) to `root` and was killed (SIGKILL) before it closed: never sealed. A torn half
+    record is appended, as a kill during an append leaves it, and the file is made a minute old."""
+    script = f"""
+import os, signal, torch
+from hicache.actors import FileBackend, KVBuffer, KVShape
+from hicache.runtime import Config, HostLayout
+config = Config(**{dict(layers=4, kv_heads=2, head_dim=64, page_size=PAGE, device_slots=8 * PAGE,
+                        host_slots=HOST_PAGES * PAGE, storage="file", storage_dir=str(root))!r})
+host = KVBuffer.allocate(KVShape.of(config), {HOST_PAGES * PAGE}, HostLayout.PAGE_FIRST, "cpu")
+host.tensor.view(torch.uint8).random_(generator=torch.Generator().manual_seed({seed}))
+assert FileBackend(config).write({keys!r}, host, torch.arange({len(keys) * PAGE})).written == {len(keys)}
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+    assert subprocess.run([sys.executable, "-c", script], timeout=60).returncode == -9
+    [segment] = [p for p in root.iterdir()]
+    with open(segment, "ab") as f:
+        f.write(b"\x5a" * 5000)
+    old = segment.stat().st_mtime - 60
+    os.utime(segment, (old, old))
+    return segment
+
+
+def test_a_killed_writers_segment_is_finished_by_the_next_instance_and_goes_with_its_last_page(
+        tmp_path: Path, opened: Any) -> None:
+    # A writer killed without closing never seals its last segment: before, no instance ever
+    # deleted it (nor its torn tail), so each kill left a file and its bytes for good, counted
+    # toward the bound by every instance, which evicted live pages in their place.
+    keys = _keys("killed", 8)
+    segment = _killed_writer(tmp_path, keys, seed=12)
+    stored = PageFormat(KVShape.of(_config(tmp_path))).stored_bytes
+    b = opened(storage_max_bytes=1 << 20)
+    assert (tmp_path / seal_name(segment.name)).exists()  # finished: sealed, the torn tail cut off
+    assert segment.stat().st_size == 8 * stored
+    src, dst = _host(_config(tmp_path), seed=12, layout=HostLayout.PAGE_FIRST), _host(_config(tmp_path))
+    assert b.read(keys, dst, _slots(list(range(8)))).pages == 8
+    assert _same(dst, list(range(8)), src, list(range(8)))
+    b.check_invariants()
+    for round_ in range(5):  # 5 x 8 pages of 32 KiB pass the bound: the killed writer's pages go first
+        assert b.write(_keys(f"after{round_}", 8), src, _slots(list(range(8)))).written == 8
+    assert b.exists(keys[:1]) == 0
+    assert not segment.exists() and not (tmp_path / seal_name(segment.name)).exists()
+    assert b.usage().stored_bytes == _du(tmp_path)
+
+
+def test_a_live_writers_segment_is_not_finished_however_long_it_waits(tmp_path: Path, opened: Any) -> None:
+    a = opened()
+    src = _host(_config(tmp_path), seed=13)
+    assert a.write(_keys("idle", 4), src, _slots([0, 1, 2, 3])).written == 4
+    segment = a.locate("idle-0")[0]
+    old = segment.stat().st_mtime - 60
+    os.utime(segment, (old, old))  # idle a minute: its lock still tells it is alive
+    b = opened(storage_max_bytes=1 << 20)
+    assert b.exists(_keys("idle", 4)) == 4
+    assert not (tmp_path / seal_name(segment.name)).exists()
+    assert a.write(_keys("later", 4), src, _slots([4, 5, 6, 7])).written == 4
+    assert a.locate("later-0")[0] == segment  # still appending to it
+    assert b.exists(_keys("later", 4)) == 4
 
 
 def test_a_finished_segment_whose_pages_were_all_punched_out_unseen_is_deleted(tmp_path: Path, opened: Any) -> None:
