@@ -400,13 +400,16 @@ class HiCache:
             writes = backups = -1
             drained = False
         untrack(self)  # before the actors stop: a scrape from now on leaves this cache out
-        self.system.stop()
-        self._interrupts.stop()
+        try:
+            stuck = self.system.stop()
+        finally:
+            self._interrupts.stop()
         if writes or backups:
             drained = False
             log.warning("closed with work in flight" if writes >= 0 else "closed after an actor failed: what was in "
                         "flight is unknown", writes_dropped=writes, backups_dropped=backups)
-        return Closed(drained=drained and not (writes or backups), writes_dropped=writes, backups_dropped=backups)
+        return Closed(drained=drained and not (writes or backups or stuck), writes_dropped=writes,
+                      backups_dropped=backups, actors_left=tuple(name.value for name in stuck))
 
     def __enter__(self) -> HiCache:
         return self.start()

@@ -133,6 +133,10 @@ class Closed:
     backups_dropped: int
     """Backups to storage still in flight when the actors stopped, their pages not stored (-1: unknown,
     an actor had failed)."""
+    actors_left: tuple[str, ...] = ()
+    """Actors that did not stop within 60 s, still in a handler (a storage call that hangs, say):
+    left behind, their threads end on their own (each is logged as an error). The cache may start
+    again meanwhile."""
 
 
 @dataclass(frozen=True, slots=True)

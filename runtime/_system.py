@@ -387,27 +387,41 @@ class System:
             raise TypeError(f"{use.__name__} must subclass {cls.__name__} to run as the {cls.name.value} actor")
         self.directory.register(cls.name, self.runtime.start(use, **kwargs))
 
-    def stop(self) -> None:
+    def stop(self) -> tuple[ActorName, ...]:
+        """Stop the actors, then close the log. An actor still in a handler after
+        `DEFAULT_ASK_TIMEOUT_S` (a storage call that hangs, say) is left behind: its thread (a
+        daemon) ends on its own, the others stop, the log is closed, and the system may start
+        again. What this returns: the actors left behind, each also logged as an error."""
         if not self._started:
-            return
-        self._stop_actors()
-        if self.services.log is not None:
-            self.services.log.close()
-            self.services.log = None
-            self.services.faults = self._unlogged_faults
-        self._started = False
+            return ()
+        try:
+            stuck = self._stop_actors()
+        finally:
+            if self.services.log is not None:
+                self.services.log.close()
+                self.services.log = None
+                self.services.faults = self._unlogged_faults
+            self._started = False
+        return stuck
 
-    def _stop_actors(self) -> None:
+    def _stop_actors(self) -> tuple[ActorName, ...]:
         self.services.stopping = True
+        stuck: list[ActorName] = []
         try:
             for name in self.directory.names():
                 ref = self.directory.ref(name)
                 if ref.is_alive():
-                    ref.stop(block=True, timeout=DEFAULT_ASK_TIMEOUT_S)
+                    try:
+                        ref.stop(block=True, timeout=DEFAULT_ASK_TIMEOUT_S)
+                    except pykka.Timeout:
+                        stuck.append(name)
+                        log.error("actor did not stop: still in a handler, left behind (its thread ends on its "
+                                  "own)", actor=name.value, waited_s=DEFAULT_ASK_TIMEOUT_S)
             self.runtime.shutdown()
         finally:
             self.services.stopping = False
             self.directory = Directory()
+        return tuple(stuck)
 
     def __enter__(self) -> System:
         return self.start()

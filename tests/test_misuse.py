@@ -342,6 +342,50 @@ def test_a_quiesce_that_times_out_says_what_is_in_flight_and_the_cache_goes_on(
         _quiet(hc)
 
 
+def test_an_actor_stuck_past_the_stop_timeout_is_left_behind_and_the_cache_starts_again(
+    make_config: Callable[..., Config], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A backup to storage that hangs (a file system that stopped answering, say) holds the
+    # prefetcher in its handler past the wait for it to stop. Before, close() raised pykka's
+    # Timeout: the actors after it were not stopped, the log stayed open and locked, and a new
+    # cache on the same log path refused to start.
+    from hicache.runtime import _system
+    from hicache.runtime._calls import _GATE
+
+    monkeypatch.setattr(_system, "DEFAULT_ASK_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(_system, "THREAD_JOIN_TIMEOUT_S", 0.2)
+    hung, entered = threading.Event(), threading.Event()
+    write = FileBackend.write
+
+    def hanging(self: FileBackend, *args: Any) -> Any:
+        entered.set()
+        hung.wait(30)
+        return write(self, *args)
+
+    monkeypatch.setattr(FileBackend, "write", hanging)
+    config = make_config(storage="file", storage_dir=str(tmp_path / "l3"), log_path=str(tmp_path / "run.log"))
+    users = _GATE.users
+    hc = HiCache(config).start()
+    try:
+        [a] = hc.admit([Request("a", seq(8))])
+        hc.allocate({"a": 9})
+        hc.commit({"a": seq(9)})
+        hc.finish([a.handle])
+        assert entered.wait(10)
+        closed = hc.close(drain=False)
+        assert closed.actors_left == ("prefetch",) and not closed.drained
+        assert not hc.system.started and _GATE.users == users
+        monkeypatch.setattr(FileBackend, "write", write)
+        with HiCache(config) as again:  # the same log path: the first log was closed
+            [b] = again.admit([Request("b", seq(8))])
+            again.allocate({"b": 9})
+            again.commit({"b": seq(9)})
+            again.finish([b.handle])
+            _quiet(again)
+    finally:
+        hung.set()
+
+
 def test_close_drains_backups_in_flight_so_a_next_instance_finds_every_page(
     make_config: Callable[..., Config], tmp_path: Path
 ) -> None:
