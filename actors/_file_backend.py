@@ -47,6 +47,7 @@ import itertools
 import os
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Final, NamedTuple
@@ -97,6 +98,8 @@ the CPU's cache. A prefetch step of `storage_batch_mb`'s default is one read: sp
 by its headers, 64 KiB page_first reads took 8-13% longer."""
 FDS_OPEN_MAX: Final = 256
 """Segment files kept open for reading; past this the cache of open files is emptied."""
+_FULL: Final = frozenset({errno.ENOSPC, errno.EDQUOT})
+"""The errors of a file system with no room left (for anyone, or for this user)."""
 ABANDONED_AFTER_S: Final = 5.0
 """An unfinished segment whose writer's lock is free is finished (sealed, its torn tail cut off)
 once it has not changed for this long."""
@@ -138,6 +141,8 @@ class FileBackend:
         self._listed_ns = -1
         """The directory's modification time when it was last listed."""
         self._evicted = 0
+        self._disk_full = False
+        """The last write failed because the file system is full (`ENOSPC`, `EDQUOT`)."""
         self._errors = 0
         self._hosts: tuple[KVBuffer, HostPages] | None = None
         self._sent = (Headers.allocate(self.fmt, _PAGES_PER_CALL_MAX), Headers.allocate(self.fmt, _PAGES_PER_CALL_MAX))
@@ -316,6 +321,22 @@ class FileBackend:
     # -- write -----------------------------------------------------------------------------
 
     def write(self, keys: Sequence[str], host: KVBuffer, slots: torch.Tensor) -> StorageIO:
+        """Store the pages of `keys` not stored yet. Under `storage_max_bytes`, a file system
+        that fills up before the bound (other files share it) is a bound reached: the least
+        recently used pages make room for what is left of the call, which is tried once more."""
+        self._disk_full = False
+        io = self._write(keys, host, slots)
+        if io.error and self._disk_full and self.max_bytes and len(self._index):
+            left = len(keys) - io.pages
+            evicted = self._evict_down_to(self._index.allocated - left * self.fmt.stored_bytes)
+            log.warning("storage full before its bound: evicted the least recently used pages to make room",
+                        backend=self.name, path=str(self.root), evicted_pages=evicted, bound_bytes=self.max_bytes)
+            self._disk_full = False
+            again = self._write(keys, host, slots)
+            io = replace(again, written=io.written + again.written, bytes=io.bytes + again.bytes)
+        return io
+
+    def _write(self, keys: Sequence[str], host: KVBuffer, slots: torch.Tensor) -> StorageIO:
         check_keys(keys)
         starts = page_starts(keys, host, slots)
         pages = self._host_pages(host)
@@ -433,6 +454,7 @@ class FileBackend:
         except OSError as e:
             self._index.unclaim(seg, append.pages)
             self._cut_tail(seg)
+            self._disk_full = e.errno in _FULL
             return f"page {append.first_key}: " + self._error("writing", seg.path, e, append.first_key)
         seg.scanned += append.pages * self.fmt.stored_bytes
         if self.max_bytes:
@@ -472,6 +494,7 @@ class FileBackend:
             except OSError:
                 pass  # no locks here: other instances then take this writer for a live one, as before
         except OSError as e:
+            self._disk_full = e.errno in _FULL
             return None, self._error("creating a segment in", self.root, e)
         self._current = self._index.new_segment(name, self.root / name, ours=True, record=self.fmt.stored_bytes,
                                                 fd=fd)
@@ -600,16 +623,22 @@ class FileBackend:
 
     def _make_room(self, need: int) -> None:
         """Evict least recently used pages until `need` more bytes fit within `storage_max_bytes`."""
-        if not self.max_bytes:
-            return
-        index = self._index
-        while len(index) and index.allocated + need > self.max_bytes:
+        if self.max_bytes:
+            self._evict_down_to(self.max_bytes - need)
+
+    def _evict_down_to(self, allocated: int) -> int:
+        """Evict least recently used pages until the index's segments take at most `allocated`
+        bytes (or no page is left); finished segments left without a page are deleted. Pages evicted."""
+        index, evicted = self._index, 0
+        while len(index) and index.allocated > allocated:
             key = index.oldest()
             self._release(*index.remove(key), key)
-            self._evicted += 1
+            evicted += 1
+        self._evicted += evicted
         for seg in index.segments():
             if seg.sealed and not seg.live and (seg.shaped or self._blank(seg)):
                 self._delete_segment(seg)
+        return evicted
 
     def _release(self, seg: Segment, record: int, key: str) -> None:
         """Give back the disk space of a record that just died: the segment, when it was its

@@ -4,6 +4,7 @@ logged once with its path; never a raised error, never wrong KV)."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import subprocess
@@ -600,6 +601,43 @@ def test_a_hole_never_reaches_past_the_scanned_end() -> None:
 
 
 # -- faults ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bound", [0, 64 << 20])
+def test_a_file_system_full_before_the_bound_makes_room_by_evicting_as_the_bound_would(
+        tmp_path: Path, opened: Any, monkeypatch: Any, bound: int) -> None:
+    # The directory's file system holds 1 MiB (other files fill the rest), far below the
+    # bound: a write that hits ENOSPC evicts the least recently used pages and is tried once
+    # more. Before, every backup from then on failed until someone freed space. Without a
+    # bound, the backend deletes nothing on its own: the write fails, a counted miss.
+    capacity = 1 << 20
+    real = _file_backend.pwritev_all
+
+    def small_disk(fd: int, bufs: list[memoryview], offset: int) -> None:
+        if _du(tmp_path) + sum(map(len, bufs)) > capacity:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd, bufs, offset)
+
+    monkeypatch.setattr(_file_backend, "pwritev_all", small_disk)
+    backend = opened(storage_max_bytes=bound)
+    src, dst = _host(_config(tmp_path), seed=14), _host(_config(tmp_path))
+    failed = 0
+    for round_ in range(12):  # 12 x 8 pages of 32 KiB: three times what the disk holds
+        keys = _keys(f"full{round_}", 8)
+        io = backend.write(keys, src, _slots(list(range(8))))
+        backend.check_invariants()
+        failed += bool(io.error)
+        if bound:
+            assert (io.pages, io.written, io.error) == (8, 8, ""), round_
+            assert backend.read(keys, dst, _slots(list(range(8, 16)))).pages == 8
+            assert _same(dst, list(range(8, 16)), src, list(range(8)))
+        else:
+            assert io.pages == backend.exists(keys) and (io.pages == 8) == (not io.error)
+    assert _du(tmp_path) <= capacity
+    if bound:
+        assert backend.exists(_keys("full0", 1)) == 0 and backend.usage().evicted_pages > 0
+    else:
+        assert failed >= 8 and backend.usage().evicted_pages == 0 and backend.exists(_keys("full0", 8)) == 8
 
 
 def test_a_read_error_is_a_counted_miss_logged_once_with_its_path(tmp_path: Path, opened: Any, monkeypatch) -> None:
