@@ -39,7 +39,11 @@ Three client calls hold the interpreter lock, so no timeout of ours can bound th
     gives up within `SETUP_RETRIES` x the timeout;
   - `MC_STORE_CLIENT_SETUP_RETRIES`: `SETUP_RETRIES` (a retry picks another local port);
   - `MC_TCP_BIND_ADDRESS`: `mooncake_local_host`, the address announced to the other
-    clients (unset, the transfer engine listens on the first non-loopback interface).
+    clients (unset, the transfer engine listens on the first non-loopback interface);
+  - `MC_TCP_PROGRESS_TIMEOUT_SEC`, `MC_TCP_STATUS_TIMEOUT_SEC`: `storage_timeout_s` / 4 (whole
+    seconds, at least 1). Unset (30 s), a get or put of objects in a peer that stopped answering
+    (frozen, or gone without a reset) held the call thread 30-60 s, and every call meanwhile failed
+    at once.
 """
 
 from __future__ import annotations
@@ -93,12 +97,16 @@ _TRANSFER_FAILED: Final = -800
 
 SETUP_RETRIES: Final = 3
 """Attempts of the client's `setup` (each up to `storage_timeout_s`)."""
+TRANSFER_WAITS: Final = 4
+"""A get or put of one batch whose objects lie in a peer that stopped answering returned after about
+3 of the TCP transport's progress timeouts here (8 pages; 1 page: 1), so that timeout is
+`storage_timeout_s` / 4, in whole seconds and at least 1."""
 SETUP_WAIT_MIN_S: Final = 5.0
 """Least time opening waits for the client's setup and registrations: a healthy setup takes
 40-300 ms here, longer than a tight `storage_timeout_s` meant for reads and writes."""
 
 _CLIENT_ENV: Final = ("MC_RPC_TIMEOUT_MS", "MC_RPC_CONNECT_TIMEOUT_MS", "MC_STORE_CLIENT_SETUP_RETRIES",
-                      "MC_TCP_BIND_ADDRESS")
+                      "MC_TCP_BIND_ADDRESS", "MC_TCP_PROGRESS_TIMEOUT_SEC", "MC_TCP_STATUS_TIMEOUT_SEC")
 _USER_ENV: Final = frozenset(k for k in _CLIENT_ENV if k in os.environ)
 """The client variables the environment set before hicache ran: left as they are."""
 
@@ -249,6 +257,9 @@ class MooncakeBackend:
         self._hosts: dict[int, HostPages] = {}
         """Host buffers registered with the client, by address."""
         self._errors = 0
+        self._late_put: list[str] = []
+        """Objects of a put straight from host memory that overran: its caller gave up and the tree
+        may reuse those host slots while the put still reads them, so once it returns they go."""
         self._calls = _BoundedCalls(config.storage_timeout_s, keep=self._keep)
         self._threads = IOThreads(config.storage_read_threads, "hicache-mooncake-verify")
         self._closed = False
@@ -306,6 +317,7 @@ class MooncakeBackend:
         check_keys(keys)
         if not keys:
             return 0
+        self._remove_late_put()
         try:
             found = self._calls.run("batch_is_exist", self._store.batch_is_exist, [self.object_key(k) for k in keys])
         except _CallFailed as e:
@@ -352,6 +364,7 @@ class MooncakeBackend:
     def read(self, keys: Sequence[str], host: KVBuffer, slots: torch.Tensor) -> StorageIO:
         check_keys(keys)
         starts = page_starts(keys, host, slots)
+        self._remove_late_put()
         pages, error = self._host_pages(host) if keys else (None, "")
         done = 0
         while done < len(keys) and not error:
@@ -412,6 +425,8 @@ class MooncakeBackend:
             size = self._calls.run("get_size", self._store.get_size, self.object_key(key))
         except _CallFailed:
             return ""
+        if size < 0:  # an error code, not a size: gone (-704) or unanswered, never proof of a misfit
+            return ""
         return f"object of {size} bytes, expected {self.fmt.stored_bytes}" if size != self.fmt.stored_bytes else ""
 
     def _drop(self, key: str, problem: str) -> None:
@@ -427,6 +442,7 @@ class MooncakeBackend:
     def write(self, keys: Sequence[str], host: KVBuffer, slots: torch.Tensor) -> StorageIO:
         check_keys(keys)
         starts = page_starts(keys, host, slots)
+        self._remove_late_put()
         pages, error = self._host_pages(host) if keys else (None, "")
         if error:
             return StorageIO(pages=0, error=f"page {keys[0]}: {error}")
@@ -446,6 +462,7 @@ class MooncakeBackend:
         Small pages (`RecordBlock.fits`) are gathered into the registered record block and put
         one buffer an object; larger ones straight from host memory, a buffer a run."""
         objects = [self.object_key(k) for k in keys]
+        from_host: list[str] = []
         try:
             found = self._calls.run("batch_is_exist", self._store.batch_is_exist, objects)
             failed = next((f for f in found if f < 0), 0)
@@ -463,9 +480,12 @@ class MooncakeBackend:
             else:
                 ptrs, sizes = self._buffers(pages, todo_starts)
                 self._moved.fill(todo_keys, pages.checksums(pages.payloads(todo_starts)))
+                from_host = [objects[i] for i in todo]
                 codes = self._calls.run("batch_put_from_multi_buffers", self._store.batch_put_from_multi_buffers,
                                         [objects[i] for i in todo], ptrs, sizes)
         except _CallFailed as e:
+            if from_host:  # the put itself overran (the existence check just returned): it still reads host slots
+                self._late_put = from_host
             self._failed("write", keys[0], str(e))
             return 0, 0, f"page {keys[0]}: {e}"
         written = 0
@@ -475,6 +495,23 @@ class MooncakeBackend:
                 return i, written, f"page {keys[i]}: Mooncake put failed ({_describe(rc)})"
             written += rc == 0
         return len(keys), written, ""
+
+    def _remove_late_put(self) -> None:
+        """Once a put from host memory that overran has returned, remove the objects it may have
+        stored: their payload may have been read from host slots the tree reused after the backup
+        failed, so it need not match their header (a reader would drop them as corrupt)."""
+        if not self._late_put or self._calls.busy():
+            return
+        objects, self._late_put = self._late_put, []
+        log.warning("storage put overran, its objects removed", backend=self.name, key=objects[0], pages=len(objects))
+        try:
+            codes = self._calls.run("batch_remove", self._store.batch_remove, objects, True)
+        except _CallFailed as e:
+            self._failed("remove", objects[0], str(e))
+            return
+        bad = [(o, c) for o, c in zip(objects, codes) if c not in (0, _NOT_FOUND)]
+        if bad:
+            self._failed("remove", bad[0][0], _describe(bad[0][1]))
 
     def _checksums(self, pages: HostPages, payloads: list[Any]) -> list[int]:
         """The checksums of pages a get brought into host memory: large pages of one run
@@ -499,6 +536,7 @@ class MooncakeBackend:
         self._closed = True
         problem = self._calls.settle()
         if not problem:
+            self._remove_late_put()
             try:
                 _probe(self._config)
             except StorageError as e:
@@ -538,11 +576,16 @@ def _bytes_of(buffer: torch.Tensor) -> memoryview:
 def _client_env(config: Config) -> dict[str, str]:
     """The Mooncake client's environment variables for `config` (see the module docstring)."""
     timeout_ms = str(max(1, round(config.storage_timeout_s * 1000)))
+    # A transfer to a peer that stopped answering (frozen, or its host gone without a reset) waits on
+    # these, 30 s each by default, and a batch waits several in a row: whole seconds, at least 1.
+    transfer_s = str(max(1, int(config.storage_timeout_s / TRANSFER_WAITS)))
     return {
         "MC_RPC_TIMEOUT_MS": timeout_ms,
         "MC_RPC_CONNECT_TIMEOUT_MS": timeout_ms,
         "MC_STORE_CLIENT_SETUP_RETRIES": str(SETUP_RETRIES),
         "MC_TCP_BIND_ADDRESS": config.mooncake_local_host,
+        "MC_TCP_PROGRESS_TIMEOUT_SEC": transfer_s,
+        "MC_TCP_STATUS_TIMEOUT_SEC": transfer_s,
     }
 
 

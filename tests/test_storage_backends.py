@@ -627,6 +627,96 @@ def test_closing_against_a_hung_mooncake_master_leaves_the_client_open_within_th
         assert "did not return within" in logs[0]["reason"]
 
 
+class _Wrapped:
+    """A Mooncake client whose named methods are replaced; everything else is the real one's."""
+
+    def __init__(self, real: Any, **methods: Callable[..., Any]) -> None:
+        self._real, self._methods = real, methods
+
+    def __getattr__(self, name: str) -> Any:
+        return self._methods.get(name) or getattr(self._real, name)
+
+
+def test_a_put_from_host_slots_that_overran_has_its_objects_removed_once_it_returns(keys) -> None:
+    # Pages of 128 KiB are put straight from host memory. A put that overran its timeout (its
+    # objects placed in a peer that froze) still read the host slots after the backup counted
+    # as failed and the tree reused them: it then stored objects whose payload did not match
+    # their headers, in a store the tree believed did not have them.
+    fields = dict(layers=4, kv_heads=2, head_dim=256, page_size=16, device_slots=8 * 16, host_slots=16 * 16,
+                  storage_timeout_s=0.5, mooncake_segment_mb=16)
+    with MooncakeMaster() as m:
+        config = Config(storage="mooncake", **fields, **m.config_fields())
+        backend = open_backend(config)
+        assert isinstance(backend, MooncakeBackend) and not RecordBlock.fits(backend.fmt)
+        host = KVBuffer.allocate(KVShape.of(config), 16 * 16, HostLayout.PAGE_FIRST, "cpu")
+        host.tensor.copy_(torch.randn(host.tensor.shape, generator=torch.Generator().manual_seed(21)))
+        slots = torch.arange(4 * 16)
+        real, gate = backend._store, threading.Event()
+
+        def frozen_peer_put(*args: Any) -> Any:
+            gate.wait(10)
+            return real.batch_put_from_multi_buffers(*args)
+
+        ks = keys(4)
+        try:
+            backend._store = _Wrapped(real, batch_put_from_multi_buffers=frozen_peer_put)
+            wrote = backend.write(ks, host, slots)
+            assert (wrote.pages, wrote.written) == (0, 0) and "did not return within 0.5 s" in wrote.error
+            host.tensor.fill_(7.0)  # the tree reuses the slots of the backup that failed
+            gate.set()
+            deadline = time.monotonic() + 10
+            while backend._calls.busy() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            with capture_logs() as logs:
+                assert backend.exists(ks) == 0
+            assert "storage put overran, its objects removed" in [e["event"] for e in logs]
+            backend._store = real
+            assert backend.write(ks, host, slots).written == 4  # stored anew, whole
+            dst = KVBuffer.allocate(KVShape.of(config), 16 * 16, HostLayout.PAGE_FIRST, "cpu")
+            assert backend.read(ks, dst, slots).pages == 4 and torch.equal(dst.read(slots), host.read(slots))
+        finally:
+            gate.set()
+            backend._store = real
+            backend.close()
+
+
+def test_a_get_that_failed_does_not_drop_a_page_whose_size_the_master_did_not_answer(keys) -> None:
+    # A get fails (-800: the object's segment is in a peer that died or froze) and the size
+    # asked next answers an error code (-900 the master did not answer, -704 gone): the code
+    # was taken for the object's size, the page called unusable and removed, healthy or not.
+    src, dst = _host(HostLayout.PAGE_FIRST, seed=22), _host(HostLayout.PAGE_FIRST)
+    ks = keys(1)
+    with MooncakeMaster() as m:
+        backend = open_backend(_config(storage="mooncake", **m.config_fields()))
+        assert isinstance(backend, MooncakeBackend)
+        real = backend._store
+        try:
+            assert backend.write(ks, src, _slots([0])).written == 1
+            backend._store = _Wrapped(real, batch_get_into=lambda objects, *_: [-800] * len(objects),
+                                      batch_get_into_multi_buffers=lambda objects, *_: [-800] * len(objects),
+                                      get_size=lambda key: -900)
+            with capture_logs() as logs:
+                read = backend.read(ks, dst, _slots([0]))
+            assert read.pages == 0 and "-800" in read.error
+            assert "storage page unusable, dropped" not in [e["event"] for e in logs]
+            backend._store = real
+            assert backend.read(ks, dst, _slots([0])).pages == 1 and torch.equal(dst.read(_slots([0])), src.read(_slots([0])))
+        finally:
+            backend._store = real
+            backend.close()
+
+
+def test_the_client_waits_on_a_peer_that_stopped_answering_a_fraction_of_the_storage_timeout() -> None:
+    # The TCP transport waits 30 s by default for a frozen peer, several times a batch: a
+    # get of a page in a peer stopped with SIGSTOP held the call thread 30-60 s, and every
+    # call meanwhile failed at once. Whole seconds, at least 1.
+    from hicache.actors._mooncake import _client_env
+
+    for timeout_s, waits in ((5.0, "1"), (0.5, "1"), (60.0, "15")):
+        env = _client_env(_config(storage="mooncake", storage_timeout_s=timeout_s))
+        assert env["MC_TCP_PROGRESS_TIMEOUT_SEC"] == env["MC_TCP_STATUS_TIMEOUT_SEC"] == waits
+
+
 def test_only_a_get_into_host_slots_that_overran_holds_back_a_stopped_prefetch() -> None:
     # Against a dead master an existence check or a put returns after about 4 s; a stopped
     # prefetch (and the scheduler's `ready`) waited for it, though it writes no host slot.
