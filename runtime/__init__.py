@@ -24,7 +24,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     ),
     "_facade_types": ("TierStatistics",),
     "_engine_kv": ("DeviceKV", "KVArgumentError", "SlotIndex"),
-    "_group": ("Group", "RankDivergenceError", "SingleGroup", "TorchGroup"),
+    "_group": ("Group", "RankDivergenceError", "RankLostError", "SingleGroup", "TorchGroup"),
     "_timings": ("TimedLayerWaiter",),
     "_metrics": ("start_metrics_exporter",),
     "_system": ("DEFAULT_ASK_TIMEOUT_S", "ActorFailedError", "System", "ThreadedRuntime"),

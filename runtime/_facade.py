@@ -944,7 +944,8 @@ class HiCache:
     def quiesce(self, timeout_s: float = 60.0) -> None:
         """Wait until every write-through, load-back and backup to storage in flight has been
         acknowledged and applied. With several ranks, call it on every rank: it agrees too.
-        After `timeout_s` a `TimeoutError` names what is still in flight; the cache goes on."""
+        After `timeout_s` a `TimeoutError` names what is still in flight; the cache goes on.
+        A lost rank raises `RankLostError` instead, within the group's timeout."""
         with self._call():
             timeout_s = check.seconds("timeout_s", timeout_s)
             self._start_queued_loads(awaited=False)

@@ -12,6 +12,11 @@ every call, even for an empty list, and checks that every rank passed as many va
 (a difference means the ranks' caches diverged: it raises instead of hanging or
 mixing up values). It costs two collectives: a fixed-size one for the shape, then
 the values.
+
+A collective that fails (another rank died, froze past the group's timeout, or closed
+the group) raises `RankLostError`, and so does every later one at once: the group is
+out of step for good, and the caches' only way on is `close()`, a new group on every
+rank, and new caches.
 """
 
 from __future__ import annotations
@@ -25,6 +30,11 @@ import torch
 
 class RankDivergenceError(RuntimeError):
     """Ranks of a group reached the same collective with different shapes: their state diverged."""
+
+
+class RankLostError(RuntimeError):
+    """A collective of the group failed: another rank died, froze for longer than the group's
+    timeout, or left the group. The group is unusable from then on."""
 
 
 class Group(Protocol):
@@ -57,12 +67,17 @@ class TorchGroup:
                                "torch.distributed.init_process_group('gloo', ...) first")
         self._dist = dist
         self._group = group
+        self._lost: str | None = None
+        """Why the group is unusable, once a collective failed."""
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
 
     @classmethod
     def start(cls, rank: int, size: int, init_method: str, timeout_s: float = 60.0) -> TorchGroup:
-        """Join (or form) the default gloo group, e.g. `init_method="tcp://127.0.0.1:29500"`."""
+        """Join (or form) the default gloo group, e.g. `init_method="tcp://127.0.0.1:29500"`.
+        `timeout_s` bounds every collective: a rank that froze is noticed after it (one that
+        died, at once), as a `RankLostError` (a group formed by hand keeps gloo's own
+        timeout, 30 minutes by default)."""
         import torch.distributed as dist
 
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size,
@@ -72,7 +87,7 @@ class TorchGroup:
     def all_min(self, values: Sequence[int]) -> list[int]:
         n = len(values)
         shape = torch.tensor([n, -n], dtype=torch.int64)  # fixed size: cannot hang on a shape mismatch
-        self._dist.all_reduce(shape, op=self._dist.ReduceOp.MIN, group=self._group)
+        self._all_reduce_min(shape)
         lo, hi = int(shape[0]), -int(shape[1])
         if lo != hi:
             raise RankDivergenceError(
@@ -80,8 +95,24 @@ class TorchGroup:
                 "the ranks' caches diverged (a rank-local outcome was applied without agreement)"
             )
         t = torch.tensor([*values, 0], dtype=torch.int64)  # never empty: every rank runs it
-        self._dist.all_reduce(t, op=self._dist.ReduceOp.MIN, group=self._group)
+        self._all_reduce_min(t)
         return [int(v) for v in t[:n]]
+
+    def _all_reduce_min(self, t: torch.Tensor) -> None:
+        if self._lost is None:
+            try:
+                self._dist.all_reduce(t, op=self._dist.ReduceOp.MIN, group=self._group)
+                return
+            except RuntimeError as err:  # gloo: a peer's connection reset or closed, or the timeout passed
+                cause = " ".join(str(err).split()).split(" This is typically caused")[0][:300]
+                self._lost = (f"rank {self.rank} of {self.size}: a collective of the tensor-parallel group failed "
+                              f"({cause}); another rank died, froze past the group's timeout, or left the group. "
+                              "The group is unusable: close() this cache and the group, then start a new group "
+                              "on every rank and new caches")
+        # Raised outside the handler, neither chained nor with gloo's error as its context: that
+        # error's frames hold the process group, whose threads would outlive
+        # destroy_process_group() for as long as the exception is kept.
+        raise RankLostError(self._lost)
 
     def close(self) -> None:
         if self._dist.is_initialized():

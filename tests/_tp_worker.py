@@ -10,6 +10,7 @@ Modes:
   prefetches from L3). After every tick the ranks exchange their tree digest, host
   use, free device slots and queue state; the first difference ends both ranks.
 - `diverge`: rank 0 passes two values to `all_min`, the others one.
+- `lose`: rank 1 leaves the group; rank 0's next two collectives must raise `RankLostError`.
 
 The result (or the divergence) goes to RESULT_JSON. A rank that runs past its own
 deadline dumps every thread's stack to stderr and exits (the parent kills it too).
@@ -163,6 +164,27 @@ def diverge(group: Any, rank: int) -> dict[str, Any]:
     return out
 
 
+def lose(group: Any, rank: int) -> dict[str, Any]:
+    """Rank 1 leaves the group (as a rank that died would); rank 0's next collectives fail."""
+    import time
+
+    from hicache.runtime._group import RankLostError
+
+    out: dict[str, Any] = {"rank": rank, "raised": []}
+    group.all_min([1])
+    if rank == 1:
+        group.close()
+        return out
+    time.sleep(0.5)
+    for _ in range(2):
+        t0 = time.monotonic()
+        try:
+            group.all_min([1])
+        except RankLostError as err:
+            out["raised"].append([str(err), time.monotonic() - t0])
+    return out
+
+
 def main(argv: list[str]) -> int:
     mode, rank_s, size_s, init_method, storage_dir, result = argv
     rank, size = int(rank_s), int(size_s)
@@ -178,6 +200,8 @@ def main(argv: list[str]) -> int:
             out = serve(group, rank, size, storage_dir, write, prefetch)
         elif mode == "diverge":
             out = diverge(group, rank)
+        elif mode == "lose":
+            out = lose(group, rank)
         else:
             raise SystemExit(f"unknown mode {mode!r}")
     except Diverged as err:

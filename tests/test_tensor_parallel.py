@@ -119,6 +119,17 @@ def test_a_rank_passing_a_different_number_of_values_raises_on_every_rank(tmp_pa
         assert r["after"] == [10], r  # no rank hung, and the group is still in step
 
 
+@pytest.mark.timeout(PARENT_DEADLINE_S + 30)
+def test_a_lost_rank_is_one_rank_lost_error_at_once_and_then_every_time(tmp_path: Path) -> None:
+    r0, r1 = _run_ranks("lose", tmp_path)
+    assert r1["raised"] == [], r1
+    assert len(r0["raised"]) == 2, r0
+    for message, took_s in r0["raised"]:
+        assert "rank 0 of 2" in message and "close() this cache" in message, message
+        assert took_s < 5.0, r0  # a closed peer is noticed at once, not after the collective timeout
+    assert r0["raised"][0][0] == r0["raised"][1][0], r0
+
+
 # -- Facts: the per-kind ledger of rank-local outcomes -----------------------------------
 
 
