@@ -47,8 +47,8 @@ import itertools
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import replace
 from concurrent.futures import Future
+from dataclasses import replace
 from pathlib import Path
 from typing import Final, NamedTuple
 
@@ -579,7 +579,7 @@ class FileBackend:
         try:
             fd = self._fd(seg)
             st = os.fstat(fd)
-            if st.st_size == 0 or time.time() - st.st_mtime < ABANDONED_AFTER_S:
+            if st.st_size == 0 or time.time() - st.st_mtime < ABANDONED_AFTER_S:  # (the file system's clock)
                 return False
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
