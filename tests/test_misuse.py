@@ -160,6 +160,17 @@ def test_a_malformed_argument_is_one_request_error_and_the_cache_keeps_working(
     _quiet(cache)
 
 
+def test_ending_a_finished_request_by_its_id_says_it_is_finished(cache: HiCache) -> None:
+    [a] = cache.admit([Request("a", seq(8))])
+    cache.allocate({"a": 8})
+    cache.commit({"a": seq(8)})
+    cache.finish([a.handle])
+    for end in (cache.abort, cache.retract):
+        with pytest.raises(RequestError, match=r"^request 'a' already finished: nothing is left to end$"):
+            end(["a"])
+    _quiet(cache)
+
+
 def test_a_count_may_be_a_numpy_or_torch_integer_scalar(cache: HiCache) -> None:
     """What an engine's own arithmetic gives (a 0-d tensor, a numpy integer) counts as an int;
     only an array or a tensor with a dimension is refused (the table above)."""
