@@ -869,7 +869,7 @@ class HiCache:
             queued = [r for r in items if isinstance(r, str)] if reason is not ReleaseReason.FINISHED else []
             for rid in queued:
                 if rid not in self._prefetching and rid not in self._stored:
-                    if type(rid) is str and rid in self._ended and rid not in self._live:
+                    if rid in self._ended and rid not in self._live:
                         raise RequestError(f"request {rid!r} already {self._ended[rid]}: nothing is left to end")
                     raise RequestError(f"request {rid!r} has no prefetch in flight or settled for it; pass the "
                                        "CacheHandle of an admitted request instead of its id")
