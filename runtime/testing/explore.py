@@ -38,6 +38,7 @@ from hicache.messages.config import Config, EvictionPolicy, PrefetchPolicy, Writ
 
 from ._deterministic import DeterministicRuntime
 from .._facade import CacheHandle, HiCache, Request, RequestError
+from .._facade_types import shown
 from ._mutants import MUTANTS, Mutant, mutant
 from ._scheduler import ReferenceScheduler, SchedulerConfig, ServeRequest
 from ._strategies import PCTStrategy, RandomStrategy, ReplayStrategy, Strategy
@@ -505,6 +506,7 @@ TRACE_BYTES_MAX = 64 << 20
 """Largest schedule trace `replay` reads: millions of choices; a device or a stray binary is
 refused at this size rather than read whole into memory."""
 
+
 @dataclass(frozen=True, slots=True)
 class _TraceField:
     required: bool
@@ -541,24 +543,19 @@ def _read_trace(path: Path) -> dict[str, Any]:
         raise ValueError(f"{path}: the top level is {_json_kind(data)}, not the object a schedule trace is")
     version = data.get("version")
     if type(version) is not int or version != TRACE_VERSION:
-        raise ValueError(f"{path}: trace version {_brief(version)}, this hicache reads {TRACE_VERSION}")
+        raise ValueError(f"{path}: trace version {shown(version)}, this hicache reads {TRACE_VERSION}")
     for key, field_ in _TRACE_FIELDS.items():
         if key not in data:
             if field_.required:
                 raise ValueError(f"{path}: no field {key} (it must be {field_.want})")
         elif not field_.ok(data[key]):
-            raise ValueError(f"{path}: field {key} must be {field_.want}, got {_brief(data[key])}")
+            raise ValueError(f"{path}: field {key} must be {field_.want}, got {shown(data[key])}")
     return data
 
 
 def _json_kind(value: Any) -> str:
     kinds = {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
     return "null" if value is None else kinds.get(type(value), type(value).__name__)
-
-
-def _brief(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 @dataclass(frozen=True, slots=True)
