@@ -63,6 +63,8 @@ class DeviceKV:
     def __init__(self, buffer: KVBuffer) -> None:
         self._buffer = buffer
         self._t = buffer.tensor
+        self._storage = self._t.untyped_storage().data_ptr()
+        """Where the pool's memory starts: K or V that lie in it are views of the pool (`write`)."""
         s = buffer.shape
         self.layers, self.kv_heads, self.head_dim, self.page_size = s.layers, s.heads, s.head_dim, s.page_size
         self.slots = buffer.slots
@@ -140,10 +142,9 @@ class DeviceKV:
         # pass's tensors alive). Views of the pool itself (a copy between slots): copied first, so
         # that K's write cannot change V's source and torch's overlap check cannot refuse V after K landed.
         k, v = k.detach(), v.detach()
-        pool = self._t.untyped_storage().data_ptr()
-        if k.untyped_storage().data_ptr() == pool:
+        if k.untyped_storage().data_ptr() == self._storage:
             k = k.clone()
-        if v.untyped_storage().data_ptr() == pool:
+        if v.untyped_storage().data_ptr() == self._storage:
             v = v.clone()
         self._t[0, layer].index_copy_(0, idx.tensor, k)
         self._t[1, layer].index_copy_(0, idx.tensor, v)
