@@ -315,8 +315,9 @@ class Config:
         """A `Config` for a transformers model, its sizes given as memory budgets.
 
         `model_config` is a transformers `PretrainedConfig` (or any object with its
-        attribute names, or a dict of them, as a `config.json` loads): layers, KV heads (this rank's share of `tp_size`), head
-        dim and dtype come from it; `dtype=` in `fields` overrides the model's.
+        attribute names, or a dict of them, as a `config.json` loads): layers, KV heads
+        (this rank's share of `tp_size`), head dim and dtype come from it; `dtype=` in
+        `fields` overrides the model's.
         `device_bytes` and `host_bytes` (or `host_ratio` times `device_bytes`) are the
         bytes of KV each tier may hold, turned into whole pages. `fields` sets any
         other field. With `check` (the default) the result is checked against this
