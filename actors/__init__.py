@@ -26,6 +26,7 @@ from ._radix_node import (
     NodeState,
     NodeStateError,
     chain_hashes,
+    root_hash,
 )
 from ._file_backend import FileBackend
 from ._storage import open_backend
@@ -132,6 +133,7 @@ __all__ = [
     "WriteStreamActor",
     "WrongSenderError",
     "chain_hashes",
+    "root_hash",
     "copy_kv",
     "open_backend",
     "page_keys",

@@ -23,7 +23,6 @@ own invariants) is in `_radix_node`.
 
 from __future__ import annotations
 
-import hashlib
 import heapq
 import itertools
 import struct
@@ -36,14 +35,14 @@ from hicache.messages.config import EvictionPolicy
 from ._errors import InvariantError
 from ._radix_node import (BACKED, NODE_TRANSITIONS, RESIDENT, HostInsert, InsertOutcome, Node, NodeState,
                           NodeStateError, chain_hashes, check_node, device_evictable, differing_pages, first_page,
-                          host_evictable, key_part)
+                          host_evictable, key_part, root_hash)
 
 
 class RadixTree:
     UNLANDED: frozenset[NodeState] = frozenset({NodeState.LOADING})
     """States of a node whose pages hold no KV yet (a load-back not landed): `insert` stops at one."""
 
-    def __init__(self, page_size: int, policy: EvictionPolicy, *, index_tokens: int = 1) -> None:
+    def __init__(self, page_size: int, policy: EvictionPolicy, *, index_tokens: int = 1, model_id: str = "") -> None:
         if index_tokens not in (1, page_size):
             raise ValueError(f"index_tokens must be 1 (slots) or page_size={page_size} (pages), got {index_tokens}")
         self.page_size = page_size
@@ -52,6 +51,8 @@ class RadixTree:
         when they hold pages (the cache's own tree)."""
         self._page_bytes = 8 * page_size
         self.policy = policy
+        self.model_id = model_id
+        """The model the KV is of (`Config.model_id`): part of every page hash, so of every storage key."""
         self._roots: dict[str, Node] = {}
         self._ids = itertools.count(1)
         self._tick = 0
@@ -71,9 +72,8 @@ class RadixTree:
     def root(self, namespace: str) -> Node:
         root = self._roots.get(namespace)
         if root is None:
-            seed = int.from_bytes(hashlib.blake2b(namespace.encode(), digest_size=8).digest(), "little")
             root = Node(id=0, namespace=namespace, parent=None, key=b"", tokens=0, page_bytes=self._page_bytes,
-                        state=NodeState.DEVICE, chained=(seed,))
+                        state=NodeState.DEVICE, chained=(root_hash(self.model_id, namespace),))
             self._roots[namespace] = root
         return root
 

@@ -184,6 +184,16 @@ def first_page(key: bytes | memoryview, page_bytes: int) -> bytes:
     return key[:page_bytes] if type(key) is bytes else key[:page_bytes].tobytes()
 
 
+def root_hash(model_id: str, namespace: str) -> int:
+    """The hash a namespace's chain of page hashes starts from (`chain_hashes`): blake2b-64
+    of the namespace's UTF-8 bytes, or, for a named model, of the model id's length, a
+    colon, the model id and the namespace (so no other pair of names gives the same
+    bytes). Without a model id the hashes are those of every earlier version: pages
+    stored by them are found again."""
+    name = f"{len(model_id)}:{model_id}{namespace}" if model_id else namespace
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
+
+
 def chain_hashes(prev: int, data: bytes | memoryview, page_bytes: int) -> tuple[int, ...]:
     """hash(page) = blake2b(previous page hash || page token bytes), one per page of `data`
     (as a little-endian unsigned 64-bit number; the chain goes on from each digest's bytes,

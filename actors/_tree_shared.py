@@ -50,7 +50,8 @@ class TreeShared:
     def __init__(self, config: Config, next_id: Callable[[], int], now: Callable[[], float]) -> None:
         self.config = config
         self.page_size = config.page_size
-        self.tree = RadixTree(config.page_size, config.eviction_policy, index_tokens=config.page_size)
+        self.tree = RadixTree(config.page_size, config.eviction_policy, index_tokens=config.page_size,
+                              model_id=config.model_id)
         self.next_id = next_id
         self.now = now
         self.outbox: list[tuple[ActorName, Message]] = []

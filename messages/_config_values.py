@@ -240,6 +240,23 @@ class FilePath:
         return value
 
 
+class ModelId:
+    """A model's name as an engine knows it: any printable text (empty means unset)."""
+
+    @property
+    def allowed(self) -> str:
+        return f"printable text of at most {MODEL_ID_CHARS_MAX} characters, like 'meta-llama/Llama-3.1-8B' (empty: unset)"
+
+    def parse(self, name: str, value: Any) -> str:
+        if not isinstance(value, str) or len(value) > MODEL_ID_CHARS_MAX or not value.isprintable():
+            raise refuse(name, value, self.allowed)
+        return value
+
+
+MODEL_ID_CHARS_MAX: Final = 1024
+"""Longest `Config.model_id`: a hub id, a path, or a name with a revision."""
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Host:
     """A host name or IP address, as another machine reaches this one."""

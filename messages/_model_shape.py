@@ -71,6 +71,17 @@ def model_shape(model_config: Any, tp_size: int, dtype: Any = None) -> ModelShap
     return ModelShape(layers, _per_rank(kv_heads, tp_size), head_dim, _dtype(cfg) if dtype is None else dtype)
 
 
+def model_name(model_config: Any) -> str:
+    """The name of the model of `model_config`, for `Config.model_id`: transformers'
+    `_name_or_path` (the hub id or the directory it was loaded from), with `@` and the hub
+    revision's commit when it was downloaded (`_commit_hash`); "" when it names none."""
+    get = model_config.get if isinstance(model_config, Mapping) else (lambda a: getattr(model_config, a, None))
+    name, commit = get("_name_or_path"), get("_commit_hash")
+    if not isinstance(name, str) or not name:
+        return ""
+    return f"{name}@{commit}" if isinstance(commit, str) and commit else name
+
+
 class _Attributes:
     """A mapping's keys read as attributes (missing ones as absent)."""
 

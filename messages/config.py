@@ -34,6 +34,7 @@ from ._config_values import (
     HostLayout,
     HostPort,
     HttpUrl,
+    ModelId,
     Name,
     Number,
     PrefetchPolicy,
@@ -43,7 +44,7 @@ from ._config_values import (
     WritePolicy,
     refuse,
 )
-from ._model_shape import model_shape
+from ._model_shape import model_name, model_shape
 from ._resources import Available, check_resources
 
 __all__ = [
@@ -94,6 +95,13 @@ class Config:
     kv_heads: int = _field(2, Count(1, 1024), "KV heads per layer on this tensor-parallel rank." + _MODEL_SHAPE_NOTE)
     head_dim: int = _field(64, Count(1, 4096), "Elements per head." + _MODEL_SHAPE_NOTE)
     dtype: str = _field("float16", DType(), "Element type of the KV buffers; kept as its name." + _MODEL_SHAPE_NOTE)
+    model_id: str = _field("", ModelId(),
+                           "The model whose KV this is: a hub id or a weights path, or any name that changes "
+                           "whenever the KV would (other weights, a fine-tune, another RoPE scaling). Every page's "
+                           "storage key is derived from it, so instances of different models that share a storage "
+                           "directory or Mooncake store never read each other's pages; the instances of one model "
+                           "give the same. Empty: the keys name no model, and every instance on that storage must "
+                           "serve the same one. `Config.for_model` takes it from the model config's name.")
 
     # -- capacities ----------------------------------------------------------
     page_size: int = _field(16, Count(1, 4096), "Tokens per page: the unit of allocation, matching and transfer.")
@@ -318,6 +326,8 @@ class Config:
         attribute names, or a dict of them, as a `config.json` loads): layers, KV heads
         (this rank's share of `tp_size`), head dim and dtype come from it; `dtype=` in
         `fields` overrides the model's.
+        `model_id` comes from it too (its `_name_or_path`, with the hub revision's commit
+        when there is one), unless `fields` gives one.
         `device_bytes` and `host_bytes` (or `host_ratio` times `device_bytes`) are the
         bytes of KV each tier may hold, turned into whole pages. `fields` sets any
         other field. With `check` (the default) the result is checked against this
@@ -328,6 +338,8 @@ class Config:
         if taken:
             raise ConfigError(f"for_model sets {', '.join(taken)} from the model and the byte budgets: leave "
                               f"{'it' if len(taken) == 1 else 'them'} out")
+        if "model_id" not in fields:
+            fields = {**fields, "model_id": model_name(model_config)}
         page_size = _RULES["page_size"].parse("page_size", fields.get("page_size", _DEFAULTS["page_size"]))
         base = cls(**fields, device_slots=page_size, host_slots=2 * page_size)  # sized below, from the shape
         shape = model_shape(model_config, base.tp_size, fields.get("dtype"))

@@ -77,7 +77,7 @@ class Prefetch(Message):
     op_id: int
     """The tree's id of this prefetch."""
     keys: tuple[str, ...]
-    """Storage keys of the pages, in token order (namespace-seeded hash chain, rank suffix)."""
+    """Storage keys of the pages, in token order (a hash chain seeded by the model and the namespace, rank suffix)."""
     host: Indices
     """The host pages the tree reserved: one per key, in key order."""
 

@@ -236,6 +236,9 @@ def actor_specs(
         backend = None
         if cfg.storage is not StorageKind.NONE:
             backend = open_backend(cfg)
+            if not cfg.model_id:
+                log.warning("storage keys name no model: another model's instances on this storage would read "
+                            "its pages as theirs; set Config.model_id", storage=cfg.storage.value)
         specs.append((StoragePrefetcherActor, {"config": cfg, "host_kv": host.kv, "backend": backend}))
     return specs, device.kv, host.kv
 

@@ -100,6 +100,9 @@ def test_raw_values_are_converted_the_same_way_by_every_path(raw: dict[str, Any]
         assert got == value and type(got) is type(value), (name, got)
 
 
+MODEL_ID_RULE = "printable text of at most 1024 characters, like 'meta-llama/Llama-3.1-8B' (empty: unset)"
+
+
 @pytest.mark.parametrize(("raw", "message"), [
     ({"layers": "4.0"}, "layers='4.0' must be an integer in 1..1024"),
     ({"layers": 4.0}, "layers=4.0 must be an integer in 1..1024"),
@@ -127,6 +130,9 @@ def test_raw_values_are_converted_the_same_way_by_every_path(raw: dict[str, Any]
                                "float8_e5m2 (a name or the torch.dtype)"),
     ({"storage_dir": b"/tmp"}, "storage_dir=b'/tmp' must be a path string without NUL characters (empty: unset)"),
     ({"log_path": "a\0b"}, "log_path='a\\x00b' must be a path string without NUL characters (empty: unset)"),
+    ({"model_id": "llama\n"}, f"model_id='llama\\n' must be {MODEL_ID_RULE}"),
+    ({"model_id": 3}, f"model_id=3 must be {MODEL_ID_RULE}"),
+    ({"model_id": "m" * 1025}, f"model_id={'m' * 1025!r} must be {MODEL_ID_RULE}"),
 ])
 def test_bad_raw_values_are_one_config_error_from_every_path(raw: dict[str, Any], message: str) -> None:
     assert _same_through_every_path(raw) == f"ConfigError: {message}"

@@ -197,3 +197,28 @@ def test_a_real_transformers_llama_config() -> None:
     assert c.device_slots == 4 * MIB // (2 * 3 * 1 * 32 * 2 * 16) * 16
     no_dtype = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4)
     assert Config.for_model(no_dtype, device_bytes=MIB, host_ratio=2, dtype="float32").kv_heads == 4
+
+
+def test_the_model_id_is_the_models_name_and_hub_revision_unless_one_is_given() -> None:
+    """Storage keys are derived from `model_id`: two models sharing a storage must not read
+    each other's pages, so for_model names the model it was given."""
+    raw = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "torch_dtype": "bfloat16"}
+    sized = {"device_bytes": MIB, "host_ratio": 2}
+    assert Config.for_model(raw, **sized).model_id == ""
+    named = {**raw, "_name_or_path": "Qwen/Qwen2.5-7B-Instruct"}
+    assert Config.for_model(named, **sized).model_id == "Qwen/Qwen2.5-7B-Instruct"
+    pinned = {**named, "_commit_hash": "a09a354"}
+    assert Config.for_model(pinned, **sized).model_id == "Qwen/Qwen2.5-7B-Instruct@a09a354"
+    assert Config.for_model(_llama_like(_name_or_path="/models/llama"), **sized).model_id == "/models/llama"
+    assert Config.for_model(pinned, model_id="my-finetune", **sized).model_id == "my-finetune"
+    assert Config.for_model(pinned, model_id="", **sized).model_id == ""
+    with pytest.raises(ConfigError, match=r"^model_id='a\\nb' must be printable text"):
+        Config.for_model({**raw, "_name_or_path": "a\nb"}, **sized)
+
+
+def test_a_transformers_config_loaded_from_a_directory_names_that_directory(tmp_path: Any) -> None:
+    transformers = pytest.importorskip("transformers", reason="transformers (the optional model extra) is absent")
+    transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                             dtype="float32").save_pretrained(tmp_path)
+    loaded = transformers.AutoConfig.from_pretrained(tmp_path)
+    assert Config.for_model(loaded, device_bytes=MIB, host_ratio=2).model_id == str(tmp_path)

@@ -23,6 +23,7 @@ the host reservation, a backup that lands partly, the anchor's pin.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import subprocess
 import threading
 import time
@@ -34,7 +35,8 @@ from typing import Any
 import pykka
 import pytest
 
-from hicache.actors import HOST_ROUTES, FileBackend, InvariantError, KVShape, NoFaults, NodeState, RadixTree
+from hicache.actors import (HOST_ROUTES, FileBackend, InvariantError, KVShape, NoFaults, NodeState, RadixTree,
+                            root_hash)
 from hicache.messages import (
     ActorName,
     AdmitItem,
@@ -62,7 +64,7 @@ from hicache.messages import (
     Tokens,
 )
 from hicache.runtime import AdmitResult, Config, EvictionPolicy, HiCache, Request, RequestError
-from hicache.runtime.testing import DeadlockError, DeterministicRuntime
+from hicache.runtime.testing import DeadlockError, DeterministicRuntime, capture_logs
 from hicache.runtime.testing._scheduler import ReferenceScheduler, SchedulerConfig
 from hicache.runtime.testing.explore import synthetic_workload
 from hicache.runtime.testing.oracle import FingerprintOracle
@@ -342,18 +344,18 @@ def populate(start: Callable[..., Server], prompts: Sequence[list[int]], namespa
     return s
 
 
-def page_keys_of(tokens: list[int], namespace: str = "") -> list[str]:
-    """The storage keys of the pages of `tokens` (namespace-seeded hash chain, rank 0)."""
-    tree = RadixTree(P, EvictionPolicy.LRU)
+def page_keys_of(tokens: list[int], namespace: str = "", model_id: str = "") -> list[str]:
+    """The storage keys of the pages of `tokens` (a hash chain seeded by the model and the namespace, rank 0)."""
+    tree = RadixTree(P, EvictionPolicy.LRU, model_id=model_id)
     hashes = tree.chain(tree.root(namespace), Tokens.of(tokens[: len(tokens) - len(tokens) % P]))
     return [f"{h & 0xFFFFFFFFFFFFFFFF:016x}-r0" for h in hashes]
 
 
-def stored_pages(storage_dir: Path, tokens: list[int], namespace: str = "") -> list[bool]:
+def stored_pages(storage_dir: Path, tokens: list[int], namespace: str = "", model_id: str = "") -> list[bool]:
     """Which pages of `tokens` the file backend over `storage_dir` holds (a fresh instance's scan)."""
     backend = FileBackend(config(storage_dir))
     try:
-        return [backend.exists([k]) == 1 for k in page_keys_of(tokens, namespace)]
+        return [backend.exists([k]) == 1 for k in page_keys_of(tokens, namespace, model_id)]
     finally:
         backend.close()
 
@@ -836,6 +838,57 @@ def test_two_namespaces_with_the_same_tokens_never_hit_each_others_pages(
     statistics_when(b.raw, quiet, "the backup")
     assert all(stored_pages(tmp_path / "l3", PROMPT, "tenant-b"))  # tenant-b's own pages, under its own keys
     assert_drained(b.raw)
+
+
+def test_models_sharing_a_storage_never_read_each_others_pages(
+    servers: Callable[..., Server], tmp_path: Path
+) -> None:
+    """Two models of one KV shape (a base model and its fine-tune, say) computing the same
+    prompt get different KV: each must miss the other's pages, and hit its own."""
+    populate(servers, [PROMPT], model_id="org/base")
+    assert all(stored_pages(tmp_path / "l3", PROMPT, model_id="org/base"))
+    assert not any(stored_pages(tmp_path / "l3", PROMPT, model_id="org/base-instruct"))
+    assert not any(stored_pages(tmp_path / "l3", PROMPT))  # nor a cache that names no model
+
+    tuned = servers(prefetch_policy="wait_complete", model_id="org/base-instruct")
+    assert tuned.hc.prefetch([Request("x", PROMPT)]) == {"x": 40}  # not in L1 or L2: looked for in storage
+    assert tuned.ready(["x"], 0.01) == {"x": 0}
+    assert ends(tuned.stats()) == {"miss": 1}
+    x = tuned.admit("x", PROMPT)
+    assert x.cached_tokens == 0
+    tuned.compute("x", PROMPT)
+    tuned.hc.finish([x.handle])
+    assert statistics_when(tuned.raw, quiet, "the backup").tree.storage_hit_tokens == 0
+    assert all(stored_pages(tmp_path / "l3", PROMPT, model_id="org/base-instruct"))  # under its own keys
+    assert_drained(tuned.raw)
+
+    base = servers(prefetch_policy="wait_complete", model_id="org/base")
+    assert base.hc.prefetch([Request("y", PROMPT)]) == {"y": 40}
+    assert base.ready(["y"], 0.01) == {"y": 40}
+    y = base.admit("y", PROMPT)
+    assert y.host_hit == 40
+    base.hc.abort([y.handle])
+    assert_drained(base.raw)
+
+
+def test_a_cache_that_starts_with_storage_and_names_no_model_says_so(tmp_path: Path) -> None:
+    for model_id, warned in [("", True), ("org/base", False)]:
+        with capture_logs() as logs, HiCache(config(tmp_path / "l3", model_id=model_id)):
+            pass
+        said = [e for e in logs if e["event"].startswith("storage keys name no model")]
+        assert [(e["log_level"], e["storage"]) for e in said] == ([("warning", "file")] if warned else []), logs
+    with capture_logs() as logs, HiCache(small_config()):  # no storage: nothing to name
+        pass
+    assert not [e for e in logs if e["event"].startswith("storage keys")], logs
+
+
+def test_page_hashes_without_a_model_id_are_those_of_every_earlier_version() -> None:
+    """Pages stored before `model_id` existed are found again by a cache that names no model;
+    a model id and a namespace seed the chain without ambiguity."""
+    assert root_hash("", "tenant") == int.from_bytes(hashlib.blake2b(b"tenant", digest_size=8).digest(), "little")
+    seeds = {root_hash(m, ns) for m, ns in [("", ""), ("a", "bc"), ("ab", "c"), ("abc", ""), ("", "abc"), ("1:a", "")]}
+    assert len(seeds) == 6
+    assert page_keys_of(PROMPT)[:2] == ["5618d237aafa8747-r0", "4c8c852f2e3a3441-r0"]
 
 
 # == backup to storage ==============================================================================

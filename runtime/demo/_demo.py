@@ -70,6 +70,8 @@ class CostModel:
                 + storage_hit * moved / self.l3_gbps)
 
 
+DEMO_MODEL_ID = "hicache-demo-fingerprints"
+"""The model the demo's KV is of (its bytes are fingerprints of the tokens): what its storage keys name."""
 DEMO_DEVICE_SLOTS = 65536
 DEMO_HOST_SLOTS = 16 * DEMO_DEVICE_SLOTS
 """L1 holds the prefixes a conversation's next turn reuses; L2 some of those an earlier
@@ -80,7 +82,7 @@ requests each tier serves part of the hits."""
 def demo_config(host_tier: bool = True, **storage: object) -> Config:
     """A small KV shape (the bytes are fingerprints, not a model's) and tiers sized so
     the trace's working set fits in neither L1 nor L2."""
-    return Config(layers=2, kv_heads=1, head_dim=16, dtype="float16", page_size=16,
+    return Config(layers=2, kv_heads=1, head_dim=16, dtype="float16", model_id=DEMO_MODEL_ID, page_size=16,
                   device_slots=DEMO_DEVICE_SLOTS, host_slots=DEMO_HOST_SLOTS, host_tier=host_tier,
                   **storage)  # type: ignore[arg-type]
 

@@ -219,7 +219,7 @@ def _config(point: Point, page: int, shape: dict[str, Any], storage_dir: str = "
                               "host_tier": point.l2 is not None, "write_policy": point.write_policy,
                               "eviction_policy": point.eviction_policy, "prefetch_policy": point.prefetch_policy}
     if point.storage:
-        fields.update(storage="file", storage_dir=storage_dir)
+        fields.update(storage="file", storage_dir=storage_dir, model_id="hicache-simulate")
     return Config(**shape, **fields)
 
 
