@@ -27,7 +27,8 @@ class BackupBook:
         s.tree.pin_host(node, +1)
         self.stores[op] = node
         s.agreement.expect(FactKind.BACKUP, op)
-        s.emit(PREFETCH, StorePages(op_id=op, keys=tuple(page_keys(node.hashes, s.config.tp_rank)), host=node.host))
+        keys = page_keys(node.hashes, s.config.tp_rank, ranks=s.config.tp_size)
+        s.emit(PREFETCH, StorePages(op_id=op, keys=tuple(keys), host=node.host))
 
     def on_stored(self, op: int, pages: int, written: int) -> None:
         """The local outcome: `pages` leading pages are in storage, `written` of them by this backup."""

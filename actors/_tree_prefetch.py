@@ -144,7 +144,7 @@ class PrefetchBook:
         op, held = s.next_id(), matched - start
         toks = tokens[start : matched + want]
         hashes = s.tree.chain(anchor, toks)
-        keys = tuple(page_keys(hashes[held // p :], cfg.tp_rank))
+        keys = tuple(page_keys(hashes[held // p :], cfg.tp_rank, ranks=cfg.tp_size))
         pf = _Prefetch(op, item.request_id, anchor, toks, held, hashes, keys, want, s.now(), self._timeout(want))
         self.prefetches[op] = pf
         self._prefetch_of[item.request_id] = op

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import random
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -109,6 +110,11 @@ def test_ranks_with_different_faults_keep_identical_trees_after_every_tick(
                 "backups_failed", "load_failures", "host_hit_tokens", "device_hit_tokens", "finished", "aborted"):
         assert r0[key] == r1[key], (key, r0[key], r1[key])
     assert r0["prefetch_ends"][PrefetchEnd.COMPLETE.value] > 0, r0
+    # each rank stored its share of the heads under keys naming the rank and the group's size
+    # (rank 1 of 2 holds other heads than rank 1 of 4), and found it again under them (hits above)
+    stored = {m.group(1) for f in (tmp_path / "storage").rglob("*") if f.is_file()
+              for m in re.finditer(rb"[0-9a-f]{16}(-r[0-9]+(?:of[0-9]+)?)\0", f.read_bytes())}
+    assert stored == {b"-r0of2", b"-r1of2"}, stored
 
 
 @pytest.mark.timeout(PARENT_DEADLINE_S + 30)
