@@ -90,7 +90,7 @@ class StorageUsage:
 
 
 def page_keys(hashes: Sequence[int], rank: int, per_rank: bool = True, ranks: int = 1) -> list[str]:
-    """Storage keys of a chain of page hashes: 16+ hex digits, then, when each
+    """Storage keys of a chain of page hashes: 32 hex digits (more for a larger number), then, when each
     tensor-parallel rank stores its own share of the heads (`per_rank`), `-r{rank}` and,
     in a group of more than one rank, `of{ranks}`: the share a rank holds depends on both
     (rank 2 of 4 and rank 2 of 8 may each hold one KV head, but not the same one)."""
@@ -99,7 +99,7 @@ def page_keys(hashes: Sequence[int], rank: int, per_rank: bool = True, ranks: in
     if not 0 <= rank < ranks:
         raise ValueError(f"rank {rank} of a group of {ranks}: a rank is in 0..ranks-1")
     suffix = (f"-r{rank}" if ranks == 1 else f"-r{rank}of{ranks}") if per_rank else ""
-    keys = [f"{h:016x}{suffix}" for h in hashes]
+    keys = [f"{h:032x}{suffix}" for h in hashes]
     check_keys(keys)
     return keys
 

@@ -47,7 +47,7 @@ from hicache.messages.config import Config
 from ._errors import InvariantError
 from ._facts import FactKind
 from ._radix import RadixTree
-from ._radix_node import BACKED, Node, NodeState
+from ._radix_node import BACKED, HASH_BYTES, Node, NodeState
 from ._tree_admission import Admissions
 from ._tree_backup import BackupBook
 from ._tree_prefetch import PrefetchBook
@@ -202,7 +202,8 @@ class TreeCore:
         prefetches and the host mirror; slot numbers are left out. Ranks of a group agree on it."""
         h = hashlib.blake2b(digest_size=16)
         for node in self.tree.walk():
-            h.update(struct.pack("<Qqiiii?", node.hashes[-1], node.tokens, list(NodeState).index(node.state),
+            h.update(node.hashes[-1].to_bytes(HASH_BYTES, "little"))
+            h.update(struct.pack("<qiiii?", node.tokens, list(NodeState).index(node.state),
                                  node.lock_ref, node.host_ref, node.op, node.stored))
         prefetches = self.prefetches.prefetches
         for op in sorted(prefetches):

@@ -35,7 +35,7 @@ from typing import Any
 import pykka
 import pytest
 
-from hicache.actors import (HOST_ROUTES, FileBackend, InvariantError, KVShape, NoFaults, NodeState, RadixTree,
+from hicache.actors import (HOST_ROUTES, FileBackend, InvariantError, KVShape, NoFaults, NodeState, RadixTree, page_keys,
                             root_hash)
 from hicache.messages import (
     ActorName,
@@ -348,7 +348,7 @@ def page_keys_of(tokens: list[int], namespace: str = "", model_id: str = "") -> 
     """The storage keys of the pages of `tokens` (a hash chain seeded by the model and the namespace, rank 0)."""
     tree = RadixTree(P, EvictionPolicy.LRU, model_id=model_id)
     hashes = tree.chain(tree.root(namespace), Tokens.of(tokens[: len(tokens) - len(tokens) % P]))
-    return [f"{h & 0xFFFFFFFFFFFFFFFF:016x}-r0" for h in hashes]
+    return page_keys(hashes, rank=0)
 
 
 def stored_pages(storage_dir: Path, tokens: list[int], namespace: str = "", model_id: str = "") -> list[bool]:
@@ -882,13 +882,12 @@ def test_a_cache_that_starts_with_storage_and_names_no_model_says_so(tmp_path: P
     assert not [e for e in logs if e["event"].startswith("storage keys")], logs
 
 
-def test_page_hashes_without_a_model_id_are_those_of_every_earlier_version() -> None:
-    """Pages stored before `model_id` existed are found again by a cache that names no model;
-    a model id and a namespace seed the chain without ambiguity."""
-    assert root_hash("", "tenant") == int.from_bytes(hashlib.blake2b(b"tenant", digest_size=8).digest(), "little")
+def test_a_model_id_and_a_namespace_seed_the_page_hashes_without_ambiguity() -> None:
+    assert root_hash("", "tenant") == int.from_bytes(hashlib.blake2b(b"tenant", digest_size=16).digest(), "little")
     seeds = {root_hash(m, ns) for m, ns in [("", ""), ("a", "bc"), ("ab", "c"), ("abc", ""), ("", "abc"), ("1:a", "")]}
     assert len(seeds) == 6
-    assert page_keys_of(PROMPT)[:2] == ["5618d237aafa8747-r0", "4c8c852f2e3a3441-r0"]
+    # the chain of blake2b-128 digests from blake2b-128(b""): 32 hex digits a key
+    assert page_keys_of(PROMPT)[:2] == ["b83fccd17fbf8f918839ac38688f9dba-r0", "23cc4de76855d34d3fb5d1578bced1b0-r0"]
 
 
 # == backup to storage ==============================================================================
@@ -1023,7 +1022,7 @@ class StoragePlayer(Player):
 
     def keys_of(self, tokens: list[int]) -> list[str]:
         t = self.tree.tree
-        return [f"{h & 0xFFFFFFFFFFFFFFFF:016x}-r0" for h in t.chain(t.root(""), Tokens.of(tokens))]
+        return page_keys(t.chain(t.root(""), Tokens.of(tokens)), rank=0)
 
 
 @pytest.fixture

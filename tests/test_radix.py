@@ -295,17 +295,17 @@ def test_a_key_over_most_of_a_prompt_is_a_view_and_its_split_parts_keep_at_most_
     tree.check_invariants()
 
 
-def test_page_hashes_are_the_blake2b_chain_storage_keys_were_named_by() -> None:
-    """A page's hash is blake2b-64 of the previous page's hash (8 bytes, little-endian) and
-    the page's token bytes, read as a little-endian number: keys written by any version of
-    the cache are found again."""
+def test_page_hashes_are_a_blake2b_128_chain() -> None:
+    """A page's hash is blake2b-128 of the previous page's hash (16 bytes, little-endian)
+    and the page's token bytes, read as a little-endian number: the storage keys of a
+    prefix are the same in every process and every run."""
     data = bytes(range(256)) * 3  # three pages of 256 bytes
-    expect, prev = [], 2**64 - 5
+    expect, prev = [], 2**128 - 5
     for at in range(0, len(data), 256):
-        digest = hashlib.blake2b(prev.to_bytes(8, "little") + data[at : at + 256], digest_size=8).digest()
+        digest = hashlib.blake2b(prev.to_bytes(16, "little") + data[at : at + 256], digest_size=16).digest()
         prev = int.from_bytes(digest, "little")
         expect.append(prev)
-    assert chain_hashes(2**64 - 5, data, 256) == tuple(expect)
+    assert chain_hashes(2**128 - 5, data, 256) == tuple(expect)
     assert chain_hashes(expect[0], memoryview(data)[256:], 256) == tuple(expect[1:])  # a view, from a parent
     assert chain_hashes(7, b"", 256) == ()
 

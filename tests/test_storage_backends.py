@@ -474,8 +474,8 @@ def test_the_page_checksum_is_xxh3_64_of_the_runs_one_after_the_other(size: int)
 
 
 def test_page_keys_are_hex_hashes_with_a_rank_suffix_unless_shared_by_all_ranks() -> None:
-    assert page_keys([1, 0xABCDEF], rank=0) == ["0000000000000001-r0", "0000000000abcdef-r0"]  # as ever
-    assert page_keys([1, 0xABCDEF], rank=3, ranks=4) == ["0000000000000001-r3of4", "0000000000abcdef-r3of4"]
+    assert page_keys([1, 0xABCDEF], rank=0) == [f"{1:032x}-r0", f"{0xABCDEF:032x}-r0"]
+    assert page_keys([1, 2**128 - 1], rank=3, ranks=4) == [f"{1:032x}-r3of4", "f" * 32 + "-r3of4"]
     assert page_keys([2**127], rank=0, per_rank=False) == [f"{2**127:032x}"]
     with pytest.raises(ValueError, match=r"^rank 3 of a group of 2: a rank is in 0..ranks-1$"):
         page_keys([1], rank=3, ranks=2)
