@@ -194,10 +194,12 @@ would be served wrong KV about once a year."""
 
 def root_hash(model_id: str, namespace: str) -> int:
     """The hash a namespace's chain of page hashes starts from (`chain_hashes`): blake2b-128
-    of the namespace's UTF-8 bytes, or, for a named model, of the model id's length, a
-    colon, the model id and the namespace (so no other pair of names gives the same bytes)."""
-    name = f"{len(model_id)}:{model_id}{namespace}" if model_id else namespace
-    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=HASH_BYTES).digest(), "little")
+    of the namespace's UTF-8 bytes, keyed, for a named model, with blake2b-256 of the model
+    id (a keyed hash is another function: no namespace of one model gives another's seed)."""
+    blake2b, data = hashlib.blake2b, namespace.encode()
+    digest = (blake2b(data, digest_size=HASH_BYTES, key=blake2b(model_id.encode()).digest()[:32]) if model_id
+              else blake2b(data, digest_size=HASH_BYTES))
+    return int.from_bytes(digest.digest(), "little")
 
 
 def chain_hashes(prev: int, data: bytes | memoryview, page_bytes: int) -> tuple[int, ...]:
