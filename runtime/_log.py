@@ -42,6 +42,7 @@ without them.
 
 from __future__ import annotations
 
+import atexit
 import base64
 import binascii
 import fcntl
@@ -58,6 +59,7 @@ from typing import Any, BinaryIO
 
 import structlog
 
+from hicache.actors._logging import logger
 from hicache.actors._services import FaultPlan
 from hicache.messages import ActorName, CodecError, Message, encode
 
@@ -85,13 +87,14 @@ are forgotten after the delivery line being written (a repeat of one is written 
 blob). The header states the bound the log was written with."""
 LOG_BUFFER_BYTES = 1 << 20
 """Lines wait in a buffer of this many bytes before they are written to the file. Closing the
-log (stopping the System) writes them all; a process killed hard (SIGKILL, a crash in native
-code) loses at most this much of the end of its log."""
+log (stopping the System) writes them all, and so does a process that exits without closing it;
+a process killed hard (SIGKILL, a crash in native code) loses at most this much of the end of
+its log."""
 
 SEAL_BYTES = len(b',"crc":"12345678"}')
 """A line's checksum at its end: `,"crc":"`, 8 lowercase hex digits, `"}` (the line end aside)."""
 
-log = structlog.get_logger("hicache.log")
+log = logger("hicache.log")
 
 try:  # optional, faster
     import orjson
@@ -198,9 +201,12 @@ class _LineWriter:
     structlog writes the header, fault and end lines through it (it is the logger structlog
     wraps); `DeliveryLog` writes the delivery and blob lines directly.
 
+    A process that exits without closing it hands the buffer to the file on its way out (no
+    end line is written: the run was not closed).
+
     An OS error (a full disk) stops the log where it happened: it is logged once, with the
-    path, kept in `error`, and later lines are dropped, so the file reads as a log cut short.
-    The actor whose delivery was being written goes on."""
+    path and the bytes the file kept, kept in `error`, and later lines are dropped, so the
+    file reads as a log cut short. The actor whose delivery was being written goes on."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -212,6 +218,8 @@ class _LineWriter:
         self.error: OSError | None = None
         self._writing = True
         """Neither closed nor stopped by an error: lines are written."""
+        self._pid = os.getpid()
+        atexit.register(self._flush_at_exit)
 
     def close(self, last: bytes | None = None) -> None:
         """Write `last` (a rendered line, the end line), what is buffered, and close the file;
@@ -221,21 +229,51 @@ class _LineWriter:
                 return
             if last is not None:
                 self.seal_locked([b"", last[1:-1]])
-            self.closed = True
-            self._writing = False
-            try:
-                self._file.close()
-            except OSError as err:
-                self._failed(err)
+            if self._writing:
+                self._flush_locked()  # while the file is open: a failure says how much it kept
+            failed = self._shut_locked()
+            if failed is not None:
+                self._failed(failed)
 
     def flush(self) -> None:
         """Hand every line written so far to the operating system."""
         with self.lock:
             if not self.closed and self.error is None:
-                try:
-                    self._file.flush()
-                except OSError as err:
-                    self._failed(err)
+                self._flush_locked()
+
+    def flush_or_refuse(self) -> None:
+        """`flush` the first line: an OS error (no room on the file system) closes the file
+        and is raised, for the caller to refuse the log at its start, instead of ending it."""
+        with self.lock:
+            try:
+                self._file.flush()
+            except OSError:
+                self._shut_locked()
+                raise
+
+    def _flush_locked(self) -> None:
+        try:
+            self._file.flush()
+        except OSError as err:
+            self._failed(err)
+
+    def _shut_locked(self) -> OSError | None:
+        """Close the file (what is still buffered is tried once more); the error, if any."""
+        self.closed = True
+        self._writing = False
+        atexit.unregister(self._flush_at_exit)
+        try:
+            self._file.close()
+        except OSError as err:
+            return err
+        return None
+
+    def _flush_at_exit(self) -> None:
+        """A process that exits without closing its log (an exception past the application's
+        `close`) keeps what it logged: the buffer goes to the file, with no end line, as the
+        log of a crashed run reads. A forked child that exits leaves its copy of the buffer."""
+        if os.getpid() == self._pid:
+            self.flush()
 
     def seal_locked(self, parts: list[bytes]) -> None:
         """Write one line: `{"n":N,` (into `parts[0]`), then the rest of `parts` (a JSON object's
@@ -272,8 +310,14 @@ class _LineWriter:
         self._writing = False
         if self.error is None:
             self.error = err
-            log.warning("delivery log write failed; the log ends here", path=str(self.path), line=self.lines,
-                        error=f"{type(err).__name__}: {err}")
+            try:  # what reached the file: the lines still in the buffer when the write failed are lost too
+                kept: int | None = os.fstat(self._file.fileno()).st_size
+            except (OSError, ValueError):
+                kept = None
+            log.warning("delivery log write failed; the log ends here: the cache goes on, the rest of its run is "
+                        "not logged, and replay reads the file up to where it stops. Free space where it is, or "
+                        "give log_path on another file system, and start again to log a whole run",
+                        path=str(self.path), file_bytes=kept, error=f"{type(err).__name__}: {err}")
 
     def msg(self, message: bytes) -> None:
         with self.lock:
@@ -361,6 +405,9 @@ class DeliveryLog:
         self._blobs = _Blobs(self._out, BLOBS_HELD_BYTES_MAX)
         self._middles: dict[tuple[ActorName, ActorName, type, bool], bytes] = {}
         self._log.msg("header", version=LOG_VERSION, **header, blobs_held_bytes_max=BLOBS_HELD_BYTES_MAX)
+        # In the file at once: a log with no room is refused at the start of its run, and a run
+        # killed before its first buffer is written leaves a log that says so.
+        self._out.flush_or_refuse()
 
     @property
     def error(self) -> OSError | None:

@@ -15,7 +15,9 @@ How the log ends decides what the reader gives:
 - without (its run crashed, was killed, or is still running): the deliveries of
   the unbroken run from 1, up to the first missing one or the end of the file;
   a last line cut short is ignored. `LogReader.end` says where and why it
-  stopped, on one line.
+  stopped, on one line. A log still being written is read as it was when the
+  reader opened it: what its run writes meanwhile is not read, so a run that
+  logs faster than replay reads does not keep the reader going.
 
 Damage (a changed, lost, repeated or reordered line, a malformed field, a
 missing delivery in a closed log, a line of more than `LINE_BYTES_MAX` bytes)
@@ -26,6 +28,8 @@ from __future__ import annotations
 
 import binascii
 import heapq
+import os
+import stat
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -172,6 +176,9 @@ class LogReader:
             raise ReplayLogError(f"{self.path}: cannot read: {err.strerror}") from None
         self.bytes_read = 0
         """Bytes of the file read so far (for a progress bar)."""
+        info = os.fstat(self._file.fileno())
+        self.size: int | None = info.st_size if stat.S_ISREG(info.st_mode) else None
+        """Bytes the reader reads: the file's size when it was opened (None for a pipe: to its end)."""
         self.end: LogEnd | None = None
         """How the log ended, once iterated to the end; None before."""
         try:
@@ -192,6 +199,10 @@ class LogReader:
     def close(self) -> None:
         self._file.close()
 
+    def _left(self, most: int) -> int:
+        """At most `most` bytes, and none past `size`."""
+        return most if self.size is None else min(most, self.size - self.bytes_read)
+
     def _error(self, n: int, what: str) -> ReplayLogError:
         return ReplayLogError(f"{self.path}: line {n}: {what}")
 
@@ -199,7 +210,7 @@ class LogReader:
 
     def _read_header(self) -> dict[str, Any]:
         try:
-            raw = self._file.readline(HEADER_BYTES_MAX + 1)
+            raw = self._file.readline(self._left(HEADER_BYTES_MAX + 1))
         except OSError as err:
             raise ReplayLogError(f"{self.path}: cannot read: {err.strerror}") from None
         self.bytes_read += len(raw)
@@ -269,7 +280,7 @@ class LogReader:
         readline, unseal = self._file.readline, self._unseal
         while True:
             try:
-                raw = readline(LINE_BYTES_MAX + 1)
+                raw = readline(self._left(LINE_BYTES_MAX + 1))
             except OSError as err:
                 raise self._error(n, f"cannot read: {err.strerror}") from None
             if not raw:
@@ -384,7 +395,8 @@ class LogReader:
         self.end = LogEnd(True, nxt - 1, "")
 
     def _cut_log(self, nxt: int, held: list[tuple[int, int, Delivery]]) -> LogEnd:
-        notes = ["the log has no end line (its run did not close it: it crashed, was killed or is running)"]
+        notes = [("the log has no end line (its run did not close it: it crashed, was killed, is running, or "
+                  "could not write it: a full disk)")]
         if self._cut:
             notes.append(f"its last line, {self._cut}, is cut short")
         if held:

@@ -121,6 +121,24 @@ def test_a_log_cut_inside_a_line_ignores_that_line_and_names_it(threaded_log: Pa
     assert f"its last line, {whole_lines + 1}, is cut short" in result["stopped"]
 
 
+def test_a_log_still_being_written_is_read_as_it_was_when_the_reader_opened_it(threaded_log: Path,
+                                                                             tmp_path: Path) -> None:
+    """A reader followed the lines its run went on writing: replay of a running server's log
+    chased its end as long as the run logged faster than replay read."""
+    data = threaded_log.read_bytes()
+    at = data.index(b"\n", len(data) // 2) + 1
+    live = tmp_path / "live.log"
+    live.write_bytes(data[:at])
+    with LogReader(live) as reader:
+        with live.open("ab") as run:  # the run goes on writing, to its end line
+            run.write(data[at:])
+        deliveries = list(reader)
+        assert reader.end is not None and not reader.end.complete, reader.end
+        assert reader.bytes_read == reader.size == at
+    assert deliveries[-1].seq == _contiguous([json.loads(line) for line in data[:at].splitlines()])
+    assert read_log(live).end.complete  # read again: all of it
+
+
 def test_a_crashed_logs_deliveries_after_a_missing_one_are_left_out_and_counted(threaded_log: Path,
                                                                                tmp_path: Path, capsys) -> None:
     # a run that died while one handler ran: its delivery line never came, some lines after it did

@@ -5,16 +5,22 @@ divergence."""
 
 from __future__ import annotations
 
+import errno
+import io
 import json
+import os
+import subprocess
+import sys
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from hicache.messages import ActorName, EvictHost, Evicted, FreeHostSlots, Indices, WriteDone
-from hicache.runtime import Config, HiCache, LogReader, Request, ThreadedRuntime, _log, read_log
+from hicache.runtime import Config, ConfigError, HiCache, LogReader, Request, ThreadedRuntime, _log, read_log
 from hicache.runtime.cli import main
-from hicache.runtime.testing import DeterministicRuntime
+from hicache.runtime.testing import DeterministicRuntime, capture_logs
 
 CONFIG = Config(layers=2, kv_heads=1, head_dim=8, page_size=4, device_slots=96, host_slots=192)
 
@@ -120,16 +126,68 @@ def test_a_fault_value_json_cannot_carry_is_logged_as_its_text(tmp_path: Path, m
     assert d.faults == (("host_exhausted", "{1, 2}"), ("host_exhausted", str(10**30)))
 
 
-def test_a_full_disk_ends_the_log_where_it_filled_and_every_actor_goes_on(tmp_path: Path, capsys,
-                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_log, "LOG_BUFFER_BYTES", 4096)  # the first writes reach the device at once
-    with HiCache(CONFIG.replace(log_path="/dev/full")) as hc:
-        for i in range(3):
-            _serve(hc, f"r{i}", list(range(8 * i, 8 * i + 8)))
-        hc.check_invariants()
-        log = hc.system.services.log
-        assert log is not None and isinstance(log.error, OSError)
-    assert "delivery log write failed; the log ends here" in capsys.readouterr().out
+def test_a_log_path_with_no_room_fails_start_on_one_line_and_leaves_nothing_running() -> None:
+    """It started, served the whole run unlogged and warned only when the buffer first filled."""
+    threads, fds = set(threading.enumerate()), set(os.listdir("/proc/self/fd"))
+    hc = HiCache(CONFIG.replace(log_path="/dev/full"))
+    with capture_logs() as logs, pytest.raises(ConfigError, match=r"^log_path='/dev/full' cannot be written \(No "
+                                               r"space left on device\): give a file in a folder this process "
+                                               r"may write$"):
+        hc.start()
+    assert not hc.system.started and logs == []
+    assert set(threading.enumerate()) <= threads and set(os.listdir("/proc/self/fd")) <= fds
+
+
+class _SmallDisk(io.RawIOBase):
+    """A file on a file system with `room` bytes left: a write past it is cut short, the next
+    fails with ENOSPC, as the kernel does."""
+
+    def __init__(self, raw: Any, room: int) -> None:
+        self._raw, self._room = raw, room
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        if self._room == 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        n = self._raw.write(bytes(data[:self._room]))
+        self._room -= n
+        return n
+
+    def fileno(self) -> int:
+        return self._raw.fileno()
+
+    def close(self) -> None:
+        self._raw.close()
+        super().close()
+
+
+def test_a_log_whose_disk_fills_says_so_once_on_logging_never_on_stdout_and_replays_up_to_the_cut(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The warning went to stdout through structlog's global setup, past the application's
+    `logging`, and named a line the file never held; replay blamed a crash."""
+    opened = _log._open_exclusive
+    monkeypatch.setattr(_log, "LOG_BUFFER_BYTES", 4096)
+    monkeypatch.setattr(_log, "_open_exclusive",
+                        lambda path: io.BufferedWriter(_SmallDisk(opened(path).detach(), 20_000), 4096))
+    path = tmp_path / "full.log"
+    with capture_logs() as logs:
+        with HiCache(CONFIG.replace(log_path=str(path))) as hc:
+            for i in range(6):
+                _serve(hc, f"r{i}", list(range(8 * i, 8 * i + 16)))
+            hc.check_invariants()
+        monkeypatch.setattr(_log, "_open_exclusive", opened)
+        with HiCache(CONFIG.replace(log_path=str(tmp_path / "next.log"))) as hc:  # another path: logs whole
+            _serve(hc, "r", list(range(8)))
+    [warned] = logs
+    assert warned["event"].startswith("delivery log write failed; the log ends here") and "log_path" in warned["event"]
+    assert warned["log_level"] == "warning" and warned["file_bytes"] == path.stat().st_size == 20_000
+    assert "ENOSPC" not in warned["error"] and "No space left" in warned["error"]
+    assert capsys.readouterr().out == ""
+    assert read_log(tmp_path / "next.log").end.complete
+    assert main(["replay", str(path)]) == 0
+    assert "no end line" in (out := capsys.readouterr().out) and "a full disk" in out, out
 
 
 def test_a_delivery_after_close_is_not_written(tmp_path: Path) -> None:
@@ -171,3 +229,30 @@ def test_a_second_running_instance_on_one_log_path_is_refused_and_leaves_the_log
     with HiCache(config):  # free again once the first closed
         pass
 
+
+_EXITS_WITHOUT_CLOSE = """
+import os, sys
+from hicache.runtime import Config, HiCache, Request
+hc = HiCache(Config(layers=2, kv_heads=1, head_dim=8, page_size=4, device_slots=96, host_slots=192,
+                    log_path=sys.argv[1])).start()
+for i in range(3):
+    [a] = hc.admit([Request(f"r{i}", list(range(8 * i, 8 * i + 8)))])
+    hc.finish([a.handle])
+child = os.fork()
+if child == 0:
+    sys.exit(0)  # a helper the application forked, exiting normally with a copy of the buffer
+os.waitpid(child, 0)
+raise RuntimeError("the application failed before it closed the cache")
+"""
+
+
+def test_a_process_that_exits_without_closing_its_log_keeps_what_it_logged(tmp_path: Path) -> None:
+    """An exception past the application's `close` left an empty file: the buffer was never
+    written. A forked child's exit must not write its copy of the buffer into the parent's log."""
+    path = tmp_path / "crashed.log"
+    done = subprocess.run([sys.executable, "-c", _EXITS_WITHOUT_CLOSE, str(path)], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 1 and "the application failed" in done.stderr, done.stderr
+    log = read_log(path)  # a repeated line (the child's copy) would be damage
+    assert not log.end.complete and "no end line" in log.end.note
+    assert sum(d.type_name == "FinishRequests" for d in log.deliveries) == 3

@@ -46,8 +46,7 @@ def _refuse(what: str) -> int:
 def _replay(log: LogReader, until: int | None, only: ActorName | None) -> ReplayResult:
     err = Console(stderr=True)
     with Progress(console=err, transient=True, disable=not err.is_terminal) as bar:
-        total = log.path.stat().st_size if log.path.is_file() else None
-        task = bar.add_task("replaying", total=total)
+        task = bar.add_task("replaying", total=log.size)
         return replay_log(log, until=until, only=only, progress=lambda n: bar.update(task, completed=log.bytes_read))
 
 
