@@ -197,8 +197,8 @@ def root_hash(model_id: str, namespace: str) -> int:
     of the namespace's UTF-8 bytes, keyed, for a named model, with blake2b-256 of the model
     id (a keyed hash is another function: no namespace of one model gives another's seed)."""
     blake2b, data = hashlib.blake2b, namespace.encode()
-    digest = (blake2b(data, digest_size=HASH_BYTES, key=blake2b(model_id.encode()).digest()[:32]) if model_id
-              else blake2b(data, digest_size=HASH_BYTES))
+    key = blake2b(model_id.encode(), digest_size=32).digest() if model_id else b""
+    digest = blake2b(data, digest_size=HASH_BYTES, key=key)  # no key: the unkeyed hash
     return int.from_bytes(digest.digest(), "little")
 
 

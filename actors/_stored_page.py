@@ -90,10 +90,10 @@ class StorageUsage:
 
 
 def page_keys(hashes: Sequence[int], rank: int, per_rank: bool = True, ranks: int = 1) -> list[str]:
-    """Storage keys of a chain of page hashes: 32 hex digits (more for a larger number), then, when each
-    tensor-parallel rank stores its own share of the heads (`per_rank`), `-r{rank}` and,
-    in a group of more than one rank, `of{ranks}`: the share a rank holds depends on both
-    (rank 2 of 4 and rank 2 of 8 may each hold one KV head, but not the same one)."""
+    """Storage keys of a chain of page hashes: 32 hex digits (more for a larger number),
+    then, when each tensor-parallel rank stores its own share of the heads (`per_rank`),
+    `-r{rank}` and, in a group of more than one rank, `of{ranks}`: the share a rank holds
+    depends on both (rank 2 of 4 and rank 2 of 8 may each hold one KV head, not the same one)."""
     if any(h < 0 for h in hashes):
         raise ValueError(f"page hashes must be non-negative integers, got {min(hashes)}")
     if not 0 <= rank < ranks:
