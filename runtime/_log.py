@@ -68,8 +68,10 @@ try:
 except ImportError:  # the `fast` extra is not installed: the same checksum, slower
     from zlib import crc32
 
-LOG_VERSION = 7
-"""7: `StartLoads` says whether a forward pass waits on the batch (`awaited`); an admission
+LOG_VERSION = 8
+"""8: storage keys are blake2b-128 chains seeded by the model (`Config.model_id`, in the
+header's config) and a tensor-parallel group's keys name its size (`StorePages` and
+`Prefetch` of a version 7 log carry other keys). 7: `StartLoads` says whether a forward pass waits on the batch (`awaited`); an admission
 carries its settled prefetch's tokens (`AdmitItem.stored`) and the tree answers the storage
 part of its host hit (`Admission.storage_hit`, `TreeStatistics.host_hit_storage_tokens`).
 6: the device answers a finish to the facade itself (`Finished`; no `RequestsReleased` to the
