@@ -74,7 +74,8 @@ def model_shape(model_config: Any, tp_size: int, dtype: Any = None) -> ModelShap
 def model_name(model_config: Any) -> str:
     """The name of the model of `model_config`, for `Config.model_id`: transformers'
     `_name_or_path` (the hub id or the directory it was loaded from), with `@` and the hub
-    revision's commit when it was downloaded (`_commit_hash`); "" when it names none."""
+    revision's commit when the config records it (`_commit_hash`, which transformers 5
+    no longer keeps); "" when it names none."""
     get = model_config.get if isinstance(model_config, Mapping) else (lambda a: getattr(model_config, a, None))
     name, commit = get("_name_or_path"), get("_commit_hash")
     if not isinstance(name, str) or not name:

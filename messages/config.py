@@ -327,7 +327,7 @@ class Config:
         (this rank's share of `tp_size`), head dim and dtype come from it; `dtype=` in
         `fields` overrides the model's.
         `model_id` comes from it too (its `_name_or_path`, with the hub revision's commit
-        when there is one), unless `fields` gives one.
+        when the config records one: transformers 5 records none), unless `fields` gives one.
         `device_bytes` and `host_bytes` (or `host_ratio` times `device_bytes`) are the
         bytes of KV each tier may hold, turned into whole pages. `fields` sets any
         other field. With `check` (the default) the result is checked against this

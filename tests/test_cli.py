@@ -134,3 +134,14 @@ def test_progress_off_a_terminal_is_a_line_per_tenth() -> None:
     lines = out.getvalue().splitlines()
     assert [line.split(":")[1].split("%")[0].strip() for line in lines] == [str(10 * i) for i in range(1, 11)]
     assert lines[-1].startswith("serving: 100% (200/200)")
+
+
+def test_soak_names_its_model_so_its_instances_start_without_the_storage_warning(tmp_path: Path) -> None:
+    from hicache.runtime import HiCache
+    from hicache.runtime.cli._soak import _config
+    from hicache.runtime.testing import capture_logs
+
+    for seed in range(3):  # each instance the soak starts (every prefetch policy)
+        with capture_logs() as logs, HiCache(_config(str(tmp_path), seed)):
+            pass
+        assert not [e for e in logs if e["event"].startswith("storage keys")], logs

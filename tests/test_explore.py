@@ -11,7 +11,7 @@ import pytest
 
 from hicache.messages import decode
 from hicache.runtime.cli import main
-from hicache.runtime.testing import MUTANTS, mutant
+from hicache.runtime.testing import MUTANTS, capture_logs, mutant
 from hicache.runtime.testing.explore import explore, hunt_mutants, replay, run_schedule, write_failure
 
 
@@ -74,6 +74,13 @@ def test_the_unmutated_storage_scenario_passes_thirty_seeds_on_every_policy() ->
     """Seeds rotate the prefetch policy (seed % 3) and the write policy (seed // 3 % 3)."""
     report = explore("storage", strategy="pct", seeds=range(30))
     assert report.failures == [], report.failures[0].error
+
+
+def test_the_storage_scenario_names_its_model_so_no_schedule_warns_that_its_keys_name_none() -> None:
+    with capture_logs() as logs:
+        report = explore("storage", strategy="pct", seeds=range(2))
+    assert report.failures == [], report.failures[0].error
+    assert not [e for e in logs if e["event"].startswith("storage keys")], logs
 
 
 def test_the_unmutated_pressure_scenario_passes_forty_seeds() -> None:

@@ -60,10 +60,15 @@ def sample(elapsed_s: float, requests: int) -> Sample:
     return Sample(elapsed_s, requests, rss, threading.active_count(), len(os.listdir("/proc/self/fd")))
 
 
+SOAK_MODEL_ID = "hicache-soak"
+"""The model the soak's KV is of (the reference scheduler's fingerprints): what its storage keys name."""
+
+
 def _config(storage_dir: str, seed: int) -> Config:
     policy = list(PrefetchPolicy)[seed % 3]
     return Config(layers=2, kv_heads=1, head_dim=16, page_size=16, device_slots=16 * 512, host_slots=16 * 2048,
-                  storage="file", storage_dir=storage_dir, prefetch_policy=policy, prefetch_threshold_pages=2,
+                  model_id=SOAK_MODEL_ID, storage="file", storage_dir=storage_dir, prefetch_policy=policy,
+                  prefetch_threshold_pages=2,
                   prefetch_timeout_base_s=0.02, prefetch_timeout_per_1k_s=0.05, prefetch_timeout_max_s=0.2)
 
 

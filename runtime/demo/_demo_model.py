@@ -77,7 +77,7 @@ def run_model_demo(model_arg: str, as_json: bool = False, cost: CostModel | None
     model, name = _load(model_arg)
     device = next(model.parameters()).device
     with tempfile.TemporaryDirectory(prefix="hicache-demo-model-l3-") as tmp:
-        cfg = _config(model, device, tmp, work)
+        cfg = _config(model, device, tmp, work, TINY_MODEL_ID if model_arg == "tiny" else None)
         _warm_up(model, cfg, work)
         history: dict[int, list[int]] = {}
         with HiCache(cfg) as hc:
@@ -97,6 +97,11 @@ def run_model_demo(model_arg: str, as_json: bool = False, cost: CostModel | None
     return 0 if figures["first_tokens_equal"] == figures["requests"] else 1
 
 
+TINY_MODEL_ID = "hicache-demo-tiny-llama"
+"""The model id of `tiny` (a Llama built in code names no model): what its storage keys name.
+A local directory's model is named by its path (`Config.for_model`)."""
+
+
 def _load(arg: str) -> tuple[Any, str]:
     if arg == "tiny":
         return tiny_llama(seed=0), "tiny (random Llama, float32)"
@@ -111,11 +116,13 @@ def _load(arg: str) -> tuple[Any, str]:
     return model.to("cuda" if on_gpu else "cpu").eval(), str(path)
 
 
-def _config(model: Any, device: torch.device, storage_dir: str, work: Workload) -> Config:
+def _config(model: Any, device: torch.device, storage_dir: str, work: Workload, model_id: str | None) -> Config:
     dtype = next(model.parameters()).dtype
     fields: dict[str, Any] = {"page_size": work.page_size, "dtype": dtype, "device": device.type, "storage": "file",
                               "storage_dir": storage_dir, "prefetch_policy": "wait_complete",
                               "prefetch_threshold_pages": 1}
+    if model_id is not None:  # else the model config's name
+        fields["model_id"] = model_id
     per_slot = Config.for_model(model.config, device_bytes=1 << 30, host_ratio=2, check=False, **fields).bytes_per_slot
     return Config.for_model(model.config, device_bytes=work.device_tokens * per_slot, host_ratio=8, **fields)
 

@@ -188,6 +188,10 @@ def _orphans(rt: DeterministicRuntime, seed: int, mut: Mutant | None) -> None:
         check_quiescent(hc)
 
 
+EXPLORE_MODEL_ID = "hicache-explore"
+"""The model the storage scenario's KV is of (the reference scheduler's fingerprints): what its keys name."""
+
+
 def _storage(rt: DeterministicRuntime, seed: int, mut: Mutant | None) -> None:
     """The workload on a host tier too small for it, with a file L3 in a fresh directory, twice:
     the first pass backs its pages up to storage, then L1 and L2 are emptied and the second pass
@@ -200,6 +204,7 @@ def _storage(rt: DeterministicRuntime, seed: int, mut: Mutant | None) -> None:
     with tempfile.TemporaryDirectory(prefix="hicache-explore-l3-") as tmp:
         cfg = Config(layers=2, kv_heads=1, head_dim=8, page_size=4, device_slots=4 * 16, host_slots=4 * 24,
                      load_back_min_tokens=4, transfer_pages_max=2, storage="file", storage_dir=tmp, write_policy=writes,
+                     model_id=EXPLORE_MODEL_ID,
                      storage_batch_pages=2, storage_batch_mb=0, prefetch_threshold_pages=1, prefetch_policy=policy,
                      prefetch_timeout_base_s=0.01, prefetch_timeout_per_1k_s=0.5, prefetch_timeout_max_s=0.05)
         with HiCache(cfg, runtime=rt, actor_classes=mut.actor_classes if mut else None) as hc:
