@@ -245,7 +245,8 @@ class ModelId:
 
     @property
     def allowed(self) -> str:
-        return f"printable text of at most {MODEL_ID_CHARS_MAX} characters, like 'meta-llama/Llama-3.1-8B' (empty: unset)"
+        return (f"printable text of at most {MODEL_ID_CHARS_MAX} characters, like 'meta-llama/Llama-3.1-8B' "
+                "(empty: unset)")
 
     def parse(self, name: str, value: Any) -> str:
         if not isinstance(value, str) or len(value) > MODEL_ID_CHARS_MAX or not value.isprintable():

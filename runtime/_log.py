@@ -69,17 +69,18 @@ except ImportError:  # the `fast` extra is not installed: the same checksum, slo
     from zlib import crc32
 
 LOG_VERSION = 8
-"""8: storage keys are blake2b-128 chains seeded by the model (`Config.model_id`, in the
-header's config) and a tensor-parallel group's keys name its size (`StorePages` and
-`Prefetch` of a version 7 log carry other keys). 7: `StartLoads` says whether a forward pass waits on the batch (`awaited`); an admission
-carries its settled prefetch's tokens (`AdmitItem.stored`) and the tree answers the storage
-part of its host hit (`Admission.storage_hit`, `TreeStatistics.host_hit_storage_tokens`).
-6: the device answers a finish to the facade itself (`Finished`; no `RequestsReleased` to the
-tree). 5: allocations may grant pages ahead of a request's slots and give them back (`ahead`,
-`trim`). 4: the device's messages carry the slots the facade served from a request's last page
-(`allocs`). 3: numbered, checksummed lines, an `end` line, blobs forgotten only between
-deliveries, unencodable deliveries logged as such. 2 had none of these; 1 carried large
-payloads in every body. A reader reads its own version only."""
+"""8: storage keys are blake2b-128 chains seeded by the model (`Config.model_id`, in the header's
+config) and a tensor-parallel group's keys name its size (`StorePages` and `Prefetch` of a
+version 7 log carry other keys). 7: `StartLoads` says whether a forward pass waits on the
+batch (`awaited`); an admission carries its settled prefetch's tokens (`AdmitItem.stored`) and
+the tree answers the storage part of its host hit (`Admission.storage_hit`,
+`TreeStatistics.host_hit_storage_tokens`). 6: the device answers a finish to the facade itself
+(`Finished`; no `RequestsReleased` to the tree). 5: allocations may grant pages ahead of a
+request's slots and give them back (`ahead`, `trim`). 4: the device's messages carry the slots
+the facade served from a request's last page (`allocs`). 3: numbered, checksummed lines, an
+`end` line, blobs forgotten only between deliveries, unencodable deliveries logged as such. 2
+had none of these; 1 carried large payloads in every body. A reader reads its own version
+only."""
 
 BLOB_BYTES_MIN = 1024
 """An `Indices` or `Tokens` payload this large (128 values) or larger is written as a blob, once."""

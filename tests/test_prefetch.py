@@ -35,8 +35,8 @@ from typing import Any
 import pykka
 import pytest
 
-from hicache.actors import (HOST_ROUTES, FileBackend, InvariantError, KVShape, NoFaults, NodeState, RadixTree, page_keys,
-                            root_hash)
+from hicache.actors import (HOST_ROUTES, FileBackend, InvariantError, KVShape, NoFaults, NodeState, RadixTree,
+                            page_keys, root_hash)
 from hicache.messages import (
     ActorName,
     AdmitItem,
@@ -884,7 +884,8 @@ def test_a_cache_that_starts_with_storage_and_names_no_model_says_so(tmp_path: P
 
 def test_a_model_id_and_a_namespace_seed_the_page_hashes_without_ambiguity() -> None:
     assert root_hash("", "tenant") == int.from_bytes(hashlib.blake2b(b"tenant", digest_size=16).digest(), "little")
-    pairs = [("", ""), ("a", "bc"), ("ab", "c"), ("abc", ""), ("", "abc"), ("1:a", ""), ("a", ""), ("", "1:a"), ("", "a")]
+    pairs = [("", ""), ("a", "bc"), ("ab", "c"), ("abc", ""), ("", "abc"), ("1:a", ""), ("a", ""), ("", "1:a"),
+             ("", "a")]
     assert len({root_hash(m, ns) for m, ns in pairs}) == len(pairs)
     # the chain of blake2b-128 digests from blake2b-128(b""): 32 hex digits a key
     assert page_keys_of(PROMPT)[:2] == ["b83fccd17fbf8f918839ac38688f9dba-r0", "23cc4de76855d34d3fb5d1578bced1b0-r0"]
