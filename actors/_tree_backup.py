@@ -8,7 +8,6 @@ from hicache.messages import StorePages
 from ._errors import InvariantError
 from ._facts import FactKind
 from ._radix_node import Node
-from ._stored_page import page_keys
 from ._tree_shared import PREFETCH, TreeShared
 
 
@@ -27,8 +26,7 @@ class BackupBook:
         s.tree.pin_host(node, +1)
         self.stores[op] = node
         s.agreement.expect(FactKind.BACKUP, op)
-        keys = page_keys(node.hashes, s.config.tp_rank, ranks=s.config.tp_size)
-        s.emit(PREFETCH, StorePages(op_id=op, keys=tuple(keys), host=node.host))
+        s.emit(PREFETCH, StorePages(op_id=op, keys=s.storage_keys(node.hashes), host=node.host))
 
     def on_stored(self, op: int, pages: int, written: int) -> None:
         """The local outcome: `pages` leading pages are in storage, `written` of them by this backup."""

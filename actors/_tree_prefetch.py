@@ -33,7 +33,6 @@ from hicache.messages.config import PrefetchPolicy
 from ._errors import InvariantError
 from ._facts import FactKind
 from ._radix_node import BACKED, Node, NodeState
-from ._stored_page import page_keys
 from ._tree_holds import SettledHolds
 from ._tree_shared import FACADE, HOST, PREFETCH, HandleError, TreeShared, cat
 from ._tree_writes import WriteBack
@@ -144,7 +143,7 @@ class PrefetchBook:
         op, held = s.next_id(), matched - start
         toks = tokens[start : matched + want]
         hashes = s.tree.chain(anchor, toks)
-        keys = tuple(page_keys(hashes[held // p :], cfg.tp_rank, ranks=cfg.tp_size))
+        keys = s.storage_keys(hashes[held // p :])
         pf = _Prefetch(op, item.request_id, anchor, toks, held, hashes, keys, want, s.now(), self._timeout(want))
         self.prefetches[op] = pf
         self._prefetch_of[item.request_id] = op

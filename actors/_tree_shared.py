@@ -15,6 +15,7 @@ from hicache.messages.config import Config, StorageKind
 
 from ._facts import Agreement
 from ._radix import RadixTree
+from ._stored_page import page_keys
 
 DEVICE, HOST, WRITE, LOAD, FACADE = ActorName.DEVICE, ActorName.HOST, ActorName.WRITE, ActorName.LOAD, ActorName.FACADE
 PREFETCH = ActorName.PREFETCH
@@ -63,6 +64,10 @@ class TreeShared:
 
     def emit(self, to: ActorName, message: Message) -> None:
         self.outbox.append((to, message))
+
+    def storage_keys(self, hashes: Sequence[int]) -> tuple[str, ...]:
+        """The storage keys of pages with these hashes, as this rank of its group stores them."""
+        return tuple(page_keys(hashes, self.config.tp_rank, ranks=self.config.tp_size))
 
 
 def cat(parts: Sequence[Indices | None]) -> Indices:
