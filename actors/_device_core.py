@@ -93,6 +93,14 @@ class Insufficient:
     def shortfall_slots(self) -> int:
         return self.requested_slots - self.free_slots
 
+    def __getitem__(self, key: object) -> Any:
+        """An allocation that did not fit has no slots: read as if it had, it says so."""
+        raise TypeError(
+            f"allocate() did not fit: {self.requested_slots} slots asked, {self.free_slots} free after eviction; "
+            "nothing was allocated. Check isinstance(result, Insufficient) before reading slots from it, then "
+            "retract a request (or wait for writes in flight) and allocate again"
+        )
+
 
 @dataclass(slots=True)
 class _Ledger:

@@ -329,7 +329,8 @@ class Config:
         `model_id` comes from it too (its `_name_or_path`, with the hub revision's commit
         when the config records one: transformers 5 records none), unless `fields` gives one.
         `device_bytes` and `host_bytes` (or `host_ratio` times `device_bytes`) are the
-        bytes of KV each tier may hold, turned into whole pages. `fields` sets any
+        bytes of KV each tier may hold, turned into whole pages (with `host_tier=False`, an
+        L1-only cache, the host budget may be left out). `fields` sets any
         other field. With `check` (the default) the result is checked against this
         machine's memory (`check_resources`)."""
         if type(check) is not bool:
@@ -370,9 +371,11 @@ def _budget_pages(shaped: Config, device_bytes: Any, host_bytes: Any, host_ratio
             f"device_bytes={device_bytes} holds no page: one page (page_size={shaped.page_size} tokens x "
             f"{shaped.bytes_per_slot} bytes of K and V) takes {page_bytes} bytes; give at least that"
         )
+    if not shaped.host_tier and host_bytes is None and host_ratio is None:
+        return device_bytes // page_bytes, 1  # an L1-only cache: its host buffer is one page, unused
     if (host_bytes is None) == (host_ratio is None):
         raise ConfigError("give host_bytes (bytes of KV in host memory) or host_ratio (host bytes per "
-                          "device byte, like 2.0), one of them")
+                          "device byte, like 2.0), one of them (with host_tier=False, neither)")
     if host_ratio is not None:
         host_bytes = int(device_bytes * Number(1e6).parse("host_ratio", host_ratio))
     host_bytes = Count(1, SLOTS_MAX * page_bytes).parse("host_bytes", host_bytes)

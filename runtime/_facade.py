@@ -347,6 +347,10 @@ class HiCache:
         """Queued requests with a storage prefetch in flight, and the host tokens reserved for it."""
         self._stored: dict[str, int] = {}
         """Tokens a settled prefetch brought from storage, until the request is admitted."""
+        self._unloaded: dict[str, int] = {}
+        """Live requests admitted with a host hit since the last `start_loads` (or `quiesce`), and
+        that hit: until then their prefix is not in their device slots, so a commit of theirs (KV
+        computed over that prefix) is refused."""
         self._ended: OrderedDict[str, str] = OrderedDict()
         self._pending: dict[int, Pending] = {}
         """Calls whose reply has not been applied (abandoned ones until their late reply comes)."""
@@ -458,6 +462,8 @@ class HiCache:
                      prefix=cached, prompt=item.tokens, along=cached if self.config.page_size > 1 else -1)
         live.add_pages(adm.device)
         self._live[rid] = live
+        if adm.host_hit:
+            self._unloaded[rid] = adm.host_hit
         return AdmitResult(rid, handle, self._slots(adm.device, cached), adm.device_hit, adm.host_hit,
                            adm.host_miss, adm.storage_hit)
 
@@ -470,6 +476,7 @@ class HiCache:
         """An admission whose caller never saw it: release its locks (retracted: the ids stay usable)."""
         for adm in reply.admissions:
             self._live.pop(adm.request_id, None)
+            self._unloaded.pop(adm.request_id, None)
         ends = tuple(
             FinishItem(request_id=it.request_id, handle=adm.handle, reason=ReleaseReason.RETRACTED,
                        tokens=Tokens(), device=EMPTY, allocs=0, commits=0)
@@ -606,6 +613,7 @@ class HiCache:
         admission counts a prefix that an earlier load has not landed yet as a host hit."""
         with self._call():
             started = self._start_queued_loads(awaited=True)
+            self._unloaded.clear()
             assert self.system.ring is not None
             return self.system.ring.waiter(started.batch)
 
@@ -807,11 +815,18 @@ class HiCache:
         if type(tokens) is not dict and not isinstance(tokens, Mapping):
             raise RequestError(f"commit must map request ids to tokens, got {type(tokens).__name__}")
         out = []
-        lives = self._live
+        lives, unloaded = self._live, self._unloaded
         for rid, toks in tokens.items():
             live = lives.get(rid) if type(rid) is str else None  # a live request's id is a valid one
             if live is None:
                 live = self._req(check.request_id(rid, "a request id in commit"))
+            if unloaded and rid in unloaded:
+                raise RequestError(
+                    f"request {rid!r} was admitted with {unloaded[rid]} tokens to load back from host memory "
+                    "(host_hit), but start_loads() was not called since: those tokens are not in its device "
+                    "slots, so KV computed over them is wrong. Call start_loads() after admit() and "
+                    "wait_layer(layer) before a layer reads the prefix; retract this request and admit it again"
+                )
             m, data = 0, b""
             if live.follows_prompt():
                 m, data = check.prompt_continued(live.prompt.to_bytes(), live.along, toks) or (0, b"")
@@ -871,6 +886,9 @@ class HiCache:
                 if rid not in self._prefetching and rid not in self._stored:
                     if rid in self._ended and rid not in self._live:
                         raise RequestError(f"request {rid!r} already {self._ended[rid]}: nothing is left to end")
+                    if rid in self._live:
+                        raise RequestError(f"request {rid!r} is admitted: pass its CacheHandle (from admit() or "
+                                           f"cache_unfinished(), or handle({rid!r})), not its id")
                     raise RequestError(f"request {rid!r} has no prefetch in flight or settled for it; pass the "
                                        "CacheHandle of an admitted request instead of its id")
             if len(set(queued)) != len(queued):
@@ -884,6 +902,7 @@ class HiCache:
             ends = tuple(self._finish_item(h, reason) for h in hs)
             for h in hs:  # certain once sent: the tree takes each handle exactly once
                 del self._live[h.request_id]
+                self._unloaded.pop(h.request_id, None)
                 if reason is not ReleaseReason.RETRACTED:
                     self._end(h.request_id, reason)
             return list(self._ask(ActorName.TREE, FinishRequests(op_id=self._op(), items=ends), Finished).entries)
@@ -951,6 +970,7 @@ class HiCache:
         with self._call():
             timeout_s = check.seconds("timeout_s", timeout_s)
             self._start_queued_loads(awaited=False)
+            self._unloaded.clear()  # started, and waited for below
             while True:
                 self.system.quiesce(timeout_s)
                 if self.group.size == 1:

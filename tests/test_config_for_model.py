@@ -121,7 +121,8 @@ def test_fields_that_come_from_the_model_or_the_budgets_cannot_also_be_given(fie
 
 @pytest.mark.parametrize(("budgets", "message"), [
     ({"device_bytes": 64 * MIB}, r"^give host_bytes \(bytes of KV in host memory\) or host_ratio"),
-    ({"device_bytes": 64 * MIB, "host_bytes": 1 << 30, "host_ratio": 2}, r"^give host_bytes .* one of them$"),
+    ({"device_bytes": 64 * MIB, "host_bytes": 1 << 30, "host_ratio": 2},
+     r"^give host_bytes .* one of them \(with host_tier=False, neither\)$"),
     ({"device_bytes": 1000, "host_ratio": 2}, r"^device_bytes=1000 holds no page: one page \(page_size=16 tokens x "
                                               r"32768 bytes of K and V\) takes 524288 bytes; give at least that$"),
     ({"device_bytes": "lots", "host_ratio": 2}, r"^device_bytes='lots' must be an integer in 1\.\."),
@@ -132,6 +133,14 @@ def test_fields_that_come_from_the_model_or_the_budgets_cannot_also_be_given(fie
 def test_bad_budgets_are_one_config_error(budgets: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         Config.for_model(_llama_like(), **budgets)
+
+
+def test_an_l1_only_cache_needs_no_host_budget() -> None:
+    c = Config.for_model(_llama_like(), device_bytes=64 * MIB, host_tier=False)
+    assert not c.host_tier and c.device_slots == 64 * MIB // (c.bytes_per_slot * 16) * 16
+    assert c.host_slots == c.page_size                  # one page, as an L1-only Config allocates
+    given = Config.for_model(_llama_like(), device_bytes=64 * MIB, host_ratio=2, host_tier=False)
+    assert given.host_slots == 2 * c.device_slots       # a budget given is still taken as given
 
 
 def test_budgets_this_machine_cannot_hold_are_refused_unless_the_check_is_off() -> None:

@@ -25,6 +25,7 @@ from hicache.runtime import (
     CacheStateError,
     Config,
     HiCache,
+    Insufficient,
     KVArgumentError,
     Request,
     RequestError,
@@ -168,6 +169,74 @@ def test_ending_a_finished_request_by_its_id_says_it_is_finished(cache: HiCache)
     for end in (cache.abort, cache.retract):
         with pytest.raises(RequestError, match=r"^request 'a' already finished: nothing is left to end$"):
             end(["a"])
+    _quiet(cache)
+
+
+def _host_hit(hc: HiCache, rid: str, tokens: list[int]) -> Any:
+    """Admit `tokens` after a first request computed them and device memory let them go: a host hit."""
+    [a] = hc.admit([Request(rid + "-first", tokens)])
+    hc.allocate({rid + "-first": len(tokens)})
+    hc.commit({rid + "-first": tokens})
+    hc.finish([a.handle])
+    hc.quiesce()
+    hc.evict_device(hc.config.device_slots)
+    [b] = hc.admit([Request(rid, tokens)])
+    assert b.host_hit == len(tokens) and b.device_hit == 0
+    return b
+
+
+def test_a_commit_over_a_host_hit_whose_load_back_was_never_started_is_refused(cache: HiCache) -> None:
+    """The forward pass of a request whose load-back was not started read device slots the load
+    has not filled: its KV is wrong, and committing it would cache it. Refused, naming the fix."""
+    b = _host_hit(cache, "b", seq(8))
+    cache.allocate({"b": 1})
+    for call in (lambda: cache.commit({"b": [9]}), lambda: cache.allocate({"b": 1}, commit={"b": [9]})):
+        with pytest.raises(RequestError, match=r"^request 'b' was admitted with 8 tokens to load back from host "
+                                               r"memory \(host_hit\), but start_loads\(\) was not called since: .*"
+                                               r"retract this request and admit it again$"):
+            call()
+    assert cache.committed_tokens("b") == seq(8) and cache.allocated("b") == 9   # the refused calls changed nothing
+    cache.retract([b.handle])
+    [b] = cache.admit([Request("b", seq(8))])          # admitted again, the load started this time
+    assert b.host_hit == 8
+    cache.start_loads().wait_all()
+    cache.allocate({"b": 1}, commit={})
+    cache.commit({"b": [9]})
+    cache.finish([b.handle])
+    [c] = cache.admit([Request("c", seq(8))])           # a device hit loads nothing
+    cache.allocate({"c": 1})
+    cache.commit({"c": [9]})
+    cache.finish([c.handle])
+    _quiet(cache)
+
+
+def test_quiesce_starts_and_waits_for_the_load_backs_so_a_commit_after_it_is_taken(cache: HiCache) -> None:
+    b = _host_hit(cache, "b", seq(8))
+    cache.quiesce()
+    cache.allocate({"b": 1})
+    cache.commit({"b": [9]})
+    cache.finish([b.handle])
+    _quiet(cache)
+
+
+def test_indexing_an_insufficient_allocation_says_it_did_not_fit_and_what_to_do(cache: HiCache) -> None:
+    [a] = cache.admit([Request("a", seq(8))])
+    got = cache.allocate({"a": cache.config.device_slots + 4})
+    assert isinstance(got, Insufficient) and got.shortfall_slots > 0
+    with pytest.raises(TypeError, match=r"^allocate\(\) did not fit: \d+ slots asked, \d+ free after eviction; "
+                                        r"nothing was allocated\. Check isinstance\(result, Insufficient\)"):
+        got["a"]
+    cache.abort([a.handle])
+    _quiet(cache)
+
+
+def test_ending_an_admitted_request_by_its_id_says_to_pass_its_handle(cache: HiCache) -> None:
+    [a] = cache.admit([Request("a", seq(8))])
+    for end in (cache.abort, cache.retract):
+        with pytest.raises(RequestError, match=r"^request 'a' is admitted: pass its CacheHandle \(from admit\(\) or "
+                                               r"cache_unfinished\(\), or handle\('a'\)\), not its id$"):
+            end(["a"])
+    cache.abort([cache.handle("a")])
     _quiet(cache)
 
 
