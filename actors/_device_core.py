@@ -95,11 +95,18 @@ class Insufficient:
 
     def __getitem__(self, key: object) -> Any:
         """An allocation that did not fit has no slots: read as if it had, it says so."""
-        raise TypeError(
-            f"allocate() did not fit: {self.requested_slots} slots asked, {self.free_slots} free after eviction; "
-            "nothing was allocated. Check isinstance(result, Insufficient) before reading slots from it, then "
-            "retract a request (or wait for writes in flight) and allocate again"
-        )
+        raise TypeError(self._misread())
+
+    def __getattr__(self, name: str) -> Any:
+        """Read as a flat allocation (`split`, say), it says so too; other names are plain misses."""
+        if name.startswith("_"):
+            raise AttributeError(name)
+        raise AttributeError(f"{self._misread()} (Insufficient has no {name!r})")
+
+    def _misread(self) -> str:
+        return (f"allocate() did not fit: {self.requested_slots} slots asked, {self.free_slots} free after eviction; "
+                "nothing was allocated. Check isinstance(result, Insufficient) before reading slots from it, then "
+                "retract a request (or wait for writes in flight) and allocate again")
 
 
 @dataclass(slots=True)

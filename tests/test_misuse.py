@@ -226,6 +226,10 @@ def test_indexing_an_insufficient_allocation_says_it_did_not_fit_and_what_to_do(
     with pytest.raises(TypeError, match=r"^allocate\(\) did not fit: \d+ slots asked, \d+ free after eviction; "
                                         r"nothing was allocated\. Check isinstance\(result, Insufficient\)"):
         got["a"]
+    flat = cache.allocate({"a": cache.config.device_slots + 4}, flat=True)
+    with pytest.raises(AttributeError, match=r"^allocate\(\) did not fit: .* \(Insufficient has no 'split'\)$"):
+        flat.split([1])
+    assert not hasattr(flat, "split") and getattr(flat, "_absent", None) is None
     cache.abort([a.handle])
     _quiet(cache)
 
