@@ -233,3 +233,71 @@ def test_a_trace_that_diverges_from_this_build_fails_as_documented_and_says_dive
     assert main(["explore", "--replay", str(path)]) == 1
     err = " ".join(capsys.readouterr().err.split())
     assert err.startswith("diverged: ScheduleDivergedError: step 0: the recorded schedule picks 'no-such-actor'"), err
+
+
+def _serve_turns(rt, seed, mut, *, wait_first: bool) -> None:
+    """A scheduler of one's own: one prompt served three times, L1 emptied between turns, so each
+    later turn loads its prefix back from host memory while the forward pass runs."""
+    import random
+
+    import torch
+
+    from hicache.actors import KVShape
+    from hicache.runtime import Config, HiCache, Request
+    from hicache.runtime.oracle import FingerprintOracle
+
+    cfg = Config(layers=2, kv_heads=1, head_dim=8, page_size=4, device_slots=32, host_slots=64)
+    oracle = FingerprintOracle(KVShape.of(cfg))
+    rng = random.Random(f"turns:{seed}")
+    prompt = [rng.randrange(1000) for _ in range(13)]
+    with HiCache(cfg, runtime=rt, actor_classes=mut.actor_classes if mut else None) as hc:
+        for turn in range(3):
+            rid = f"r{turn}"
+            [got] = hc.admit([Request(rid, prompt[:-1])])
+            assert turn == 0 or got.host_hit == 12, got
+            cached = got.cached_tokens
+            slots = torch.cat([got.device_indices, hc.allocate({rid: len(prompt) - cached})[rid]])
+            waiter = hc.start_loads()
+            new = oracle.expected(prompt, cached, len(prompt))
+            for layer in range(cfg.layers):
+                if wait_first:
+                    waiter.wait_layer(layer)
+                oracle.verify(hc.device_kv, prompt, slots[:cached], layer=layer)
+                waiter.wait_layer(layer)
+                hc.kv.write(layer, slots[cached:], new[0, layer], new[1, layer])
+            hc.commit({rid: prompt[cached:]})
+            hc.finish([got.handle])
+            hc.quiesce()
+            hc.evict_device(cfg.device_slots)
+            [other] = hc.admit([Request(f"other{turn}", [])])      # another request's KV overwrites the slots
+            slots = hc.allocate({other.request_id: cfg.device_slots})[other.request_id]
+            for layer in range(cfg.layers):
+                hc.kv.write(layer, slots, *oracle.expected([turn + 1] * len(slots), 0, len(slots))[:, layer])
+            hc.abort([other.handle])
+        hc.quiesce()
+
+
+def test_a_scenario_of_ones_own_is_explored_written_and_replayed(tmp_path: Path, capsys) -> None:
+    from functools import partial
+
+    from hicache.runtime.explore import Scenario
+
+    right = Scenario("turns", "served right", partial(_serve_turns, wait_first=True))
+    report = explore(right, "pct", range(12))
+    assert report.failures == [] and report.deterministic and report.scenario == "turns"
+    wrong = Scenario("turns", "reads a layer before its load-back lands", partial(_serve_turns, wait_first=False))
+    report = explore(wrong, "pct", range(12))
+    assert report.failures, "reading before the wait went unnoticed"
+    failing = report.failures[0]
+    assert failing.scenario == "turns" and "FingerprintMismatchError" in failing.error
+    trace, log = write_failure(failing, tmp_path, scenario=wrong)
+    assert len(log.read_text().splitlines()) == failing.deliveries
+    again = replay(trace, scenario=wrong)
+    assert again.error == failing.error and again.digest == failing.digest
+    with pytest.raises(ValueError, match="scenario 'turns' is not one of hicache's .*given the Scenario it was"):
+        replay(trace)
+    with pytest.raises(ValueError, match="recorded with scenario 'turns', not 'other'"):
+        replay(trace, scenario=Scenario("other", "", wrong.run))
+    assert main(["explore", "--replay", str(trace)]) == 2
+    err = capsys.readouterr().err
+    assert "scenario 'turns' is not one of hicache's" in err and "replay(trace, scenario=...)" in err

@@ -345,3 +345,23 @@ def test_a_logged_handler_reads_the_time_its_delivery_was_logged_with(tmp_path: 
     assert len(logged) > 10 and _TimedTree.reads == logged
     result = replay_log(read_log(path))
     assert result.divergence is None, result.divergence
+
+
+def test_mail_a_run_left_in_flight_when_it_stopped_on_an_exception_is_named_with_the_way_to_replay(
+    tmp_path: Path, capsys,
+) -> None:
+    path = tmp_path / "stopped.log"
+    cfg = Config(layers=2, kv_heads=1, head_dim=8, page_size=4, device_slots=32, host_slots=64, log_path=str(path))
+    with pytest.raises(RuntimeError, match="the scheduler failed"):
+        with HiCache(cfg, runtime=DeterministicRuntime(seed=1)) as hc:
+            [got] = hc.admit([Request("r", list(range(12)))])
+            hc.allocate({"r": 13})
+            hc.commit({"r": list(range(13))})
+            hc.finish([got.handle])  # its write-through is in flight when the block raises
+            raise RuntimeError("the scheduler failed")
+    div = replay_log(path).divergence
+    assert div is not None and div.expected.startswith("(no more deliveries from tree to host; mail in flight")
+    last = read_log(path).deliveries[-1].seq
+    assert f"(--until {last})" in div.expected
+    assert main(["replay", str(path), "--until", str(last)]) == 0
+    assert "no divergence" in capsys.readouterr().out

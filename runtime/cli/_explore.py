@@ -26,6 +26,7 @@ from ..testing.explore import (
     replay,
     run_schedule,
     write_failure,
+    _ScenarioUnknown,
 )
 
 DEFAULT_OUT = Path("explore-failures")
@@ -88,6 +89,8 @@ def _print_failure(r: dict[str, Any], console: Console) -> None:
 def _replay(path: Path, as_json: bool, err: Console) -> int:
     try:
         res = replay(path)
+    except _ScenarioUnknown as e:
+        raise UsageError(f"--replay {_first_line(e)}") from None
     except (ValueError, KeyError, TypeError) as e:
         raise UsageError(f"--replay {path} is not a schedule trace written by hicache explore ({_first_line(e)}); "
                          "a delivery log (hicache demo --log, Config.log_path) is replayed with `hicache replay LOG`"

@@ -292,7 +292,11 @@ class _Replay:
                 continue
             cause, msg, before = sent[0]
             if self.first is None or cause < self.first.seq:
-                div = Divergence(cause, sender.value, f"(no more deliveries from {sender.value} to {receiver.value})",
+                div = Divergence(cause, sender.value, f"(no more deliveries from {sender.value} to {receiver.value}; "
+                                 "mail in flight when the run stopped is never delivered: a run that closed "
+                                 "without draining, as one that ended on an exception does, ends so. Replay up "
+                                 f"to delivery {self.last_seq} (--until {self.last_seq}) to check only what the "
+                                 "log delivered)",
                                  f"delivery {cause} made {sender.value} send {msg!r}",
                                  [_describe(x) for x in before if x.seq < cause])
                 self.first = div

@@ -13,6 +13,10 @@ Python API::
     report = explore("standard", strategy="pct", seeds=range(100))
     result = run_schedule("standard", seed=7, strategy="pct")
     result = replay(Path("trace.json"))
+
+A `Scenario` of one's own (an engine's scheduler over `HiCache`) goes wherever a scenario's
+name does: `explore(Scenario("mine", "...", run), seeds=range(50))`, and
+`replay(trace, scenario=...)` runs its trace again.
 """
 
 from __future__ import annotations
@@ -55,6 +59,11 @@ class QuiescenceError(AssertionError):
 
 @dataclass(frozen=True, slots=True)
 class Scenario:
+    """A workload run once per schedule: `run(runtime, seed, mutant)` starts a `HiCache` on
+    `runtime` (with `actor_classes=mutant.actor_classes` when `mutant` is not None), drives it,
+    and raises on anything wrong. Exploration calls it once per seed; the seed also seeds what
+    the workload draws, so that a seed and its choices repeat the run."""
+
     name: str
     description: str
     run: Callable[[DeterministicRuntime, int, Mutant | None], None]
@@ -391,7 +400,7 @@ def make_strategy(name: str, seed: int, depth: int, steps: int = DEFAULT_PCT_STE
 
 
 def run_schedule(
-    scenario: str,
+    scenario: str | Scenario,
     seed: int,
     strategy: str = "pct",
     depth: int = 3,
@@ -399,7 +408,8 @@ def run_schedule(
     choices: list[str] | None = None,
     keep_log: bool = False,
 ) -> ScheduleResult:
-    """Run one schedule; the result says whether it failed, and how to replay it."""
+    """Run one schedule of a scenario (a name in `SCENARIOS`, or a `Scenario` of one's own); the
+    result says whether it failed, and how to replay it."""
     scen = _scenario(scenario)
     mut = mutant(mutant_name) if mutant_name else None
     strat: Strategy = ReplayStrategy(choices) if choices is not None else make_strategy(strategy, seed, depth)
@@ -419,7 +429,7 @@ def run_schedule(
 
     rt = DeterministicRuntime(seed=seed, strategy=strat, observe=observe)
     rt.after_step = _check_actor
-    result = ScheduleResult(scenario, seed, strategy if choices is None else "replay", depth, mutant_name,
+    result = ScheduleResult(scen.name, seed, strategy if choices is None else "replay", depth, mutant_name,
                             [], 0, "")
     try:
         scen.run(rt, seed, mut)
@@ -441,18 +451,21 @@ def _check_actor(actor: Any) -> None:
         actor.check_invariants()
 
 
-def _scenario(name: str) -> Scenario:
+def _scenario(name: str | Scenario) -> Scenario:
+    if isinstance(name, Scenario):
+        return name
     try:
         return SCENARIOS[name]
     except KeyError:
-        raise ValueError(f"unknown scenario {name!r}; known: {', '.join(SCENARIOS)}") from None
+        raise ValueError(f"unknown scenario {name!r}; known: {', '.join(SCENARIOS)} (or pass a Scenario of "
+                         "your own)") from None
 
 
 # -- many schedules ------------------------------------------------------------------------------
 
 
 def explore(
-    scenario: str = "standard",
+    scenario: str | Scenario = "standard",
     strategy: str = "pct",
     seeds: Iterable[int] = range(100),
     depth: int = 3,
@@ -460,6 +473,9 @@ def explore(
     stop_at_first: bool = False,
     on_schedule: Callable[[ScheduleResult], None] | None = None,
 ) -> ExploreReport:
+    """Run `scenario` (a name in `SCENARIOS`, or a `Scenario` of one's own) once per seed under
+    `strategy`; the first seed runs twice, and `deterministic` says whether both runs agreed."""
+    scenario = _scenario(scenario)
     seed_list = list(seeds)
     failures: list[ScheduleResult] = []
     deliveries = 0
@@ -478,12 +494,14 @@ def explore(
             if stop_at_first:
                 seed_list = seed_list[: i + 1]
                 break
-    return ExploreReport(scenario, strategy, len(seed_list), failures, time.perf_counter() - t0, deliveries,
+    return ExploreReport(scenario.name, strategy, len(seed_list), failures, time.perf_counter() - t0, deliveries,
                          deterministic)
 
 
-def write_failure(res: ScheduleResult, out_dir: Path) -> tuple[Path, Path]:
-    """The schedule trace and the delivery log of a failed schedule; returns their paths."""
+def write_failure(res: ScheduleResult, out_dir: Path, scenario: Scenario | None = None) -> tuple[Path, Path]:
+    """The schedule trace and the delivery log of a failed schedule; returns their paths. A
+    schedule of a `Scenario` of one's own, run without `keep_log`, needs that `scenario` to be
+    run again for its log."""
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"{res.scenario}-{res.strategy}-seed{res.seed}" + (f"-{res.mutant}" if res.mutant else "")
     trace = out_dir / f"{stem}.trace.json"
@@ -492,19 +510,40 @@ def write_failure(res: ScheduleResult, out_dir: Path) -> tuple[Path, Path]:
         "version": TRACE_VERSION, "scenario": res.scenario, "seed": res.seed, "strategy": res.strategy,
         "depth": res.depth, "mutant": res.mutant, "error": res.error, "choices": res.choices,
     }))
-    full = res if res.log else run_schedule(res.scenario, res.seed, choices=res.choices,
+    full = res if res.log else run_schedule(_named(res.scenario, scenario), res.seed, choices=res.choices,
                                             mutant_name=res.mutant, keep_log=True)
     logf.write_text("".join(json.dumps(line) + "\n" for line in full.log))
     return trace, logf
 
 
-def replay(trace_path: Path, keep_log: bool = False) -> ScheduleResult:
-    """Run the schedule recorded in a trace file again, choice for choice. A file that is not
-    a schedule trace (another JSON value, a field of the wrong type) is a ValueError naming
-    the file and the field."""
+def replay(trace_path: Path, keep_log: bool = False, scenario: Scenario | None = None) -> ScheduleResult:
+    """Run the schedule recorded in a trace file again, choice for choice; a trace of a
+    `Scenario` of one's own needs that `scenario` (of the name the trace records). A file that
+    is not a schedule trace (another JSON value, a field of the wrong type) is a ValueError
+    naming the file and the field."""
     data = _read_trace(Path(trace_path))
-    return run_schedule(data["scenario"], data["seed"], data.get("strategy", "pct"), data.get("depth", 3),
+    return run_schedule(_named(data["scenario"], scenario, trace_path), data["seed"], data.get("strategy", "pct"), data.get("depth", 3),
                         data.get("mutant"), choices=data["choices"], keep_log=keep_log)
+
+
+class _ScenarioUnknown(ValueError):
+    """A recorded schedule of a scenario that is not hicache's, replayed without it."""
+
+
+def _named(name: str, scenario: Scenario | None, trace: Path | None = None) -> str | Scenario:
+    """The scenario a recorded schedule names: `scenario` if given (it must bear that name), else
+    the one in `SCENARIOS`."""
+    if scenario is None:
+        if name not in SCENARIOS:
+            where = f"{trace}: " if trace is not None else ""
+            raise _ScenarioUnknown(f"{where}scenario {name!r} is not one of hicache's ({', '.join(SCENARIOS)}): "
+                                   "`replay(trace, scenario=...)` (hicache.runtime.explore), given the Scenario it "
+                                   "was recorded with, runs it")
+        return name
+    if scenario.name != name:
+        where = f"{trace}" if trace is not None else "the schedule"
+        raise ValueError(f"{where} was recorded with scenario {name!r}, not {scenario.name!r}")
+    return scenario
 
 
 TRACE_BYTES_MAX = 64 << 20
