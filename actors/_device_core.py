@@ -10,9 +10,11 @@ Running out of pages is not an error but an `Insufficient` result.
 The owners are one table of int32 per page (a `PageTable`): a `PageOwner`, or for a
 request's page the number of its ledger. So checking that pages belong to a request
 is one lookup per page, and a release is a few passes over the request's own pages,
-never over the pool. A ledger's number is reused once the ledger is released (no page
-carries it then), so the numbers stay below the live requests' count plus four and the
-table's entries stay four bytes: half the memory an eviction's checks go through.
+never over the pool; the slots per owner that statistics report are counted as pages
+change owner, not read off the table. A ledger's number is reused once the ledger is
+released (no page carries it then), so the numbers stay below the live requests' count
+plus four and the table's entries stay four bytes: half the memory an eviction's checks
+go through.
 
 Each call keeps its page numbers in the form `_pages` chooses for their number
 (`Pages`): Python ints for a few (most calls: from the message's bytes to the reply's
@@ -142,6 +144,14 @@ class DeviceCore:
         free list writes each page once: see `PageTable.move_free`)."""
         self._owners.put_free(numpy.arange(config.device_pages, dtype=numpy.int64), 0)
         self._owner = self._owners.tensor
+        self._request_pages = 0
+        """Pages the live ledgers hold (the sum of their `pages`' lengths): kept as they change,
+        so `counts` (each statistics() call) reads numbers, not the table."""
+        self._loading_pages = 0
+        """Pages owned by loads in flight (`PageOwner.LOADING`), kept the same way."""
+        self._needed_pages = 0
+        """Of `_request_pages`, those the live ledgers' allocated slots need (`_pages_left`): the
+        rest are held ahead (`ahead_slots`)."""
         self._ledgers: dict[str, _Ledger] = {}
         self._next_ledger = _FIRST_LEDGER
         """The number the next ledger gets when no released ledger's number is spare."""
@@ -236,11 +246,14 @@ class DeviceCore:
             self._serials += 1
             ledger.serial = self._serials
             self._ledgers[ledger.request_id] = ledger
+        left = _pages_left(ledger, self.page_size)
         ledger.allocated += n
+        self._needed_pages += _pages_left(ledger, self.page_size) - left
         if not data:
             return EMPTY
         self._owners.put(new, ledger.number)
         ledger.pages.frombytes(data)
+        self._request_pages += len(data) // 8
         return Indices(data)
 
     def extend_only(self, demands: Sequence[tuple[str, int]]) -> None:
@@ -258,7 +271,9 @@ class DeviceCore:
                     "(invariant: only an allocation that fits in a request's pages is served without new pages)"
                 )
         for (_, n), ledger in zip(demands, ledgers, strict=True):
+            left = _pages_left(ledger, p)
             ledger.allocated += n
+            self._needed_pages += _pages_left(ledger, p) - left
 
     def trim(self, rids: Sequence[str]) -> int:
         """Give back the pages several requests hold ahead of their allocated slots (past the
@@ -273,6 +288,7 @@ class DeviceCore:
                 self._free(extra, frozenset((ledger.number,)), "trim pages held ahead")
                 del ledger.pages[keep:]
                 freed += len(extra)
+        self._request_pages -= freed
         return freed
 
     def commit(self, rid: str, n: int) -> LedgerEntry:
@@ -327,6 +343,8 @@ class DeviceCore:
             self._push(self._rest(ledger, held))
             if self._ledgers.pop(rid, None) is not None:  # registered: no page carries its number now
                 self._spare_numbers.append(ledger.number)
+                self._request_pages -= len(ledger.pages)
+                self._needed_pages -= _pages_left(ledger, self.page_size)
             view = self._view(ledger, freed=ledger.allocated)
             if reason is not ReleaseReason.RETRACTED:
                 self._released[rid] = ledger.allocated << _COMMITTED_BITS | ledger.committed
@@ -360,6 +378,8 @@ class DeviceCore:
         self._push(free_pages)
         ledger.pages = array("q", [pg for pg in ledger.pages if pg not in handed])
         ledger.given += len(both) * p
+        self._request_pages -= len(both)
+        self._needed_pages -= len(both)
         return self._view(ledger, freed=ledger.given)
 
     def _hand_over(self, ledger: _Ledger, adopt: Slots) -> tuple[Pages, Pages]:
@@ -438,19 +458,46 @@ class DeviceCore:
         if new is None:
             return Insufficient(requested_slots=k * self.page_size, free_slots=self._pool.free_slots)
         self._owners.put(new, PageOwner.LOADING)
+        self._loading_pages += len(new)
         return indices_of(new)
 
     def adopt_loaded(self, pages: Slots) -> None:
         """A load into `pages` completed: the tree owns them."""
-        self._move(as_pages(pages), _LOADING, PageOwner.TREE, "adopt loaded pages")
+        pages = as_pages(pages)
+        self._move(pages, _LOADING, PageOwner.TREE, "adopt loaded pages")
+        self._loading_pages -= len(pages)
 
     def free_tree(self, pages: Slots) -> None:
         """Free pages the tree owns, or a load's pages whose load failed or was dropped."""
-        self._free(as_pages(pages), _TREE_OR_LOADING, "free device pages")
+        pages = as_pages(pages)
+        loading = self._loading_among(pages) if self._loading_pages else 0
+        self._free(pages, _TREE_OR_LOADING, "free device pages")
+        self._loading_pages -= loading
+
+    def _loading_among(self, pages: Pages) -> int:
+        """How many of `pages` (those in range) a load owns."""
+        size = self._owners.size
+        if isinstance(pages, list):
+            items = self._owners.items
+            return sum(1 for pg in pages if 0 <= pg < size and items[pg] == PageOwner.LOADING)
+        at = pages[(pages >= 0) & (pages < size)]
+        return int(numpy.count_nonzero(self._owners.view.take(at) == PageOwner.LOADING))
 
     # -- checks and numbers ---------------------------------------------------
 
     def counts(self) -> dict[PageOwner, int]:
+        """Slots per owner, from the free list and the counts kept as pages change owner."""
+        p = self.page_size
+        free, request, loading = self._pool.free_pages * p, self._request_pages * p, self._loading_pages * p
+        return {
+            PageOwner.FREE: free,
+            PageOwner.REQUEST: request,
+            PageOwner.TREE: self._owners.size * p - free - request - loading,
+            PageOwner.LOADING: loading,
+        }
+
+    def _recount(self) -> dict[PageOwner, int]:
+        """`counts`, from the table itself (for the checks)."""
         o, p = self._owner, self.page_size
         return {
             PageOwner.FREE: int((o < 0).sum()) * p,
@@ -462,14 +509,13 @@ class DeviceCore:
     def ahead_slots(self) -> int:
         """Slots in the pages live requests hold past the pages of their allocated slots (as the
         ledgers count them: slots the facade served that they have not heard of are in it)."""
-        p = self.page_size
-        return p * sum(len(led.pages) - _pages_left(led, p) for led in self._ledgers.values())
+        return self.page_size * (self._request_pages - self._needed_pages)
 
     def live_requests(self) -> int:
         return len(self._ledgers)
 
     def check_invariants(self) -> None:
-        counts = self.counts()
+        counts = self._recount()
         if sum(counts.values()) != self.capacity_slots or bool((self._owner == PageOwner.REQUEST).any()):
             raise InvariantError(f"device: owners cover {sum(counts.values())} of {self.capacity_slots} slots")
         free = self._pool.free_page_set()
@@ -513,6 +559,13 @@ class DeviceCore:
             if final & _COMMITTED_MASK > final >> _COMMITTED_BITS:
                 raise InvariantError(f"device: released request {rid!r} has {self._released_entry(rid)} "
                                      "(invariant: committed <= allocated)")
+        if counts != self.counts():
+            raise InvariantError(f"device: the owners' counts kept as pages move, {self.counts()}, differ from the "
+                                 f"table's, {counts}")
+        needed = sum(_pages_left(led, self.page_size) for led in self._ledgers.values())
+        if needed != self._needed_pages:
+            raise InvariantError(f"device: the live ledgers' slots need {needed} pages, the count kept as they "
+                                 f"change says {self._needed_pages}")
 
     # -- helpers --------------------------------------------------------------
 

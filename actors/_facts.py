@@ -51,16 +51,19 @@ KINDS: tuple[FactKind, ...] = tuple(FactKind)
 class Facts:
     def __init__(self) -> None:
         self._order: dict[FactKind, deque[int]] = {k: deque() for k in KINDS}
+        self._issued: set[tuple[FactKind, int]] = set()
+        """The operations in `_order`: what `record` asks, without a walk over a queue."""
         self._local: dict[tuple[FactKind, int], int] = {}
 
     def expect(self, kind: FactKind, op: int) -> None:
         """An operation was issued; its outcome will be recorded once."""
         self._order[kind].append(op)
+        self._issued.add((kind, op))
 
     def record(self, kind: FactKind, op: int, value: int) -> None:
         """The local outcome of an issued operation (0: failed; otherwise a count or 1)."""
         key = (kind, op)
-        if key in self._local or op not in self._order[kind]:
+        if key in self._local or key not in self._issued:
             raise InvariantError(
                 f"{kind.value} outcome of op {op} recorded twice or never issued (invariant: each issued "
                 "operation has exactly one outcome)"
@@ -103,6 +106,7 @@ class Facts:
                 raise InvariantError(f"{n} {kind.value} outcomes agreed but only {len(order)} issued (ranks diverged)")
             for _ in range(n):
                 op = order.popleft()
+                self._issued.discard((kind, op))
                 self._local.pop((kind, op), None)
                 out.append((kind, op, values[at]))
                 at += 1
@@ -118,6 +122,7 @@ class Facts:
         out = []
         while order and (kind, order[0]) in local:
             op = order.popleft()
+            self._issued.discard((kind, op))
             out.append((kind, op, local.pop((kind, op))))
         return out
 
@@ -129,9 +134,13 @@ class Facts:
         for kind, order in self._order.items():
             if len(set(order)) != len(order):
                 raise InvariantError(f"{kind.value} op issued twice in {list(order)} (op ids are unique)")
+        issued = {(kind, op) for kind, order in self._order.items() for op in order}
         for kind, op in self._local:
-            if op not in self._order[kind]:
+            if (kind, op) not in issued:
                 raise InvariantError(f"{kind.value} outcome of op {op} kept after it was taken, or never issued")
+        if issued != self._issued:
+            raise InvariantError(f"{len(self._issued)} operations counted as issued but {len(issued)} in the issue "
+                                 "order (invariant: an operation is in both from its issue until it is taken)")
 
 
 class Agreement:

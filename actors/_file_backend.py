@@ -24,19 +24,24 @@ scattered into the host slots by one copy; verified the same way before they cou
 
 Every instance keeps an index of the pages of its KV shape in every segment of the
 directory (`_page_index.py`), least recently used first. It is built by a scan at start
-and brought up to date when a key is not in it: a read or `exists` lists the directory
-(new segments, deleted ones) and scans the segments that may have grown, so a page
-another process wrote after this one started is found; a write lists the directory only
-when its modification time changed, so a page another instance stored a moment ago may
-be written twice (both copies are whole pages; each index keeps one).
+and brought up to date when a key is not in it: a read, `exists` or write scans the
+segments other writers may still append to, and lists the directory (new segments,
+deleted ones) when its modification time changed since the last listing, or was too
+recent then to tell (`LISTING_SETTLED_S`). So a page another process wrote after this one
+started is found, and a lookup that misses costs a `stat` of the directory, not a listing
+of thousands of segments. A page another instance stored a moment ago may be written
+twice (both copies are whole pages; each index keeps one).
 
 `storage_max_bytes` bounds the bytes allocated to the segments of this KV shape (what
 `du` counts), within one segment: before a write would pass it, the least recently used
 pages are evicted, each by punching its record (and the dead blocks around it) out of
 its segment (`fallocate(PUNCH_HOLE)`), and a finished segment with no page left is
 deleted. Several instances may share the directory and its bound; each evicts by its
-own reads. A segment whose writer was killed (its `flock` free, the file unchanged for
-`ABANDONED_AFTER_S`) is finished by the instance that lists it next, so that it goes too.
+own reads. The bytes are counted as they change (this instance's writes, evictions and
+scans); `usage` looks again at a few segments a call, in turn, for the holes other
+instances punched. A segment whose writer was killed (its `flock` free, the file
+unchanged for `ABANDONED_AFTER_S`) is finished by the instance that lists it next, so
+that it goes too.
 """
 
 from __future__ import annotations
@@ -98,6 +103,16 @@ the CPU's cache. A prefetch step of `storage_batch_mb`'s default is one read: sp
 by its headers, 64 KiB page_first reads took 8-13% longer."""
 FDS_OPEN_MAX: Final = 256
 """Segment files kept open for reading; past this the cache of open files is emptied."""
+LISTING_SETTLED_S: Final = 0.05
+"""A listing trusts the directory's modification time once that is this much older than the
+listing (by the file system's clock, which stamps at the kernel's tick: 10 ms at the coarsest):
+a file created later then changes it. Until then each lookup that misses lists the directory
+again."""
+LISTING_SETTLED_WHOLE_S: Final = 2.0
+"""`LISTING_SETTLED_S` for a file system that stamps whole seconds (a time without a fraction)."""
+RESTATS_PER_USAGE: Final = 64
+"""Segments `usage` looks at again per call, in turn: another instance's evictions punch pages
+out of segments this one indexes, and show in its total within a bounded number of calls."""
 _FULL: Final = frozenset({errno.ENOSPC, errno.EDQUOT})
 """The errors of a file system with no room left (for anyone, or for this user)."""
 ABANDONED_AFTER_S: Final = 5.0
@@ -140,6 +155,19 @@ class FileBackend:
         self._current: Segment | None = None
         self._listed_ns = -1
         """The directory's modification time when it was last listed."""
+        self._listing_settled = False
+        """That time was `LISTING_SETTLED_S` old at the listing: while it is unchanged, no segment
+        was created or deleted since (`_directory_changed`)."""
+        self._growing: dict[str, Segment] = {}
+        """The segments of the last listing that other writers may still append to (not ours,
+        not finished, of this KV shape as far as is known): those a lookup that misses scans."""
+        self._open: dict[int, Segment] = {}
+        """The segments whose file is open (`Segment.fd`), by id: at most `FDS_OPEN_MAX` or so."""
+        self._emptied: dict[str, Segment] = {}
+        """Finished segments that held no page when last looked at (under `storage_max_bytes`):
+        the next eviction deletes those still empty (`_evict_down_to`)."""
+        self._restats: list[Segment] = []
+        """The segments `usage` has yet to look at again in this turn (last first)."""
         self._evicted = 0
         self._disk_full = False
         """The last write failed because the file system is full (`ENOSPC`, `EDQUOT`)."""
@@ -186,7 +214,7 @@ class FileBackend:
         check_keys(keys)
         n = self._index.leading(keys)
         if n < len(keys):
-            self._refresh(listing=True)
+            self._refresh(listing=self._directory_changed())
             n = self._index.leading(keys)
         return n
 
@@ -196,21 +224,38 @@ class FileBackend:
         return None if found is None else (found[0].path, found[1] * found[0].record)
 
     def usage(self) -> StorageUsage:
-        for seg in self._index.segments():
-            if seg.shaped:
+        """The index's total, which follows this instance's own writes, evictions and scans as
+        they happen; the changes other instances make to segments it indexes (their evictions'
+        holes) are taken in by looking at `RESTATS_PER_USAGE` segments a call, in turn."""
+        index, turn = self._index, self._restats
+        if not turn:
+            turn.extend(reversed(index.segments()))
+        for _ in range(min(RESTATS_PER_USAGE, len(turn))):
+            seg = turn.pop()
+            if seg.shaped and index.segment(seg.name) is seg:
                 self._restat(seg)
-        return StorageUsage(stored_bytes=self._index.allocated, evicted_pages=self._evicted, io_errors=self._errors)
+        return StorageUsage(stored_bytes=index.allocated, evicted_pages=self._evicted, io_errors=self._errors)
 
     def check_invariants(self) -> None:
         self._index.check_invariants()
+        segments = self._index.segments()
+        opened = {seg.id for seg in segments if seg.fd >= 0}
+        if opened != set(self._open) or any(self._index.segment(seg.name) is not seg for seg in self._open.values()):
+            raise InvariantError(f"file storage: {len(opened)} segments of the index have their file open, the "
+                                 f"cache of open files holds {len(self._open)} (every open file is in the cache)")
+        for seg in segments:
+            if not (seg.ours or seg.sealed or seg.other_shape) and self._growing.get(seg.name) is not seg:
+                raise InvariantError(f"file storage: segment {seg.name} may still grow (another writer's, not "
+                                     "finished) but is not among those a lookup that misses scans")
 
     def close(self) -> None:
         if self._current is not None:
             self._seal(self._current)
-        for seg in self._index.segments():
+        for seg in list(self._open.values()):
             self._close_fd(seg)
         self._index = PageIndex()
         self._current = None
+        self._growing, self._emptied, self._restats = {}, {}, []
         self._threads.close()
         self._writes.close()
 
@@ -227,7 +272,7 @@ class FileBackend:
         pages = self._host_pages(host)
         runs = self._index.runs(keys, _PAGES_PER_CALL_MAX)
         if sum(n for _, _, n in runs) < len(keys):
-            self._refresh(listing=True)
+            self._refresh(listing=self._directory_changed())
             runs = self._index.runs(keys, _PAGES_PER_CALL_MAX)
         done = 0
         for seg, first, n in runs:
@@ -457,8 +502,7 @@ class FileBackend:
             self._disk_full = e.errno in _FULL
             return f"page {append.first_key}: " + self._error("writing", seg.path, e, append.first_key)
         seg.scanned += append.pages * self.fmt.stored_bytes
-        if self.max_bytes:
-            self._restat(seg)
+        self._restat(seg)  # the total follows this writer's bytes as they land (`usage`)
         return ""
 
     def _writable(self, need: int) -> tuple[Segment | None, str]:
@@ -498,12 +542,15 @@ class FileBackend:
             return None, self._error("creating a segment in", self.root, e)
         self._current = self._index.new_segment(name, self.root / name, ours=True, record=self.fmt.stored_bytes,
                                                 fd=fd)
+        self._open[self._current.id] = self._current
         return self._current, ""
 
     def _seal(self, seg: Segment) -> None:
         """This writer appends no more to `seg`: mark it finished, for every instance (its seal
         file), so that it is deleted once its pages are evicted."""
         seg.sealed = True
+        if self.max_bytes and not seg.live:
+            self._emptied[seg.name] = seg
         try:
             if seg.fd < 0 or os.fstat(seg.fd).st_nlink:  # not deleted meanwhile
                 (self.root / seal_name(seg.name)).touch()
@@ -525,6 +572,10 @@ class FileBackend:
     # -- the index: listing and scans --------------------------------------------------------
 
     def _directory_changed(self) -> bool:
+        """A segment may have been created or deleted since the last listing: the directory's
+        modification time changed, or was too recent then to tell (`LISTING_SETTLED_S`)."""
+        if not self._listing_settled:
+            return True
         try:
             return os.stat(self.root).st_mtime_ns != self._listed_ns
         except OSError:
@@ -535,20 +586,26 @@ class FileBackend:
         segments other writers may still append to."""
         if listing:
             self._list()
-        for seg in self._index.segments():
-            if not (seg.ours or seg.sealed or seg.other_shape):
+        for seg in list(self._growing.values()):
+            if not (seg.sealed or seg.other_shape) and self._index.segment(seg.name) is seg:
                 self._scan(seg)
+            if seg.sealed or seg.other_shape or self._index.segment(seg.name) is not seg:
+                self._growing.pop(seg.name, None)
 
     def _list(self) -> None:
         try:
+            now_ns = time.time_ns()  # (the file system's clock, which stamps the directory)
             listed_ns = os.stat(self.root).st_mtime_ns
             entries = [e.name for e in os.scandir(self.root)]
         except FileNotFoundError:
-            listed_ns, entries = -1, []  # removed under us: every page in it is gone; the next write recreates it
+            # removed under us: every page in it is gone; the next write recreates it
+            now_ns, listed_ns, entries = 0, -1, []
         except OSError as e:
             self._error("listing", self.root, e)
             return
         self._listed_ns = listed_ns
+        settled_s = LISTING_SETTLED_S if listed_ns % 1_000_000_000 else LISTING_SETTLED_WHOLE_S
+        self._listing_settled = now_ns - listed_ns >= settled_s * 1e9
         names = sorted(filter(is_segment, entries))
         present = set(names)
         sealed = {seg for seg in map(sealed_segment, entries) if seg is not None}
@@ -561,6 +618,7 @@ class FileBackend:
         for name in names:
             writer, seq = writer_of(name)
             latest[writer] = max(latest.get(writer, -1), seq)
+        growing: dict[str, Segment] = {}
         for name in names:
             seg = self._index.segment(name) or self._index.new_segment(name, self.root / name)
             writer, seq = writer_of(name)
@@ -570,6 +628,13 @@ class FileBackend:
             elif not (seg.ours or seg.sealed) and self._writer_died(seg):
                 self._scan(seg)  # its writer was killed: its last scan, then finish it for every instance
                 self._finish_abandoned(seg)
+            if self._index.segment(name) is not seg:
+                continue  # gone while it was looked at
+            if not (seg.ours or seg.sealed or seg.other_shape):
+                growing[name] = seg
+            elif self.max_bytes and seg.sealed and not seg.live:
+                self._emptied[name] = seg
+        self._growing = growing
 
     def _writer_died(self, seg: Segment) -> bool:
         """The writer of this unfinished segment is gone: its lock (`_writable`) is free, though
@@ -635,8 +700,10 @@ class FileBackend:
             self._release(*index.remove(key), key)
             evicted += 1
         self._evicted += evicted
-        for seg in index.segments():
-            if seg.sealed and not seg.live and (seg.shaped or self._blank(seg)):
+        emptied, self._emptied = self._emptied, {}
+        for seg in emptied.values():
+            if (index.segment(seg.name) is seg and seg.sealed and not seg.live
+                    and (seg.shaped or self._blank(seg))):
                 self._delete_segment(seg)
         return evicted
 
@@ -694,6 +761,8 @@ class FileBackend:
         """Drop a segment (deleted, or unreachable) and every page the index had in it."""
         self._index.drop_segment(seg)
         self._close_fd(seg)
+        if self._growing.get(seg.name) is seg:
+            del self._growing[seg.name]
         if seg is self._current:
             self._current = None
 
@@ -707,20 +776,22 @@ class FileBackend:
 
     def _fd(self, seg: Segment) -> int:
         if seg.fd < 0:
-            if sum(s.fd >= 0 for s in self._index.segments()) >= FDS_OPEN_MAX:
-                for s in self._index.segments():
+            if len(self._open) >= FDS_OPEN_MAX:
+                for s in list(self._open.values()):
                     if s is not self._current:
                         self._close_fd(s)
             try:
                 seg.fd = os.open(seg.path, os.O_RDWR)  # writable, to punch evicted pages out
             except PermissionError:
                 seg.fd = os.open(seg.path, os.O_RDONLY)
+            self._open[seg.id] = seg
         return seg.fd
 
     def _close_fd(self, seg: Segment) -> None:
         if seg.fd >= 0:
             os.close(seg.fd)
             seg.fd = -1
+            self._open.pop(seg.id, None)
 
 
 class _Append(NamedTuple):

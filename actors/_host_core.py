@@ -6,10 +6,12 @@ vectorised over the pages of the call (a lookup in an 8x8 table), so an illegal 
 raises at once, naming the pages, their states and the state asked for. This check
 is always on.
 
-The states are one byte per page (a `PageTable`). Each call keeps its page numbers
-in the form `_pages` chooses for their number (`Pages`): a move of a few pages (most
-moves) is checked and made with Python ints, from the message's bytes on, which costs
-a fraction of the vectorised check's array calls; a larger move takes the vectorised
+The states are one byte per page (a `PageTable`); the pages per state that statistics
+report are counted as pages move (`PageTable.move`'s tally), not read off the table.
+Each call keeps its page numbers in the form `_pages` chooses for their number
+(`Pages`): a move of a few pages (most moves) is checked and made with Python ints,
+from the message's bytes on, which costs a fraction of the vectorised check's array
+calls; a larger move takes the vectorised
 path, and one that fails either check is explained by the tensor path below (which
 names what is wrong). Pages come in as tensors, `Indices` or lists; `allocate_pages`
 answers with the `Indices` a reply carries, `allocate` with a tensor.
@@ -71,6 +73,10 @@ class HostCore:
         self._states = PageTable(config.host_pages, "B", runs=HostSlotState)
         """A `HostSlotState` per page."""
         self._state = self._states.tensor
+        self._counts = [0] * _N
+        """Pages per state, kept as pages move (`PageTable.move`'s tally): `counts` (each
+        statistics() call) reads them, not the table."""
+        self._counts[HostSlotState.FREE] = config.host_pages
 
     @property
     def free_slots(self) -> int:
@@ -109,11 +115,15 @@ class HostCore:
 
     def counts(self) -> tuple[int, ...]:
         """Slots in each state (a page counts `page_size` slots)."""
+        return tuple(n * self.page_size for n in self._counts)
+
+    def _recount(self) -> tuple[int, ...]:
+        """`counts`, from the table itself (for the checks)."""
         c = torch.bincount(self._state.to(torch.int64), minlength=_N)
         return tuple(int(x) * self.page_size for x in c)
 
     def check_invariants(self) -> None:
-        counts = self.counts()
+        counts = self._recount()
         if sum(counts) != self.capacity_slots:
             raise InvariantError(f"host: states cover {sum(counts)} of {self.capacity_slots} slots")
         free_pages = self._pool.free_page_set()
@@ -125,11 +135,14 @@ class HostCore:
         if len(free_pages):
             if bool((self._state[free_pages] != HostSlotState.FREE).any()) or len(torch.unique(free_pages)) != len(free_pages):
                 raise InvariantError("host: the free list holds a page that is not FREE, or a page twice")
+        if counts != self.counts():
+            raise InvariantError(f"host: the states' counts kept as pages move, {self.counts()}, differ from the "
+                                 f"table's, {counts}")
 
     def _move(self, pages: Pages, to: HostSlotState, what: str, rules: _Rules = _LEGAL, *, fresh: bool = False) -> None:
         """Move `pages` to `to` if every move is legal, else change nothing and say why.
         `fresh`: pages the free list just handed out (distinct and in range by its invariant)."""
-        if self._states.move(pages, rules.sources[to], to, fresh=fresh):
+        if self._states.move(pages, rules.sources[to], to, fresh=fresh, tally=self._counts):
             return
         at = as_tensor(pages)
         if bool((at < 0).any()) or bool((at >= self._pages).any()):

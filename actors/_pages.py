@@ -171,9 +171,11 @@ class PageTable:
             return True
         return self._held(at, allowed, fresh) is not None and (fresh or self._distinct(at))
 
-    def move(self, at: Pages, allowed: frozenset[int], value: int, *, fresh: bool = False) -> bool:
+    def move(self, at: Pages, allowed: frozenset[int], value: int, *, fresh: bool = False,
+             tally: list[int] | None = None) -> bool:
         """Write `value` at the pages `at` if they are distinct pages of the table that each
         hold a value in `allowed` (what `fits` tells); else change nothing. Whether it wrote.
+        `tally` (an unsigned table's: a count of pages per value) follows the move.
 
         Over an array, a signed table checks distinctness in its own entries, which the
         gather of their values has just brought into the CPU's cache (a scratch table's are
@@ -181,13 +183,48 @@ class PageTable:
         number, the form of a free page's code: `_marked`), then `value` is written, or what
         the entries held when a page is named twice."""
         if isinstance(at, list) or fresh or not self._signed:
-            if not self.fits(at, allowed, fresh=fresh):
+            if tally is None:
+                fits = self.fits(at, allowed, fresh=fresh)
+            else:
+                fits = self._fits_counted(at, allowed, fresh, tally)
+            if not fits:
                 return False
             self.put(at, value)
+            if tally is not None:
+                tally[value] += len(at)
             return True
+        if tally is not None:
+            raise ValueError("a signed table's moves keep no tally")
         if not self._marked(at, allowed, 0):
             return False
         self.view[at] = value
+        return True
+
+    def _fits_counted(self, at: Pages, allowed: frozenset[int], fresh: bool, tally: list[int]) -> bool:
+        """`fits`; if it does, each page's value is taken out of `tally` (the gathered values'
+        counts: one comparison of bytes when they are all one value, as pages moved together are)."""
+        if isinstance(at, list):
+            if not at:
+                return True
+            if not fresh and (len(set(at)) != len(at) or min(at) < 0 or max(at) >= self.size):
+                return False
+            held = list(map(self.items.__getitem__, at))
+            if not allowed.issuperset(held):
+                return False
+            for value in allowed:
+                tally[value] -= held.count(value)
+            return True
+        if not len(at):
+            return True
+        got = self._held(at, allowed, fresh)
+        if got is None or not (fresh or self._distinct(at)):
+            return False
+        for value in allowed:
+            if self._all(got, value):
+                tally[value] -= len(got)
+                return True
+        for value, n in enumerate(numpy.bincount(got, minlength=len(tally)).tolist()):
+            tally[value] -= n
         return True
 
     def move_free(self, at: Pages, allowed: frozenset[int], first: int) -> bool:

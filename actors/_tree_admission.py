@@ -108,6 +108,12 @@ class Admissions:
         self._swap_of: dict[int, int] = {}
         self._building: list[_Plan] = []
         """Plans of the admission being built: a later item's match may split their nodes."""
+        self._lists_of: dict[int, list[list[Node]]] = {}
+        """Per node id, the node lists (`device_nodes`, `load_nodes`) of the plans being built or
+        waiting for load slots that hold the node (one admission is planned at a time): a split
+        finds the lists that must follow it here, not by a walk over every plan."""
+        self._loads_planned: set[int] = set()
+        """The ids of the nodes those plans load back."""
 
     # == admission and load-back ===============================================================
 
@@ -127,10 +133,14 @@ class Admissions:
         self._building = plans
         try:
             self._plan_admission(items, plans, self.s.config.load_back_quota_tokens)
+        except BaseException:
+            self._forget_plans()
+            raise
         finally:
             self._building = []
         total = sum(nd.tokens for p in plans for nd in p.load_nodes)
         if total == 0:
+            self._forget_plans()
             self._reply_admitted(op_id, plans)
             return
         load_op = self.s.next_id()
@@ -142,7 +152,7 @@ class Admissions:
         for item in items:
             self._holds.release(item.request_id)  # its lock holds what it uses from now on
             path = tree.match(item.namespace, item.tokens)
-            planned = {nd.id for p in plans for nd in p.load_nodes}  # after this match's splits
+            planned = self._loads_planned  # the earlier plans' loads, after this match's splits
             dev = [nd for nd in path if nd.state in RESIDENT or nd.id in planned]
             rest = path[len(dev):]
             host_tokens = sum(nd.tokens for nd in rest)
@@ -160,6 +170,14 @@ class Admissions:
             loaded = sum(nd.tokens for nd in load)
             handle = self._new_handle(item.request_id, item.namespace, top, sum(nd.tokens for nd in dev) + loaded)
             plans.append(_Plan(item, handle, dev, load, host_tokens - loaded))
+            for nodes in (dev, load):
+                for nd in nodes:
+                    self._lists_of.setdefault(nd.id, []).append(nodes)
+
+    def _forget_plans(self) -> None:
+        """The admission's plans are answered (or were never made): no split concerns them any more."""
+        self._lists_of.clear()
+        self._loads_planned.clear()
 
     def on_load_slots(self, load_op: int, pages: Indices | None, shortfall: int) -> None:
         s = self.s
@@ -170,6 +188,7 @@ class Admissions:
                 self._admissions[load_op] = adm
                 self._writes.evict_for(shortfall, lambda: self._retry_load_slots(load_op))
                 return
+            self._forget_plans()
             self._give_up_loads(adm)
             self._reply_admitted(adm.facade_op, adm.plans)
             self._admit_deferred()
@@ -187,6 +206,7 @@ class Admissions:
         s.agreement.expect(FactKind.LOAD, load_op)
         s.emit(HOST, SetHostState(pages=host, state=HostSlotState.LOADING))
         s.emit(LOAD, LoadKV(op_id=load_op, host=host, device=device))
+        self._forget_plans()
         self._reply_admitted(adm.facade_op, adm.plans)
         self._admit_deferred()
 
@@ -387,11 +407,13 @@ class Admissions:
         """A plan's or a load's node list gets the new upper part of a split node, just before
         the lower one. Plans follow whether or not their load runs yet: a node planned for
         load-back has no op until its device slots arrive."""
-        plans = [p for adm in self._admissions.values() for p in adm.plans] + self._building
-        for p in plans:
-            for nodes in (p.device_nodes, p.load_nodes):
-                if lower in nodes:
-                    nodes.insert(nodes.index(lower), upper)
+        lists = self._lists_of.get(lower.id)
+        if lists:
+            for nodes in lists:
+                nodes.insert(nodes.index(lower), upper)
+            self._lists_of[upper.id] = list(lists)
+            if lower.id in self._loads_planned:
+                self._loads_planned.add(upper.id)
         load = self.loads.get(lower.op) if lower.op else None
         if load is not None:
             load.nodes.insert(load.nodes.index(lower), upper)
@@ -419,3 +441,24 @@ class Admissions:
         for swap_op, facade_op in self._swap_of.items():
             if swap_op not in self._swaps.get(facade_op, _Swaps(0, [])).waiting:
                 raise InvariantError(f"tree: swap {swap_op} is not one its CacheUnfinished {facade_op} waits for")
+        self._check_plan_lists()
+
+    def _check_plan_lists(self) -> None:
+        """Every node of a waiting admission's plans is indexed with each list that holds it (a
+        split must find them all), and nothing else is: the index ends with the admission."""
+        plans = [p for adm in self._admissions.values() for p in adm.plans]
+        entries = 0
+        for p in plans:
+            for nodes in (p.device_nodes, p.load_nodes):
+                for nd in nodes:
+                    if not any(held is nodes for held in self._lists_of.get(nd.id, ())):
+                        raise InvariantError(f"tree: {nd} of the plan of {p.item.request_id!r} is not indexed with "
+                                             "its plan's node list (a split of it would not follow)")
+                entries += len(nodes)
+            if any(nd.id not in self._loads_planned for nd in p.load_nodes):
+                raise InvariantError(f"tree: a node the plan of {p.item.request_id!r} loads back is not counted "
+                                     "as planned for load-back")
+        indexed = sum(map(len, self._lists_of.values()))
+        if indexed != entries or (not plans and self._loads_planned):
+            raise InvariantError(f"tree: the plan index holds {indexed} entries for {entries} nodes of the plans "
+                                 "waiting for load slots (an admission's index outlived it)")

@@ -352,6 +352,53 @@ def test_a_completed_load_hands_its_pages_to_the_tree(core: Any) -> None:
         core.adopt_loaded(got)
 
 
+class _Unwalkable(dict):  # type: ignore[type-arg]
+    def values(self) -> Any:
+        raise AssertionError("a walk over every ledger")
+
+
+def test_counts_follow_every_change_of_owner_without_a_pass_over_the_table(
+        make_config: Callable[..., Config]) -> None:
+    # statistics() reads the counts and the slots held ahead (each metrics scrape): taken from
+    # the table and the ledgers, they would cost a pass over every page of the pool per owner
+    # and one over every live request, on the device actor's thread, ahead of the next
+    # allocation.
+    core = DeviceCore(make_config(page_size=4, device_pages=16, ahead_slots=8))  # two pages ahead
+    table, ledgers = core._owner, core._ledgers
+
+    def counted_without_the_table() -> dict[PageOwner, int]:
+        core._owner, core._ledgers = None, _Unwalkable(ledgers)  # any read of the table fails
+        try:
+            return {**core.counts(), "ahead": core.ahead_slots()}
+        finally:
+            core._owner, core._ledgers = table, ledgers
+
+    def from_the_table() -> dict[PageOwner, int]:
+        ahead = sum(len(led.pages) - device_core_module._pages_left(led, 4) for led in ledgers.values())
+        return {FREE: int((table < 0).sum()) * 4, REQUEST: int((table >= 4).sum()) * 4,
+                TREE: int((table == TREE).sum()) * 4, LOADING: int((table == LOADING).sum()) * 4, "ahead": 4 * ahead}
+
+    got = core.allocate_pages([("a", 9), ("b", 2)], ahead=True)
+    load = core.allocate_load_pages(8)
+    assert core.ahead_slots() > 0
+    steps: list[Callable[[], Any]] = [
+        lambda: core.extend_only([("a", 3), ("b", 2)]),
+        lambda: core.commit_many([("a", 9), ("b", 4)]),
+        lambda: core.adopt_loaded(load[:1]),
+        lambda: core.swap("a", got["a"][:1], got["a"][1:2]),  # a whole page each to the tree, to the free list
+        lambda: core.free_tree(Indices.concat([load[1:], load[:1], got["a"][:1]])),  # a load's page, the tree's
+        lambda: core.trim(["b"]),
+        lambda: core.release("a", got["a"][2:3], ReleaseReason.FINISHED),
+        lambda: core.release("b", Indices(), ReleaseReason.ABORTED),
+    ]
+    assert counted_without_the_table() == from_the_table()
+    for step in steps:
+        step()
+        assert counted_without_the_table() == from_the_table()
+        core.check_invariants()
+    assert counted_without_the_table() == {FREE: 60, REQUEST: 0, TREE: 4, LOADING: 0, "ahead": 0}
+
+
 def test_a_failed_load_frees_its_pages(core: Any) -> None:
     got = core.allocate_load(4)
     core.free_tree(got)

@@ -10,7 +10,8 @@ import shutil
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from hicache.actors import (
     _file_backend,
 )
 from hicache.runtime import Config, HostLayout
+from hicache.actors._page_index import PageIndex
 from hicache.actors._record_block import RecordBlock
 from hicache.actors._segments import Segment, seal_name
 from hicache.actors._stored_page import HostPages
@@ -146,6 +148,79 @@ assert FileBackend(config).write(["late-0", "late-1"], host, torch.arange(2 * {P
     src, dst = _host(_config(tmp_path), seed=3, layout=HostLayout.PAGE_FIRST), _host(_config(tmp_path))
     assert reader.read(["late-0", "late-1"], dst, _slots([5, 9])).pages == 2
     assert _same(dst, [5, 9], src, [0, 1])
+
+
+def _settle(root: Path) -> None:
+    """Date the directory's last change a minute back, as if nothing had changed in it since."""
+    old = time.time_ns() - 60 * 10**9
+    os.utime(root, ns=(old, old))
+
+
+def _counting(calls: list[int], f: Callable[..., Any]) -> Callable[..., Any]:
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return f(*args, **kwargs)
+    return counted
+
+
+def test_a_lookup_that_misses_lists_the_directory_only_when_it_changed(
+        tmp_path: Path, opened: Any, monkeypatch: Any) -> None:
+    # A prefetch of a prompt storage does not hold ends in a miss: with thousands of segments a
+    # listing (or a walk over every segment) at each miss, or at each backup under a bound that
+    # evicts nothing, costs more than the reads.
+    backend = opened(storage_max_bytes=64 << 20)
+    src, dst = _host(_config(tmp_path), seed=8), _host(_config(tmp_path))
+    backend._segment_bytes = backend.fmt.stored_bytes  # a segment a page
+    for i in range(20):
+        assert backend.write([f"one-{i}"], src, _slots([i])).written == 1
+    backend._segment_bytes = _file_backend.SEGMENT_BYTES_MAX  # the backups below append to one segment
+    assert backend.write(["last"], src, _slots([20])).written == 1
+    _settle(tmp_path)
+    listings: list[int] = []
+    walks: list[int] = []
+    monkeypatch.setattr(_file_backend.os, "scandir", _counting(listings, os.scandir))
+    monkeypatch.setattr(PageIndex, "segments", _counting(walks, PageIndex.segments))
+    for i in range(20):
+        assert backend.exists(["one-0", f"missing-{i}"]) == 1
+        assert backend.read(["one-1", f"missing-{i}"], dst, _slots([0, 1])).pages == 1
+        assert backend.write([f"more-{i}"], src, _slots([21])).written == 1
+    assert len(listings) <= 1 and len(walks) <= 1, (len(listings), len(walks))  # the one after `_settle`
+    monkeypatch.undo()
+
+    other = opened()  # another instance stores a page: the directory changes, the next miss lists it
+    assert other.write(["late"], src, _slots([22])).written == 1
+    assert backend.exists(["late"]) == 1
+    assert backend.read(["late"], dst, _slots([2])).pages == 1
+    assert _same(dst, [2], src, [22])
+
+
+def test_reads_and_usage_over_many_segments_look_at_a_bounded_number_of_them(
+        tmp_path: Path, opened: Any, monkeypatch: Any) -> None:
+    # More segments than files kept open: reading a page of each opens one file a read (the
+    # cache of open files emptied now and then), with no count over every segment; `usage`
+    # (each statistics() call) looks at `RESTATS_PER_USAGE` segments a call, in turn.
+    writer = opened()
+    src, dst = _host(_config(tmp_path), seed=9), _host(_config(tmp_path))
+    n = _file_backend.FDS_OPEN_MAX + 44
+    writer._segment_bytes = writer.fmt.stored_bytes  # a segment a page
+    keys = _keys("many", n)
+    for i, key in enumerate(keys):
+        assert writer.write([key], src, _slots([i % HOST_PAGES])).written == 1
+    reader = opened()
+    walks: list[int] = []
+    stats: list[int] = []
+    monkeypatch.setattr(PageIndex, "segments", _counting(walks, PageIndex.segments))
+    for i, key in enumerate(keys):
+        assert reader.read([key], dst, _slots([0])).pages == 1
+        assert _same(dst, [0], src, [i % HOST_PAGES])
+    assert walks == []
+    monkeypatch.setattr(_file_backend.os, "fstat", _counting(stats, os.fstat))
+    calls = -(-n // _file_backend.RESTATS_PER_USAGE)
+    for _ in range(calls):
+        stats.clear()
+        assert reader.usage().stored_bytes == _du(tmp_path)
+        assert len(stats) <= _file_backend.RESTATS_PER_USAGE
+    assert len(walks) <= 2  # the turns' lists of segments
 
 
 def test_processes_sharing_a_directory_under_a_bound_read_only_right_pages_and_agree_on_its_bytes(

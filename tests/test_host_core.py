@@ -280,3 +280,45 @@ def test_both_layouts_allocate_the_right_buffer_shape(
     assert core.kv.tensor.dtype == torch.float32 and core.kv.tensor.device.type == "cpu"
     assert core.kv.slots == cfg.host_slots == core.capacity_slots
     assert core.counts() == (48, 0, 0, 0, 0, 0, 0)
+
+
+def test_counts_follow_every_move_without_a_pass_over_the_table(make_config: Callable[..., Config]) -> None:
+    # statistics() reads the counts (each metrics scrape): taken from the table, they would
+    # cost a pass over every page of the pool on the host actor's thread, ahead of the writes
+    # and load-backs it serves. Moves of a few pages (Python ints) and of many (arrays), of
+    # one state and of several, keep them.
+    S = HostSlotState
+    core = HostCore(make_config(page_size=4, device_pages=16, host_pages=1024))
+    table = core._state
+
+    def counted_without_the_table() -> tuple[int, ...]:
+        core._state = None  # any read of the table fails
+        try:
+            return core.counts()
+        finally:
+            core._state = table
+
+    def from_the_table() -> tuple[int, ...]:
+        return tuple(int(n) * 4 for n in torch.bincount(table.to(torch.int64), minlength=len(S)))
+
+    many = core.allocate_pages(900 * 4)
+    few = core.allocate_pages(4 * 4)
+    assert many is not None and few is not None
+    a, b, c = many[:400], many[400:700], many[700:]
+    steps = [
+        lambda: core.transition(a, S.WRITING),
+        lambda: core.transition(Indices.concat([b, c]), S.PREFETCHING),
+        lambda: core.transition(few[:2], S.WRITING),
+        lambda: core.transition(a, S.SYNCED),
+        lambda: core.transition(Indices.concat([b, few[:2]]), S.RESERVED),  # from two states
+        lambda: core.transition(c[50:], S.HOST_ONLY),
+        lambda: core.transition(Indices.concat([a[:100], c[:50]]), S.HOST_ONLY),  # SYNCED and PREFETCHING
+        lambda: core.free(Indices.concat([a[:300], b, c[:60], few])),  # three states
+        lambda: core.free(Indices.concat([a[300:], c[60:]])),
+    ]
+    assert counted_without_the_table() == from_the_table()
+    for step in steps:
+        step()
+        assert counted_without_the_table() == from_the_table()
+        core.check_invariants()
+    assert counted_without_the_table() == (4096, 0, 0, 0, 0, 0, 0)

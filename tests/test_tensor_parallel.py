@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -160,6 +161,30 @@ def test_facts_are_known_in_issue_order_and_taken_with_agreed_values() -> None:
     assert f.pending() == 1 and f.known() == (0,) * len(KINDS)
     f.record(FactKind.WRITE, 3, 1)
     assert f.take(f.known(), (1,)) == [(FactKind.WRITE, 3, 1)] and f.pending() == 0
+
+
+def test_a_record_finds_its_operation_without_searching_the_issue_order() -> None:
+    # Outcomes recorded behind one still in flight (with several ranks, every outcome of a tick
+    # until its agreement) wait in the issue order: a record that searched it for its operation
+    # would make n outcomes cost n x n.
+    class Unsearchable(deque):  # type: ignore[type-arg]
+        def __contains__(self, op: object) -> bool:
+            raise AssertionError("a record searched the issue order for its operation")
+
+    f = Facts()
+    for kind in KINDS:
+        f._order[kind] = Unsearchable()
+    for op in range(100):
+        f.expect(FactKind.WRITE, op)
+    for op in range(1, 100):  # op 0 is still in flight
+        f.record(FactKind.WRITE, op, 1)
+    assert f.known()[KINDS.index(FactKind.WRITE)] == 0
+    f.record(FactKind.WRITE, 0, 1)
+    assert f.known()[KINDS.index(FactKind.WRITE)] == 100
+    with pytest.raises(InvariantError, match="recorded twice or never issued"):
+        f.record(FactKind.WRITE, 100, 1)
+    assert len(f.take_local(FactKind.WRITE)) == 100 and f.pending() == 0
+    f.check_invariants()
 
 
 def test_facts_take_fewer_than_known_when_another_rank_knows_less() -> None:

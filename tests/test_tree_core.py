@@ -76,7 +76,7 @@ from hicache.messages import (
     WriteFailed,
     WriteKV,
 )
-from hicache.actors import NoFaults
+from hicache.actors import NoFaults, _tree_admission
 from hicache.runtime import Config, HiCache, Request, WritePolicy
 from hicache.runtime.testing.oracle import FingerprintOracle
 
@@ -364,6 +364,44 @@ class Player:
 def play(make_config: Callable[..., Config]) -> Callable[..., Player]:
     """`play(**config_fields)`: a Player over a tiny config (16 device pages, 32 host pages of 4)."""
     return lambda refuse_host=False, **fields: Player(make_config(**fields), refuse_host=refuse_host)
+
+
+# == admission ====================================================================================
+
+
+def test_an_admission_batch_follows_its_splits_without_a_walk_over_its_plans(
+        play: Callable[..., Player], monkeypatch: Any) -> None:
+    # Each request's match ends inside a cached node, which it splits; the node lists of the
+    # batch's plans made so far must follow the split. Found by the node: a walk over every
+    # plan at each split would make an admission of B requests cost B x B.
+    p = play(device_pages=64, host_pages=128)
+    b = 24
+    for i in range(b):
+        p.finish(p.run(f"w{i}", seq(2 * P, 1000 * i)))
+    p.complete_writes()
+    reads: list[int] = []
+    base = _tree_admission._Plan
+
+    class CountedPlan(base):  # type: ignore[misc, valid-type]
+        """A plan that counts the reads of its device nodes."""
+
+        @property  # type: ignore[misc]
+        def device_nodes(self) -> list[Any]:
+            reads.append(1)
+            return base.device_nodes.__get__(self)  # type: ignore[attr-defined, no-any-return]
+
+        @device_nodes.setter
+        def device_nodes(self, nodes: list[Any]) -> None:
+            base.device_nodes.__set__(self, nodes)  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(_tree_admission, "_Plan", CountedPlan)
+    reqs = p.admit(*((f"r{i}", seq(P, 1000 * i) + seq(P, 1000 * i + 500)) for i in range(b)))
+    assert [r.device_hit for r in reqs] == [P] * b  # each matched one page of its two: a split each
+    assert p.tree.tree.nodes == 2 * b
+    assert len(reads) <= 3 * b, len(reads)  # the reply's reads of each plan; no walk per split
+    p.finish(*reqs)
+    p.complete_writes()
+    p.assert_idle()
 
 
 # == write policies =============================================================================
