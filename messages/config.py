@@ -182,6 +182,12 @@ class Config:
 
     log_path: str = _field("", FilePath(),
                            "Write every delivery to this JSON-lines file (`hicache replay` reads it); empty: no log.")
+    check_kv_writes: bool = _field(False, Switch(),
+                                   "Refuse a K/V write (`DeviceKV.write`, and `DeviceKV.index` with `distinct=True`, "
+                                   "an index for writing) into a slot no live request holds for its own positions: "
+                                   "a cached prefix (shared), a free slot, an ended request's. For an engine's tests "
+                                   "and staging: each checked index reads the live requests' pages again after they "
+                                   "changed, and on CUDA waits for the device once; see docs/engine.md.")
 
     # -- metrics -------------------------------------------------------------
     metrics: bool = _field(False, Switch(),

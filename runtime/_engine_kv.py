@@ -22,12 +22,18 @@ layer's load), and no KV passes through host memory. Slot numbers are checked (i
 range; distinct for a write) before any kernel runs: a bad slot would corrupt another
 request's KV, or, on CUDA, abort the device context. `index(slots)` checks them and
 moves them to the device once, for all the layers of a forward pass.
+
+With `Config.check_kv_writes`, an index for writing (`distinct=True`) is also checked
+against the slots live requests hold for their own positions (`WritableSlots`, which the
+facade keeps): a write into a cached prefix, a free slot or an ended request's is refused
+before anything lands. An engine whose own kernels write the pool indexes its output
+slots this way to have them checked.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -52,16 +58,32 @@ class SlotIndex:
     distinct: bool
     pool: int
     """`id` of the pool tensor they were checked against."""
+    checked: int = -1
+    """With `Config.check_kv_writes`: the `WritableSlots.generation` they were found writable at."""
 
     def __len__(self) -> int:
         return self.tensor.shape[0]
 
 
+class _WriteCheck(Protocol):
+    """What an index for writing is checked against with `Config.check_kv_writes`: the
+    facade's `WritableSlots`, from its records of the live requests."""
+
+    generation: int
+    """Changes whenever the slots that may be written do."""
+
+    def check(self, slots: torch.Tensor) -> int:
+        """Raise `KVArgumentError` unless every one of `slots` may be written; the generation."""
+        ...
+
+
 class DeviceKV:
     """The device (L1) KV pool of a started `HiCache`, per layer (see the module docstring)."""
 
-    def __init__(self, buffer: KVBuffer) -> None:
+    def __init__(self, buffer: KVBuffer, writable: _WriteCheck | None = None) -> None:
         self._buffer = buffer
+        self._writable = writable
+        """With `Config.check_kv_writes`, what an index for writing is checked against; else None."""
         self._t = buffer.tensor
         self._storage = self._t.untyped_storage().data_ptr()
         """Where the pool's memory starts: K or V that lie in it are views of the pool (`write`)."""
@@ -104,7 +126,9 @@ class DeviceKV:
 
     def index(self, slots: torch.Tensor | SlotIndex, *, distinct: bool = True) -> SlotIndex:
         """`slots` checked once (in range; with `distinct`, no slot twice) and put on the pool's
-        device, for every layer's `write` or `gather` of a forward pass."""
+        device, for every layer's `write` or `gather` of a forward pass. With
+        `Config.check_kv_writes`, `distinct` slots are also checked to be writable (index slots
+        that are only read with `distinct=False`)."""
         if type(distinct) is not bool:
             raise KVArgumentError(f"distinct must be True or False, got {shown(distinct)}")
         if isinstance(slots, SlotIndex):
@@ -112,6 +136,8 @@ class DeviceKV:
                 raise KVArgumentError("these slots were checked against another cache's pool: index them again")
             if distinct and not slots.distinct:
                 raise KVArgumentError("slots indexed with distinct=False cannot be written: index them with distinct=True")
+            if distinct and self._writable is not None and slots.checked != self._writable.generation:
+                return SlotIndex(slots.tensor, True, slots.pool, self._writable.check(slots.tensor))
             return slots
         if not isinstance(slots, torch.Tensor) or slots.dim() != 1 or slots.dtype not in _INDEX_DTYPES:
             got = f"a {slots.dtype} tensor of shape {tuple(slots.shape)}" if isinstance(slots, torch.Tensor) \
@@ -128,6 +154,8 @@ class DeviceKV:
         placed = slots.to(self.device, torch.int64, non_blocking=True)
         if placed is slots:  # int64 on the pool's device already: a copy, so that what was checked stays so
             placed = slots.clone()  # (an engine reuses its output-slot buffer for the next pass)
+        if distinct and self._writable is not None:
+            return SlotIndex(placed, True, id(self._t), self._writable.check(placed))
         return SlotIndex(placed, distinct, id(self._t))
 
     def write(self, layer: int, slots: torch.Tensor | SlotIndex, k: torch.Tensor, v: torch.Tensor) -> None:

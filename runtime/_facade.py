@@ -88,6 +88,7 @@ from . import _facade_types as check
 from hicache.actors._actor import HiActor
 from ._calls import Interrupts, Pending
 from ._engine_kv import DeviceKV
+from ._kv_writes import WritableSlots
 from ._facade_types import (
     AdmitResult,
     CacheHandle,
@@ -173,6 +174,11 @@ class _Live:
     object per request per step, which the garbage collector's full passes walk again and
     again. Moved into `pages` as one `Indices` when they are read (`_seal`). A request's
     first two pieces (its cached prefix's pages, its first grant) are kept as they came."""
+
+    def held(self) -> bytes:
+        """Every page it holds (int64 bytes): its positions' in order, its cached prefix's
+        first, then those held ahead; its pieces are read, not joined in place."""
+        return b"".join([*(piece.to_bytes() for piece in self.pages), self.page_tail or b"", self.ahead])
 
     def follows_prompt(self) -> bool:
         """Whether the next commit is compared with the prompt rather than copied: every token
@@ -286,6 +292,17 @@ def _past(parts: Sequence[Any], skip: int) -> tuple[int, int]:
     return i, skip
 
 
+_LEFT = {ReleaseReason.FINISHED: "finished", ReleaseReason.ABORTED: "was aborted",
+         ReleaseReason.RETRACTED: "was retracted"}
+"""How a request let its pages go, as a refused write into one of them says (`check_kv_writes`)."""
+
+
+def _dropped(mine: Indices, kept: Indices) -> bytes:
+    """The pages of `mine` not in `kept` (int64 bytes)."""
+    gone = set(mine.tolist()) - set(kept.tolist())
+    return Indices.of(sorted(gone)).to_bytes() if gone else b""
+
+
 def _ignore(reply: Any) -> None:
     return None
 
@@ -358,6 +375,12 @@ class HiCache:
         """Replies to calls still waiting, taken by a wait nested inside theirs: a late reply's
         handler that asks (an admission taken back) waits within another call's wait, and
         that call's reply may come first. Each wait takes its own from here."""
+        self._writable: WritableSlots | None = None
+        """With `check_kv_writes`, the slots a forward pass may write (`DeviceKV` checks them);
+        told of every change to the pages live requests hold."""
+        if self.config.check_kv_writes:
+            self._writable = WritableSlots(self._live, self.config.device_pages, self.config.page_size)
+        self._kv = None
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -427,7 +450,7 @@ class HiCache:
         shapes attention kernels take, `write` of new tokens, `gather` of a request (see `DeviceKV`)."""
         system = self._started()
         if self._kv is None or self._kv.buffer is not system.device_kv:
-            self._kv = DeviceKV(system.device_kv)
+            self._kv = DeviceKV(system.device_kv, self._writable)
         return self._kv
 
     @property
@@ -477,6 +500,8 @@ class HiCache:
         for adm in reply.admissions:
             self._live.pop(adm.request_id, None)
             self._unloaded.pop(adm.request_id, None)
+            if self._writable is not None:
+                self._writable.left(adm.request_id, adm.device.to_bytes(), "had its admission taken back")
         ends = tuple(
             FinishItem(request_id=it.request_id, handle=adm.handle, reason=ReleaseReason.RETRACTED,
                        tokens=Tokens(), device=EMPTY, allocs=0, commits=0)
@@ -723,6 +748,8 @@ class HiCache:
                 commits.append(SlotDemand(request_id=rid, tokens=live.unsent))
                 live.unsent = 0
         for rid in trimmed:
+            if self._writable is not None:
+                self._writable.left(rid, self._live[rid].ahead, "gave it back: a page held ahead, when memory ran short")
             self._live[rid].ahead = b""
         message = AllocateSlots(
             op_id=self._op(),
@@ -742,6 +769,8 @@ class HiCache:
         slots as `_slots_of` takes them, in the grants' order (the demands')."""
         if not isinstance(reply, SlotsAllocated):
             return []
+        if self._writable is not None:
+            self._writable.changed()
         p, lives, ahead = self.config.page_size, self._live, self.config.ahead_pages
         got = []
         for grant in reply.grants:
@@ -901,6 +930,8 @@ class HiCache:
                 return []
             ends = tuple(self._finish_item(h, reason) for h in hs)
             for h in hs:  # certain once sent: the tree takes each handle exactly once
+                if self._writable is not None:
+                    self._writable.left(h.request_id, self._live[h.request_id].held(), _LEFT[reason])
                 del self._live[h.request_id]
                 self._unloaded.pop(h.request_id, None)
                 if reason is not ReleaseReason.RETRACTED:
@@ -954,10 +985,15 @@ class HiCache:
             live.allocs -= item.allocs  # the swap applied them (more may have come since)
             live.unsent -= item.commits
             rest = live.page_indices()[len(prefix.device):]
+            if self._writable is not None:  # pages swapped for the tree's copy of the same tokens were freed
+                self._writable.left(h.request_id, _dropped(live.page_indices()[: len(prefix.device)], prefix.device),
+                                    "gave it up in cache_unfinished(), for the tree's copy of the same tokens")
             live.pages = [Indices.concat((prefix.device, rest))]
             live.prefix = len(prefix.device) * self.config.page_size
             live.handle = CacheHandle(h.request_id, prefix.handle)
             out.append(live.handle)
+        if self._writable is not None:
+            self._writable.changed()
         return out
 
     # -- eviction, numbers, checks ---------------------------------------------------------

@@ -19,6 +19,7 @@ import torch
 from hicache.actors import DeviceCore, SeededFaults
 from hicache.messages import HostSlotState
 from hicache.runtime import HiCache, Insufficient, WritePolicy
+from hicache.runtime._kv_writes import WritableSlots
 from hicache.runtime.testing._scheduler import FakeModel, ReferenceScheduler, SchedulerConfig, ServeRequest
 from hicache.runtime.testing.explore import synthetic_workload
 
@@ -50,7 +51,7 @@ def _serve(runtime_kind: str, seed: int, policy: WritePolicy, **changes: Any) ->
         stats = hc.statistics()
         outcomes = list(sched.outcomes.values())
         return {"stats": stats, "outcomes": outcomes, "caches": caches, "cfg": cfg,
-                "verified": sched.model.verified_tokens}
+                "verified": sched.model.verified_tokens, "written": sched.model.written_tokens}
 
 
 @pytest.mark.parametrize("seed", [1, 2])
@@ -76,6 +77,25 @@ def test_with_pages_held_ahead_too(runtime_kind: str, seed: int, monkeypatch: py
     monkeypatch.setattr(DeviceCore, "trim", counted)
     _check_served(_serve(runtime_kind, seed, WritePolicy.WRITE_THROUGH, ahead_slots=12))
     assert sum(trims) > 0, "no page held ahead was given back"
+
+
+@pytest.mark.parametrize("ahead_slots", [0, 12])
+def test_with_kv_writes_checked_every_write_is_into_the_writer_s_own_slots(
+    runtime_kind: str, ahead_slots: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`check_kv_writes` on: the fake model's every write (chunked prefills, decode steps, after
+    retractions, load-backs and pages held ahead given back) is checked and none is refused."""
+    checked: list[int] = []
+    real = WritableSlots.check
+
+    def counted(self: WritableSlots, slots: torch.Tensor) -> int:
+        checked.append(len(slots))
+        return real(self, slots)
+
+    monkeypatch.setattr(WritableSlots, "check", counted)
+    r = _serve(runtime_kind, 1, WritePolicy.WRITE_THROUGH, check_kv_writes=True, ahead_slots=ahead_slots)
+    _check_served(r)
+    assert sum(checked) == r["written"] > 0
 
 
 def _check_served(r: dict[str, Any]) -> None:

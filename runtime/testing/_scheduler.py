@@ -177,7 +177,9 @@ class StepModel(Protocol):
 
 class FakeModel:
     """Writes fingerprint KV for computed tokens; checks cached KV after each layer's load.
-    Its output tokens are a hash of the request id and the output's index.
+    Its output tokens are a hash of the request id and the output's index. It writes the pool
+    as an engine's own kernels would, not through `DeviceKV.write`: with
+    `Config.check_kv_writes` it indexes the slots it writes for writing first, which checks them.
 
     With `kv=False` it writes and checks no KV (still waiting for each layer's load): for a
     run whose figures are only hits and bytes moved, where the fingerprints would cost most
@@ -212,6 +214,8 @@ class FakeModel:
             run = st.run
             end = st.start + st.count
             if self.kv:
+                if self.hc.config.check_kv_writes:
+                    self.hc.kv.index(st.slots[st.start :])
                 run.hash_base = self.oracle.write(self.hc.device_kv, run.seq[:end], st.slots[st.start :],
                                                   start=st.start, base=run.hash_base)
                 self.written_tokens += st.count
