@@ -749,7 +749,8 @@ class HiCache:
                 live.unsent = 0
         for rid in trimmed:
             if self._writable is not None:
-                self._writable.left(rid, self._live[rid].ahead, "gave it back: a page held ahead, when memory ran short")
+                self._writable.left(rid, self._live[rid].ahead,
+                                    "gave it back: a page held ahead, when memory ran short")
             self._live[rid].ahead = b""
         message = AllocateSlots(
             op_id=self._op(),

@@ -522,8 +522,8 @@ def replay(trace_path: Path, keep_log: bool = False, scenario: Scenario | None =
     is not a schedule trace (another JSON value, a field of the wrong type) is a ValueError
     naming the file and the field."""
     data = _read_trace(Path(trace_path))
-    return run_schedule(_named(data["scenario"], scenario, trace_path), data["seed"], data.get("strategy", "pct"), data.get("depth", 3),
-                        data.get("mutant"), choices=data["choices"], keep_log=keep_log)
+    return run_schedule(_named(data["scenario"], scenario, trace_path), data["seed"], data.get("strategy", "pct"),
+                        data.get("depth", 3), data.get("mutant"), choices=data["choices"], keep_log=keep_log)
 
 
 class _ScenarioUnknown(ValueError):
