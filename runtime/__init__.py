@@ -20,7 +20,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     ),
     "_facade": (
         "AdmitResult", "CacheHandle", "CacheStateError", "Closed", "ExpiredHandleError", "HiCache",
-        "HiCacheStatistics", "Insufficient", "Request", "RequestError"
+        "HiCacheStatistics", "Insufficient", "Request", "RequestError", "Room"
     ),
     "_facade_types": ("TierStatistics",),
     "_engine_kv": ("DeviceKV", "KVArgumentError", "SlotIndex"),

@@ -140,6 +140,27 @@ class Closed:
 
 
 @dataclass(frozen=True, slots=True)
+class Room:
+    """What `HiCache.room` returns: the device slots an allocation could get now, for
+    admission control. Each figure is a whole number of pages."""
+
+    free_slots: int
+    """Slots in free device pages."""
+    evictable_slots: int
+    """Device slots of cached tokens no request holds (the tree's `evictable_tokens`): what
+    an allocation's eviction frees."""
+    ahead_slots: int
+    """Slots in the pages live requests hold ahead for their decode steps (`Config.ahead_slots`),
+    which an allocation that comes up short takes back."""
+
+    @property
+    def available_slots(self) -> int:
+        """`free_slots + evictable_slots + ahead_slots`: the most one `allocate` gets in new pages
+        without `Insufficient` (a request also gets what its own last page has left)."""
+        return self.free_slots + self.evictable_slots + self.ahead_slots
+
+
+@dataclass(frozen=True, slots=True)
 class TierStatistics:
     """One tier's numbers: tokens since start, capacity now.
 

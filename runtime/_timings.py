@@ -18,7 +18,7 @@ from hicache.actors._durations import DurationHistogram
 from hicache.actors._layers import LayerWaiter
 
 TIMED_CALLS: Final = ("admit", "prefetch", "ready", "allocate", "commit", "finish", "abort", "retract",
-                      "cache_unfinished", "start_loads", "sync", "evict_device", "evict_host")
+                      "cache_unfinished", "start_loads", "sync", "evict_device", "evict_host", "room")
 """The facade calls whose latency is counted: every call a scheduler makes per tick."""
 
 

@@ -8,7 +8,7 @@ Modes:
   faults) under the reference scheduler, on a workload served
   twice with every tier below storage emptied in between (so the second pass
   prefetches from L3). After every tick the ranks exchange their tree digest, host
-  use, free device slots and queue state; the first difference ends both ranks.
+  use, free device slots, `room()` and queue state; the first difference ends both ranks.
 - `diverge`: rank 0 passes two values to `all_min`, the others one.
 - `lose`: rank 1 leaves the group; rank 0's next two collectives must raise `RankLostError`.
 
@@ -73,8 +73,9 @@ def serve(group: Any, rank: int, size: int, storage_dir: str, write: str, prefet
         nonlocal checks
         digest, host_used = hc.tree_digest()
         free = hc.statistics().device.free_slots
+        room = hc.room()
         queues = [len(sched.waiting), sorted(sched.running)] if sched is not None else None
-        mine = [digest, host_used, free, queues]
+        mine = [digest, host_used, free, [room.free_slots, room.evictable_slots, room.ahead_slots], queues]
         views = _all_gather_json(dist, mine, size)
         checks += 1
         if any(v != mine for v in views):

@@ -35,6 +35,7 @@ from hicache.runtime import (
     LoadFailedError,
     Request,
     RequestError,
+    Room,
     WritePolicy,
 )
 from hicache.runtime.testing.oracle import FingerprintOracle
@@ -283,6 +284,59 @@ def test_under_write_back_an_allocation_waits_for_the_write_backs_its_eviction_s
     stats = hc.statistics().tree
     assert stats.evicted_device_tokens >= 12 and stats.host_tokens >= 12
     hc.abort([b.handle])
+    s.assert_quiet()
+
+
+@pytest.mark.parametrize("tiers", [{}, {"write_policy": WritePolicy.WRITE_BACK}, {"host_tier": False}],
+                         ids=["host", "write-back", "no-host"])
+def test_room_is_what_statistics_reports_and_what_one_allocation_gets(
+    open_cache: Callable[..., Scheduler], tiers: dict[str, Any],
+) -> None:
+    s = open_cache(device_pages=16, ahead_slots=8, **tiers)  # 64 slots; a decode page brings 2 more
+    hc, p = s.hc, 4
+
+    def same() -> Room:
+        """`room()` once nothing is in flight, checked against `statistics()` in that state."""
+        hc.quiesce()
+        room, stats = hc.room(), hc.statistics()
+        assert (room.free_slots, room.evictable_slots, room.ahead_slots) == (
+            stats.device.free_slots, stats.tree.evictable_tokens, stats.device.ahead_slots)
+        assert room.available_slots == room.free_slots + room.evictable_slots + room.ahead_slots
+        return room
+
+    assert same() == Room(64, 0, 0)
+    hc.finish([s.run("a0", seq(8, 1)).handle])
+    assert same() == Room(56, 8, 0)
+    a = s.run("a", seq(20, 1))  # 8 hit (now locked), 12 computed
+    assert same() == Room(44, 0, 0)
+    assert len(hc.allocate({"a": 1})["a"]) == 1  # a decode step's new page, and two held ahead
+    assert same() == Room(32, 0, 8)
+    for step in range(4):  # the last page's rest, then the first page held ahead: no message
+        got = hc.allocate({"a": 1}, commit={"a": [50 + step]})
+        assert len(got["a"]) == 1
+    room, stats = hc.room(), hc.statistics()
+    assert room == Room(32, 0, 4)  # the device has not heard of the step onto a page held ahead
+    assert stats.device.ahead_slots == room.ahead_slots + p
+    hc.commit({"a": [54]})
+    hc.finish([a.handle])  # 24 committed tokens cached, the partial page and the page ahead freed
+    assert same() == Room(40, 24, 0)
+
+    b = s.run("b", seq(8, 1) + seq(4, 900))  # locks the first 8 tokens; a demand this small gets pages ahead
+    assert same() == Room(28, 16, 8)
+    assert hc.evict_device(4) == 16  # the unlocked node, whole
+    assert same() == Room(44, 0, 8)
+    hc.finish([s.run("e", seq(8, 700)).handle])
+    room = same()
+    assert room == Room(36, 8, 8)
+
+    [c] = hc.admit([Request("c", seq(4, 600))])
+    short = hc.allocate({"c": room.available_slots + p})
+    assert isinstance(short, Insufficient)
+    assert hc.room().available_slots == room.available_slots  # it evicted and took back the pages ahead
+    got = hc.allocate({"c": room.available_slots})
+    assert isinstance(got, dict) and len(got["c"]) == room.available_slots
+    assert same() == Room(0, 0, 0)
+    hc.abort([b.handle, c.handle])
     s.assert_quiet()
 
 

@@ -306,10 +306,14 @@ def test_calls_before_start_and_after_close_are_one_clear_error(make_config: Cal
     hc = HiCache(make_config())
     with pytest.raises(CacheStateError, match=r"not running: call start\(\)"):
         hc.admit([Request("a", seq(8))])
+    with pytest.raises(CacheStateError, match=r"not running: call start\(\)"):
+        hc.room()
     hc.start()
     hc.close()
     with pytest.raises(CacheStateError, match=r"not running: call start\(\)"):
         hc.admit([Request("a", seq(8))])
+    with pytest.raises(CacheStateError, match=r"not running: call start\(\)"):
+        hc.room()
     with pytest.raises(CacheStateError, match=r"not running"):
         hc.statistics()
 
@@ -341,16 +345,17 @@ def test_a_call_from_a_second_thread_is_a_clear_error_at_once(make_config: Calla
     errors: list[BaseException] = []
 
     def other() -> None:
-        try:
-            cache.admit([Request("b", seq(8))])
-        except BaseException as err:  # noqa: BLE001 - the test reports it below
-            errors.append(err)
+        for call in (lambda: cache.admit([Request("b", seq(8))]), cache.room):
+            try:
+                call()
+            except BaseException as err:  # noqa: BLE001 - the test reports it below
+                errors.append(err)
 
     t = threading.Thread(target=other)
     t.start()
     t.join()
-    assert len(errors) == 1 and isinstance(errors[0], CacheStateError)
-    assert "called by one thread, the one that started it" in str(errors[0])
+    assert len(errors) == 2 and all(isinstance(e, CacheStateError) for e in errors)
+    assert all("called by one thread, the one that started it" in str(e) for e in errors)
     stats = [None]
     reader = threading.Thread(target=lambda: stats.__setitem__(0, cache.statistics()))
     reader.start()
