@@ -17,7 +17,9 @@ device memory and compared with it, whichever tier it came from, and so is a req
 committed prefix after `cache_unfinished`, in the slots the cache then reports. After each
 call the invariants of every actor and of the facade are checked. Some seeds log their
 deliveries, and the log (of the last start) must replay with no divergence; some export
-Prometheus metrics, whose counters must never fall between the scrapes after each call.
+Prometheus metrics, whose counters must never fall between the scrapes after each call;
+half check every K/V write against the slots live requests hold (`check_kv_writes`), which
+must refuse none of this well-behaved caller's writes.
 
 A second test runs two such instances (two servers) over one storage directory whose size
 bound keeps each evicting the other's pages.
@@ -73,6 +75,8 @@ class _Run:
         self.logged = seed % 3 == 0
         if self.logged:
             config = config.replace(log_path=str(tmp_path / f"deliveries-{seed}.log"))
+        if seed % 2:  # every write of a well-behaved caller is one the write check lets through
+            config = config.replace(check_kv_writes=True)
         self.exported = seed % 6 == 2
         if self.exported:  # its Prometheus samples are scraped after every call (`scrape`)
             config = config.replace(metrics=True, metrics_name=f"random-{seed}-{tmp_path.name}")
