@@ -8,7 +8,8 @@ malformed fields, and passes them to one of the calls a scheduler or an engine m
 (`admit`, `prefetch`, `ready`, `allocate` with `commit` and `flat`, `commit`, `finish`,
 `abort`, `retract`, `cache_unfinished`, `allocated`, `slots`, `committed_tokens`,
 `handle`, `quiesce`, `evict_device`, `evict_host`, `close`, and `DeviceKV`'s `write`,
-`gather`, `index`, `page_table`, `k`). Some combinations are valid, and run. What may
+`gather`, `index`, `page_table`, `k`), and `room`; half the seeds check K/V writes against the
+slots live requests hold (`check_kv_writes`). Some combinations are valid, and run. What may
 not happen: an exception other than `RequestError`, `KVArgumentError` or
 `CacheStateError`; an error message of more than one line; a broken invariant after the
 call; a well-formed request, served every 25 calls, that fails. A failure names its seed
@@ -81,6 +82,7 @@ CALLS: dict[str, Callable[[HiCache, Any, Any, random.Random], Any]] = {
     "kv.index": lambda c, x, y, r: c.kv.index(x, distinct=y),
     "kv.page_table": lambda c, x, y, r: c.kv.page_table(x),
     "kv.k": lambda c, x, y, r: c.kv.k(x),
+    "room": lambda c, x, y, r: c.room(),
 }
 
 
@@ -99,7 +101,7 @@ def test_random_malformed_calls_are_one_line_refusals_and_poison_nothing(seed: i
     rng = random.Random(seed)
     p = rng.choice([1, 4, 16])
     config = Config(layers=1, kv_heads=1, head_dim=4, page_size=p, device_slots=p * 16, host_slots=p * 64,
-                    host_tier=rng.random() < 0.7)
+                    host_tier=rng.random() < 0.7, check_kv_writes=seed % 2 == 1)
     refused = 0
     with HiCache(config) as cache:
         for step in range(STEPS):
