@@ -107,6 +107,21 @@ def test_one_wrong_layer_of_one_slot_is_reported_with_its_layer_and_kv(cfg: Conf
     assert (err.value.slot, err.value.position, err.value.layer, err.value.kv) == (25, 5, 2, "V")
 
 
+def test_a_labelled_read_names_its_label_first_in_the_error(cfg: Config) -> None:
+    oracle = FingerprintOracle(KVShape.of(cfg))
+    buf = _buffer(cfg)
+    slots = torch.arange(20, 30)
+    oracle.write(buf, TOKENS, slots)
+    buf.tensor[0, 1, 22, 0, 0] += 1
+    labelled = r"^request 'r7', prefix from L2: slot 22 \(position 2\) layer 1 K"
+    with pytest.raises(FingerprintMismatchError, match=labelled) as err:
+        oracle.verify(buf, TOKENS, slots, label="request 'r7', prefix from L2")
+    assert err.value.label == "request 'r7', prefix from L2" and err.value.slot == 22
+    with pytest.raises(FingerprintMismatchError, match=r"^slot 22 ") as plain:  # unlabelled: as before
+        oracle.verify(buf, TOKENS, slots)
+    assert plain.value.label == ""
+
+
 def test_the_first_wrong_position_wins_over_a_lower_layer_later(cfg: Config) -> None:
     oracle = FingerprintOracle(KVShape.of(cfg))
     buf = _buffer(cfg)

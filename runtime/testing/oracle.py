@@ -37,12 +37,14 @@ def _ids(tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
 class FingerprintMismatchError(AssertionError):
     """KV read back differs from what was computed for its prefix."""
 
-    def __init__(self, message: str, *, slot: int, position: int, layer: int, kv: str) -> None:
+    def __init__(self, message: str, *, slot: int, position: int, layer: int, kv: str, label: str = "") -> None:
         super().__init__(message)
         self.slot = slot
         self.position = position
         self.layer = layer
         self.kv = kv
+        self.label = label
+        """What the caller named the read (`verify(..., label=)`): the request, the tier its prefix came from."""
 
 
 class FingerprintOracle:
@@ -112,19 +114,21 @@ class FingerprintOracle:
 
     def verify(
         self, buffer: KVBuffer, tokens: Sequence[int] | torch.Tensor, slots: torch.Tensor, start: int = 0,
-        *, layer: int | None = None,
+        *, layer: int | None = None, label: str = "",
     ) -> None:
         """Raise `FingerprintMismatchError` at the first wrong slot (lowest position, then layer).
 
         With `layer`, only that layer is read and checked (a forward pass checks each
-        layer right after waiting for its load)."""
+        layer right after waiting for its load). `label` names the read in the error (say, the
+        request and the tier its prefix came from): slots alone do not say whose call was wrong."""
         if not len(slots):
             return
-        self.compare(buffer.read(slots), self.expected(tokens, start, start + len(slots)), slots, start, layer=layer)
+        self.compare(buffer.read(slots), self.expected(tokens, start, start + len(slots)), slots, start, layer=layer,
+                     label=label)
 
     def compare(
         self, actual: torch.Tensor, want: torch.Tensor, slots: torch.Tensor, start: int, *,
-        layer: int | None = None, first_layer: int = 0,
+        layer: int | None = None, first_layer: int = 0, label: str = "",
     ) -> None:
         """`verify` for KV already read (`[2, L, n, H, D]`) against `expected(...)` of the same
         positions; `first_layer` is the model layer of index 0 when only some layers were read."""
@@ -141,10 +145,10 @@ class FingerprintOracle:
         kv = "KV"[kv_i]
         slot = int(slots[pos])
         raise FingerprintMismatchError(
-            f"slot {slot} (position {start + pos}) layer {first_layer + bad_layer} {kv}: expected "
-            f"{want[kv_i, bad_layer, pos].flatten()[:4].tolist()}..., found "
+            f"{label + ': ' if label else ''}slot {slot} (position {start + pos}) layer {first_layer + bad_layer} "
+            f"{kv}: expected {want[kv_i, bad_layer, pos].flatten()[:4].tolist()}..., found "
             f"{actual[kv_i, bad_layer, pos].flatten()[:4].tolist()}...",
-            slot=slot, position=start + pos, layer=first_layer + bad_layer, kv=kv,
+            slot=slot, position=start + pos, layer=first_layer + bad_layer, kv=kv, label=label,
         )
 
     def _grow(self, n: int) -> None:
