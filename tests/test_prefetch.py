@@ -222,6 +222,17 @@ def assert_drained(hc: HiCache) -> None:
     hc.check_invariants()
 
 
+def assert_reads_back_whole(server: Server, rid: str) -> None:
+    """A prefetch of `PROMPT` reads all 40 tokens back from storage, they are admitted as a host
+    hit, and the request leaves nothing behind."""
+    assert server.hc.prefetch([Request(rid, PROMPT)]) == {rid: 40}
+    assert server.ready([rid], 0.01) == {rid: 40}
+    res = server.admit(rid, PROMPT)
+    assert res.host_hit == 40
+    server.hc.abort([res.handle])
+    assert_drained(server.raw)
+
+
 def ends(s: Any) -> dict[str, int]:
     """Settled prefetches by `PrefetchEnd` (only the reasons that occurred)."""
     return {e.value: s.tree.prefetch_ends.of(e) for e in PrefetchEnd if s.tree.prefetch_ends.of(e)}
@@ -787,12 +798,7 @@ def test_a_corrupt_page_in_shared_storage_is_a_miss_and_the_pages_before_it_are_
     assert_drained(b.raw)
 
     c = servers(prefetch_policy="wait_complete")  # the repaired page reads back exactly
-    assert c.hc.prefetch([Request("q", PROMPT)]) == {"q": 40}
-    assert c.ready(["q"], 0.01) == {"q": 40}
-    res = c.admit("q", PROMPT)
-    assert res.host_hit == 40
-    c.hc.abort([res.handle])
-    assert_drained(c.raw)
+    assert_reads_back_whole(c, "q")
 
 
 def test_a_corrupt_page_storage_cannot_remove_is_a_miss_and_the_prefetcher_serves_on(
@@ -863,12 +869,7 @@ def test_models_sharing_a_storage_never_read_each_others_pages(
     assert_drained(tuned.raw)
 
     base = servers(prefetch_policy="wait_complete", model_id="org/base")
-    assert base.hc.prefetch([Request("y", PROMPT)]) == {"y": 40}
-    assert base.ready(["y"], 0.01) == {"y": 40}
-    y = base.admit("y", PROMPT)
-    assert y.host_hit == 40
-    base.hc.abort([y.handle])
-    assert_drained(base.raw)
+    assert_reads_back_whole(base, "y")
 
 
 def test_a_cache_that_starts_with_storage_and_names_no_model_says_so(tmp_path: Path) -> None:
