@@ -19,11 +19,11 @@ with how (one entry a page, the last), so a refusal can say whose a slot was.
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Mapping
 from typing import Protocol
 
 import torch
+from hicache.messages import Indices
 
 from ._engine_kv import KVArgumentError
 
@@ -66,7 +66,7 @@ class WritableSlots:
     def left(self, rid: str, pages: bytes, how: str) -> None:
         """Pages (int64 bytes) that request `rid` no longer holds, and how it let them go."""
         if pages:
-            self._gone.update(dict.fromkeys(_ints(pages), f"request {rid!r} {how}"))
+            self._gone.update(dict.fromkeys(Indices(pages).tolist(), f"request {rid!r} {how}"))
         self.changed()
 
     def check(self, slots: torch.Tensor) -> int:
@@ -83,7 +83,7 @@ class WritableSlots:
 
     def _build(self) -> torch.Tensor:
         mask = torch.zeros(self._pages, dtype=torch.bool)
-        own = [_tensor(live.held())[live.prefix // self._p :] for live in self._lives.values()]
+        own = [Indices(live.held()).as_tensor()[live.prefix // self._p :] for live in self._lives.values()]
         if own:
             mask[torch.cat(own)] = True
         return mask
@@ -92,7 +92,7 @@ class WritableSlots:
         """What `slot` is, and what to do: one line."""
         page = slot // self._p
         for rid, live in self._lives.items():
-            if page in _ints(live.held())[: live.prefix // self._p]:
+            if page in Indices(live.held()).tolist()[: live.prefix // self._p]:
                 what, kind = f"is in the cached prefix of request {rid!r} (shared: other requests read it)", "prefix"
                 break
         else:
@@ -101,12 +101,3 @@ class WritableSlots:
                 ("is free (no request holds its page)", "free")
         return f"slot {slot} {what}; {_TODO[kind]} (Config.check_kv_writes)"
 
-
-def _ints(data: bytes) -> list[int]:
-    out = array("q")
-    out.frombytes(data)
-    return out.tolist()
-
-
-def _tensor(data: bytes) -> torch.Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.int64) if data else torch.empty(0, dtype=torch.int64)
