@@ -120,6 +120,8 @@ def test_a_labelled_read_names_its_label_first_in_the_error(cfg: Config) -> None
     with pytest.raises(FingerprintMismatchError, match=r"^slot 22 ") as plain:  # unlabelled: as before
         oracle.verify(buf, TOKENS, slots)
     assert plain.value.label == ""
+    with pytest.raises(TypeError, match=r"^label must be a str naming the read \(a request, a tier\), got int$"):
+        oracle.verify(buf, TOKENS, slots, label=7)  # type: ignore[arg-type]
 
 
 def test_the_first_wrong_position_wins_over_a_lower_layer_later(cfg: Config) -> None:

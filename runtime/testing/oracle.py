@@ -121,6 +121,8 @@ class FingerprintOracle:
         With `layer`, only that layer is read and checked (a forward pass checks each
         layer right after waiting for its load). `label` names the read in the error (say, the
         request and the tier its prefix came from): slots alone do not say whose call was wrong."""
+        if not isinstance(label, str):
+            raise TypeError(f"label must be a str naming the read (a request, a tier), got {type(label).__name__}")
         if not len(slots):
             return
         self.compare(buffer.read(slots), self.expected(tokens, start, start + len(slots)), slots, start, layer=layer,
