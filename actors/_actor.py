@@ -156,11 +156,13 @@ class HiActor(pykka.ThreadingActor, abc.ABC):
     def send(self, to: ActorName, message: Message) -> None:
         """Tell another actor (or this one) a message; never waits."""
         ref = self._directory.refs.get(to) or self._directory.ref(to)
+        mail = Mail(self.name, message)
         try:
-            ref.tell(Mail(self.name, message))
+            ref.tell(mail)
         except pykka.ActorDeadError:
             if not self._services.stopping:  # at shutdown the receiver may have stopped first
                 raise
+            self._services.undelivered.append((to, mail))
 
     def send_outbox(self, core: Any) -> None:
         """Send, in order, what `core` put in its `outbox` (receiver, message) while it handled

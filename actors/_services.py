@@ -209,3 +209,8 @@ class Services:
     """The `DeliveryLog` every delivery is written to, or None."""
     stopping: bool = False
     """The system is stopping: mail to an actor that already stopped is dropped, not an error."""
+    undelivered: list[tuple[ActorName, Any]] = field(default_factory=list)
+    """Mail sent and never delivered, as `(receiver, Mail)`: told to an actor that had stopped,
+    left in a stopped actor's inbox, or held by a timer that never fired. The runtimes add to it
+    where they drop mail, which is only while a system stops or after an actor failed; stopping
+    the system writes it to the delivery log as the mail in flight, and empties it."""

@@ -32,7 +32,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "_inbox": ("Inbox",),
     "hicache.actors": ("LayerDoneRing", "LayerWaiter", "LoadFailedError", "StaleWaiterError"),
     "_log": ("LOG_VERSION", "DeliveryLog", "rewrite_log"),
-    "_log_reader": ("Delivery", "LogEnd", "LogReader", "ParsedLog", "ReplayLogError", "RunHeader", "read_log"),
+    "_log_reader": ("Delivery", "InFlight", "LogEnd", "LogReader", "ParsedLog", "ReplayLogError", "RunHeader", "read_log"),
 }
 """Each private module, and the public names it defines."""
 

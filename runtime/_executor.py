@@ -17,7 +17,8 @@ take turns with the scheduler for the interpreter lock.
 Actor semantics stay those of pykka: each actor handles one envelope at a time, in the
 order its envelopes were put (the executor runs one handler at a time, full stop); a
 handler never blocks; an actor that fails stops, and what was queued for it is
-answered with `ActorDeadError`. The actor classes are the production ones with
+answered with `ActorDeadError` (an ask) or kept as undelivered (a tell: the delivery log
+records it as in flight when the system stops). The actor classes are the production ones with
 pykka's hooks bound to the executor (as the deterministic runtime binds them to its
 scheduler).
 
@@ -80,8 +81,11 @@ class _ExecutorRef(pykka.ActorRef[Any]):
 class SerialExecutor:
     """One FIFO of (actor, message, reply future); handlers run one at a time on a delivering thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, undelivered: list[tuple[Any, Any]] | None = None) -> None:
         self._queue: deque[tuple[pykka.Actor, Any, Any]] = deque()
+        self.undelivered: list[tuple[Any, Any]] = [] if undelivered is None else undelivered
+        """Where mail for an actor that stopped before handling it goes, as (receiver name, mail)
+        (the runtime's `Services.undelivered`)."""
         self._lock = threading.Lock()
         """Held by the thread running handlers."""
         self._classes: dict[type, type] = {}
@@ -126,13 +130,13 @@ class SerialExecutor:
 
     def run(self) -> None:
         """Deliver until the queue is empty, unless another thread holds the executor (it will)."""
-        queue, lock = self._queue, self._lock
+        queue, lock, undelivered = self._queue, self._lock, self.undelivered
         while queue:
             if not lock.acquire(blocking=False):
                 return
             try:
                 while queue:
-                    _deliver(*queue.popleft())
+                    _deliver(*queue.popleft(), undelivered)
             finally:
                 lock.release()
 
@@ -141,9 +145,12 @@ class SerialExecutor:
         return bool(self._queue) or self._lock.locked()
 
 
-def _deliver(actor: pykka.Actor, message: Any, reply_to: Any) -> None:
-    """The body of pykka's actor loop for one message."""
+def _deliver(actor: pykka.Actor, message: Any, reply_to: Any, undelivered: list[tuple[Any, Any]]) -> None:
+    """The body of pykka's actor loop for one message; mail for an actor that stopped goes to
+    `undelivered`."""
     if actor.actor_stopped.is_set():
+        if type(message) is Mail:
+            undelivered.append((actor.name, message))  # type: ignore[attr-defined]
         if reply_to is not None:
             if isinstance(message, pykka.messages._ActorStop):
                 reply_to.set(None)

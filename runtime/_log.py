@@ -25,6 +25,13 @@ Line kinds (the `event` field):
 - `fault`: a decision of the fault plan (`actor`, `hook`, `value`), written while
   the actor that asked handles a delivery, so it belongs to that actor's next
   delivery line: replay hands each delivery the decisions of its run.
+- `in_flight` (written by `close`, right before the end line, with no other line
+  between them but blobs): one per message its run sent and never delivered (told
+  to an actor that had stopped, left in a stopped actor's inbox, held by a timer
+  that never fired): `receiver`, `sender`, `type`, `ask` and `body` as a delivery
+  line has them (`unencodable` and a `null` body where the codec refused it).
+  Replay expects these sends of the rebuilt actors, and no others, past the last
+  delivery.
 - `end` (last line, written by `close`): `deliveries`, how many sequence numbers
   were given out. A log without it was not closed: its run crashed, or is running.
 
@@ -68,19 +75,20 @@ try:
 except ImportError:  # the `fast` extra is not installed: the same checksum, slower
     from zlib import crc32
 
-LOG_VERSION = 8
-"""8: storage keys are blake2b-128 chains seeded by the model (`Config.model_id`, in the header's
-config) and a tensor-parallel group's keys name its size (`StorePages` and `Prefetch` of a
-version 7 log carry other keys). 7: `StartLoads` says whether a forward pass waits on the
-batch (`awaited`); an admission carries its settled prefetch's tokens (`AdmitItem.stored`) and
-the tree answers the storage part of its host hit (`Admission.storage_hit`,
-`TreeStatistics.host_hit_storage_tokens`). 6: the device answers a finish to the facade itself
-(`Finished`; no `RequestsReleased` to the tree). 5: allocations may grant pages ahead of a
-request's slots and give them back (`ahead`, `trim`). 4: the device's messages carry the slots
-the facade served from a request's last page (`allocs`). 3: numbered, checksummed lines, an
-`end` line, blobs forgotten only between deliveries, unencodable deliveries logged as such. 2
-had none of these; 1 carried large payloads in every body. A reader reads its own version
-only."""
+LOG_VERSION = 9
+"""9: a closed log ends with the mail its run sent and never delivered (`in_flight` lines), and
+replay expects exactly those sends past the last delivery. 8: storage keys are blake2b-128
+chains seeded by the model (`Config.model_id`, in the header's config) and a tensor-parallel
+group's keys name its size (`StorePages` and `Prefetch` of a version 7 log carry other keys). 7:
+`StartLoads` says whether a forward pass waits on the batch (`awaited`); an admission carries
+its settled prefetch's tokens (`AdmitItem.stored`) and the tree answers the storage part of its
+host hit (`Admission.storage_hit`, `TreeStatistics.host_hit_storage_tokens`). 6: the device
+answers a finish to the facade itself (`Finished`; no `RequestsReleased` to the tree). 5:
+allocations may grant pages ahead of a request's slots and give them back (`ahead`, `trim`). 4:
+the device's messages carry the slots the facade served from a request's last page (`allocs`).
+3: numbered, checksummed lines, an `end` line, blobs forgotten only between deliveries,
+unencodable deliveries logged as such. 2 had none of these; 1 carried large payloads in every
+body. A reader reads its own version only."""
 
 BLOB_BYTES_MIN = 1024
 """An `Indices` or `Tokens` payload this large (128 values) or larger is written as a blob, once."""
@@ -167,6 +175,7 @@ def error_text(err: BaseException) -> str:
 
 _NULL = b"null"
 _END = b',"event":"delivery"'
+_IN_FLIGHT = b',"event":"in_flight"'
 
 
 class LogInUseError(OSError):
@@ -224,12 +233,15 @@ class _LineWriter:
         self._pid = os.getpid()
         atexit.register(self._flush_at_exit)
 
-    def close(self, last: bytes | None = None) -> None:
-        """Write `last` (a rendered line, the end line), what is buffered, and close the file;
-        a line written after this is dropped."""
+    def close(self, last: bytes | None = None, before: Callable[[], None] | None = None) -> None:
+        """Write the lines `before()` writes (with `seal_locked`), then `last` (a rendered line, the
+        end line), what is buffered, and close the file, all under the lock: no other line comes
+        between them. A line written after this is dropped."""
         with self.lock:
             if self.closed:
                 return
+            if before is not None:
+                before()
             if last is not None:
                 self.seal_locked([b"", last[1:-1]])
             if self._writing:
@@ -478,11 +490,33 @@ class DeliveryLog:
         """Hand every line logged so far to the operating system (closing does it too)."""
         self._out.flush()
 
-    def close(self) -> None:
-        """Write the end line (how many sequence numbers were given out, or the highest logged if
-        more) and close the file."""
+    def close(self, in_flight: Sequence[tuple[ActorName, Any]] = ()) -> None:
+        """Write an `in_flight` line for each `(receiver, Mail)` of `in_flight` (the mail its
+        run sent and never delivered), then the end line (how many sequence numbers were given
+        out, or the highest logged if more), and close the file."""
         issued = max(next(self._seq) - 1, self._seq_top)
-        self._out.close(_dumps({"deliveries": issued, "event": "end"}))
+
+        def undelivered() -> None:
+            for receiver, mail in in_flight:
+                self._in_flight_locked(receiver, mail)
+
+        self._out.close(_dumps({"deliveries": issued, "event": "end"}), undelivered)
+
+    def _in_flight_locked(self, receiver: ActorName, mail: Any) -> None:
+        """One `in_flight` line: the delivery line's fields that a message has before it is
+        delivered (its blobs written first, and forgotten past the bound after it, as after a
+        delivery line). The caller holds the writer's lock."""
+        message = mail.message
+        head = _dumps({"receiver": receiver.value, "sender": mail.sender.value, "type": type(message).__name__,
+                       "ask": mail.ask})[1:-1]
+        try:
+            parts = [b"", head, b',"body":"', _b64(encode(message, self._blobs)), b'"', _IN_FLIGHT]
+        except CodecError as failed:
+            parts = [b"", head, b',"body":null,"unencodable":', _dumps(f"body: {error_text(failed)}"), _IN_FLIGHT]
+        self._out.seal_locked(parts)
+        blobs = self._blobs
+        if blobs.held_bytes > blobs.held_bytes_max:
+            blobs.trim()
 
 
 def rewrite_log(src: str | Path, dst: str | Path, edit: Callable[[dict[str, Any]], dict[str, Any] | None]) -> int:

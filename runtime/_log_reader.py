@@ -19,6 +19,10 @@ How the log ends decides what the reader gives:
   reader opened it: what its run writes meanwhile is not read, so a run that
   logs faster than replay reads does not keep the reader going.
 
+A closed log ends with the mail its run sent and never delivered (`in_flight`
+lines, right before the end line): `LogReader.in_flight` once read to the end.
+A delivery or fault line after them is damage.
+
 Damage (a changed, lost, repeated or reordered line, a malformed field, a
 missing delivery in a closed log, a line of more than `LINE_BYTES_MAX` bytes)
 raises `ReplayLogError` naming the path and the line.
@@ -32,7 +36,7 @@ import os
 import stat
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any, BinaryIO
@@ -83,6 +87,24 @@ class Delivery:
     """The fault plan's decisions (hook, value) the receiver took while handling it, in order."""
     unencodable: str | None = None
     """`body: ...` or `reply: ...`: the part its run could not encode, and why."""
+    type_name: str = ""
+    """The message's class name, as the line has it."""
+
+
+@dataclass(frozen=True, slots=True)
+class InFlight:
+    """A message its run sent and never delivered: an `in_flight` line of a closed log."""
+
+    receiver: ActorName
+    sender: ActorName
+    message: Message | None
+    """The message (None only when its run could not encode it: see `unencodable`)."""
+    ask: bool
+    line: int
+    body: bytes = b""
+    """The message's msgpack bytes (`encode(message)`; empty where it is None)."""
+    unencodable: str | None = None
+    """`body: ...`: why its run could not encode it."""
     type_name: str = ""
     """The message's class name, as the line has it."""
 
@@ -181,6 +203,9 @@ class LogReader:
         """Bytes the reader reads: the file's size when it was opened (None for a pipe: to its end)."""
         self.end: LogEnd | None = None
         """How the log ended, once iterated to the end; None before."""
+        self.in_flight: list[InFlight] = []
+        """The mail its run sent and never delivered (the `in_flight` lines), complete once
+        iterated to the end."""
         try:
             self.header = self._read_header()
         except BaseException:
@@ -321,6 +346,9 @@ class LogReader:
         lines = self._lines(2)
         for n, rec in lines:
             event = rec.get("event")
+            if self.in_flight and event in ("delivery", "fault"):
+                raise self._error(n, f"a {event} line after the in-flight lines (from line {self.in_flight[0].line}), "
+                                     "which only blob lines and the end line follow")
             if event == "delivery":
                 before = blobs.looked_up_bytes
                 receiver = rec.get("receiver")  # checked by `_delivery`; a malformed one takes no fault
@@ -357,6 +385,10 @@ class LogReader:
                 if not isinstance(actor, str) or actor not in _ACTORS or not isinstance(hook, str) or "value" not in rec:
                     raise self._error(n, f"malformed fault line (actor {actor!r}, hook {hook!r})")
                 faults[actor].append((hook, rec["value"]))
+            elif event == "in_flight":
+                self.in_flight.append(self._in_flight(n, rec))
+                if blobs.held_bytes > blobs.held_bytes_max:
+                    blobs.trim()
             elif event == "end":
                 self._closed_log(n, rec, nxt, held, faults, lines)
                 return
@@ -439,6 +471,32 @@ class LogReader:
         except (CodecError, binascii.Error, ValueError, TypeError) as err:
             raise self._error(n, f"corrupt delivery: {err}") from None
 
+    def _in_flight(self, n: int, rec: dict[str, Any]) -> InFlight:
+        try:
+            ask, unencodable, type_name = rec["ask"], rec.get("unencodable"), rec["type"]
+            if type(ask) is not bool or type(type_name) is not str \
+                    or not (unencodable is None or type(unencodable) is str):
+                raise ValueError("ask, type or unencodable has the wrong type")
+            receiver, sender = _ACTORS.get(rec["receiver"]), _ACTORS.get(rec["sender"])
+            if receiver is None or sender is None:
+                raise ValueError(f"{rec['receiver']!r} or {rec['sender']!r} is not an actor name")
+            if rec["body"] is None:
+                if unencodable is None:
+                    raise ValueError("no body, and no unencodable saying why")
+                return InFlight(receiver, sender, None, ask, n, b"", unencodable, type_name)
+            before = self._blobs.lookups
+            body = unbase64(rec["body"])
+            message = decode(body, self._blobs)
+            if type(message).__name__ != type_name:
+                raise ValueError(f"the body is a {type(message).__name__}, the line says {type_name!r}")
+            if self._blobs.lookups != before:
+                body = encode(message)
+            return InFlight(receiver, sender, message, ask, n, body, None, type_name)
+        except KeyError as err:
+            raise self._error(n, f"in-flight line without field {err}") from None
+        except (CodecError, binascii.Error, ValueError, TypeError) as err:
+            raise self._error(n, f"corrupt in-flight line: {err}") from None
+
 
 def _run_header(header: dict[str, Any], error: Any, where: str) -> RunHeader:
     """The header's fields replay needs, each checked (`error(what)` makes the exception)."""
@@ -476,6 +534,8 @@ class ParsedLog:
     run: RunHeader
     deliveries: list[Delivery]
     end: LogEnd
+    in_flight: list[InFlight] = field(default_factory=list)
+    """The mail its run sent and never delivered (`LogReader.in_flight`)."""
 
     @property
     def config(self) -> Config:
@@ -488,4 +548,4 @@ def read_log(path: str | Path) -> ParsedLog:
         run = reader.run
         deliveries = list(reader)
         assert reader.end is not None
-        return ParsedLog(reader.header, run, deliveries, reader.end)
+        return ParsedLog(reader.header, run, deliveries, reader.end, reader.in_flight)

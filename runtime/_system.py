@@ -91,12 +91,13 @@ class ThreadedRuntime:
     ) -> None:
         if write_stream_thread not in (None, True, False) or type(write_stream_thread) is int:
             raise TypeError(f"write_stream_thread must be None, True or False, got {write_stream_thread!r}")
-        self.executor = SerialExecutor()
         self.write_stream_thread = write_stream_thread
         self._threads: list[threading.Thread] = []
         """The threads of the actors started on threads of their own, joined by `shutdown`."""
+        self._thread_actors: list[HiActor] = []
+        """Those actors, whose inboxes `shutdown` empties of mail that came after they stopped."""
         self._thread_classes: dict[type, type] = {}
-        self._timers: list[threading.Timer] = []
+        self._timers: list[tuple[threading.Timer, _TimerMail]] = []
         self._timers_lock = threading.Lock()
         self.services = Services(
             clock=MonotonicClock(),
@@ -108,6 +109,7 @@ class ThreadedRuntime:
             new_layer_ring=LayerDoneRing,
             call_later=self._call_later,
         )
+        self.executor = SerialExecutor(self.services.undelivered)
 
     def start(self, cls: type[HiActor], **kwargs: Any) -> pykka.ActorRef[Any]:
         if cls.name in EXECUTOR_ACTORS or (cls.name is ActorName.WRITE and not self._write_thread(kwargs)):
@@ -122,14 +124,19 @@ class ThreadedRuntime:
         exception`) as the interpreter stopped the thread."""
         made = self._thread_classes.get(cls)
         if made is None:
-            threads = self._threads
+            threads, actors, undelivered = self._threads, self._thread_actors, self.services.undelivered
 
             class OnThread(cls):  # type: ignore[valid-type, misc]
                 def _start_actor_loop(self) -> None:
                     thread = threading.Thread(target=self._actor_loop, name=f"{cls.__name__}-{next(_THREAD_NUMBERS)}",
                                               daemon=self.use_daemon_thread)
                     threads.append(thread)
+                    actors.append(self)
                     thread.start()
+
+                def _actor_loop_teardown(self) -> None:
+                    _keep_undelivered(self, undelivered)  # then pykka's answers the asks left
+                    super()._actor_loop_teardown()
 
             OnThread.__name__ = OnThread.__qualname__ = cls.__name__
             made = self._thread_classes[cls] = OnThread
@@ -149,34 +156,77 @@ class ThreadedRuntime:
         return _QueueMailbox(what)
 
     def _call_later(self, delay_s: float, receiver: ActorName, ref: pykka.ActorRef[Any], mail: Any) -> None:
+        held = _TimerMail(receiver, mail)
+        undelivered = self.services.undelivered
+
         def fire() -> None:
-            if ref.is_alive():
-                ref.tell(mail)
+            held.fired = True
+            try:
+                if ref.is_alive():
+                    ref.tell(mail)
+                    return
+            except pykka.ActorDeadError:  # it stopped between the look and the tell
+                pass
+            undelivered.append((receiver, mail))
 
         timer = threading.Timer(delay_s, fire)
         timer.daemon = True
         with self._timers_lock:
-            self._timers = [t for t in self._timers if t.is_alive()]
-            self._timers.append(timer)
+            self._timers = [(t, h) for t, h in self._timers if t.is_alive()]
+            self._timers.append((timer, held))
         timer.start()
 
     def shutdown(self) -> None:
         """Cancel pending timers, then wait for them and for the actors' threads to end (called
         once every actor was told to stop): when a system's stop returns, none of its threads
-        runs (each waited for at most `THREAD_JOIN_TIMEOUT_S`; one still running is logged)."""
+        runs (each waited for at most `THREAD_JOIN_TIMEOUT_S`; one still running is logged).
+        The mail of the timers that never fired, and any that reached an actor's inbox after it
+        stopped, is added to `Services.undelivered`."""
         with self._timers_lock:
             timers, self._timers = self._timers, []
-        for t in timers:
+        for t, _ in timers:
             t.cancel()
         threads = list(self._threads)
         self._threads.clear()  # in place: the classes `_thread_class` made append to this list
         me = threading.current_thread()
-        for thread in (*timers, *threads):
+        for thread in (*(t for t, _ in timers), *threads):
             if thread is not me:
                 thread.join(THREAD_JOIN_TIMEOUT_S)
                 if thread.is_alive():
                     log.warning("thread still running after the system stopped", thread=thread.name,
                                 waited_s=THREAD_JOIN_TIMEOUT_S)
+        undelivered = self.services.undelivered
+        undelivered.extend((h.receiver, h.mail) for t, h in timers if not h.fired)
+        actors = list(self._thread_actors)
+        self._thread_actors.clear()
+        for actor in actors:
+            if actor.actor_stopped.is_set():
+                _keep_undelivered(actor, undelivered)  # told between its teardown and now (a tell races a stop)
+
+
+class _TimerMail:
+    """The mail a timer of `ThreadedRuntime` tells when it fires, and whether it fired."""
+
+    __slots__ = ("fired", "mail", "receiver")
+
+    def __init__(self, receiver: ActorName, mail: Any) -> None:
+        self.receiver = receiver
+        self.mail = mail
+        self.fired = False
+
+
+def _keep_undelivered(actor: HiActor, undelivered: list[tuple[ActorName, Any]]) -> None:
+    """Add the mail in the inbox of a stopped actor (on a thread of its own) to `undelivered`
+    and take the tells out; the asks (and pykka's own messages) stay, for pykka to answer."""
+    inbox, kept = actor.actor_inbox, []
+    while not inbox.empty():
+        envelope = inbox.get()
+        if type(envelope.message) is Mail:
+            undelivered.append((actor.name, envelope.message))
+        if envelope.reply_to is not None or type(envelope.message) is not Mail:
+            kept.append(envelope)
+    for envelope in kept:
+        inbox.put(envelope)
 
 
 class _QueueMailbox:
@@ -336,6 +386,7 @@ class System:
         cfg, svc = self.config, self.services
         check_resources(cfg)  # before anything is allocated: one line naming what does not fit
         svc.ids.restart()  # numbered as a fresh system, as its log's replay numbers (none of the last runs)
+        svc.undelivered.clear()  # the last run's mail in flight is not this run's
         self.directory = Directory()
         self.probes = {}
         try:
@@ -391,19 +442,24 @@ class System:
         self.directory.register(cls.name, self.runtime.start(use, **kwargs))
 
     def stop(self) -> tuple[ActorName, ...]:
-        """Stop the actors, then close the log. An actor still in a handler after
-        `DEFAULT_ASK_TIMEOUT_S` (a storage call that hangs, say) is left behind: its thread (a
-        daemon) ends on its own, the others stop, the log is closed, and the system may start
-        again. What this returns: the actors left behind, each also logged as an error."""
+        """Stop the actors, then close the log, recording in it the mail sent and never
+        delivered (`Services.undelivered`: the mail in flight when the run stopped). An actor
+        still in a handler after `DEFAULT_ASK_TIMEOUT_S` (a storage call that hangs, say) is
+        left behind: its thread (a daemon) ends on its own, the others stop, the log is closed,
+        and the system may start again. What this returns: the actors left behind, each also
+        logged as an error."""
         if not self._started:
             return ()
+        svc = self.services
         try:
             stuck = self._stop_actors()
         finally:
-            if self.services.log is not None:
-                self.services.log.close()
-                self.services.log = None
-                self.services.faults = self._unlogged_faults
+            in_flight = list(svc.undelivered)
+            svc.undelivered.clear()
+            if svc.log is not None:
+                svc.log.close(in_flight)
+                svc.log = None
+                svc.faults = self._unlogged_faults
             self._started = False
         return stuck
 

@@ -369,6 +369,9 @@ def test_pykka_still_has_the_three_hooks_the_deterministic_runtime_overrides() -
     # ThreadedRuntime._thread_class starts an actor's thread as pykka does, keeping it to wait for at stop.
     start = inspect.getsource(pykka.ThreadingActor._start_actor_loop)
     assert "target=self._actor_loop" in start and "self.use_daemon_thread" in start and "start()" in start
+    # ...and takes the mail left in its inbox when it stops (kept as in flight) before pykka's teardown drops it.
+    assert "self._actor_loop_teardown()" in inspect.getsource(pykka.Actor._actor_loop)
+    assert "self.actor_inbox.get()" in inspect.getsource(pykka.Actor._actor_loop_teardown)
     loop = inspect.getsource(pykka.Actor._actor_loop_running)
     # The deterministic runtime copies this loop body for one envelope; if pykka changes it, re-check.
     digest = hashlib.sha256(loop.encode()).hexdigest()[:16]

@@ -249,7 +249,23 @@ class DeterministicRuntime:
         return _Mailbox(self, what)
 
     def shutdown(self) -> None:
-        self._timers.clear()
+        """Drop what is left (every actor has stopped): the mail still in the stopped actors'
+        inboxes, then that of the timers not fired yet, in the order they would have come,
+        goes to `Services.undelivered`."""
+        undelivered = self.services.undelivered
+        for key in sorted(self._inboxes):
+            inbox = self._inboxes[key]
+            if not self._stopped(inbox):
+                continue
+            actor = inbox.actor
+            assert isinstance(actor, HiActor), f"a {type(actor).__name__} in the {key} inbox"
+            while inbox:
+                message = inbox.get().message
+                if type(message) is Mail:
+                    undelivered.append((actor.name, message))
+        while self._timers:
+            timer = heapq.heappop(self._timers)
+            undelivered.append((timer.receiver, timer.mail))
 
     def _register(self, actor: HiActor) -> None:
         key = actor.name.value
@@ -384,6 +400,8 @@ class DeterministicRuntime:
         self.clock.t = max(self.clock.t, timer.due_s)
         if timer.ref.is_alive():
             timer.ref.tell(timer.mail)
+        else:
+            self.services.undelivered.append((timer.receiver, timer.mail))
 
     def _advance_time(self, deadline: float | None) -> bool:
         if not self._timers:

@@ -14,7 +14,10 @@ sent it: it must be the oldest message that actor has sent to that receiver and
 the log has not delivered yet. Replay checks each logged delivery from a
 replayed actor so, as it comes, and each ask's reply and each handler's error;
 the first one that fails is the divergence. A message the replayed actor sent
-and the log never delivers is found only at the end of a closed log.
+and the log never delivers is checked at the end of a closed log, against the
+mail the log records as in flight when its run stopped (`in_flight` lines): each
+such send must be one of them (for its sender and receiver), and each of them
+must have been sent; anything else is a divergence.
 
 The log is read as a stream (`LogReader`), so memory does not grow with its
 length; `read_log` holds a whole log for repeated replays. A replayed message
@@ -38,7 +41,7 @@ from hicache.actors._services import Failures, IdSource, NoFaults, Services
 from hicache.messages import ActorName, CodecError, Message, decode, encode
 
 from .._log import error_text
-from .._log_reader import Delivery, LogReader, ParsedLog, ReplayLogError, RunHeader
+from .._log_reader import Delivery, InFlight, LogReader, ParsedLog, ReplayLogError, RunHeader
 from .._system import actor_specs
 
 
@@ -247,7 +250,7 @@ class _Replay:
             if not log.end.complete:
                 stopped = log.end.note
             elif until is None:
-                self._extra_sends()
+                self._unmatched(log.in_flight)
         return ReplayResult(self.count, self.first, {n.value: a for n, a in self.actors.items()}, self.last_seq,
                             stopped)
 
@@ -284,22 +287,44 @@ class _Replay:
         self.first = div
         self.sends.recording = False  # what is sent from now on cannot make an earlier divergence
 
-    def _extra_sends(self) -> None:
-        """At the end of a closed log: a message a replayed actor sent that the log never
-        delivered. Sent before the first divergence found, it is an earlier one."""
+    def _unmatched(self, in_flight: list[InFlight]) -> None:
+        """At the end of a closed log: each message a replayed actor sent that the log never
+        delivered must be one the log records as in flight when its run stopped (of the same
+        sender and receiver, in any order: the runtimes drop undelivered mail in several
+        places), and each in-flight message of a replayed sender must have been sent. The
+        first send that is not (sent before the first divergence found, it is an earlier one),
+        else the first in-flight message left over, is a divergence."""
+        left: dict[tuple[ActorName, ActorName], dict[bytes, list[InFlight]]] = {}
+        for m in in_flight:
+            if m.sender in self.actors:
+                left.setdefault((m.sender, m.receiver), {}).setdefault(m.body, []).append(m)
+        extra: list[tuple[int, ActorName, ActorName, Message, tuple[Delivery, ...]]] = []
         for (sender, receiver), sent in self.sends.by_pair.items():
-            if sender not in self.actors or not sent:
-                continue
-            cause, msg, before = sent[0]
+            if sender in self.actors:
+                recorded = left.get((sender, receiver), {})
+                extra.extend((cause, sender, receiver, msg, before) for cause, msg, before in sent
+                             if _take(recorded, msg) is None)
+        if extra:
+            cause, sender, receiver, msg, before = min(extra, key=lambda e: e[0])
             if self.first is None or cause < self.first.seq:
-                div = Divergence(cause, sender.value, f"(no more deliveries from {sender.value} to {receiver.value}; "
-                                 "mail in flight when the run stopped is never delivered: a run that closed "
-                                 "without draining, as one that ended on an exception does, ends so. Replay up "
-                                 f"to delivery {self.last_seq} (--until {self.last_seq}) to check only what the "
-                                 "log delivered)",
-                                 f"delivery {cause} made {sender.value} send {msg!r}",
-                                 [_describe(x) for x in before if x.seq < cause])
-                self.first = div
+                other = sorted((m for ms in left.get((sender, receiver), {}).values() for m in ms),
+                               key=lambda m: m.line)
+                if other:  # the log has another message in flight from it to that receiver
+                    expected, actual = _in_flight_shown(other[0]), f"{msg!r} (sent while handling delivery {cause})"
+                else:
+                    expected = (f"(no more deliveries from {sender.value} to {receiver.value}, and no such message "
+                                "in flight when the run stopped)")
+                    actual = f"delivery {cause} made {sender.value} send {msg!r}"
+                self.first = Divergence(cause, sender.value, expected, actual,
+                                        [_describe(x) for x in before if x.seq < cause])
+        if self.first is not None:
+            return
+        never = [m for recorded in left.values() for ms in recorded.values() for m in ms]
+        if never:
+            m = min(never, key=lambda m: m.line)
+            self.first = Divergence(self.last_seq, m.sender.value, _in_flight_shown(m),
+                                    f"(the replayed {m.sender.value} never sent it)",
+                                    [_describe(x) for x in self.sends.before])
 
 
 def _deliver(rebuilt: Rebuilt, actor: HiActor, d: Delivery) -> Divergence | None:
@@ -346,6 +371,42 @@ def _same(got: Message, want: Message | None, want_bytes: bytes | None) -> bool:
         return encode(got) == (want_bytes or encode(want))  # type: ignore[arg-type]
     except CodecError:  # a replayed message the codec refuses matches no logged one
         return False
+
+
+def _take(recorded: dict[bytes, list[InFlight]], got: Message) -> InFlight | None:
+    """Remove from `recorded` (in-flight messages by their msgpack bytes) and return the first
+    one the replayed send `got` is (`_same_in_flight`); None if none is. A send is looked up by
+    its bytes, and compared with every one only when that finds none."""
+    try:
+        same = recorded.get(encode(got))
+    except CodecError:
+        same = None
+    if same:
+        return same.pop(0)
+    for ms in recorded.values():
+        for i, m in enumerate(ms):
+            if _same_in_flight(got, m):
+                return ms.pop(i)
+    return None
+
+
+def _same_in_flight(got: Message, want: InFlight) -> bool:
+    """A replayed send `got` is the in-flight message `want`: as `_same`, or, where its run could
+    not encode it, a message of its type that fails to encode with the same error."""
+    if want.message is not None:
+        return _same(got, want.message, want.body)
+    if type(got).__name__ != want.type_name:
+        return False
+    try:
+        encode(got)
+    except CodecError as err:
+        return f"body: {error_text(err)}" == want.unencodable
+    return False
+
+
+def _in_flight_shown(m: InFlight) -> str:
+    shown = repr(m.message) if m.message is not None else f"{m.type_name} (not logged: {m.unencodable})"
+    return f"{shown} (in flight from {m.sender.value} to {m.receiver.value} when the run stopped: line {m.line})"
 
 
 def _describe(d: Delivery) -> str:
