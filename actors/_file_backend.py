@@ -41,7 +41,8 @@ own reads. The bytes are counted as they change (this instance's writes, evictio
 scans); `usage` looks again at a few segments a call, in turn, for the holes other
 instances punched. A segment whose writer was killed (its `flock` free, the file
 unchanged for `ABANDONED_AFTER_S`) is finished by the instance that lists it next, so
-that it goes too.
+that it goes too (an empty one at once). Once the file system filled before the bound,
+each write also makes room in what it has free (`_make_room`).
 """
 
 from __future__ import annotations
@@ -95,7 +96,8 @@ from ._stored_page import (
 
 SEGMENT_BYTES_MAX: Final = 64 << 20
 """A writer starts a new segment once its current one would pass this (or an eighth of
-`storage_max_bytes`, when that is smaller): the unit the size bound may overshoot by."""
+`storage_max_bytes`, when that is smaller; or what a segment held when a write to it met
+the largest file this process may write, `EFBIG`): the unit the size bound may overshoot by."""
 READ_RUN_BYTES: Final = 1 << 20
 """Most payload bytes one `preadv` reads (with their headers, a little more; a larger page
 is read alone): what it brought in is checksummed before the next one, while it is still in
@@ -171,6 +173,11 @@ class FileBackend:
         self._evicted = 0
         self._disk_full = False
         """The last write failed because the file system is full (`ENOSPC`, `EDQUOT`)."""
+        self._fs_filled = False
+        """The file system filled before `storage_max_bytes` once: writes make room on it too."""
+        self._file_full = False
+        """The last write failed because its segment is as large as this process may write a
+        file (`EFBIG`: `ulimit -f`); the segment is finished (`_landed`)."""
         self._errors = 0
         self._hosts: tuple[KVBuffer, HostPages] | None = None
         self._sent = (Headers.allocate(self.fmt, _PAGES_PER_CALL_MAX), Headers.allocate(self.fmt, _PAGES_PER_CALL_MAX))
@@ -249,8 +256,11 @@ class FileBackend:
                                      "finished) but is not among those a lookup that misses scans")
 
     def close(self) -> None:
-        if self._current is not None:
-            self._seal(self._current)
+        current = self._current
+        if current is not None and not current.scanned:
+            self._delete_segment(current)  # no record landed in it (its writes failed): nothing to keep
+        elif current is not None:
+            self._seal(current)
         for seg in list(self._open.values()):
             self._close_fd(seg)
         self._index = PageIndex()
@@ -368,18 +378,21 @@ class FileBackend:
     def write(self, keys: Sequence[str], host: KVBuffer, slots: torch.Tensor) -> StorageIO:
         """Store the pages of `keys` not stored yet. Under `storage_max_bytes`, a file system
         that fills up before the bound (other files share it) is a bound reached: the least
-        recently used pages make room for what is left of the call, which is tried once more."""
-        self._disk_full = False
+        recently used pages make room for what is left of the call, which is tried once more,
+        and from then on each write makes room on the file system too (`_make_room`)."""
+        self._disk_full = self._file_full = False
         io = self._write(keys, host, slots)
         if io.error and self._disk_full and self.max_bytes and len(self._index):
+            self._fs_filled = True
             left = len(keys) - io.pages
             evicted = self._evict_down_to(self._index.allocated - left * self.fmt.stored_bytes)
             log.warning("storage full before its bound: evicted the least recently used pages to make room",
                         backend=self.name, path=str(self.root), evicted_pages=evicted, bound_bytes=self.max_bytes)
-            self._disk_full = False
-            again = self._write(keys, host, slots)
-            io = replace(again, written=io.written + again.written, bytes=io.bytes + again.bytes)
-        return io
+        elif not (io.error and self._file_full):  # (else its segment is finished: the next write starts another)
+            return io
+        self._disk_full = self._file_full = False
+        again = self._write(keys, host, slots)
+        return replace(again, written=io.written + again.written, bytes=io.bytes + again.bytes)
 
     def _write(self, keys: Sequence[str], host: KVBuffer, slots: torch.Tensor) -> StorageIO:
         check_keys(keys)
@@ -500,6 +513,12 @@ class FileBackend:
             self._index.unclaim(seg, append.pages)
             self._cut_tail(seg)
             self._disk_full = e.errno in _FULL
+            self._file_full = e.errno == errno.EFBIG and seg.scanned > 0
+            if self._file_full:  # segments from now on stay as large as this one could hold
+                self._segment_bytes = seg.scanned
+                if seg is self._current:
+                    self._seal(seg)
+                    self._current = None
             return f"page {append.first_key}: " + self._error("writing", seg.path, e, append.first_key)
         seg.scanned += append.pages * self.fmt.stored_bytes
         self._restat(seg)  # the total follows this writer's bytes as they land (`usage`)
@@ -622,12 +641,12 @@ class FileBackend:
         for name in names:
             seg = self._index.segment(name) or self._index.new_segment(name, self.root / name)
             writer, seq = writer_of(name)
+            # A scan that failed part way is not the last one: the segment is scanned again
+            # from there by the next lookup that misses, and finished by a later listing.
             if not (seg.ours or seg.sealed) and (seq < latest[writer] or name in sealed):
-                self._scan(seg)  # its writer moved on, or closed: this scan is its last
-                seg.sealed = True
-            elif not (seg.ours or seg.sealed) and self._writer_died(seg):
-                self._scan(seg)  # its writer was killed: its last scan, then finish it for every instance
-                self._finish_abandoned(seg)
+                seg.sealed = self._scan(seg)  # its writer moved on, or closed: this scan is its last
+            elif not (seg.ours or seg.sealed) and self._writer_died(seg) and self._scan(seg):
+                self._finish_abandoned(seg)  # its writer was killed: scanned a last time, finish it for every instance
             if self._index.segment(name) is not seg:
                 continue  # gone while it was looked at
             if not (seg.ours or seg.sealed or seg.other_shape):
@@ -637,14 +656,14 @@ class FileBackend:
         self._growing = growing
 
     def _writer_died(self, seg: Segment) -> bool:
-        """The writer of this unfinished segment is gone: its lock (`_writable`) is free, though
-        the segment has bytes (a writer locks it before its first write) and has not changed for
-        `ABANDONED_AFTER_S` (a writer that takes no lock, of an earlier version, is left alone
-        while it appends)."""
+        """The writer of this unfinished segment is gone: its lock (`_writable`) is free, and the
+        segment has not changed for `ABANDONED_AFTER_S` (a writer locks it as it creates it; one
+        that takes no lock, of an earlier version, is left alone while it appends). An empty
+        segment too: its writer was killed before its first record landed, or after a first
+        write that failed was cut off."""
         try:
             fd = self._fd(seg)
-            st = os.fstat(fd)
-            if st.st_size == 0 or time.time() - st.st_mtime < ABANDONED_AFTER_S:  # (the file system's clock)
+            if time.time() - os.fstat(fd).st_mtime < ABANDONED_AFTER_S:  # (the file system's clock)
                 return False
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -654,42 +673,63 @@ class FileBackend:
 
     def _finish_abandoned(self, seg: Segment) -> None:
         """Seal a segment whose writer died, and cut off the torn record it left after its whole
-        ones (when the records are of this KV shape, or no header is whole): no instance would."""
+        ones (when the records are of this KV shape, or no header is whole): no instance would.
+        An empty one holds nothing for any instance: it is deleted."""
         h = self.fmt.header_bytes
         try:
             fd = self._fd(seg)
             size = os.fstat(fd).st_size
+            if not size:
+                self._delete_segment(seg)
+                return
             if seg.scanned < size and ((seg.record and not seg.other_shape) or size < h):
                 os.ftruncate(fd, seg.scanned)
                 self._restat(seg)
         except OSError as e:
             self._forget_segment_if_gone(seg, e)
-            self._error("truncating", seg.path, e)
-        self._seal(seg)
+            if self._index.segment(seg.name) is seg:
+                self._error("truncating", seg.path, e)
+        if self._index.segment(seg.name) is seg:  # (not deleted meanwhile)
+            self._seal(seg)
 
-    def _scan(self, seg: Segment) -> None:
-        """Index the whole records `seg` gained since the last scan."""
+    def _scan(self, seg: Segment) -> bool:
+        """Index the whole records `seg` gained since the last scan; whether it read up to the
+        end (False: an error stopped it, after the records before it were indexed)."""
         try:
             fd = self._fd(seg)
             st = os.fstat(fd)
             if st.st_size >= seg.scanned + self.fmt.header_bytes:
                 index = self._index
-                scan(seg, fd, st.st_size, self.fmt, lambda key, record: index.take(key, seg, record))
-                index.end_scan()
+                try:
+                    scan(seg, fd, st.st_size, self.fmt, lambda key, record: index.take(key, seg, record))
+                finally:
+                    index.end_scan()
         except OSError as e:
             self._forget_segment_if_gone(seg, e)
             if self._index.segment(seg.name) is seg:
                 self._error("scanning", seg.path, e)
                 self._index.set_allocated(seg, seg.allocated)  # counted as it is shaped now
-            return
+            return False
         self._index.set_allocated(seg, st.st_blocks * 512)
+        return True
 
     # -- the index: removal, eviction, accounting ------------------------------------------
 
     def _make_room(self, need: int) -> None:
-        """Evict least recently used pages until `need` more bytes fit within `storage_max_bytes`."""
-        if self.max_bytes:
-            self._evict_down_to(self.max_bytes - need)
+        """Evict least recently used pages until `need` more bytes fit within `storage_max_bytes`
+        and, once the file system filled before it (`_fs_filled`), in the space the file system
+        has free, less a block (a write takes whole blocks)."""
+        if not self.max_bytes:
+            return
+        target = self.max_bytes - need
+        if self._fs_filled:
+            try:
+                st = os.statvfs(self.root)
+            except OSError:
+                pass  # the write tells (and `write` makes room if it fails for want of it)
+            else:
+                target = min(target, self._index.allocated + st.f_bavail * st.f_frsize - need - self._block)
+        self._evict_down_to(target)
 
     def _evict_down_to(self, allocated: int) -> int:
         """Evict least recently used pages until the index's segments take at most `allocated`
@@ -767,10 +807,20 @@ class FileBackend:
             self._current = None
 
     def _restat(self, seg: Segment) -> None:
+        """Count the bytes `seg` takes now; forget it when it was deleted (by another instance,
+        or by hand): its pages are misses, and its file, when open here, is let go so that
+        its space comes back."""
         try:
-            self._index.set_allocated(seg, os.fstat(self._fd(seg)).st_blocks * 512)
+            st = os.fstat(self._fd(seg))
         except OSError as e:
-            self._error("stat of", seg.path, e)
+            self._forget_segment_if_gone(seg, e)
+            if self._index.segment(seg.name) is seg:
+                self._error("stat of", seg.path, e)
+            return
+        if st.st_nlink == 0:
+            self._forget_segment(seg)
+        else:
+            self._index.set_allocated(seg, st.st_blocks * 512)
 
     # -- files -------------------------------------------------------------------------------
 

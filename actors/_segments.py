@@ -128,7 +128,8 @@ class Segment:
 
 def scan(seg: Segment, fd: int, size: int, fmt: PageFormat, found: Callable[[str, int], bool]) -> None:
     """Read the records of `seg` from `seg.scanned` up to `size` bytes, calling `found(key,
-    record number)` for each whole record of `fmt`'s KV shape (True: the index took it)."""
+    record number)` for each whole record of `fmt`'s KV shape (True: the index took it). An
+    OSError leaves `seg` scanned up to the records before it."""
     h = fmt.header_bytes
     off, buf, buf_at = seg.scanned, b"", 0
     while off + h <= size and not seg.other_shape:
@@ -155,11 +156,12 @@ def scan(seg: Segment, fd: int, size: int, fmt: PageFormat, found: Callable[[str
         seg.keys.append(header.key if taken else DUPLICATE if whole else None)
         seg.live += taken
         off += record
+        seg.scanned = off  # in step with `keys`, record by record: a read that fails leaves them agreeing
         if header.problem == PAGE_GONE:  # punched out: step over the hole to the next record with data
             gone = _gone_records(fd, off, size, record, h)
             seg.keys += [None] * gone
             off += gone * record
-    seg.scanned = off
+            seg.scanned = off
 
 
 def _gone_records(fd: int, off: int, size: int, record: int, h: int) -> int:

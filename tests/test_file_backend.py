@@ -29,6 +29,7 @@ from hicache.actors import (
 from hicache.runtime import Config, HostLayout
 from hicache.actors._page_index import PageIndex
 from hicache.actors._record_block import RecordBlock
+from hicache.actors import _segments
 from hicache.actors._segments import Segment, seal_name
 from hicache.actors._stored_page import HostPages
 from hicache.runtime.testing import capture_logs
@@ -585,6 +586,112 @@ def test_a_killed_writers_segment_is_finished_by_the_next_instance_and_goes_with
     assert b.usage().stored_bytes == _du(tmp_path)
 
 
+@pytest.mark.parametrize("bound", [0, 1 << 20])
+def test_a_writer_killed_before_its_first_record_landed_leaves_no_file_behind(tmp_path: Path, bound: int) -> None:
+    # Killed between creating its segment and the first byte of its first write (or after a
+    # first write that failed on a full disk and was cut off): an empty segment. Before, no
+    # instance ever finished it, so every kill left a file for good, which every instance
+    # looked at again on each lookup that missed.
+    script = f"""
+import os, signal, torch
+from hicache.actors import FileBackend, KVBuffer, KVShape, _file_backend
+from hicache.runtime import Config, HostLayout
+config = Config(**{dict(layers=4, kv_heads=2, head_dim=64, page_size=PAGE, device_slots=8 * PAGE,
+                        host_slots=HOST_PAGES * PAGE, storage="file", storage_dir=str(tmp_path))!r})
+host = KVBuffer.allocate(KVShape.of(config), {HOST_PAGES * PAGE}, HostLayout.PAGE_FIRST, "cpu")
+_file_backend._write_records = lambda job: os.kill(os.getpid(), signal.SIGKILL)
+FileBackend(config).write(["never-0"], host, torch.arange({PAGE}))
+"""
+    assert subprocess.run([sys.executable, "-c", script], timeout=60).returncode == -9
+    [segment] = list(tmp_path.iterdir())
+    assert segment.stat().st_size == 0
+    old = segment.stat().st_mtime - 60
+    os.utime(segment, (old, old))
+
+    b = FileBackend(_config(tmp_path, storage_max_bytes=bound))
+    assert list(tmp_path.iterdir()) == []
+    assert b.write(_keys("next", 2), _host(_config(tmp_path), seed=3), _slots([0, 1])).written == 2
+    b.check_invariants()
+    b.close()
+
+
+def test_a_writer_whose_every_write_failed_on_a_full_disk_leaves_no_file_behind(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    # Before, it sealed its empty segment on closing: two files for good (without a bound,
+    # nothing deletes a finished segment).
+    def full(fd: int, bufs: list[memoryview], offset: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(_file_backend, "pwritev_all", full)
+    a = FileBackend(_config(tmp_path))
+    assert "No space left" in a.write(_keys("full", 2), _host(_config(tmp_path)), _slots([0, 1])).error
+    a.check_invariants()
+    a.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("fds_max", [3, 256], ids=["closed", "open"])
+def test_segments_deleted_by_hand_are_let_go_without_errors_and_their_bytes_stop_counting(
+        tmp_path: Path, opened: Any, monkeypatch: Any, fds_max: int) -> None:
+    # The deleted files are closed in the instance (its cache of open files holds 3), or open.
+    # Before, each `usage` counted and logged an error for every deleted file it looked at
+    # that was not open, and went on counting (and holding open) the bytes of those that were.
+    monkeypatch.setattr(_file_backend, "FDS_OPEN_MAX", fds_max)
+    src = _host(_config(tmp_path), seed=15)
+    for round_ in range(6):  # six writers, a segment each
+        writer = FileBackend(_config(tmp_path))
+        assert writer.write(_keys(f"byhand{round_}", 2), src, _slots([0, 1])).written == 2
+        writer.close()
+    a = opened(storage_max_bytes=1 << 30)
+    assert a.exists(_keys("byhand5", 2)) == 2 and a.usage().stored_bytes == _du(tmp_path) > 0
+    for path in tmp_path.iterdir():
+        path.unlink()
+
+    with capture_logs() as logs:
+        usage = a.usage()
+    assert logs == [] and usage.io_errors == 0, logs
+    assert usage.stored_bytes == _du(tmp_path) == 0
+    assert all(a.exists(_keys(f"byhand{round_}", 1)) == 0 for round_ in range(6))
+
+
+@pytest.mark.parametrize("writer", ["closed", "killed"])
+def test_a_read_error_during_a_scan_loses_no_page_and_cuts_nothing_off(
+        tmp_path: Path, monkeypatch: Any, writer: str) -> None:
+    # The 4th header read of the scan at start fails once (an I/O error). Before, the index
+    # was left inconsistent (records listed but not counted as scanned), the rest of the
+    # segment was never scanned again, and a killed writer's segment was cut off at that point.
+    keys = _keys(writer, 8)
+    src = _host(_config(tmp_path), seed=16, layout=HostLayout.PAGE_FIRST)
+    if writer == "killed":
+        segment = _killed_writer(tmp_path, keys, seed=16)
+    else:
+        w = FileBackend(_config(tmp_path))
+        assert w.write(keys, src, _slots(list(range(8)))).written == 8
+        segment = w.locate(keys[0])[0]
+        w.close()
+    size = segment.stat().st_size
+    monkeypatch.setattr(_segments, "SCAN_BYTES", 4096)  # 32 KiB records: one header a read
+    real, calls = os.pread, []
+
+    def flaky(fd: int, n: int, offset: int) -> bytes:
+        calls.append(offset)
+        if len(calls) == 4:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd, n, offset)
+
+    monkeypatch.setattr(os, "pread", flaky)
+    b = FileBackend(_config(tmp_path))
+    monkeypatch.setattr(os, "pread", real)
+    assert b.usage().io_errors == 1
+    b.check_invariants()
+    assert segment.stat().st_size >= min(size, 8 * b.fmt.stored_bytes)
+    dst = _host(_config(tmp_path))
+    assert b.read(keys, dst, _slots(list(range(8)))).pages == 8
+    assert _same(dst, list(range(8)), src, list(range(8)))
+    b.check_invariants()
+    b.close()
+
+
 def test_a_live_writers_segment_is_not_finished_however_long_it_waits(tmp_path: Path, opened: Any) -> None:
     a = opened()
     src = _host(_config(tmp_path), seed=13)
@@ -713,6 +820,64 @@ def test_a_file_system_full_before_the_bound_makes_room_by_evicting_as_the_bound
         assert backend.exists(_keys("full0", 1)) == 0 and backend.usage().evicted_pages > 0
     else:
         assert failed >= 8 and backend.usage().evicted_pages == 0 and backend.exists(_keys("full0", 8)) == 8
+
+
+def test_once_the_file_system_filled_before_the_bound_backups_make_room_before_they_write(
+        tmp_path: Path, opened: Any, monkeypatch: Any) -> None:
+    # The file system holds 1 MiB, the bound is 64 MiB. Before, every backup from the first
+    # ENOSPC on was written twice (failed, evicted, tried again), each failure counted and
+    # logged as an error although no backup failed.
+    capacity = 1 << 20
+    real = _file_backend.pwritev_all
+
+    def small_disk(fd: int, bufs: list[memoryview], offset: int) -> None:
+        if _du(tmp_path) + sum(map(len, bufs)) > capacity:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd, bufs, offset)
+
+    def statvfs(path: Any) -> Any:
+        st = os.statvfs_result((4096,) * 10)
+        return os.statvfs_result((4096, 4096, capacity // 4096, max(0, capacity - _du(tmp_path)) // 4096,
+                                  max(0, capacity - _du(tmp_path)) // 4096, *st[5:]))
+
+    monkeypatch.setattr(_file_backend, "pwritev_all", small_disk)
+    monkeypatch.setattr(os, "statvfs", statvfs)
+    backend = opened(storage_max_bytes=64 << 20)
+    src = _host(_config(tmp_path), seed=17)
+    with capture_logs() as logs:
+        for round_ in range(12):  # 12 x 8 pages of 32 KiB: three times what the disk holds
+            assert backend.write(_keys(f"room{round_}", 8), src, _slots(list(range(8)))).error == "", round_
+            backend.check_invariants()
+    assert [e["event"] for e in logs if e["log_level"] == "error"] == ["storage os error"], logs  # the first only
+    assert backend.usage().io_errors == 1 and _du(tmp_path) <= capacity
+    assert backend.exists(_keys("room11", 8)) == 8
+
+
+def test_a_segment_at_the_largest_file_this_process_may_write_is_finished_and_the_next_one_used(
+        tmp_path: Path, opened: Any, monkeypatch: Any) -> None:
+    # `ulimit -f` (RLIMIT_FSIZE, with SIGXFSZ ignored) of 256 KiB, below the 64 MiB a segment
+    # may reach: a write past it fails with EFBIG. Before, the writer kept appending to that
+    # segment, and every backup from then on failed. Now the backup that met it goes to a new
+    # segment, and segments stay as large as what the first one held.
+    limit = 256 << 10
+    real = _file_backend.pwritev_all
+
+    def limited(fd: int, bufs: list[memoryview], offset: int) -> None:
+        if offset + sum(map(len, bufs)) > limit:
+            raise OSError(errno.EFBIG, "File too large")
+        real(fd, bufs, offset)
+
+    monkeypatch.setattr(_file_backend, "pwritev_all", limited)
+    backend = opened()
+    src, dst = _host(_config(tmp_path), seed=18), _host(_config(tmp_path))
+    for round_ in range(12):  # 12 x 4 pages of 32 KiB: 1.5 MiB
+        io = backend.write(_keys(f"big{round_}", 4), src, _slots([0, 1, 2, 3]))
+        assert (io.pages, io.written, io.error) == (4, 4, ""), round_
+        backend.check_invariants()
+    assert backend.usage().io_errors == 1  # the write that met the limit
+    assert max(p.stat().st_size for p in tmp_path.iterdir()) <= limit
+    assert backend.read(_keys("big11", 4), dst, _slots([4, 5, 6, 7])).pages == 4
+    assert _same(dst, [4, 5, 6, 7], src, [0, 1, 2, 3])
 
 
 def test_a_read_error_is_a_counted_miss_logged_once_with_its_path(tmp_path: Path, opened: Any, monkeypatch) -> None:
