@@ -34,6 +34,8 @@ class _Slot:
     layers_done: int = 0
     failure: str | None = None
     events: list[Any] | None = None
+    waited: int = 0
+    """A bit per layer a `wait_layer` returned for: on CUDA the waiter's stream reads it after its copy."""
 
 
 class LayerDoneRing:
@@ -63,6 +65,7 @@ class LayerDoneRing:
                     f"load batch {batch} would overwrite batch {slot.batch}, which is still running"
                 )
             slot.batch, slot.layers_done, slot.failure, slot.events = batch, 0, None, [None] * self.layers
+            slot.waited = 0
             self._cond.notify_all()
 
     def layer_done(self, batch: int, layer: int, event: Any = None) -> None:
@@ -102,8 +105,31 @@ class LayerDoneRing:
             if slot.failure is not None:
                 raise LoadFailedError(f"load batch {batch} failed: {slot.failure}")
             event = slot.events[layer] if slot.events else None
+            slot.waited |= 1 << layer
         if event is not None:
             torch.cuda.current_stream().wait_event(event)
+
+    def landed(self, batch: int, layer: int) -> bool:
+        """Whether layer `layer` of `batch` may be read now, without waiting: its copy is done
+        (on CUDA: a `wait_layer` ordered the waiter's stream after it, or its event completed), or
+        a later batch began (batches run one after another, each synchronised at its end). A
+        failed batch never lands. Never blocks (`Config.check_kv_reads` asks on the facade's thread)."""
+        if batch == 0:
+            return True
+        with self._cond:
+            slot = self._slots[batch % self.ring_size]
+            if slot.batch != batch:
+                return slot.batch > batch
+            if slot.failure is not None or slot.layers_done <= layer:
+                return False
+            event = slot.events[layer] if slot.events else None
+            return event is None or bool(slot.waited >> layer & 1) or bool(event.query())
+
+    def failure(self, batch: int) -> str | None:
+        """Why `batch` failed, if it did and its ring slot still holds it."""
+        with self._cond:
+            slot = self._slots[batch % self.ring_size]
+            return slot.failure if slot.batch == batch else None
 
     def _ready(self, batch: int, layer: int) -> bool:
         slot = self._slots[batch % self.ring_size]

@@ -257,7 +257,8 @@ class Admissions:
                 request_id=p.item.request_id, handle=p.handle, device=cat([nd.device for nd in nodes]),
                 device_hit=dev_hit, host_hit=host_hit, host_miss=p.host_miss, storage_hit=storage_hit,
             ))
-        self.s.emit(FACADE, Admitted(op_id=op_id, admissions=tuple(admissions)))
+        loads = cat([nd.device for p in plans for nd in p.load_nodes])  # what `LoadKV` asked to fill
+        self.s.emit(FACADE, Admitted(op_id=op_id, admissions=tuple(admissions), loads=loads))
 
     def loads_started(self, ops: tuple[int, ...]) -> None:
         """The load stream started these load-backs' batch (a load that failed before its start

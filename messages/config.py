@@ -188,6 +188,14 @@ class Config:
                                    "a cached prefix (shared), a free slot, an ended request's. For an engine's tests "
                                    "and staging: each checked index reads the live requests' pages again after they "
                                    "changed, and on CUDA waits for the device once; see docs/engine.md.")
+    check_kv_reads: bool = _field(False, Switch(),
+                                  "Refuse a K/V read (`DeviceKV.gather`, `page_table`, and `index` with "
+                                  "`distinct=False`) of a slot no live request holds (a slot list kept past "
+                                  "`cache_unfinished` or its request's end, a free slot), and a `gather(layer, ...)` "
+                                  "of a prefix whose load-back from host memory has not landed that layer (not "
+                                  "waited for, or `start_loads` not called). For an engine's tests and staging: "
+                                  "each checked index reads the live requests' pages again after they changed, and "
+                                  "on CUDA waits for the device once; see docs/engine.md.")
 
     # -- metrics -------------------------------------------------------------
     metrics: bool = _field(False, Switch(),

@@ -7,7 +7,7 @@ slots for load-back allocated, the device ledger released, ...).
 
 from __future__ import annotations
 
-from ._index import Indices, Tokens
+from ._index import EMPTY, Indices, Tokens
 from ._registry import Message, message
 from .device import LedgerEntry, ReleaseReason
 from .storage import PrefetchEnd, PrefetchEndCounts
@@ -66,6 +66,10 @@ class Admitted(Message):
     """The `op_id` of the admission."""
     admissions: tuple[Admission, ...]
     """Per request."""
+    loads: Indices = EMPTY
+    """The device pages whose load-back from host memory this admission queued (for any of its
+    requests): they hold their KV only once the batch the next `StartLoads` starts lands them,
+    layer by layer."""
 
 
 @message(404)

@@ -24,10 +24,13 @@ request's KV, or, on CUDA, abort the device context. `index(slots)` checks them 
 moves them to the device once, for all the layers of a forward pass.
 
 With `Config.check_kv_writes`, an index for writing (`distinct=True`) is also checked
-against the slots live requests hold for their own positions (`WritableSlots`, which the
+against the slots live requests hold for their own positions (`LiveSlots`, which the
 facade keeps): a write into a cached prefix, a free slot or an ended request's is refused
 before anything lands. An engine whose own kernels write the pool indexes its output
-slots this way to have them checked.
+slots this way to have them checked. With `Config.check_kv_reads`, slots read (`gather`,
+`page_table`, an index with `distinct=False`) must lie in pages a live request holds, and
+`gather(layer, ...)` refuses pages whose load-back from host memory has not landed that
+layer; nothing is read or returned then.
 """
 
 from __future__ import annotations
@@ -59,31 +62,47 @@ class SlotIndex:
     pool: int
     """`id` of the pool tensor they were checked against."""
     checked: int = -1
-    """With `Config.check_kv_writes`: the `WritableSlots.generation` they were found writable at."""
+    """With `Config.check_kv_writes` (for writing) or `check_kv_reads`: the `LiveSlots.generation`
+    they were found writable (readable) at."""
+    loads: tuple[int, ...] = ()
+    """With `Config.check_kv_reads`: the load batches that were still filling some of their pages
+    then (`gather` checks each layer against them)."""
 
     def __len__(self) -> int:
         return self.tensor.shape[0]
 
 
-class _WriteCheck(Protocol):
-    """What an index for writing is checked against with `Config.check_kv_writes`: the
-    facade's `WritableSlots`, from its records of the live requests."""
+class _SlotCheck(Protocol):
+    """What slots are checked against with `Config.check_kv_writes` or `check_kv_reads`: the
+    facade's `LiveSlots`, from its records of the live requests and of the load-backs."""
 
     generation: int
-    """Changes whenever the slots that may be written do."""
+    """Changes whenever the slots that may be written or read do."""
 
-    def check(self, slots: torch.Tensor) -> int:
+    def writable(self, slots: torch.Tensor) -> int:
         """Raise `KVArgumentError` unless every one of `slots` may be written; the generation."""
+        ...
+
+    def readable(self, slots: torch.Tensor) -> tuple[int, tuple[int, ...]]:
+        """Raise `KVArgumentError` unless every one of `slots` may be read; the generation, and
+        the load batches still filling some of their pages."""
+        ...
+
+    def landed(self, slots: torch.Tensor, loads: tuple[int, ...], layer: int) -> None:
+        """Raise `KVArgumentError` unless layer `layer` of every one of `slots` has landed."""
         ...
 
 
 class DeviceKV:
     """The device (L1) KV pool of a started `HiCache`, per layer (see the module docstring)."""
 
-    def __init__(self, buffer: KVBuffer, writable: _WriteCheck | None = None) -> None:
+    def __init__(self, buffer: KVBuffer, writable: _SlotCheck | None = None,
+                 readable: _SlotCheck | None = None) -> None:
         self._buffer = buffer
         self._writable = writable
         """With `Config.check_kv_writes`, what an index for writing is checked against; else None."""
+        self._readable = readable
+        """With `Config.check_kv_reads`, what slots read are checked against; else None."""
         self._t = buffer.tensor
         self._storage = self._t.untyped_storage().data_ptr()
         """Where the pool's memory starts: K or V that lie in it are views of the pool (`write`)."""
@@ -128,7 +147,8 @@ class DeviceKV:
         """`slots` checked once (in range; with `distinct`, no slot twice) and put on the pool's
         device, for every layer's `write` or `gather` of a forward pass. With
         `Config.check_kv_writes`, `distinct` slots are also checked to be writable (index slots
-        that are only read with `distinct=False`)."""
+        that are only read with `distinct=False`); with `Config.check_kv_reads`, slots indexed
+        otherwise are checked to be readable."""
         if type(distinct) is not bool:
             raise KVArgumentError(f"distinct must be True or False, got {shown(distinct)}")
         if isinstance(slots, SlotIndex):
@@ -136,8 +156,11 @@ class DeviceKV:
                 raise KVArgumentError("these slots were checked against another cache's pool: index them again")
             if distinct and not slots.distinct:
                 raise KVArgumentError("slots indexed with distinct=False cannot be written: index them with distinct=True")
-            if distinct and self._writable is not None and slots.checked != self._writable.generation:
-                return SlotIndex(slots.tensor, True, slots.pool, self._writable.check(slots.tensor))
+            if distinct and self._writable is not None:
+                if slots.checked != self._writable.generation:
+                    return SlotIndex(slots.tensor, True, slots.pool, self._writable.writable(slots.tensor))
+            elif self._readable is not None and slots.checked != self._readable.generation:
+                return SlotIndex(slots.tensor, slots.distinct, slots.pool, *self._readable.readable(slots.tensor))
             return slots
         if not isinstance(slots, torch.Tensor) or slots.dim() != 1 or slots.dtype not in _INDEX_DTYPES:
             got = f"a {slots.dtype} tensor of shape {tuple(slots.shape)}" if isinstance(slots, torch.Tensor) \
@@ -155,7 +178,9 @@ class DeviceKV:
         if placed is slots:  # int64 on the pool's device already: a copy, so that what was checked stays so
             placed = slots.clone()  # (an engine reuses its output-slot buffer for the next pass)
         if distinct and self._writable is not None:
-            return SlotIndex(placed, True, id(self._t), self._writable.check(placed))
+            return SlotIndex(placed, True, id(self._t), self._writable.writable(placed))
+        if self._readable is not None:
+            return SlotIndex(placed, distinct, id(self._t), *self._readable.readable(placed))
         return SlotIndex(placed, distinct, id(self._t))
 
     def write(self, layer: int, slots: torch.Tensor | SlotIndex, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -179,9 +204,13 @@ class DeviceKV:
 
     def gather(self, layer: int, slots: torch.Tensor | SlotIndex) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer`'s K and V of `slots`, in their order: two `[n, kv_heads, head_dim]`
-        tensors on the pool's device (a copy: attention without a paged kernel reads these)."""
+        tensors on the pool's device (a copy: attention without a paged kernel reads these).
+        With `Config.check_kv_reads`, slots of a prefix loaded back from host memory are refused
+        until this layer of their load landed (`LayerWaiter.wait_layer`)."""
         layer = self._layer(layer)
         idx = self.index(slots, distinct=False)
+        if idx.loads:  # only with check_kv_reads
+            self._readable.landed(idx.tensor, idx.loads, layer)  # type: ignore[union-attr]
         both = self._t[:, layer].index_select(1, idx.tensor)
         return both[0], both[1]
 

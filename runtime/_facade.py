@@ -88,7 +88,7 @@ from . import _facade_types as check
 from hicache.actors._actor import HiActor
 from ._calls import Interrupts, Pending
 from ._engine_kv import DeviceKV
-from ._kv_writes import WritableSlots
+from ._kv_checks import LiveSlots
 from ._facade_types import (
     AdmitResult,
     CacheHandle,
@@ -295,7 +295,8 @@ def _past(parts: Sequence[Any], skip: int) -> tuple[int, int]:
 
 _LEFT = {ReleaseReason.FINISHED: "finished", ReleaseReason.ABORTED: "was aborted",
          ReleaseReason.RETRACTED: "was retracted"}
-"""How a request let its pages go, as a refused write into one of them says (`check_kv_writes`)."""
+"""How a request let its pages go, as a refused write or read of one of them says (`check_kv_writes`,
+`check_kv_reads`)."""
 
 
 def _dropped(mine: Indices, kept: Indices) -> bytes:
@@ -376,11 +377,13 @@ class HiCache:
         """Replies to calls still waiting, taken by a wait nested inside theirs: a late reply's
         handler that asks (an admission taken back) waits within another call's wait, and
         that call's reply may come first. Each wait takes its own from here."""
-        self._writable: WritableSlots | None = None
-        """With `check_kv_writes`, the slots a forward pass may write (`DeviceKV` checks them);
-        told of every change to the pages live requests hold."""
-        if self.config.check_kv_writes:
-            self._writable = WritableSlots(self._live, self.config.device_pages, self.config.page_size)
+        self._checks: LiveSlots | None = None
+        """With `check_kv_writes` or `check_kv_reads`, the slots a forward pass may write and read
+        (`DeviceKV` checks them); told of every change to the pages live requests hold, and of
+        the load-backs admissions queue and `start_loads` starts."""
+        if self.config.check_kv_writes or self.config.check_kv_reads:
+            self._checks = LiveSlots(self._live, self.config.device_pages, self.config.page_size,
+                                     reads=self.config.check_kv_reads)
         self._kv = None
 
     # -- lifecycle ---------------------------------------------------------------
@@ -401,6 +404,8 @@ class HiCache:
             raise
         self._starts += 1
         self._closing = False
+        if self._checks is not None:
+            self._checks.ring = self.system.ring
         self._caller = threading.get_ident()
         self._interrupts.start()
         return self
@@ -451,7 +456,9 @@ class HiCache:
         shapes attention kernels take, `write` of new tokens, `gather` of a request (see `DeviceKV`)."""
         system = self._started()
         if self._kv is None or self._kv.buffer is not system.device_kv:
-            self._kv = DeviceKV(system.device_kv, self._writable)
+            checks, config = self._checks, self.config
+            self._kv = DeviceKV(system.device_kv, checks if config.check_kv_writes else None,
+                                checks if config.check_kv_reads else None)
         return self._kv
 
     @property
@@ -474,6 +481,8 @@ class HiCache:
             message = AdmitRequests(op_id=self._op(), items=tuple(items))
             reply = self._ask(ActorName.TREE, message, Admitted, late=lambda r: self._undo_admit(items, r))
             out = [self._admitted(item, adm) for item, adm in zip(items, reply.admissions, strict=True)]
+            if self._checks is not None:
+                self._checks.admitted(reply.loads)
             call.on_interrupt(lambda: self._undo_admit(items, reply))
             return out
 
@@ -498,11 +507,13 @@ class HiCache:
 
     def _undo_admit(self, items: Sequence[AdmitItem], reply: Admitted) -> None:
         """An admission whose caller never saw it: release its locks (retracted: the ids stay usable)."""
+        if self._checks is not None:  # its load-backs are queued all the same
+            self._checks.admitted(reply.loads)
         for adm in reply.admissions:
             self._live.pop(adm.request_id, None)
             self._unloaded.pop(adm.request_id, None)
-            if self._writable is not None:
-                self._writable.left(adm.request_id, adm.device.to_bytes(), "had its admission taken back")
+            if self._checks is not None:
+                self._checks.left(adm.request_id, adm.device.to_bytes(), "had its admission taken back")
         ends = tuple(
             FinishItem(request_id=it.request_id, handle=adm.handle, reason=ReleaseReason.RETRACTED,
                        tokens=Tokens(), device=EMPTY, allocs=0, commits=0)
@@ -749,9 +760,9 @@ class HiCache:
                 commits.append(SlotDemand(request_id=rid, tokens=live.unsent))
                 live.unsent = 0
         for rid in trimmed:
-            if self._writable is not None:
-                self._writable.left(rid, self._live[rid].ahead,
-                                    "gave it back: a page held ahead, when memory ran short")
+            if self._checks is not None:
+                self._checks.left(rid, self._live[rid].ahead,
+                                  "gave it back: a page held ahead, when memory ran short")
             self._live[rid].ahead = b""
         message = AllocateSlots(
             op_id=self._op(),
@@ -771,8 +782,8 @@ class HiCache:
         slots as `_slots_of` takes them, in the grants' order (the demands')."""
         if not isinstance(reply, SlotsAllocated):
             return []
-        if self._writable is not None:
-            self._writable.changed()
+        if self._checks is not None:
+            self._checks.granted(grant.pages for grant in reply.grants)
         p, lives, ahead = self.config.page_size, self._live, self.config.ahead_pages
         got = []
         for grant in reply.grants:
@@ -932,8 +943,8 @@ class HiCache:
                 return []
             ends = tuple(self._finish_item(h, reason) for h in hs)
             for h in hs:  # certain once sent: the tree takes each handle exactly once
-                if self._writable is not None:
-                    self._writable.left(h.request_id, self._live[h.request_id].held(), _LEFT[reason])
+                if self._checks is not None:
+                    self._checks.left(h.request_id, self._live[h.request_id].held(), _LEFT[reason])
                 del self._live[h.request_id]
                 self._unloaded.pop(h.request_id, None)
                 if reason is not ReleaseReason.RETRACTED:
@@ -987,15 +998,15 @@ class HiCache:
             live.allocs -= item.allocs  # the swap applied them (more may have come since)
             live.unsent -= item.commits
             rest = live.page_indices()[len(prefix.device):]
-            if self._writable is not None:  # pages swapped for the tree's copy of the same tokens were freed
-                self._writable.left(h.request_id, _dropped(live.page_indices()[: len(prefix.device)], prefix.device),
-                                    "gave it up in cache_unfinished(), for the tree's copy of the same tokens")
+            if self._checks is not None:  # pages swapped for the tree's copy of the same tokens were freed
+                self._checks.left(h.request_id, _dropped(live.page_indices()[: len(prefix.device)], prefix.device),
+                                  "gave it up in cache_unfinished(), for the tree's copy of the same tokens")
             live.pages = [Indices.concat((prefix.device, rest))]
             live.prefix = len(prefix.device) * self.config.page_size
             live.handle = CacheHandle(h.request_id, prefix.handle)
             out.append(live.handle)
-        if self._writable is not None:
-            self._writable.changed()
+        if self._checks is not None:
+            self._checks.changed()
         return out
 
     # -- eviction, numbers, checks ---------------------------------------------------------
@@ -1025,7 +1036,10 @@ class HiCache:
         only once started and its requests may have left before they ran. Nobody waits on such
         a batch: a later `start_loads` answers the waiter of a batch still in flight, and if it
         failed, that of a batch that fails too."""
-        return self.system.ask(ActorName.LOAD, StartLoads(awaited=awaited), timeout_s=self.reply_timeout_s)
+        started = self.system.ask(ActorName.LOAD, StartLoads(awaited=awaited), timeout_s=self.reply_timeout_s)
+        if self._checks is not None:
+            self._checks.started(started.batch)
+        return started
 
     def evict_device(self, tokens: int) -> int:
         """Free at least `tokens` device slots held by the cache if it can; returns how many."""

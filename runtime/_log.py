@@ -75,8 +75,9 @@ try:
 except ImportError:  # the `fast` extra is not installed: the same checksum, slower
     from zlib import crc32
 
-LOG_VERSION = 9
-"""9: a closed log ends with the mail its run sent and never delivered (`in_flight` lines), and
+LOG_VERSION = 10
+"""10: an admission's reply names the device pages its load-backs fill (`Admitted.loads`). 9: a
+closed log ends with the mail its run sent and never delivered (`in_flight` lines), and
 replay expects exactly those sends past the last delivery. 8: storage keys are blake2b-128
 chains seeded by the model (`Config.model_id`, in the header's config) and a tensor-parallel
 group's keys name its size (`StorePages` and `Prefetch` of a version 7 log carry other keys). 7:

@@ -28,8 +28,8 @@ INTERNAL = {
     "hicache.messages._registry.frozen_fast_init": "how @message and the facade's frozen records get their __init__",
     "hicache.messages._index.viewed": "the slice rule that Indices slices, node keys and the facade's commits share",
     "hicache.runtime._lazy.lazy_exports": "the PEP 562 exports of hicache.runtime and hicache.runtime.demo",
-    "hicache.runtime._kv_writes.WritableSlots": "the facade's record of the slots a forward pass may write "
-                                                 "(Config.check_kv_writes), which its DeviceKV checks",
+    "hicache.runtime._kv_checks.LiveSlots": "the facade's record of the slots a forward pass may write and read "
+                                            "(Config.check_kv_writes, check_kv_reads), which its DeviceKV checks",
     "hicache.actors._transfer_core.batch_indices": "stream actors' helper over a TransferQueue batch",
     "hicache.actors._transfer_core.op_problem": "stream actors' check of a WriteKV/LoadKV before queueing",
     "hicache.actors._kv.involves_cuda": "the copy route's and the streams' test of a CUDA buffer on either side",

@@ -19,7 +19,8 @@ call the invariants of every actor and of the facade are checked. Some seeds log
 deliveries, and the log (of the last start) must replay with no divergence; some export
 Prometheus metrics, whose counters must never fall between the scrapes after each call;
 half check every K/V write against the slots live requests hold (`check_kv_writes`), which
-must refuse none of this well-behaved caller's writes.
+must refuse none of this well-behaved caller's writes; half check every read
+(`check_kv_reads`: live slots, load-backs landed), which must refuse none of its reads.
 
 A second test runs two such instances (two servers) over one storage directory whose size
 bound keeps each evicting the other's pages.
@@ -77,6 +78,8 @@ class _Run:
             config = config.replace(log_path=str(tmp_path / f"deliveries-{seed}.log"))
         if seed % 2:  # every write of a well-behaved caller is one the write check lets through
             config = config.replace(check_kv_writes=True)
+        if seed % 4 in (1, 2):  # and every read (failed copies among them: seed % 4 == 1)
+            config = config.replace(check_kv_reads=True)
         self.exported = seed % 6 == 2
         if self.exported:  # its Prometheus samples are scraped after every call (`scrape`)
             config = config.replace(metrics=True, metrics_name=f"random-{seed}-{tmp_path.name}")

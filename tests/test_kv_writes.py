@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hicache.runtime import Config, HiCache, Insufficient, KVArgumentError, Request
-from hicache.runtime._kv_writes import WritableSlots
+from hicache.runtime._kv_checks import LiveSlots
 
 from conftest import make_runtime, small_config
 
@@ -274,8 +274,8 @@ def test_the_mask_is_rebuilt_only_after_the_live_pages_changed(open_cache: Calla
     """A forward pass's layers share one check; a decode step served from the request's own
     pages changes nothing; a grant does."""
     builds = []
-    real = WritableSlots._build
-    monkeypatch.setattr(WritableSlots, "_build", lambda self: builds.append(1) or real(self))
+    real = LiveSlots._build
+    monkeypatch.setattr(LiveSlots, "_build", lambda self, write: builds.append(1) or real(self, write))
     hc = open_cache()
     hc.admit([Request("a", PROMPT[:-1])])
     slots = hc.allocate({"a": len(PROMPT)})["a"]

@@ -198,7 +198,8 @@ def test_the_reference_scheduler_runs_the_model_with_chunked_prefill_and_load_ba
     record = KVRecord()
     history: dict[int, list[int]] = {}
     hits = [0, 0]
-    with HiCache(_config(model, device_slots=128, check_kv_writes=True)) as hc:  # every write into its own slots
+    # Every write into its own slots, every read of live slots whose load-back landed.
+    with HiCache(_config(model, device_slots=128, check_kv_writes=True, check_kv_reads=True)) as hc:
         runner = ModelRunner(model, hc, observer=record)
         sched = ReferenceScheduler(hc, SchedulerConfig(max_running=3, prefill_tokens_per_tick=16, chunk_tokens=8,
                                                        device_budget_ratio=2.0), model=runner)

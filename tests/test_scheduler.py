@@ -19,7 +19,7 @@ import torch
 from hicache.actors import DeviceCore, SeededFaults
 from hicache.messages import HostSlotState
 from hicache.runtime import HiCache, Insufficient, WritePolicy
-from hicache.runtime._kv_writes import WritableSlots
+from hicache.runtime._kv_checks import LiveSlots
 from hicache.runtime.testing._scheduler import FakeModel, ReferenceScheduler, SchedulerConfig, ServeRequest
 from hicache.runtime.testing.explore import synthetic_workload
 
@@ -86,16 +86,42 @@ def test_with_kv_writes_checked_every_write_is_into_the_writer_s_own_slots(
     """`check_kv_writes` on: the fake model's every write (chunked prefills, decode steps, after
     retractions, load-backs and pages held ahead given back) is checked and none is refused."""
     checked: list[int] = []
-    real = WritableSlots.check
+    real = LiveSlots.writable
 
-    def counted(self: WritableSlots, slots: torch.Tensor) -> int:
+    def counted(self: LiveSlots, slots: torch.Tensor) -> int:
         checked.append(len(slots))
         return real(self, slots)
 
-    monkeypatch.setattr(WritableSlots, "check", counted)
+    monkeypatch.setattr(LiveSlots, "writable", counted)
     r = _serve(runtime_kind, 1, WritePolicy.WRITE_THROUGH, check_kv_writes=True, ahead_slots=ahead_slots)
     _check_served(r)
     assert sum(checked) == r["written"] > 0
+
+
+@pytest.mark.parametrize("ahead_slots", [0, 12])
+def test_with_kv_reads_checked_every_cached_prefix_read_is_of_live_and_landed_slots(
+    runtime_kind: str, ahead_slots: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`check_kv_reads` on (and `check_kv_writes`): the fake model reads every cached prefix it
+    checks through `gather`, layer by layer after each wait (load-backs still landing among
+    them), and none is refused."""
+    read: list[int] = []
+    loading: list[int] = []
+    real = LiveSlots.readable
+
+    def counted(self: LiveSlots, slots: torch.Tensor) -> tuple[int, tuple[int, ...]]:
+        got = real(self, slots)
+        read.append(len(slots))
+        loading.append(len(got[1]))
+        return got
+
+    monkeypatch.setattr(LiveSlots, "readable", counted)
+    r = _serve(runtime_kind, 1, WritePolicy.WRITE_THROUGH, check_kv_writes=True, check_kv_reads=True,
+               ahead_slots=ahead_slots)
+    _check_served(r)
+    assert sum(read) >= r["verified"] > 0
+    if runtime_kind == "deterministic":  # on threads a load-back may land before the pass indexes its slots
+        assert sum(loading) > 0, "no read was of a prefix still loading back"
 
 
 def _check_served(r: dict[str, Any]) -> None:

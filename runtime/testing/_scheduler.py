@@ -180,6 +180,8 @@ class FakeModel:
     Its output tokens are a hash of the request id and the output's index. It writes the pool
     as an engine's own kernels would, not through `DeviceKV.write`: with
     `Config.check_kv_writes` it indexes the slots it writes for writing first, which checks them.
+    With `Config.check_kv_reads` it reads the cached KV it checks through `DeviceKV.gather`, after
+    each layer's wait, which checks the slots and that the layer's load-back landed.
 
     With `kv=False` it writes and checks no KV (still waiting for each layer's load): for a
     run whose figures are only hits and bytes moved, where the fingerprints would cost most
@@ -195,18 +197,23 @@ class FakeModel:
 
     def forward(self, steps: list[ForwardStep], waiter: LayerWaiter | None) -> dict[str, int]:
         checks = []
+        kv = self.hc.kv if self.hc.config.check_kv_reads else None
         for st in steps:
             run = st.run
             if self.verify and run.verify_to > run.verify_from:
                 lo, hi = run.verify_from, run.verify_to
-                checks.append((run, st.slots[lo:hi], self.oracle.expected(run.seq[:hi], lo, hi)))
+                index = kv.index(st.slots[lo:hi], distinct=False) if kv is not None else None
+                checks.append((run, st.slots[lo:hi], self.oracle.expected(run.seq[:hi], lo, hi), index))
         for layer in range(self.hc.config.layers):
             if waiter is not None:
                 waiter.wait_layer(layer)
-            for run, slots, want in checks:
-                got = self.hc.device_kv.read(slots, layer=layer)
+            for run, slots, want, index in checks:
+                if kv is None:
+                    got = self.hc.device_kv.read(slots, layer=layer)
+                else:  # `[2, 1, n, H, D]` on CPU, as `read` gives it
+                    got = torch.stack(kv.gather(layer, index)).unsqueeze(1).cpu()
                 self.oracle.compare(got, want[:, layer : layer + 1], slots, run.verify_from, first_layer=layer)
-        for run, _, _ in checks:
+        for run, *_ in checks:
             self.verified_tokens += run.verify_to - run.verify_from
             run.verify_from = run.verify_to
         nxt = {}
