@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from hicache.actors import FaultPlan, KVBuffer, KVShape
+from hicache.actors import FaultPlan, KVBuffer, KVShape, NoFaults
 from hicache.messages import (
     ActorName,
     AdoptLoadedSlots,
@@ -369,6 +369,20 @@ def make_runtime(kind: str, *, seed: int = 0, faults: FaultPlan | None = None, o
     if kind == "threads":  # the streams on threads of their own, as on CUDA (the facade's tests run the default)
         return ThreadedRuntime(seed=seed, faults=faults, observe=observe, write_stream_thread=True)
     return DeterministicRuntime(seed=seed, faults=faults, observe=observe)
+
+
+class FailFirstLoads(NoFaults):
+    """A fault plan: the first `n` load-back batches fail (their copies are never marked done);
+    everything else runs. `left`: how many are still to fail."""
+
+    def __init__(self, n: int = 1) -> None:
+        self.left = n
+
+    def transfer_fault(self, stream: ActorName, op_ids: tuple[int, ...]) -> str | None:
+        if stream is ActorName.LOAD and self.left:
+            self.left -= 1
+            return "injected: a load-back fails"
+        return None
 
 
 @pytest.fixture

@@ -13,64 +13,43 @@ from typing import Any
 import pytest
 import torch
 
-from hicache.actors import ActorName, LoadFailedError, NoFaults
+from hicache.actors import LoadFailedError
 from hicache.runtime import AdmitResult, Config, HiCache, KVArgumentError, Request
 from hicache.runtime._kv_checks import LiveSlots
 
-from conftest import make_runtime, small_config
+from conftest import FailFirstLoads, make_runtime, small_config
 
 PROMPT = list(range(100, 113))  # 13 tokens: three whole pages and one token at page size 4
 READ_TODO = "read only slots a live request holds, as the facade gives them now"
+
+
+def _opened(kind: str) -> Iterator[Callable[..., HiCache]]:
+    opened: list[HiCache] = []
+
+    def open_(*, faults: Any = None, **fields: Any) -> HiCache:
+        config = small_config(**{"check_kv_reads": True, "check_kv_writes": True, **fields})
+        hc = HiCache(config, runtime=make_runtime(kind, seed=3, faults=faults))
+        opened.append(hc.start())
+        return hc
+
+    yield open_
+    for hc in opened:
+        hc.check_invariants()
+        hc.close()
 
 
 @pytest.fixture
 def open_cache(runtime_kind: str) -> Iterator[Callable[..., HiCache]]:
     """`open_cache(**config_fields)`: a started HiCache (2 layers, page size 4, 16 device pages,
     reads and writes checked unless the fields say otherwise) on this test's runtime."""
-    opened: list[HiCache] = []
-
-    def open_(*, faults: Any = None, **fields: Any) -> HiCache:
-        config = small_config(**{"check_kv_reads": True, "check_kv_writes": True, **fields})
-        runtime = make_runtime(runtime_kind, seed=3, faults=faults)
-        hc = HiCache(config, runtime=runtime)
-        opened.append(hc.start())
-        return hc
-
-    yield open_
-    for hc in opened:
-        hc.check_invariants()
-        hc.close()
+    yield from _opened(runtime_kind)
 
 
 @pytest.fixture
 def open_deterministic() -> Iterator[Callable[..., HiCache]]:
     """As `open_cache`, on the deterministic runtime only: nothing runs between two facade calls,
     so a started load-back lands a layer only when the forward pass waits for it."""
-    opened: list[HiCache] = []
-
-    def open_(*, faults: Any = None, **fields: Any) -> HiCache:
-        config = small_config(**{"check_kv_reads": True, "check_kv_writes": True, **fields})
-        hc = HiCache(config, runtime=make_runtime("deterministic", seed=3, faults=faults))
-        opened.append(hc.start())
-        return hc
-
-    yield open_
-    for hc in opened:
-        hc.check_invariants()
-        hc.close()
-
-
-class _FailFirstLoad(NoFaults):
-    """The first load-back batch fails; everything else runs."""
-
-    def __init__(self) -> None:
-        self.failed = 0
-
-    def transfer_fault(self, stream: ActorName, op_ids: tuple[int, ...]) -> str | None:
-        if stream is ActorName.LOAD and not self.failed:
-            self.failed += 1
-            return "injected: the first load-back fails"
-        return None
+    yield from _opened("deterministic")
 
 
 def _kv_of(hc: HiCache, tokens: list[int], start: int, layer: int) -> torch.Tensor:
@@ -289,7 +268,7 @@ def test_a_load_back_never_started_is_refused_until_start_loads(open_determinist
 def test_a_read_of_a_load_back_that_failed_is_refused_and_its_pages_granted_again_are_read(
     open_deterministic: Callable[..., HiCache]
 ) -> None:
-    hc = open_deterministic(faults=_FailFirstLoad())
+    hc = open_deterministic(faults=FailFirstLoads())
     adm = _host_hit(hc)
     waiter = hc.start_loads()
     with pytest.raises(LoadFailedError):
@@ -297,7 +276,7 @@ def test_a_read_of_a_load_back_that_failed_is_refused_and_its_pages_granted_agai
     slot = int(adm.device_indices[0])
     with pytest.raises(KVArgumentError, match=(
             f"^slot {slot} is in a prefix whose load-back from host memory failed \\(load batch {waiter.batch}: "
-            r"injected: the first load-back fails\); its K/V is not valid: retract the requests that read it and "
+            r"injected: a load-back fails\); its K/V is not valid: retract the requests that read it and "
             r"admit them again \(Config\.check_kv_reads\)$")):
         hc.kv.gather(0, adm.device_indices)
     failed = set((adm.device_indices // 4).tolist())

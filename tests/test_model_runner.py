@@ -16,8 +16,6 @@ from typing import Any
 import pytest
 import torch
 
-from hicache.actors import NoFaults
-from hicache.messages import ActorName
 from hicache.runtime import (
     Config,
     HiCache,
@@ -32,6 +30,8 @@ from hicache.runtime import (
 from hicache.runtime.demo import Generation, ModelRunner, ModelRunnerError, tiny_llama
 from hicache.runtime.demo._tiny_model import TINY_SHAPE, incremental_drift
 from hicache.runtime.testing import ReferenceScheduler, SchedulerConfig, ServeRequest
+
+from conftest import FailFirstLoads
 
 LOGIT_TOLERANCE = 1e-4
 """Largest |logit| difference allowed from a no-cache full forward: about 7x the worst drift of
@@ -258,22 +258,9 @@ def test_each_layer_waits_for_its_load_back_before_attention_reads_it(model: Any
     assert _hits(gens)[1] > 0 and record.reads_after_loads > 0
 
 
-class _FailFirstLoads(NoFaults):
-    """Fails the first `n` load-back batches (the copy is never marked done)."""
-
-    def __init__(self, n: int) -> None:
-        self.left = n
-
-    def transfer_fault(self, stream: ActorName, op_ids: tuple[int, ...]) -> str | None:
-        if stream is ActorName.LOAD and self.left:
-            self.left -= 1
-            return "injected load failure"
-        return None
-
-
 def test_a_failed_load_back_is_recomputed_and_the_answer_is_unchanged(model: Any) -> None:
     record = KVRecord()
-    faults = _FailFirstLoads(1)
+    faults = FailFirstLoads(1)
     with HiCache(_config(model, device_slots=96), runtime=ThreadedRuntime(faults=faults)) as hc:
         gens = converse(ModelRunner(model, hc, observer=record), model, {}, range(4))
         assert faults.left == 0, "no load-back was attempted"
