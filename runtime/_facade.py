@@ -102,7 +102,7 @@ from ._facade_types import (
     Room,
     TokenIds,
 )
-from ._group import Group, SingleGroup
+from ._group import Agreement, Group, SingleGroup, agree, agree_config
 from hicache.actors._layers import LayerWaiter
 from ._metrics import track, untrack
 from ._statistics import cache_statistics
@@ -398,6 +398,7 @@ class HiCache:
         if self._slot_table is None:
             self._slot_table = SlotTable(self.config.device_pages, self.config.page_size)
         try:
+            agree_config(self.group, self.config)  # before anything is allocated
             self.system.start()
         except BaseException:
             untrack(self)
@@ -582,7 +583,7 @@ class HiCache:
                 return {}
             local = self._ask(ActorName.TREE, PrefetchStates(op_id=self._op(), request_ids=tuple(ids)),
                               PrefetchReadiness).ready
-            agreed = self.group.all_min([int(x) for x in local])
+            agreed = agree(self.group, Agreement.READY, [int(x) for x in local])
             go = [rid for rid, ok in zip(ids, agreed, strict=True) if ok]
             got = self._terminate([rid for rid in go if rid in self._prefetching], PrefetchEnd.BEST_EFFORT)
             return {rid: got.get(rid, 0) for rid in go}
@@ -597,7 +598,7 @@ class HiCache:
         stop = TerminatePrefetches(op_id=self._op(), request_ids=tuple(ids), reason=reason)
         stopped = self._ask(ActorName.TREE, stop, PrefetchesStopped,
                             late=lambda r: self._settle(ids, list(r.pages), reason)).pages
-        return self._settle(ids, self.group.all_min(list(stopped)), reason)
+        return self._settle(ids, agree(self.group, Agreement.STOPPED, list(stopped)), reason)
 
     def _settle(self, ids: list[str], pages: list[int], reason: PrefetchEnd) -> dict[str, int]:
         message = SettlePrefetches(op_id=self._op(), request_ids=tuple(ids), pages=tuple(pages))
@@ -627,13 +628,13 @@ class HiCache:
 
     def _sync(self) -> None:
         facts = self._ask(ActorName.TREE, ReportFacts(op_id=self._op()), LocalFacts)
-        counts = self.group.all_min(list(facts.known))
+        counts = agree(self.group, Agreement.FACT_COUNTS, list(facts.known))
         mine: list[int] = []
         at = 0
         for known, n in zip(facts.known, counts, strict=True):
             mine.extend(facts.values[at : at + n])
             at += known
-        values = self.group.all_min(mine)
+        values = agree(self.group, Agreement.FACT_VALUES, mine)
         self._ask(ActorName.TREE, ApplyFacts(op_id=self._op(), counts=tuple(counts), values=tuple(values)),
                   FactsApplied)
 
@@ -1015,16 +1016,26 @@ class HiCache:
         """Wait until every write-through, load-back and backup to storage in flight has been
         acknowledged and applied. With several ranks, call it on every rank: it agrees too.
         After `timeout_s` a `TimeoutError` names what is still in flight; the cache goes on.
+        With several ranks, one rank's timeout is every rank's: all leave the same agreement.
         A lost rank raises `RankLostError` instead, within the group's timeout."""
         with self._call():
             timeout_s = check.seconds("timeout_s", timeout_s)
             self._start_queued_loads(awaited=False)
             self._unloaded.clear()  # started, and waited for below
             while True:
-                self.system.quiesce(timeout_s)
                 if self.group.size == 1:
+                    self.system.quiesce(timeout_s)
                     return
+                late: TimeoutError | None = None
+                try:
+                    self.system.quiesce(timeout_s)
+                except TimeoutError as err:  # the others are on their way to this agreement: leave with them
+                    late = err
                 self._sync()
+                if not agree(self.group, Agreement.QUIESCED, [int(late is None)])[0]:
+                    raise late or TimeoutError(
+                        f"rank {self.group.rank} of {self.group.size}: another rank still had work in flight after "
+                        f"{timeout_s:g} s; wait longer (timeout_s) or close(drain=False) to drop it")
                 # Applying outcomes may issue more (a landed write starts its backup): agree until none
                 # is pending. The count is agreed state, so every rank leaves after as many syncs.
                 if not self.system.ask(ActorName.TREE, GetStatistics()).facts_pending:

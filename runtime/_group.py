@@ -17,15 +17,39 @@ A collective that fails (another rank died, froze past the group's timeout, or c
 the group) raises `RankLostError`, and so does every later one at once: the group is
 out of step for good, and the caches' only way on is `close()`, a new group on every
 rank, and new caches.
+
+The ranks must also decide alike: a rank with another page size, pool size, policy or
+model would take other decisions from the same calls, and its tree would drift from
+the others' with no agreement to notice. So every rank's `start()` compares the
+`Config` fields that decide (`agree_config`) and refuses to start on a difference.
+
+And the ranks must agree on the same thing: a collective of one call (a rank's `ready`)
+that met another rank's collective of another call (its `sync`, or a lone rank's
+`start()` after a restart) with as many values would mix unrelated numbers. So the
+facade's agreements go through `agree`, which tags each with what it agrees on and
+raises `RankDivergenceError` on every rank when the tags differ.
 """
 
 from __future__ import annotations
 
 import datetime
+import enum
+import hashlib
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
+from hicache.messages import Config, ConfigError
+
+SAME_ON_EVERY_RANK = (
+    "layers", "head_dim", "dtype", "model_id", "page_size", "device_slots", "host_slots", "host_tier",
+    "write_policy", "eviction_policy", "prefetch_policy", "ahead_slots", "load_back_min_tokens",
+    "load_back_quota_tokens", "storage", "prefetch_threshold_pages", "prefetch_rate_fraction",
+    "prefetch_timeout_base_s", "prefetch_timeout_per_1k_s", "prefetch_timeout_max_s",
+)
+"""`Config` fields that decide what a cache does with a call, or name the model whose KV it
+holds: every rank of a group gives the same. The rest may differ (a rank's own storage
+directory, log, metrics, KV heads and transfer bounds)."""
 
 
 class RankDivergenceError(RuntimeError):
@@ -44,6 +68,39 @@ class Group(Protocol):
     def all_min(self, values: Sequence[int]) -> list[int]:
         """The element-wise minimum of `values` over every rank."""
         ...
+
+
+class Agreement(enum.Enum):
+    """What an agreement of the facade is about: its tag in the collective."""
+
+    CONFIG = 1
+    """`start()`: the deciding `Config` fields."""
+    FACT_COUNTS = 2
+    """`sync`: how many outcomes of each kind every rank knows."""
+    FACT_VALUES = 3
+    """`sync`: the values of those outcomes."""
+    READY = 4
+    """`ready`: whether each prefetch may stop."""
+    STOPPED = 5
+    """The end of a prefetch: its complete pages."""
+    QUIESCED = 6
+    """`quiesce`: whether every rank's work landed within its timeout."""
+
+
+def agree(group: Group, about: Agreement, values: Sequence[int]) -> list[int]:
+    """`group.all_min(values)`, in the same collective as a check that every rank agrees on
+    the same thing (`about`); nothing added with one rank."""
+    if group.size == 1:
+        return group.all_min(values)
+    tag = about.value
+    agreed = group.all_min([tag, -tag, *values])
+    if agreed[0] != -agreed[1]:
+        raise RankDivergenceError(
+            f"rank {group.rank} of {group.size}: its agreement on {about.name.lower().replace('_', ' ')} met "
+            "another rank's agreement on something else; the ranks made different calls (every rank must make "
+            "the agreeing calls, start, sync, ready, quiesce and the end of a prefetch, in the same order)"
+        )
+    return agreed[2:]
 
 
 class SingleGroup:
@@ -117,3 +174,29 @@ class TorchGroup:
     def close(self) -> None:
         if self._dist.is_initialized():
             self._dist.destroy_process_group()
+
+
+def agree_config(group: Group, config: Config) -> None:
+    """Refuse to start when the ranks' `config`s differ in a field of `SAME_ON_EVERY_RANK`
+    (one agreement, on every rank; nothing with one rank)."""
+    if group.size == 1:
+        return
+    codes = [_code(getattr(config, name)) for name in SAME_ON_EVERY_RANK]
+    agreed = agree(group, Agreement.CONFIG, [*codes, *(-c for c in codes)])
+    n = len(codes)
+    differ = [name for i, name in enumerate(SAME_ON_EVERY_RANK) if agreed[i] != -agreed[n + i]]
+    if differ:
+        mine = ", ".join(f"{name}={_plain(getattr(config, name))!r}" for name in differ)
+        raise ConfigError(f"rank {group.rank} of {group.size}: the ranks' configs differ in {', '.join(differ)} "
+                          f"(this rank: {mine}); give every rank of a tensor-parallel group the same")
+
+
+def _plain(value: object) -> object:
+    """A `Config` value as it is written in a config (an enum as its value)."""
+    return value.value if isinstance(value, enum.Enum) else value
+
+
+def _code(value: object) -> int:
+    """A value as a non-negative int63, equal on every rank for equal values."""
+    raw = repr(_plain(value)).encode()
+    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little") >> 1

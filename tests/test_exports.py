@@ -28,6 +28,10 @@ INTERNAL = {
     "hicache.messages._registry.frozen_fast_init": "how @message and the facade's frozen records get their __init__",
     "hicache.messages._index.viewed": "the slice rule that Indices slices, node keys and the facade's commits share",
     "hicache.runtime._lazy.lazy_exports": "the PEP 562 exports of hicache.runtime and hicache.runtime.demo",
+    "hicache.runtime._group.agree": "the facade's tagged all_min: every agreement says what it agrees on",
+    "hicache.runtime._group.Agreement": "the tags of the facade's agreements",
+    "hicache.runtime._group.agree_config": "the facade's check at start() that every rank of a group gives the "
+                                           "same deciding Config fields",
     "hicache.runtime._kv_checks.LiveSlots": "the facade's record of the slots a forward pass may write and read "
                                             "(Config.check_kv_writes, check_kv_reads), which its DeviceKV checks",
     "hicache.actors._transfer_core.batch_indices": "stream actors' helper over a TransferQueue batch",

@@ -7,6 +7,10 @@ under the reference scheduler (tests/_tp_worker.py). Every rank-local outcome go
 through the ranks' agreement, so after every tick the tree digests, host use, free
 device slots and queues are equal. Nothing may hang: every rank has a deadline, and
 the parent kills both and fails with their output if they exceed it.
+
+The tests of what the ranks must do alike (their configs, their agreeing calls, a
+restart, a timeout) run the ranks as threads of this process instead, over a group
+whose collectives meet at a barrier.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections import deque
 from pathlib import Path
@@ -30,8 +35,9 @@ from hypothesis import strategies as st
 from hicache.actors import InvariantError
 from hicache.actors._facts import KINDS, FactKind, Facts
 from hicache.messages import PrefetchEnd
-from hicache.runtime import PrefetchPolicy, WritePolicy
-from hicache.runtime._group import SingleGroup
+from hicache.runtime import Config, ConfigError, HiCache, PrefetchPolicy, Request, WritePolicy
+from hicache.runtime._group import RankDivergenceError, SingleGroup
+from hicache.runtime.testing import DeterministicRuntime
 
 WORKER = Path(__file__).with_name("_tp_worker.py")
 RANKS = 2
@@ -241,3 +247,157 @@ def test_facts_refuse_an_agreement_that_does_not_fit() -> None:
     too_many = tuple(2 if k is FactKind.WRITE else 0 for k in KINDS)
     with pytest.raises(InvariantError, match="diverged"):
         f.take(too_many, (1, 1))
+
+
+# -- Configs: the ranks of a group decide alike ------------------------------------------
+
+
+class _ThreadRanks:
+    """The ranks of a group as threads of this process: `all_min` meets at a barrier."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._barrier = threading.Barrier(size, timeout=10)
+        self._values: list[list[int]] = [[] for _ in range(size)]
+
+    def member(self, rank: int) -> Any:
+        ranks = self
+
+        class Member:
+            def all_min(self, values: Any) -> list[int]:
+                ranks._values[rank] = [int(v) for v in values]
+                ranks._barrier.wait()
+                met = ranks._values[:]
+                ranks._barrier.wait()
+                if len({len(v) for v in met}) > 1:  # as TorchGroup does, by its fixed-size first collective
+                    raise RankDivergenceError(f"rank {rank}: a collective met ranks passing {[len(v) for v in met]}")
+                return [min(vs) for vs in zip(*met)]
+
+        m = Member()
+        m.rank, m.size = rank, self.size  # type: ignore[attr-defined]
+        return m
+
+    def run(self, fn: Any) -> list[Any]:
+        """`fn(group, rank)` on every rank at once; each rank's result or exception."""
+        out: list[Any] = [None] * self.size
+
+        def rank_main(rank: int) -> None:
+            try:
+                out[rank] = fn(self.member(rank), rank)
+            except Exception as err:  # the test compares every rank's outcome
+                out[rank] = err
+
+        threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(self.size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        return out
+
+
+def _tp_config(rank: int, size: int, **fields: Any) -> Config:
+    base: dict[str, Any] = {"layers": 1, "kv_heads": 1, "head_dim": 4, "page_size": 4, "device_slots": 64,
+                            "host_slots": 128}
+    return Config(**{**base, **fields}, tp_rank=rank, tp_size=size)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_ranks_whose_configs_differ_in_what_decides_refuse_to_start_in_one_line(size: int) -> None:
+    def start(group: Any, rank: int) -> str:
+        # rank-local fields may differ; the model, the page size and the write policy may not
+        local = {"kv_heads": 1 + rank, "transfer_pages_max": 8 + rank, "load_ring_size": 2 + rank}
+        odd = {"page_size": 8, "model_id": "other", "write_policy": "write_back"} if rank == size - 1 else {}
+        with HiCache(_tp_config(rank, size, **local, **odd), runtime=DeterministicRuntime(seed=rank), group=group):
+            return "started"
+
+    for rank, out in enumerate(_ThreadRanks(size).run(start)):
+        assert isinstance(out, ConfigError), (rank, out)
+        assert str(out).startswith(f"rank {rank} of {size}: the ranks' configs differ in model_id, page_size, "
+                                   "write_policy (this rank: "), out
+        assert "\n" not in str(out), out
+    assert "page_size=8, write_policy='write_back')" in str(out), out
+    # the same fields on every rank: they start, and agree
+    same = _ThreadRanks(size).run(lambda group, rank: _digest(group, rank, size))
+    assert all(isinstance(d, str) for d in same) and len(set(same)) == 1, same
+
+
+def _digest(group: Any, rank: int, size: int) -> str:
+    local = {"kv_heads": 1 + rank, "transfer_pages_max": 8 + rank}
+    with HiCache(_tp_config(rank, size, **local), runtime=DeterministicRuntime(seed=rank), group=group) as hc:
+        hc.sync()
+        return hc.tree_digest()[0]
+
+
+def _served(group: Any, rank: int) -> HiCache:
+    """A started rank that cached one prompt, agreed."""
+    hc = HiCache(_tp_config(rank, 2), runtime=DeterministicRuntime(seed=rank), group=group).start()
+    prompt = list(range(1, 41))
+    [res] = hc.admit([Request("a", prompt)])
+    hc.allocate({"a": len(prompt)})
+    hc.commit({"a": prompt})
+    hc.finish([res.handle])
+    hc.sync()
+    return hc
+
+
+def test_a_rank_that_restarts_alone_is_refused_instead_of_missing_what_the_others_hit() -> None:
+    def run(group: Any, rank: int) -> Any:
+        hc = _served(group, rank)
+        try:
+            if rank == 1:  # an engine restarts this rank's cache; the others go on
+                hc.close()
+                hc.start()
+            hc.sync()
+            [res] = hc.admit([Request("b", list(range(1, 41)))])
+            return res.cached_tokens
+        finally:
+            hc.close()
+
+    for rank, out in enumerate(_ThreadRanks(2).run(run)):
+        assert isinstance(out, RankDivergenceError), (rank, out)
+
+
+def test_ranks_that_make_different_agreeing_calls_raise_on_every_rank() -> None:
+    def run(group: Any, rank: int) -> Any:
+        hc = _served(group, rank)
+        try:
+            if rank == 0:  # as many values as sync agrees on: only the tags tell the calls apart
+                return hc.ready([f"q{i}" for i in range(len(KINDS))])
+            hc.sync()
+            return "synced"
+        finally:
+            hc.close()
+
+    for rank, out in enumerate(_ThreadRanks(2).run(run)):
+        assert isinstance(out, RankDivergenceError), (rank, out)
+        assert "the ranks made different calls" in str(out), out
+
+
+def test_one_ranks_quiesce_timeout_is_every_ranks_and_the_group_stays_in_step() -> None:
+    def run(group: Any, rank: int) -> Any:
+        hc = _served(group, rank)
+        out: list[Any] = []
+        if rank == 1:  # this rank's work outlasts the timeout (a slow storage write, say)
+            local = hc.system.quiesce
+
+            def slow(timeout_s: float) -> None:
+                hc.system.quiesce = local  # type: ignore[method-assign]
+                raise TimeoutError(f"still in flight after {timeout_s:g} s: 1 backups")
+
+            hc.system.quiesce = slow  # type: ignore[method-assign]
+        try:
+            try:
+                hc.quiesce(timeout_s=1.0)
+                out.append("quiesced")
+            except TimeoutError as err:
+                out.append(str(err))
+            hc.sync()
+            out.append(hc.ready(["q"]))
+            return out
+        finally:
+            hc.close()
+
+    r0, r1 = _ThreadRanks(2).run(run)
+    assert r1 == ["still in flight after 1 s: 1 backups", {"q": 0}], r1
+    assert r0 == ["rank 0 of 2: another rank still had work in flight after 1 s; wait longer (timeout_s) or "
+                  "close(drain=False) to drop it", {"q": 0}], r0
