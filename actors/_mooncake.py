@@ -17,7 +17,8 @@ never host slots. The client needs no buffer of its own.
 
 The client is a blocking C++ library, and none of this may hang. Measured here:
 against an unreachable master `setup` retries for about 90 s, so `open` first connects
-to the master and the metadata server itself, within `storage_timeout_s`; after the
+to the master and the metadata server itself, within `storage_timeout_s` (and refuses a
+`mooncake_local_host` no interface here has: the client sets up with any); after the
 master died, a `put` or `remove` returned only after about 4 s. So calls run on one
 private daemon thread and the caller waits at most `storage_timeout_s`. This is the one
 place hicache starts a thread outside the runtime: it wraps a blocking C client, not
@@ -112,7 +113,9 @@ _USER_ENV: Final = frozenset(k for k in _CLIENT_ENV if k in os.environ)
 
 _ABANDONED: Final[list[object]] = []
 """Clients left open by `close` (see the module docstring); kept referenced so that their
-destructor, the same blocking teardown, does not run before process exit."""
+destructor, the same blocking teardown, does not run before process exit. With a client whose
+call that reads or writes our buffers (`_TOUCHES_BUFFERS`) still runs, those buffers too; without
+one, the client touches them no more (its transfers to and from peers use its segment)."""
 
 _INSTALL_HINT: Final = (
     "install the extra (pip install 'hicache[mooncake]': mooncake-transfer-engine-non-cuda; "
@@ -131,6 +134,10 @@ class _CallFailed(Exception):
 
 _WRITES_HOST_SLOTS: Final = frozenset({"batch_get_into_multi_buffers"})
 """The client calls that write into host slots (a small page's get fills the record block)."""
+_TOUCHES_BUFFERS: Final = frozenset({"batch_get_into", "batch_get_into_multi_buffers", "batch_put_from",
+                                     "batch_put_from_multi_buffers", "register_buffer"})
+"""The client calls that read or write (or register) our buffers: the headers, the record block, the
+host KV. The others (existence checks, sizes, removals) touch none of them."""
 
 
 class _BoundedCalls:
@@ -242,6 +249,7 @@ class MooncakeBackend:
     def __init__(self, config: Config) -> None:
         store_class = _store_class()
         _probe(config)
+        _check_local_host(config.mooncake_local_host)
         self._config = config
         os.environ.update({k: v for k, v in _client_env(config).items() if k not in _USER_ENV})
         self.fmt = PageFormat(KVShape.of(config))
@@ -545,7 +553,10 @@ class MooncakeBackend:
             problem = self._unanswered()
         if problem:
             log.warning("storage client left open until exit", backend=self.name, reason=problem)
-            _ABANDONED.append(self._keep)  # the client and every buffer a stuck call may touch
+            # The client, and the buffers only while a call that may still touch them runs: kept
+            # for good, the host KV buffer (the whole host tier) outlived every restart that
+            # met a dead or frozen master.
+            _ABANDONED.append(self._keep if self._calls.overran in _TOUCHES_BUFFERS else self._store)
         else:
             self._store.close()  # holds the GIL, so the call thread could not bound it either
         self._calls.stop(wait=not problem)
@@ -594,8 +605,9 @@ def _setup_failed(config: Config, why: str) -> str:
         f"Mooncake client setup failed ({why}) with master {config.mooncake_master}, metadata server "
         f"{config.mooncake_metadata}, local host {config.mooncake_local_host}, segment "
         f"{config.mooncake_segment_mb} MiB: check that the master address is a mooncake_master's --rpc_port "
-        "(not its metadata or metrics port), that mooncake_local_host is an address of this machine the "
-        "other clients can reach, and that the segment fits in memory"
+        "(not its metadata or metrics port), that the master answers (a frozen or overloaded one still "
+        "accepts connections), that mooncake_metadata is its metadata URL (path /metadata), and that the "
+        "segment fits in memory"
     )
 
 
@@ -628,3 +640,26 @@ def _probe(config: Config) -> None:
                 "its --rpc_port and --http_metadata_server_port match these addresses, and that no "
                 "firewall blocks them (docs/operations.md)"
             ) from None
+
+
+def _check_local_host(host: str) -> None:
+    """Refuse a `mooncake_local_host` that is not an address of this machine. The client sets up
+    with any, and this instance then serves its own pages, but every other client's get from its
+    segment and put into it fails (-800): the transfer engine cannot listen there."""
+    why = "it resolves to no address"
+    try:
+        found = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
+    except OSError as e:
+        found, why = [], str(e)
+    for family, kind, _, _, address in found:
+        try:
+            with socket.socket(family, kind) as s:
+                s.bind(address)
+            return
+        except OSError as e:
+            why = f"{address[0]}: {e}"
+    raise StorageError(
+        f"mooncake_local_host={host!r} is not an address of this machine ({why}): set it to this "
+        "machine's address that the other serving machines reach (127.0.0.1 when all run here); the "
+        "other clients read and write this instance's segment through it (docs/operations.md)"
+    )

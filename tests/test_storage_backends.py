@@ -9,6 +9,7 @@ pages. KV shapes are tiny (2 layers, 1 head, head_dim 8, fp16, 4-token pages: 25
 
 from __future__ import annotations
 
+import gc
 import itertools
 
 import hashlib
@@ -544,6 +545,15 @@ def test_an_unreachable_mooncake_master_is_a_storage_error_at_open_naming_the_ad
     assert time.monotonic() - started < 2.0
 
 
+def test_a_mooncake_local_host_that_is_not_this_machines_is_a_storage_error_at_open(master: MooncakeMaster) -> None:
+    # The client set up with any local host: the instance served its own pages, while every
+    # other client's get from its segment and put into it failed (-800).
+    not_ours = "192.0.2.1"  # TEST-NET-1 (RFC 5737): never a local address
+    config = _config(storage="mooncake", **{**master.config_fields(), "mooncake_local_host": not_ours})
+    with pytest.raises(StorageError, match=r"mooncake_local_host='192\.0\.2\.1' is not an address of this machine"):
+        open_backend(config)
+
+
 def test_an_address_that_answers_but_is_no_mooncake_master_is_a_storage_error_within_the_retries(
     master: MooncakeMaster,
 ) -> None:
@@ -555,6 +565,19 @@ def test_an_address_that_answers_but_is_no_mooncake_master_is_a_storage_error_wi
     with pytest.raises(StorageError, match=rf"setup failed.*master {wrong}"):
         open_backend(config)
     assert time.monotonic() - started < (SETUP_RETRIES + 2) * timeout_s + 1.0
+
+
+def test_opening_against_a_frozen_mooncake_master_names_a_master_that_does_not_answer(keys) -> None:
+    # A stopped (SIGSTOP) master's kernel accepts the connection, and setup fails with code -1:
+    # the message sent the operator to the port numbers, the local host and the segment size only.
+    with MooncakeMaster() as m:
+        config = _config(storage="mooncake", storage_timeout_s=0.5, **m.config_fields())
+        m.pause()
+        try:
+            with pytest.raises(StorageError, match=r"setup failed.*that the master answers \(a frozen"):
+                open_backend(config)
+        finally:
+            m.resume()
 
 
 def test_a_storage_timeout_shorter_than_the_client_setup_still_opens(master: MooncakeMaster, keys) -> None:
@@ -628,6 +651,32 @@ def test_closing_against_a_hung_mooncake_master_leaves_the_client_open_within_th
             m.resume()
         assert [e["event"] for e in logs] == ["storage client left open until exit"], logs
         assert "did not return within" in logs[0]["reason"]
+
+
+@pytest.mark.parametrize("head_dim", [8, 256], ids=["record_block", "host_slots"])
+def test_a_client_left_open_at_close_lets_go_of_the_host_buffer_no_call_still_touches(keys, head_dim) -> None:
+    # A close that met a frozen (or dead) master kept every buffer ever registered until the
+    # process exited, although no get or put still ran: each restart of the cache after such
+    # a close left its whole host tier behind.
+    with MooncakeMaster() as m:
+        backend = open_backend(_config(storage="mooncake", storage_timeout_s=0.5, head_dim=head_dim,
+                                       **m.config_fields()))
+        assert isinstance(backend, MooncakeBackend)
+        host = KVBuffer.allocate(backend.fmt.shape, HOST_PAGES * PAGE, HostLayout.PAGE_FIRST, "cpu")
+        assert backend.write(keys(1), host, _slots([0])).written == 1  # registers the host buffer
+        freed = weakref.ref(host.tensor)
+        m.pause()
+        try:
+            with capture_logs() as logs:
+                backend.close()
+        finally:
+            m.resume()
+        assert [e["event"] for e in logs] == ["storage client left open until exit"], logs
+        backend._calls._thread.join(10)  # its existence check returns once the master runs again
+        assert not backend._calls._thread.is_alive()
+        del host, backend
+        gc.collect()
+        assert freed() is None, "the client left open still holds the host buffer"
 
 
 class _Wrapped:
