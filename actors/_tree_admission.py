@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from hicache.messages import (
+    EMPTY,
     AdmitItem,
     Admission,
     Admitted,
@@ -257,7 +258,8 @@ class Admissions:
                 request_id=p.item.request_id, handle=p.handle, device=cat([nd.device for nd in nodes]),
                 device_hit=dev_hit, host_hit=host_hit, host_miss=p.host_miss, storage_hit=storage_hit,
             ))
-        loads = cat([nd.device for p in plans for nd in p.load_nodes])  # what `LoadKV` asked to fill
+        filled = [nd.device for p in plans for nd in p.load_nodes]  # what `LoadKV` asked to fill
+        loads = cat(filled) if filled else EMPTY
         self.s.emit(FACADE, Admitted(op_id=op_id, admissions=tuple(admissions), loads=loads))
 
     def loads_started(self, ops: tuple[int, ...]) -> None:
