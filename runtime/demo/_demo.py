@@ -81,10 +81,12 @@ requests each tier serves part of the hits."""
 
 def demo_config(host_tier: bool = True, **storage: object) -> Config:
     """A small KV shape (the bytes are fingerprints, not a model's) and tiers sized so
-    the trace's working set fits in neither L1 nor L2."""
+    the trace's working set fits in neither L1 nor L2. Every K/V write and read of the fake
+    model is checked (`check_kv_writes`, `check_kv_reads`): about a sixth more time for the
+    run that writes and reads KV, none for those that only count hits."""
     return Config(layers=2, kv_heads=1, head_dim=16, dtype="float16", model_id=DEMO_MODEL_ID, page_size=16,
                   device_slots=DEMO_DEVICE_SLOTS, host_slots=DEMO_HOST_SLOTS, host_tier=host_tier,
-                  **storage)  # type: ignore[arg-type]
+                  check_kv_writes=True, check_kv_reads=True, **storage)  # type: ignore[arg-type]
 
 
 def check_demo_arguments(requests: int, log_path: Path | None) -> None:
