@@ -207,12 +207,26 @@ class DeviceKV:
         tensors on the pool's device (a copy: attention without a paged kernel reads these).
         With `Config.check_kv_reads`, slots of a prefix loaded back from host memory are refused
         until this layer of their load landed (`LayerWaiter.wait_layer`)."""
+        layer, idx = self._read(layer, slots)
+        both = self._t[:, layer].index_select(1, idx.tensor)
+        return both[0], both[1]
+
+    def check_read(self, layer: int, slots: torch.Tensor | SlotIndex) -> None:
+        """What `gather(layer, slots)` checks, without the copy: for an engine whose paged kernel
+        reads layer `layer` of `k_pages` / `v_pages` in place through a block table. With
+        `Config.check_kv_reads`, call it before the kernel of each layer (on a `SlotIndex` made
+        once for the pass, `index(slots, distinct=False)`): it refuses slots no live request
+        holds and pages whose load-back has not landed that layer. Without it, only the
+        arguments are checked."""
+        self._read(layer, slots)
+
+    def _read(self, layer: int, slots: torch.Tensor | SlotIndex) -> tuple[int, SlotIndex]:
+        """The checked layer and index of a read (see `gather`)."""
         layer = self._layer(layer)
         idx = self.index(slots, distinct=False)
         if idx.loads:  # only with check_kv_reads
             self._readable.landed(idx.tensor, idx.loads, layer)  # type: ignore[union-attr]
-        both = self._t[:, layer].index_select(1, idx.tensor)
-        return both[0], both[1]
+        return layer, idx
 
     def page_table(self, slots: torch.Tensor) -> torch.Tensor:
         """The page of each page of positions of a request whose positions lie in `slots`

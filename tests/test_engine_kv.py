@@ -112,6 +112,8 @@ def test_a_page_table_names_the_pages_of_a_request_and_the_paged_views_read_its_
     (lambda kv: kv.gather(0, torch.tensor([1.0])), r"^slots must be a 1-D int64 .* got a torch.float32 tensor of "
                                                    r"shape \(1,\)$"),
     (lambda kv: kv.gather(0, torch.tensor([3, 64])), r"^slot 64 is outside the pool's 0\.\.63$"),
+    (lambda kv: kv.check_read(3, torch.tensor([1])), r"^layer must be an int in 0\.\.2, got 3$"),
+    (lambda kv: kv.check_read(0, torch.tensor([64])), r"^slot 64 is outside the pool's 0\.\.63$"),
     (lambda kv: kv.write(0, torch.tensor([-1]), *_kv_of(1, 0, 2)), r"^slot -1 is outside the pool's 0\.\.63$"),
     (lambda kv: kv.write(0, torch.tensor([4, 5, 4]), *_kv_of(3, 0, 2)),
      r"^a write names a slot twice: each new token needs a slot of its own$"),

@@ -95,6 +95,7 @@ def _refused(hc: HiCache, slots: torch.Tensor, message: str) -> None:
     kv = hc.kv
     calls = [lambda: kv.index(slots, distinct=False), lambda: kv.page_table(slots)]
     calls += [lambda layer=layer: kv.gather(layer, slots) for layer in range(kv.layers)]
+    calls += [lambda layer=layer: kv.check_read(layer, slots) for layer in range(kv.layers)]
     for call in calls:
         got = None
         with pytest.raises(KVArgumentError, match=f"^{message}$"):
@@ -234,7 +235,10 @@ def test_a_load_back_is_read_layer_by_layer_once_each_layer_landed(
                     f"memory, and its layer {late} has not landed yet; call waiter.wait_layer\\({late}\\) first, "
                     r"on the waiter start_loads\(\) returned \(Config\.check_kv_reads\)$")):
                 hc.kv.gather(late, every)
+            with pytest.raises(KVArgumentError, match=f"its layer {late} has not landed yet"):
+                hc.kv.check_read(late, every)  # a paged kernel's check, before it reads k_pages(late)
         waiter.wait_layer(layer)
+        assert hc.kv.check_read(layer, every) is None
         k, v = hc.kv.gather(layer, every)
         assert torch.equal(k, _kv_of(hc, PROMPT[:12], 0, layer)) and torch.equal(v, k)
     hc.abort([adm.handle])
@@ -322,6 +326,7 @@ def test_the_check_is_off_by_default_and_then_the_same_reads_go_through(
     for slots in (adm.device_indices, ended, torch.tensor([60])):  # loading, an ended request's, any
         assert len(hc.kv.gather(1, slots)[0]) == len(slots)
         hc.kv.page_table(slots)
+        hc.kv.check_read(1, slots)
     assert hc.kv._readable is None
     hc.start_loads().wait_all()
     hc.abort([adm.handle])
