@@ -124,6 +124,12 @@ def synthetic_workload(
     return out
 
 
+CHECKED = {"check_kv_writes": True, "check_kv_reads": True}
+"""Every scenario's fake model has its K/V writes and reads checked (`Config.check_kv_writes`,
+`check_kv_reads`): a slot it is given that is shared, stale or free, or a layer it reads before
+the layer's load-back landed, fails the schedule."""
+
+
 def _standard(rt: DeterministicRuntime, seed: int, mut: Mutant | None) -> None:
     _serve_workload(rt, seed, mut)
 
@@ -136,7 +142,7 @@ def _faults(rt: DeterministicRuntime, seed: int, mut: Mutant | None) -> None:
 def _serve_workload(rt: DeterministicRuntime, seed: int, mut: Mutant | None) -> None:
     policy = (WritePolicy.WRITE_THROUGH, WritePolicy.WRITE_THROUGH_SELECTIVE, WritePolicy.WRITE_BACK)[seed % 3]
     cfg = Config(layers=2, kv_heads=1, head_dim=8, page_size=4, device_slots=4 * 24, host_slots=4 * 48,
-                 write_policy=policy, load_back_min_tokens=4, transfer_pages_max=2)
+                 write_policy=policy, load_back_min_tokens=4, transfer_pages_max=2, **CHECKED)
     with HiCache(cfg, runtime=rt, actor_classes=mut.actor_classes if mut else None) as hc:
         sched = ReferenceScheduler(hc, SchedulerConfig(
             max_running=4, prefill_tokens_per_tick=16, chunk_tokens=8, abort_rate=0.04, seed=seed,
@@ -158,7 +164,7 @@ def _pressure(rt: DeterministicRuntime, seed: int, mut: Mutant | None) -> None:
     policy, page = ((WritePolicy.WRITE_BACK, 2), (WritePolicy.WRITE_THROUGH, 1))[seed % 2]
     cfg = Config(layers=2, kv_heads=1, head_dim=8, page_size=page, device_slots=page * 25, host_slots=page * 46,
                  write_policy=policy, eviction_policy=EvictionPolicy.PRIORITY, ahead_slots=2,
-                 load_back_min_tokens=1)
+                 load_back_min_tokens=1, **CHECKED)
     with HiCache(cfg, runtime=rt, actor_classes=mut.actor_classes if mut else None) as hc:
         sched = ReferenceScheduler(hc, SchedulerConfig(
             max_running=7, prefill_tokens_per_tick=47, chunk_tokens=26, seed=seed, device_budget_ratio=2.0,
@@ -181,7 +187,7 @@ def _orphans(rt: DeterministicRuntime, seed: int, mut: Mutant | None) -> None:
     Write_through or write_back by the seed."""
     policy = (WritePolicy.WRITE_THROUGH, WritePolicy.WRITE_BACK)[seed % 2]
     cfg = Config(layers=2, kv_heads=1, head_dim=8, page_size=2, device_slots=2 * 12, host_slots=2 * 31,
-                 write_policy=policy, load_back_min_tokens=1, transfer_queue_ops_max=1)
+                 write_policy=policy, load_back_min_tokens=1, transfer_queue_ops_max=1, **CHECKED)
     with HiCache(cfg, runtime=rt, actor_classes=mut.actor_classes if mut else None) as hc:
         sched = ReferenceScheduler(hc, SchedulerConfig(
             max_running=5, prefill_tokens_per_tick=8, chunk_tokens=2, abort_rate=0.08, seed=seed,
@@ -215,7 +221,8 @@ def _storage(rt: DeterministicRuntime, seed: int, mut: Mutant | None) -> None:
                      load_back_min_tokens=4, transfer_pages_max=2, storage="file", storage_dir=tmp, write_policy=writes,
                      model_id=EXPLORE_MODEL_ID,
                      storage_batch_pages=2, storage_batch_mb=0, prefetch_threshold_pages=1, prefetch_policy=policy,
-                     prefetch_timeout_base_s=0.01, prefetch_timeout_per_1k_s=0.5, prefetch_timeout_max_s=0.05)
+                     prefetch_timeout_base_s=0.01, prefetch_timeout_per_1k_s=0.5, prefetch_timeout_max_s=0.05,
+                     **CHECKED)
         with HiCache(cfg, runtime=rt, actor_classes=mut.actor_classes if mut else None) as hc:
             sched = ReferenceScheduler(hc, SchedulerConfig(
                 max_running=3, prefill_tokens_per_tick=16, chunk_tokens=8, abort_rate=0.03, seed=seed,
@@ -242,7 +249,7 @@ def _misuse(rt: DeterministicRuntime, seed: int, mut: Mutant | None) -> None:
     rng = random.Random(f"misuse:{seed}")
     policy = (WritePolicy.WRITE_THROUGH, WritePolicy.WRITE_THROUGH_SELECTIVE, WritePolicy.WRITE_BACK)[seed % 3]
     cfg = Config(layers=2, kv_heads=1, head_dim=8, page_size=4, device_slots=4 * 24, host_slots=4 * 48,
-                 write_policy=policy, load_back_min_tokens=4, transfer_pages_max=2)
+                 write_policy=policy, load_back_min_tokens=4, transfer_pages_max=2, **CHECKED)
     with HiCache(cfg, runtime=rt, actor_classes=mut.actor_classes if mut else None) as hc:
         sched = ReferenceScheduler(hc, SchedulerConfig(
             max_running=4, prefill_tokens_per_tick=16, chunk_tokens=8, abort_rate=0.04, seed=seed,
