@@ -51,7 +51,7 @@ from hicache.messages import (
     WriteFailed,
     WriteKV,
 )
-from hicache.runtime import Config, HostLayout, LoadFailedError, System, ThreadedRuntime
+from hicache.runtime import Config, HiCache, HostLayout, LoadFailedError, Request, System, ThreadedRuntime
 from hicache.runtime.testing import DeterministicRuntime, Probe
 from hicache.runtime.testing.oracle import FingerprintOracle
 
@@ -369,6 +369,35 @@ def make_runtime(kind: str, *, seed: int = 0, faults: FaultPlan | None = None, o
     if kind == "threads":  # the streams on threads of their own, as on CUDA (the facade's tests run the default)
         return ThreadedRuntime(seed=seed, faults=faults, observe=observe, write_stream_thread=True)
     return DeterministicRuntime(seed=seed, faults=faults, observe=observe)
+
+
+def opened_caches(kind: str, **defaults: Any) -> Iterator[Callable[..., HiCache]]:
+    """For a fixture: `open_(faults=None, **config_fields)` starts a `HiCache` of `small_config`
+    (`defaults`, then the fields) on a runtime of `kind`; at teardown each is checked, then closed."""
+    opened: list[HiCache] = []
+
+    def open_(*, faults: FaultPlan | None = None, **fields: Any) -> HiCache:
+        hc = HiCache(small_config(**{**defaults, **fields}), runtime=make_runtime(kind, seed=3, faults=faults))
+        opened.append(hc.start())
+        return hc
+
+    yield open_
+    for hc in opened:
+        hc.check_invariants()
+        hc.close()
+
+
+def stored_only(hc: HiCache, prompt: list[int], rid: str = "a") -> None:
+    """Serve one request of `prompt` to its end, let its pages be written through to host
+    memory and backed up to storage, then evict them from device and host memory: the
+    prompt's prefix is cached in storage alone."""
+    [adm] = hc.admit([Request(rid, prompt[:-1])])
+    hc.allocate({rid: len(prompt)})
+    hc.commit({rid: prompt})
+    hc.finish([adm.handle])
+    hc.quiesce()
+    hc.evict_device(hc.config.device_slots)
+    hc.evict_host(hc.config.host_slots)
 
 
 class FailFirstLoads(NoFaults):

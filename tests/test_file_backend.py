@@ -785,6 +785,20 @@ def test_a_hole_never_reaches_past_the_scanned_end() -> None:
 # -- faults ----------------------------------------------------------------------------------------
 
 
+def _small_disk(directory: Path, monkeypatch: Any, capacity: int = 1 << 20) -> int:
+    """The backend's writes fail with ENOSPC once `directory` would take more than `capacity`
+    bytes (other files fill the rest of its file system); `capacity`."""
+    real = _file_backend.pwritev_all
+
+    def small_disk(fd: int, bufs: list[memoryview], offset: int) -> None:
+        if _du(directory) + sum(map(len, bufs)) > capacity:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd, bufs, offset)
+
+    monkeypatch.setattr(_file_backend, "pwritev_all", small_disk)
+    return capacity
+
+
 @pytest.mark.parametrize("bound", [0, 64 << 20])
 def test_a_file_system_full_before_the_bound_makes_room_by_evicting_as_the_bound_would(
         tmp_path: Path, opened: Any, monkeypatch: Any, bound: int) -> None:
@@ -792,15 +806,7 @@ def test_a_file_system_full_before_the_bound_makes_room_by_evicting_as_the_bound
     # bound: a write that hits ENOSPC evicts the least recently used pages and is tried once
     # more. Before, every backup from then on failed until someone freed space. Without a
     # bound, the backend deletes nothing on its own: the write fails, a counted miss.
-    capacity = 1 << 20
-    real = _file_backend.pwritev_all
-
-    def small_disk(fd: int, bufs: list[memoryview], offset: int) -> None:
-        if _du(tmp_path) + sum(map(len, bufs)) > capacity:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        real(fd, bufs, offset)
-
-    monkeypatch.setattr(_file_backend, "pwritev_all", small_disk)
+    capacity = _small_disk(tmp_path, monkeypatch)
     backend = opened(storage_max_bytes=bound)
     src, dst = _host(_config(tmp_path), seed=14), _host(_config(tmp_path))
     failed = 0
@@ -827,20 +833,13 @@ def test_once_the_file_system_filled_before_the_bound_backups_make_room_before_t
     # The file system holds 1 MiB, the bound is 64 MiB. Before, every backup from the first
     # ENOSPC on was written twice (failed, evicted, tried again), each failure counted and
     # logged as an error although no backup failed.
-    capacity = 1 << 20
-    real = _file_backend.pwritev_all
-
-    def small_disk(fd: int, bufs: list[memoryview], offset: int) -> None:
-        if _du(tmp_path) + sum(map(len, bufs)) > capacity:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        real(fd, bufs, offset)
+    capacity = _small_disk(tmp_path, monkeypatch)
 
     def statvfs(path: Any) -> Any:
         st = os.statvfs_result((4096,) * 10)
         return os.statvfs_result((4096, 4096, capacity // 4096, max(0, capacity - _du(tmp_path)) // 4096,
                                   max(0, capacity - _du(tmp_path)) // 4096, *st[5:]))
 
-    monkeypatch.setattr(_file_backend, "pwritev_all", small_disk)
     monkeypatch.setattr(os, "statvfs", statvfs)
     backend = opened(storage_max_bytes=64 << 20)
     src = _host(_config(tmp_path), seed=17)

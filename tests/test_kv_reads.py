@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import pytest
 import torch
@@ -17,39 +16,24 @@ from hicache.actors import LoadFailedError
 from hicache.runtime import AdmitResult, Config, HiCache, KVArgumentError, Request
 from hicache.runtime._kv_checks import LiveSlots
 
-from conftest import FailFirstLoads, make_runtime, small_config
+from conftest import FailFirstLoads, opened_caches, small_config
 
 PROMPT = list(range(100, 113))  # 13 tokens: three whole pages and one token at page size 4
 READ_TODO = "read only slots a live request holds, as the facade gives them now"
-
-
-def _opened(kind: str) -> Iterator[Callable[..., HiCache]]:
-    opened: list[HiCache] = []
-
-    def open_(*, faults: Any = None, **fields: Any) -> HiCache:
-        config = small_config(**{"check_kv_reads": True, "check_kv_writes": True, **fields})
-        hc = HiCache(config, runtime=make_runtime(kind, seed=3, faults=faults))
-        opened.append(hc.start())
-        return hc
-
-    yield open_
-    for hc in opened:
-        hc.check_invariants()
-        hc.close()
 
 
 @pytest.fixture
 def open_cache(runtime_kind: str) -> Iterator[Callable[..., HiCache]]:
     """`open_cache(**config_fields)`: a started HiCache (2 layers, page size 4, 16 device pages,
     reads and writes checked unless the fields say otherwise) on this test's runtime."""
-    yield from _opened(runtime_kind)
+    yield from opened_caches(runtime_kind, check_kv_reads=True, check_kv_writes=True)
 
 
 @pytest.fixture
 def open_deterministic() -> Iterator[Callable[..., HiCache]]:
     """As `open_cache`, on the deterministic runtime only: nothing runs between two facade calls,
     so a started load-back lands a layer only when the forward pass waits for it."""
-    yield from _opened("deterministic")
+    yield from opened_caches("deterministic", check_kv_reads=True, check_kv_writes=True)
 
 
 def _kv_of(hc: HiCache, tokens: list[int], start: int, layer: int) -> torch.Tensor:

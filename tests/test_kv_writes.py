@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ import torch
 from hicache.runtime import Config, HiCache, Insufficient, KVArgumentError, Request
 from hicache.runtime._kv_checks import LiveSlots
 
-from conftest import make_runtime, small_config
+from conftest import opened_caches, small_config
 
 PROMPT = list(range(100, 113))  # 13 tokens: three whole pages and one token at page size 4
 TODO_PREFIX = "write only the positions past the cached prefix"
@@ -26,17 +25,7 @@ TODO_FREE = "write only into slots allocate() gave a live request"
 def open_cache(runtime_kind: str) -> Iterator[Callable[..., HiCache]]:
     """`open_cache(**config_fields)`: a started HiCache (2 layers, page size 4, 16 device pages,
     writes checked unless the fields say otherwise) on this test's runtime."""
-    opened: list[HiCache] = []
-
-    def open_(**fields: Any) -> HiCache:
-        hc = HiCache(small_config(**{"check_kv_writes": True, **fields}), runtime=make_runtime(runtime_kind, seed=3))
-        opened.append(hc.start())
-        return hc
-
-    yield open_
-    for hc in opened:
-        hc.check_invariants()
-        hc.close()
+    yield from opened_caches(runtime_kind, check_kv_writes=True)
 
 
 def _write(hc: HiCache, slots: torch.Tensor, value: float = 7.0) -> None:

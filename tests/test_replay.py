@@ -21,6 +21,8 @@ from hicache.runtime.testing import DeterministicRuntime, replay_log
 from hicache.runtime.testing._scheduler import ReferenceScheduler, SchedulerConfig
 from hicache.runtime.testing.explore import synthetic_workload
 
+from conftest import stored_only
+
 
 def _logged_run(path: Path, runtime: Any = None, seed: int = 1) -> HiCache:
     cfg = Config(layers=2, kv_heads=1, head_dim=8, page_size=4, device_slots=96, host_slots=192, log_path=str(path))
@@ -326,13 +328,7 @@ def test_a_logged_handler_reads_the_time_its_delivery_was_logged_with(tmp_path: 
                  prefetch_threshold_pages=1, prefetch_timeout_base_s=0.002, prefetch_timeout_per_1k_s=0.0)
     prompt = list(range(1, 34))
     with HiCache(cfg, runtime=runtime, actor_classes={ActorName.TREE: _TimedTree}) as hc:
-        [adm] = hc.admit([Request("a", prompt[:-1])])
-        hc.allocate({"a": len(prompt)})
-        hc.commit({"a": prompt})
-        hc.finish([adm.handle])
-        hc.quiesce()  # written through to host memory and backed up to storage
-        hc.evict_device(cfg.device_slots)
-        hc.evict_host(cfg.host_slots)
+        stored_only(hc, prompt)
         assert hc.prefetch([Request("b", prompt[:-1])]) == {"b": 32}
         while not hc.ready(["b"]):
             pass

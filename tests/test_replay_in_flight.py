@@ -23,6 +23,8 @@ from hicache.runtime.testing._mutants import Mutant
 from hicache.runtime.testing._scheduler import ReferenceScheduler, SchedulerConfig
 from hicache.runtime.testing.explore import Scenario, run_schedule, synthetic_workload
 
+from conftest import stored_only
+
 CONFIG = Config(layers=2, kv_heads=1, head_dim=8, page_size=4, device_slots=96, host_slots=192)
 REPLAYED = {"tree", "device", "host", "write", "load"}
 
@@ -239,13 +241,7 @@ def test_a_timer_that_had_not_fired_when_the_cache_closed_is_recorded_in_flight(
                          model_id="test", prefetch_threshold_pages=1, storage_batch_pages=1, storage_batch_mb=0)
     prompt = list(range(1, 34))
     hc = HiCache(cfg, runtime=runtime).start()
-    [adm] = hc.admit([Request("a", prompt[:-1])])
-    hc.allocate({"a": len(prompt)})
-    hc.commit({"a": prompt})
-    hc.finish([adm.handle])
-    hc.quiesce()  # written through to host memory and backed up to storage
-    hc.evict_device(cfg.device_slots)
-    hc.evict_host(cfg.host_slots)
+    stored_only(hc, prompt)
     assert hc.prefetch([Request("b", prompt[:-1])]) == {"b": 32}
     if not deterministic:  # on threads: until the prefetcher has set its timer (the tree answered its hit)
         waited = 0
