@@ -63,6 +63,11 @@ class _Load:
     nodes: list[Node]
     started: bool = False
     """The load stream started its batch (`LoadsStarted`): it lands without a further call."""
+    hit_tokens: int = 0
+    """Host hits of the admissions whose deepest loading node it loads: counted as served
+    (`host_hit_tokens`) when it lands, never when it fails."""
+    storage_tokens: int = 0
+    """Of those, the tokens the requests' own storage prefetches read (`host_hit_storage_tokens`)."""
 
 
 @dataclass(slots=True)
@@ -251,9 +256,11 @@ class Admissions:
             host_hit = sum(nd.tokens for nd in nodes if nd.id in loading)
             n.looked_up_tokens += len(p.item.tokens)
             n.device_hit_tokens += dev_hit
-            n.host_hit_tokens += host_hit
             storage_hit = min(p.item.stored, host_hit)
-            n.host_hit_storage_tokens += storage_hit
+            if host_hit:  # served once the load of its deepest loading node lands (`loaded`)
+                load = self.loads[next(nd.op for nd in reversed(nodes) if nd.id in loading)]
+                load.hit_tokens += host_hit
+                load.storage_tokens += storage_hit
             admissions.append(Admission(
                 request_id=p.item.request_id, handle=p.handle, device=cat([nd.device for nd in nodes]),
                 device_hit=dev_hit, host_hit=host_hit, host_miss=p.host_miss, storage_hit=storage_hit,
@@ -283,6 +290,8 @@ class Admissions:
                 s.tree.fail_load(nd)
         host = cat([nd.host for nd in load.nodes])
         if value:
+            s.n.host_hit_tokens += load.hit_tokens
+            s.n.host_hit_storage_tokens += load.storage_tokens
             s.emit(HOST, SetHostState(pages=host, state=HostSlotState.SYNCED))
             s.emit(DEVICE, AdoptLoadedSlots(pages=device))
         else:

@@ -32,7 +32,8 @@ class PrefetchEnd(enum.Enum):
     COMPLETE = "complete"
     """Every page storage had arrived."""
     MISS = "miss"
-    """Storage held none of the pages."""
+    """Storage held none of the pages, or the lookup failed (a backend error, counted in
+    `PrefetcherStatistics.io_errors`; an injected one in `errors`)."""
     FAILED = "failed"
     """A read failed before every page arrived (`wait_complete` policy)."""
     BEST_EFFORT = "best_effort"
@@ -53,7 +54,7 @@ class PrefetchEndCounts(Message):
     complete: int
     """Every page storage had arrived."""
     miss: int
-    """Storage held none of the pages."""
+    """Storage held none of the pages, or the lookup failed."""
     failed: int
     """A read failed before every page arrived (`wait_complete` policy)."""
     best_effort: int
@@ -179,7 +180,9 @@ class PrefetcherStatistics(Message):
     bytes_written: int
     """Bytes written to storage."""
     errors: int
-    """Storage calls that failed (misses of corrupt pages, timeouts, backend errors)."""
+    """Storage reads and writes that failed (misses of corrupt pages, timeouts, backend errors),
+    and injected faults (a lookup's too). A lookup the backend could not make reads as a miss:
+    only `io_errors` counts it."""
     stored_bytes: int = 0
     """Bytes the storage holds for this KV shape (file backend: allocated on disk; 0 for Mooncake)."""
     evicted_pages: int = 0

@@ -239,7 +239,8 @@ class TreeStatistics(Message):
     device_hit_tokens: int
     """Tokens matched in device memory by admissions."""
     host_hit_tokens: int
-    """Tokens loaded back from host by admissions."""
+    """Tokens admissions answered as host hits whose load-back landed (counted as it lands:
+    a load-back that fails counts none)."""
     evicted_device_tokens: int
     """Device tokens evicted."""
     evicted_host_tokens: int
@@ -270,7 +271,8 @@ class TreeStatistics(Message):
     """Rank-local outcomes issued whose local result has not arrived yet."""
     host_hit_storage_tokens: int = 0
     """Of `host_hit_tokens`, those the requests' own storage prefetches read
-    (`Admission.storage_hit`): counted with them, so that one record splits L2's hits from L3's."""
+    (`Admission.storage_hit`): counted with them, as the load-back lands, so that one record
+    splits L2's hits from L3's."""
 
 
 @message(415)

@@ -172,7 +172,8 @@ class TierStatistics:
     requested_tokens: int
     """Prompt tokens looked up in this tier (the ones the tiers above it missed)."""
     hit_tokens: int
-    """Of those, the tokens this tier served (L3: read by a prefetch, then loaded back)."""
+    """Of those, the tokens this tier served (L2, L3: once their load-back landed; L3: read
+    by the request's prefetch). A host hit whose load-back failed is no tier's."""
     evicted_tokens: int
     """Tokens evicted from this tier (L3: pages the file backend evicted, in tokens)."""
     used_tokens: int | None

@@ -142,8 +142,8 @@ class _Families:
 
         self.requested = counter("requested_tokens", "Prompt tokens looked up in a tier: those the tiers above it "
                                  "missed (L1: every token looked up).", "tier")
-        self.hit = counter("hit_tokens", "Prompt tokens a tier served (L3: read by a prefetch, then loaded back).",
-                           "tier")
+        self.hit = counter("hit_tokens", "Prompt tokens a tier served (L2, L3: once the load-back landed; L3: read "
+                           "by the request's prefetch).", "tier")
         self.evicted = counter("evicted_tokens", "Tokens evicted from a tier.", "tier")
         self.moved_tokens = counter("transferred_tokens", "Tokens copied between tiers: write_through (L1 -> L2), "
                                     "load_back (L2 -> L1), backup (L2 -> L3), prefetch (L3 -> L2).", "operation")
@@ -153,8 +153,10 @@ class _Families:
         self.prefetches_started = counter("prefetches_started", "Storage prefetches started.")
         self.prefetches_skipped = counter("prefetches_skipped", "Prefetches not started for the rate limit or "
                                           "for want of host memory.")
-        self.failures = counter("transfer_failures", "Copies or storage calls that failed, by operation "
-                                "(storage: any failed storage call).", "operation")
+        self.failures = counter("transfer_failures", "Copies or storage reads and writes that failed, by "
+                                "operation (storage: a read or a write of storage).", "operation")
+        self.io_errors = counter("storage_io_errors", "OS or client errors the storage backend met (a failed "
+                                 "lookup, which reads as a miss, included).")
         self.used_tokens = gauge("used_tokens", "Token slots in use in a tier (L1, L2).", "tier")
         self.capacity_tokens = gauge("capacity_tokens", "Token slots of a tier (L1, L2).", "tier")
         self.used_bytes = gauge("used_bytes", "KV bytes in use in a tier (L3: what the file backend "
@@ -195,6 +197,7 @@ class _Families:
             self.prefetches.add_metric((*who, end.value), ends.of(end))
         self.prefetches_started.add_metric(who, s.tree.prefetches_started)
         self.prefetches_skipped.add_metric(who, s.tree.prefetch_skipped)
+        self.io_errors.add_metric(who, s.prefetch.io_errors)
         self.live.add_metric(who, s.tree.live_handles)
         self.ahead.add_metric(who, s.device.ahead_slots)
         for op, n in (("write_through", s.tree.writes_in_flight), ("load_back", s.tree.loads_in_flight),

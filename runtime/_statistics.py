@@ -3,8 +3,9 @@
 The tree counts what admissions looked up and hit in device memory and loaded back from
 host memory, and of the latter what each request's own storage prefetch had read (the
 facade tells it with the admission, `AdmitItem.stored`; the scheduler gets it as
-`AdmitResult.storage_hit`): L2's and L3's hits are split here from that one record, so a
-`statistics()` racing an admission sees both or neither.
+`AdmitResult.storage_hit`). A host hit counts when its load-back lands, so one that fails
+is no tier's hit. L2's and L3's hits are split here from that one record, so a
+`statistics()` racing a load-back sees both or neither.
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import socket
 import threading
 import time
@@ -17,9 +19,19 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from hicache.actors import DURATION_BOUNDS_S, DurationHistogram, KVShape
 from hicache.messages import HostSlotState, PrefetchEnd
-from hicache.runtime import CacheStateError, Config, ConfigError, HiCache, Request, start_metrics_exporter
+from hicache.runtime import (
+    CacheStateError,
+    Config,
+    ConfigError,
+    HiCache,
+    LoadFailedError,
+    Request,
+    start_metrics_exporter,
+)
 from hicache.runtime._timings import TIMED_CALLS
 from hicache.runtime.testing.oracle import FingerprintOracle
+
+from conftest import FailFirstLoads, make_runtime
 
 PROMPT = list(range(100, 112))  # three pages of 4
 LONGER = PROMPT + [7, 7, 7, 7]
@@ -96,6 +108,7 @@ def test_storage_hits_count_as_l3_and_not_as_l2(tmp_path: Path) -> None:
         while not cache.ready(["b"]):
             pass
         assert serve(cache, request) == (0, 12, 12)
+        cache.quiesce()  # the tree has heard that the load-back landed
         s = cache.statistics()
     assert s.l2 is not None and s.l3 is not None
     assert (s.l1.requested_tokens, s.l1.hit_tokens) == (16, 0)
@@ -259,7 +272,7 @@ def test_l2_and_l3_hits_split_from_one_record_so_a_racing_statistics_sees_both_o
     """`statistics()` between the tree's handling of an admission with a storage hit and the
     facade's return from `admit` (another thread's scrape) counted the request's host hit as
     L2's, then took it back: L2's hit counter went down. The tree now counts the storage
-    part with the host hit."""
+    part with the host hit, both when the load-back lands."""
     config = _config(storage="file", storage_dir=str(tmp_path), prefetch_policy="wait_complete",
                      prefetch_threshold_pages=1)
     with HiCache(config) as cache:
@@ -279,10 +292,59 @@ def test_l2_and_l3_hits_split_from_one_record_so_a_racing_statistics_sees_both_o
 
         cache._admitted = between  # type: ignore[method-assign]
         assert serve(cache, request) == (0, 12, 12)
+        cache.quiesce()
         after = cache.statistics()
     [during] = seen
     assert during.l2 is not None and during.l3 is not None and after.l2 is not None and after.l3 is not None
-    assert (during.l2.hit_tokens, during.l3.hit_tokens) == (after.l2.hit_tokens, after.l3.hit_tokens) == (0, 12)
+    assert (during.l2.hit_tokens, during.l3.hit_tokens) in ((0, 0), (0, 12))  # its load landed, or not yet
+    assert (after.l2.hit_tokens, after.l3.hit_tokens) == (0, 12)
+
+
+def test_a_load_back_that_fails_is_no_l2_hit() -> None:
+    """The tree counted an admission's host hit (and its storage part) as served when it
+    answered it, so a load-back that then failed still counted as an L2 or L3 hit, and the
+    request admitted again to recompute it counted a second one: L2's hit rate stayed up
+    while nothing loaded. A host hit now counts when its load-back lands."""
+    with HiCache(_config(), runtime=make_runtime("threads", faults=FailFirstLoads(1))) as cache:
+        serve(cache, Request("a", PROMPT))
+        cache.quiesce()
+        assert cache.evict_device(64) == 12
+        [admitted] = cache.admit([Request("b", PROMPT)])
+        assert admitted.host_hit == 12
+        with pytest.raises(LoadFailedError):
+            cache.start_loads().wait_all()
+        cache.retract([admitted.handle])
+        cache.quiesce()
+        failed = cache.statistics()
+        assert serve(cache, Request("b", PROMPT)) == (0, 12, 0)  # admitted again: its prefix loads back
+        cache.quiesce()
+        retried = cache.statistics()
+    assert failed.l2 is not None and retried.l2 is not None
+    assert (failed.load.ops_failed, failed.load.slots_copied) == (1, 0)
+    assert (failed.l1.requested_tokens, failed.l2.requested_tokens, failed.l2.hit_tokens) == (24, 24, 0)
+    assert (retried.l2.requested_tokens, retried.l2.hit_tokens) == (36, 12) and retried.load.slots_copied == 12
+
+
+def test_a_load_back_of_prefetched_pages_that_fails_is_no_l3_hit(tmp_path: Path) -> None:
+    """As above, for the pages a request's own storage prefetch read: they counted as L3's hit."""
+    config = _config(storage="file", storage_dir=str(tmp_path), prefetch_policy="wait_complete",
+                     prefetch_threshold_pages=1)
+    with HiCache(config) as cache:
+        serve(cache, Request("a", PROMPT))
+        cache.quiesce()
+    with HiCache(config, runtime=make_runtime("threads", faults=FailFirstLoads(1))) as cache:
+        assert cache.prefetch([Request("b", PROMPT)]) == {"b": 12}
+        while not cache.ready(["b"]):
+            pass
+        [admitted] = cache.admit([Request("b", PROMPT)])
+        assert (admitted.host_hit, admitted.storage_hit) == (12, 12)
+        with pytest.raises(LoadFailedError):
+            cache.start_loads().wait_all()
+        cache.retract([admitted.handle])
+        cache.quiesce()
+        s = cache.statistics()
+    assert s.l2 is not None and s.l3 is not None and s.tree.prefetch_ends.complete == 1
+    assert (s.l2.hit_tokens, s.l3.requested_tokens, s.l3.hit_tokens) == (0, 12, 0)
 
 
 def test_an_exporter_address_that_does_not_resolve_names_the_host_not_the_port() -> None:
@@ -290,6 +352,86 @@ def test_an_exporter_address_that_does_not_resolve_names_the_host_not_the_port()
     with pytest.raises(OSError, match=r"cannot serve metrics on no-such-host\.invalid:0: .*; check metrics_host$"):
         start_metrics_exporter(0, host="no-such-host.invalid")
     assert Config(metrics_host="::1").metrics_host == "::1"  # an IPv6 address binds without brackets
+
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
+
+
+def _documented_families() -> dict[str, tuple[str, str, set[str]]]:
+    """docs/metrics.md's family table: `{name as scraped: (type, extra label, its values listed)}`."""
+    families = {}
+    for row in DOCS.read_text().splitlines():
+        if row.startswith("| `hicache_"):
+            name, kind, labels = (cell.strip() for cell in row.strip("|").split("|")[:3])
+            label, _, listed = labels.partition(":")
+            families[name.strip("`")] = (kind, label.split()[0].strip("`,") if label != "-" else "",
+                                         set(re.findall(r"`(\w+)`", listed)))
+    return families
+
+
+def _scraped_families(port: int, cache: str) -> dict[str, tuple[str, str, set[str]]]:
+    """The scrape's hicache families of `cache`, as `_documented_families` gives them."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as page:
+        text = page.read().decode()
+    families = {}
+    for family in text_string_to_metric_families(text):
+        labels = [{k: v for k, v in sample.labels.items() if k not in ("cache", "rank", "le")}
+                  for sample in family.samples if sample.labels.get("cache") == cache]
+        if family.name.startswith("hicache_") and labels:
+            extra = {k for one in labels for k in one}
+            assert len(extra) <= 1, (family.name, extra)
+            label = extra.pop() if extra else ""
+            name = family.name + ("_total" if family.type == "counter" else "")
+            families[name] = (family.type, label, {one[label] for one in labels} if label else set())
+    return families
+
+
+def test_every_documented_family_is_scraped_with_its_type_and_labels(tmp_path: Path) -> None:
+    """The scrape had no family for the storage backend's OS or client errors (`io_errors`),
+    the only count of a failed lookup, which reads as a miss."""
+    port = start_metrics_exporter(0)
+    config = _config(storage="file", storage_dir=str(tmp_path), metrics=True, metrics_name="documented")
+    with HiCache(config) as cache:
+        known_workload(cache)
+        scraped = _scraped_families(port, "documented")
+    documented = _documented_families()
+    assert len(documented) == 21
+    assert scraped.keys() == documented.keys()
+    for name, (kind, label, values) in documented.items():
+        assert scraped[name][:2] == (kind, label), name
+        if values:
+            assert scraped[name][2] == values, name
+
+
+def test_a_lookup_storage_cannot_make_is_a_miss_counted_as_an_io_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A backend error in a prefetch's lookup (a directory that cannot be listed; Mooncake's
+    `batch_is_exist` failing) ends the prefetch as a miss, not in `errors` (nor in
+    `hicache_transfer_failures_total{operation="storage"}`): only `io_errors` counts it, and
+    no family exported that."""
+    port = start_metrics_exporter(0)
+    root, scandir = str(tmp_path), os.scandir
+
+    def refused(path: Any = ".") -> Any:
+        if str(path) == root:
+            raise PermissionError(13, "Permission denied", root)
+        return scandir(path)
+
+    config = _config(storage="file", storage_dir=root, prefetch_threshold_pages=1, metrics=True,
+                     metrics_name="unlisted")
+    with HiCache(config) as cache:
+        monkeypatch.setattr(os, "scandir", refused)
+        assert cache.prefetch([Request("a", PROMPT)]) == {"a": 12}
+        while not cache.ready(["a"]):
+            pass
+        monkeypatch.undo()
+        cache.quiesce()
+        s = cache.statistics()
+        m = _scrape(port)
+    assert s.tree.prefetch_ends.miss == 1 and (s.prefetch.errors, s.prefetch.io_errors) == (0, 1)
+    assert _at(m, "hicache_transfer_failures_total", "unlisted", operation="storage") == 0
+    assert _at(m, "hicache_storage_io_errors_total", "unlisted") == 1
 
 
 def test_the_config_port_starts_the_exporter() -> None:
