@@ -17,7 +17,9 @@ device memory and compared with it, whichever tier it came from, and so is a req
 committed prefix after `cache_unfinished`, in the slots the cache then reports. After each
 call the invariants of every actor and of the facade are checked. Some seeds log their
 deliveries, and the log (of the last start) must replay with no divergence; some export
-Prometheus metrics, whose counters must never fall between the scrapes after each call;
+Prometheus metrics, whose counters must never fall between the scrapes after each call; after
+each `quiesce` the tokens `statistics()` counts as looked up and as hit in each tier are those
+the admissions reported (a host hit once its load-back landed, since a failed one served none);
 half check every K/V write against the slots live requests hold (`check_kv_writes`), which
 must refuse none of this well-behaved caller's writes; half check every read
 (`check_kv_reads`: live slots, load-backs landed), which must refuse none of its reads.
@@ -35,6 +37,7 @@ import math
 import random
 import time
 from array import array
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +48,7 @@ from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from hicache.actors import KVShape, LoadFailedError, SeededFaults
+from hicache.messages import PrefetchEnd
 from hicache.runtime import Config, HiCache, Insufficient, Request, RequestError, ThreadedRuntime, read_log
 from hicache.runtime.oracle import FingerprintOracle
 from hicache.runtime.testing import replay_log
@@ -52,6 +56,14 @@ from hicache.runtime.testing import replay_log
 pytestmark = pytest.mark.timeout(120)
 
 STEPS = 160
+
+
+@dataclass
+class _Truth:
+    looked_up: int = 0
+    device_hit: int = 0
+    host_hit: int = 0
+    storage_hit: int = 0
 
 
 class _Run:
@@ -105,6 +117,8 @@ class _Run:
         """The committed tokens of finished requests, which a later admission may continue."""
         self.made = 0
         self.verified = 0
+        self.truth = _Truth()
+        """What this start's admissions looked up and were served, as the scheduler saw them."""
 
     def set_shape(self, config: Config) -> None:
         """The fingerprint oracle of each namespace, for `config`'s KV shape."""
@@ -173,12 +187,16 @@ class _Run:
         if not rids:
             return
         admitted = cache.admit([Request(rid, self.tokens(ids[:-1]), ns) for rid, ids, ns in zip(rids, prompts, spaces)])
+        self.truth.looked_up += sum(len(ids) - 1 for ids in prompts)
+        self.truth.device_hit += sum(adm.device_hit for adm in admitted)
         try:
             cache.start_loads().wait_all()
         except LoadFailedError:  # the tree dropped what did not load: retract, and admit again later
             cache.retract([adm.handle for adm in admitted])
             self.retracted += rids
             return
+        self.truth.host_hit += sum(adm.host_hit for adm in admitted)  # served: their loads landed
+        self.truth.storage_hit += sum(adm.storage_hit for adm in admitted)
         for adm, ids, ns in zip(admitted, prompts, spaces):
             cached = adm.cached_tokens
             if cached:  # whatever tier it came from, the prefix's KV in device memory is the oracle's
@@ -292,6 +310,20 @@ class _Run:
         self.live.clear()
         cache.quiesce()
         cache.check_invariants()
+        self.check_hits(cache, STEPS)
+
+    def check_hits(self, cache: HiCache, step: int) -> None:
+        """After a `quiesce`: each tier's figures are what the admissions reported, a host hit
+        counted once its load-back landed (a failed one is no tier's)."""
+        s, t = cache.statistics(), self.truth
+        served = (s.l2.hit_tokens if s.l2 else 0) + (s.l3.hit_tokens if s.l3 else 0)
+        assert (s.looked_up_tokens, s.l1.hit_tokens, served, s.l3.hit_tokens if s.l3 else 0) == (
+            t.looked_up, t.device_hit, t.host_hit, t.storage_hit), f"seed {self.seed} step {step}: {s.tiers}, {t}"
+        for upper, lower in zip(s.tiers, s.tiers[1:]):
+            assert lower.requested_tokens == upper.requested_tokens - upper.hit_tokens, f"seed {self.seed} step {step}"
+        assert s.tree.live_handles == len(self.live), f"seed {self.seed} step {step}"
+        ends = sum(s.tree.prefetch_ends.of(end) for end in PrefetchEnd)
+        assert ends + s.tree.prefetches_in_flight == s.tree.prefetches_started, f"seed {self.seed} step {step}"
 
     def step(self, cache: HiCache, step: int) -> None:
         """One call (or a few that go together) chosen at random, then every invariant checked."""
@@ -315,8 +347,10 @@ class _Run:
             cache.close(drain=rng.random() < 0.7)
             cache.start()
             self.counted.clear()  # a cache started again counts from zero
+            self.truth = _Truth()
         else:
             cache.quiesce()
+            self.check_hits(cache, step)
             if rng.random() < 0.3:
                 cache.evict_device(rng.randrange(1, 4 * self.page))
             if self.config.host_tier and rng.random() < 0.5:
