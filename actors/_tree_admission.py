@@ -256,7 +256,9 @@ class Admissions:
             host_hit = sum(nd.tokens for nd in nodes if nd.id in loading)
             n.looked_up_tokens += len(p.item.tokens)
             n.device_hit_tokens += dev_hit
-            storage_hit = min(p.item.stored, host_hit)
+            # The prefetched pages end the host part of the path (`host_hit + host_miss`), whose
+            # leading `host_hit` tokens load back: those of them that are the prefetch's.
+            storage_hit = min(host_hit, max(0, p.item.stored - p.host_miss))
             if host_hit:  # served once the load of its deepest loading node lands (`loaded`)
                 load = self.loads[next(nd.op for nd in reversed(nodes) if nd.id in loading)]
                 load.hit_tokens += host_hit

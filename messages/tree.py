@@ -55,7 +55,9 @@ class Admission(Message):
     host_miss: int
     """Tokens found in host memory but not loaded (quota, minimum length or device memory)."""
     storage_hit: int = 0
-    """Of `host_hit`, the tokens the request's own storage prefetch read (`AdmitItem.stored`)."""
+    """Of `host_hit`, the tokens the request's own storage prefetch read (`AdmitItem.stored`);
+    those pages end the host part of the match, so the ones left in host memory (`host_miss`)
+    are not."""
 
 
 @message(403)

@@ -115,7 +115,8 @@ class AdmitResult:
     """Tokens in host memory that were not loaded back (quota, minimum length)."""
     storage_hit: int = 0
     """Of `host_hit`, the tokens this request's storage prefetch read from L3 (so L2 served
-    `host_hit - storage_hit` and L3 `storage_hit`)."""
+    `host_hit - storage_hit` and L3 `storage_hit`); the prefetched pages are the last of those
+    found in host memory, so those not loaded back (`host_miss`) are not counted."""
 
     @property
     def cached_tokens(self) -> int:

@@ -354,6 +354,35 @@ def test_an_exporter_address_that_does_not_resolve_names_the_host_not_the_port()
     assert Config(metrics_host="::1").metrics_host == "::1"  # an IPv6 address binds without brackets
 
 
+def test_prefetched_pages_the_quota_leaves_in_host_memory_are_no_storage_hit(tmp_path: Path) -> None:
+    """Of a prompt's four pages, two were in host memory and a prefetch read the other two; the
+    load-back quota let the admission load back the first two only (host_miss 8). The tree
+    took the request's storage hit as min(prefetched, host hit) = 8: L3 was credited with the
+    8 tokens L2 served, and `AdmitResult.storage_hit` said 8 of pages left in host memory."""
+    prompt = PROMPT + LONGER[12:]
+    config = _config(storage="file", storage_dir=str(tmp_path), prefetch_policy="wait_complete",
+                     prefetch_threshold_pages=1)
+    with HiCache(config) as cache:
+        serve(cache, Request("a", prompt))
+        cache.quiesce()  # backed up to storage
+    with HiCache(config.replace(load_back_quota_tokens=8)) as cache:
+        serve(cache, Request("b", prompt[:8]))
+        cache.quiesce()
+        assert cache.evict_device(64) == 8  # the first two pages: in host memory only
+        assert cache.prefetch([Request("c", prompt)]) == {"c": 8}
+        while not cache.ready(["c"]):
+            pass
+        [admitted] = cache.admit([Request("c", prompt)])
+        assert (admitted.device_hit, admitted.host_hit, admitted.host_miss) == (0, 8, 8)
+        storage_hit = admitted.storage_hit
+        cache.start_loads().wait_all()
+        cache.finish([admitted.handle])
+        cache.quiesce()
+        s = cache.statistics()
+    assert storage_hit == 0 and s.l2 is not None and s.l3 is not None
+    assert (s.l2.requested_tokens, s.l2.hit_tokens, s.l3.requested_tokens, s.l3.hit_tokens) == (24, 8, 16, 0)
+
+
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
 
 
