@@ -764,7 +764,7 @@ def test_the_reference_scheduler_serves_a_second_instance_from_the_first_ones_st
     sb = serve(b)  # its fake model checks every prefix the cache supplied, layer by layer
     outcomes = list(sb.outcomes.values())
     assert all(o.finished for o in outcomes)
-    storage = sum(o.storage_hit for o in outcomes)
+    storage = sum(o.prefetched_tokens for o in outcomes)
     assert storage > 0 and sum(o.storage_hit > 0 for o in outcomes) >= 3
     s = statistics_when(b.raw, quiet, "instance B's backups")
     assert s.tree.storage_hit_tokens == storage

@@ -204,7 +204,7 @@ def _serve(reqs: list[ServeRequest], cfg: Config, bar: Any, label: str, kv: bool
         hc.check_invariants()
         stats = hc.statistics()
     outs = list(sched.outcomes.values())
-    l3 = [min(o.storage_hit, o.host_hit) for o in outs]  # what its prefetch brought and admission loaded
+    l3 = [o.storage_hit for o in outs]  # what its prefetch brought and its admission loaded back
     return _Run(
         hits_l1=sum(o.device_hit for o in outs), hits_l2=sum(o.host_hit for o in outs) - sum(l3), hits_l3=sum(l3),
         recomputed=sum(o.computed_prompt_tokens for o in outs),

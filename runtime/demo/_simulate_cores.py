@@ -125,7 +125,8 @@ class SimCores(InlineCores):
         """One request: its prefetch (with storage), admission of `prompt` minus its last
         token, slots for the rest (evicting if short), commit, finish."""
         item = AdmitItem(request_id=rid, namespace="", tokens=prompt[: len(prompt) - 1])
-        stored = self._prefetched(item) if self.store is not None else 0
+        if self.store is not None:  # its admission tells which host hits the prefetch read, as the facade's does
+            item = AdmitItem(request_id=rid, namespace="", tokens=item.tokens, stored=self._prefetched(item))
         [adm] = self._ask(lambda op: self.tree.admit(op, (item,)), Admitted).admissions
         cached = adm.device_hit + adm.host_hit
         rest = len(prompt) - cached
@@ -133,7 +134,7 @@ class SimCores(InlineCores):
         done = FinishItem(request_id=rid, handle=adm.handle, reason=ReleaseReason.FINISHED, tokens=prompt[cached:],
                           device=got, allocs=0, commits=rest)  # what follows the cached prefix, committed with the release
         self._ask(lambda op: self.tree.finish(op, (done,)), Finished)
-        return Served(len(item.tokens), adm.device_hit, adm.host_hit, min(stored, adm.host_hit), rest)
+        return Served(len(item.tokens), adm.device_hit, adm.host_hit, adm.storage_hit, rest)
 
     def _prefetched(self, item: AdmitItem) -> int:
         """Tokens a prefetch brought for `item` from storage (0: none started, or a miss)."""

@@ -115,7 +115,10 @@ class Outcome:
     device_hit: int = 0
     host_hit: int = 0
     storage_hit: int = 0
-    """Tokens its prefetch brought from storage (loaded back as part of `host_hit`)."""
+    """Of `host_hit`, the tokens its own prefetch read from storage (`AdmitResult.storage_hit`)."""
+    prefetched_tokens: int = 0
+    """Tokens its prefetch read from storage, as `ready` reported them (those its admission
+    left in host memory, `host_miss`, are no part of `storage_hit`)."""
     computed_prompt_tokens: int = 0
     retractions: int = 0
     aborted: bool = False
@@ -351,7 +354,7 @@ class ReferenceScheduler:
         room = max(0, self.config.max_running - len(self.running))
         got = self.hc.ready([rid for rid in (_spec(w).request_id for w in window[:room]) if rid in prefetching])
         for rid, tokens in got.items():
-            self.outcomes[rid].storage_hit += tokens
+            self.outcomes[rid].prefetched_tokens += tokens
         if self.config.abort_rate:
             doomed = [rid for rid in self.hc.prefetching if self._rng.random() < self.config.abort_rate]
             if doomed:
@@ -396,7 +399,7 @@ class ReferenceScheduler:
             out = self.outcomes[spec.request_id]
             if out.first_tick < 0:
                 out.first_tick = self.ticks
-                out.device_hit, out.host_hit = res.device_hit, res.host_hit
+                out.device_hit, out.host_hit, out.storage_hit = res.device_hit, res.host_hit, res.storage_hit
         if self.config.abort_rate:  # gone before its forward pass: its load-backs were never started
             gone = [(item, res) for item, res in zip(batch, results, strict=True)
                     if self._rng.random() < self.config.abort_rate]
