@@ -20,7 +20,9 @@ from __future__ import annotations
 import gc
 import importlib
 import random
+import types
 from collections import deque
+from pathlib import Path
 
 import pytest
 
@@ -97,14 +99,14 @@ class _Workload:
         hc.finish(list(handles.values()))
 
 
-_LEAVES = (str, bytes, int, float, bool, type(None), memoryview, type)
+_LEAVES = (str, bytes, int, float, bool, type(None), memoryview, type, types.ModuleType)
 
 
 def _sizes(hc: HiCache) -> dict[str, int]:
     """The length of every container reachable from the facade and the actors, by the path
     of attributes and keys that reaches it first (items of a sequence: the largest of its
     first few)."""
-    actors = sorted((o for o in gc.get_objects() if isinstance(o, HiActor)), key=lambda a: a.name.value)
+    actors = sorted((o for o in gc.get_objects() if issubclass(type(o), HiActor)), key=lambda a: a.name.value)
     out: dict[str, int] = {}
     seen: set[int] = set()
     todo = [("hc", hc, 0)] + [(type(a).__name__, a, 0) for a in reversed(actors)]  # the actors first
@@ -136,7 +138,8 @@ def _grown(before: dict[str, int], after: dict[str, int]) -> dict[str, tuple[int
 
 
 @pytest.mark.parametrize("write_policy", ["write_through", "write_back"])
-def test_memory_does_not_grow_with_requests_served(tmp_path, monkeypatch, write_policy):
+def test_memory_does_not_grow_with_requests_served(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   write_policy: str) -> None:
     monkeypatch.setattr(_facade, "FINISHED_REMEMBERED_MAX", REMEMBERED)
     monkeypatch.setattr(_device_core, "RELEASED_REMEMBERED_MAX", REMEMBERED)
     monkeypatch.setattr(_log, "BLOBS_HELD_BYTES_MAX", 1 << 16)
@@ -164,7 +167,7 @@ def test_memory_does_not_grow_with_requests_served(tmp_path, monkeypatch, write_
     assert _grown(sizes[0], sizes[1]) == {}
 
 
-def test_the_soak_command_keeps_its_storage_bounded(tmp_path, monkeypatch):
+def test_the_soak_command_keeps_its_storage_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`hicache soak` serves round after round into one storage directory, and each fresh instance
     indexes every page there: that storage must stop growing once full, or the resident memory
     the soak judges grows with the requests it served."""
