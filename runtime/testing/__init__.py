@@ -38,6 +38,7 @@ from ._scheduler import (
     Outcome,
     ReferenceScheduler,
     SchedulerConfig,
+    Served,
     ServeRequest,
     StepModel,
 )
@@ -68,6 +69,7 @@ __all__ = [
     "ReplayStrategy",
     "ScheduleDivergedError",
     "SchedulerConfig",
+    "Served",
     "ServeRequest",
     "Step",
     "StepModel",

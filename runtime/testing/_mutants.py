@@ -293,6 +293,29 @@ class _LoadingAsDevice(TreeActor):
         self.core.admission.__class__ = _BatchLoadsOnly
 
 
+# -- a host hit counted when the admission is answered, not when its load-back lands ------------
+
+
+class _HitsOnAnswer(Admissions):
+    """Counts an admission's host hits (and their storage part) as served when it answers the
+    admission: a load-back that then fails still counts as an L2 (or L3) hit, and the request
+    admitted again to recompute the prefix counts a second one."""
+
+    def _reply_admitted(self, op_id: int, plans: list[_Plan]) -> None:
+        super()._reply_admitted(op_id, plans)
+        n = self.s.n
+        for load in self.loads.values():
+            n.host_hit_tokens += load.hit_tokens
+            n.host_hit_storage_tokens += load.storage_tokens
+            load.hit_tokens = load.storage_tokens = 0
+
+
+class _HitsCountedOnAnswer(TreeActor):
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.core.admission.__class__ = _HitsOnAnswer
+
+
 # -- write_back deletes a victim whose parent is not backed up ---------------------------------
 
 
@@ -521,6 +544,10 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("insert-through-loads", "a request's insert takes the pages of a node whose load-back has not landed for "
            "its own KV", "a running request reads pages nothing loaded; a failed load leaves device nodes under a "
            "host-only one", {ActorName.TREE: _InsertThroughLoads}, "orphans"),
+    Mutant("host-hit-counted-at-admission", "an admission's host hit (L2's, and its storage part L3's) counted "
+           "when the tree answers the admission, not when its load-back lands",
+           "a load-back that fails still counts as a hit, and the request admitted again counts a second one: "
+           "L2's hit tokens exceed what was loaded", {ActorName.TREE: _HitsCountedOnAnswer}, "orphans"),
     Mutant("write-back-drops-tail", "write_back deletes a victim whose parent is not backed up instead of writing "
            "the ancestors back with it", "a tail under a hot prefix is lost on every eviction instead of kept in host memory",
            {ActorName.TREE: _DropTail}),

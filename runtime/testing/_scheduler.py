@@ -129,6 +129,27 @@ class Outcome:
 
 
 @dataclass(slots=True)
+class Served:
+    """What every admission of a run looked up and was served, as the scheduler saw it: the
+    figures the cache's statistics must report once it is quiet (`statistics()`'s tiers)."""
+
+    looked_up: int = 0
+    """Tokens every admission looked up (L1's requested tokens)."""
+    device_hit: int = 0
+    """Their device hits (L1's hit tokens)."""
+    host_hit: int = 0
+    """Host hits of the admissions whose load-backs the forward pass waited for and that landed
+    (L2's hit tokens plus L3's): a load-back that failed served none."""
+    storage_hit: int = 0
+    """Of `host_hit`, those the requests' own prefetches read (L3's hit tokens)."""
+    unseen_host_hit: int = 0
+    """Host hits of admissions dropped before their load-backs started: whether those loads landed
+    (a later batch starts them) nobody waited to see, so they may count or not."""
+    unseen_storage_hit: int = 0
+    """Of `unseen_host_hit`, those the requests' own prefetches read."""
+
+
+@dataclass(slots=True)
 class _Running:
     spec: ServeRequest
     handle: CacheHandle
@@ -255,6 +276,11 @@ class ReferenceScheduler:
         self.outcomes: dict[str, Outcome] = {}
         self.ticks = 0
         self.load_failures = 0
+        self.served = Served()
+        """What the admissions looked up and were served, summed over the run (`Outcome` holds a
+        request's first admission only)."""
+        self._awaited = (0, 0)
+        """Host and storage hits of this tick's admissions, served once their load-backs land."""
         self._prefetch_tried: set[str] = set()
         self._uncommitted: dict[str, array] = {}
         """Tokens computed last tick by requests still decoding: committed by this tick's allocation."""
@@ -300,6 +326,7 @@ class ReferenceScheduler:
         self.ticks += 1
         self.hc.sync()
         self._prefetch()
+        self._awaited = (0, 0)
         waiter = self._admit()
         steps = self._plan()
         loaded = True
@@ -316,6 +343,8 @@ class ReferenceScheduler:
         if not loaded:
             self._retract_after_failed_load(steps)
             return
+        self.served.host_hit += self._awaited[0]
+        self.served.storage_hit += self._awaited[1]
         if steps:
             self._commit(steps)
         self._advance(steps, nxt)
@@ -390,6 +419,9 @@ class ReferenceScheduler:
         seqs = [_token_array(item.prompt) if isinstance(item, ServeRequest) else item.seq for item in batch]
         results = self.hc.admit([Request(_spec(item).request_id, seq[:-1], _spec(item).namespace)
                                  for item, seq in zip(batch, seqs, strict=True)])
+        served = self.served
+        served.looked_up += sum(len(seq) - 1 for seq in seqs)
+        served.device_hit += sum(res.device_hit for res in results)
         for item, seq, res in zip(batch, seqs, results, strict=True):
             spec = _spec(item)
             outputs = 0 if isinstance(item, ServeRequest) else item.outputs
@@ -405,6 +437,8 @@ class ReferenceScheduler:
                     if self._rng.random() < self.config.abort_rate]
             if gone:
                 self.hc.abort([res.handle for _, res in gone])
+                served.unseen_host_hit += sum(res.host_hit for _, res in gone)
+                served.unseen_storage_hit += sum(res.storage_hit for _, res in gone)
                 for item, _ in gone:
                     rid = _spec(item).request_id
                     del self.running[rid]
@@ -413,6 +447,7 @@ class ReferenceScheduler:
                 gone_ids = {res.request_id for _, res in gone}
                 results = [res for res in results if res.request_id not in gone_ids]
         if any(r.host_hit for r in results):
+            self._awaited = (sum(r.host_hit for r in results), sum(r.storage_hit for r in results))
             if self.config.quiesce_rate and self._quiesce_rng.random() < self.config.quiesce_rate:
                 self.hc.quiesce()  # starts their load-backs, on which no forward pass waits
             return self.hc.start_loads()

@@ -3,7 +3,8 @@
 Each schedule runs a scenario on the deterministic runtime with a strategy (PCT or
 random) and a seed, with every actor's `check_invariants()` after every delivery,
 the fingerprint oracle on every cached read, and quiescence checks at the end (no
-lock held, nothing in flight, slots conserved). A failure is written down as a
+lock held, nothing in flight, slots conserved; the statistics' hits are those the
+scheduler was served). A failure is written down as a
 schedule trace (the strategy's choices, with scenario, seed and mutant) and a
 delivery log, and `hicache explore --replay TRACE` runs exactly that schedule
 again.
@@ -44,7 +45,7 @@ from ._deterministic import DeterministicRuntime
 from .._facade import CacheHandle, HiCache, Request, RequestError
 from .._facade_types import shown
 from ._mutants import MUTANTS, Mutant, mutant
-from ._scheduler import ReferenceScheduler, SchedulerConfig, ServeRequest
+from ._scheduler import ReferenceScheduler, SchedulerConfig, Served, ServeRequest
 from ._strategies import PCTStrategy, RandomStrategy, ReplayStrategy, Strategy
 
 DEFAULT_PCT_STEPS = 3000
@@ -153,6 +154,7 @@ def _serve_workload(rt: DeterministicRuntime, seed: int, mut: Mutant | None) -> 
         hc.quiesce()
         hc.check_invariants()
         check_quiescent(hc)
+        check_served(hc, sched.served)
 
 
 def _pressure(rt: DeterministicRuntime, seed: int, mut: Mutant | None) -> None:
@@ -176,6 +178,7 @@ def _pressure(rt: DeterministicRuntime, seed: int, mut: Mutant | None) -> None:
         hc.quiesce()
         hc.check_invariants()
         check_quiescent(hc)
+        check_served(hc, sched.served)
 
 
 def _orphans(rt: DeterministicRuntime, seed: int, mut: Mutant | None) -> None:
@@ -201,6 +204,7 @@ def _orphans(rt: DeterministicRuntime, seed: int, mut: Mutant | None) -> None:
         hc.quiesce()
         hc.check_invariants()
         check_quiescent(hc)
+        check_served(hc, sched.served)
 
 
 EXPLORE_MODEL_ID = "hicache-explore"
@@ -240,6 +244,7 @@ def _storage(rt: DeterministicRuntime, seed: int, mut: Mutant | None) -> None:
             hc.quiesce()
             hc.check_invariants()
             check_quiescent(hc)
+            check_served(hc, sched.served)
 
 
 def _misuse(rt: DeterministicRuntime, seed: int, mut: Mutant | None) -> None:
@@ -267,6 +272,7 @@ def _misuse(rt: DeterministicRuntime, seed: int, mut: Mutant | None) -> None:
         hc.quiesce()
         hc.check_invariants()
         check_quiescent(hc)
+        check_served(hc, sched.served)
 
 
 def _bad_calls(hc: HiCache, sched: ReferenceScheduler) -> list[Callable[[], Any]]:
@@ -393,6 +399,24 @@ def check_quiescent(hc: HiCache) -> None:
         problems.append(f"host: {held} slots held but the tree holds {s.tree.host_tokens}")
     if problems:
         raise QuiescenceError("not quiescent at the end: " + "; ".join(problems))
+
+
+def check_served(hc: HiCache, want: Served) -> None:
+    """Once the cache is quiet, each tier's figures are what the scheduler's admissions looked up
+    and were served (`ReferenceScheduler.served`): a host hit counts once the load-back it waited
+    for landed (one that failed is no tier's hit); those of requests dropped before their loads
+    started may count or not."""
+    s = hc.statistics()
+    l3 = s.l3.hit_tokens if s.l3 else 0
+    host = l3 + (s.l2.hit_tokens if s.l2 else 0)
+    if ((s.looked_up_tokens, s.l1.hit_tokens) != (want.looked_up, want.device_hit)
+            or not want.host_hit <= host <= want.host_hit + want.unseen_host_hit
+            or not want.storage_hit <= l3 <= want.storage_hit + want.unseen_storage_hit):
+        raise QuiescenceError(
+            f"statistics differ from what the admissions were served: looked up {s.looked_up_tokens}, "
+            f"L1 hit {s.l1.hit_tokens}, L2+L3 hit {host}, L3 hit {l3}; the scheduler saw {want.looked_up} looked "
+            f"up, {want.device_hit} device hit, {want.host_hit} host hit landed (+{want.unseen_host_hit} unseen), "
+            f"{want.storage_hit} storage hit (+{want.unseen_storage_hit} unseen)")
 
 
 # -- one schedule ------------------------------------------------------------------------------
