@@ -25,11 +25,13 @@ from __future__ import annotations
 import fcntl
 import json
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from rich.console import Console
 from rich.table import Table
 
@@ -146,7 +148,7 @@ def run_demo(
         cfg = demo_config(**fields)
         served = [r for r in trace if r.input_length <= cfg.device_slots // 2]
         reqs = serve_requests(served)
-        with progress() as bar:
+        with progress() as bar, _one_torch_thread():
             label = "L1 + L2 + L3" if storage != "none" else "L1 + L2"
             hier = _serve(reqs, cfg.replace(log_path=str(log_path)) if log_path else cfg, bar, label)
             l2 = _serve(reqs, demo_config(), bar, "L1 + L2", kv=False) if storage != "none" else hier
@@ -159,6 +161,21 @@ def run_demo(
     else:
         _table(figures)
     return 0 if figures["verified_tokens"] > 0 or not served else 1
+
+
+@contextmanager
+def _one_torch_thread() -> Iterator[None]:
+    """Torch's CPU ops on the calling thread alone while the demo serves. Its fake model's
+    gathers, stacks and copies are a few MiB each; split over torch's intra-op threads, each
+    waits for the slowest. On a two-core machine whose other core was busy with another
+    process, the three runs took 108 s on two threads and 14 s on one; on an idle one, 17-19 s
+    either way, with a third less CPU time on one (docs/benchmarks.md)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @dataclass
