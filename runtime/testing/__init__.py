@@ -38,8 +38,8 @@ from ._scheduler import (
     Outcome,
     ReferenceScheduler,
     SchedulerConfig,
-    Served,
     ServeRequest,
+    ServedTotals,
     StepModel,
 )
 from ._strategies import PCTStrategy, RandomStrategy, ReplayStrategy, ScheduleDivergedError, Strategy
@@ -69,8 +69,8 @@ __all__ = [
     "ReplayStrategy",
     "ScheduleDivergedError",
     "SchedulerConfig",
-    "Served",
     "ServeRequest",
+    "ServedTotals",
     "Step",
     "StepModel",
     "Strategy",

@@ -129,7 +129,7 @@ class Outcome:
 
 
 @dataclass(slots=True)
-class Served:
+class ServedTotals:
     """What every admission of a run looked up and was served, as the scheduler saw it: the
     figures the cache's statistics must report once it is quiet (`statistics()`'s tiers)."""
 
@@ -276,7 +276,7 @@ class ReferenceScheduler:
         self.outcomes: dict[str, Outcome] = {}
         self.ticks = 0
         self.load_failures = 0
-        self.served = Served()
+        self.served = ServedTotals()
         """What the admissions looked up and were served, summed over the run (`Outcome` holds a
         request's first admission only)."""
         self._awaited = (0, 0)

@@ -45,7 +45,7 @@ from ._deterministic import DeterministicRuntime
 from .._facade import CacheHandle, HiCache, Request, RequestError
 from .._facade_types import shown
 from ._mutants import MUTANTS, Mutant, mutant
-from ._scheduler import ReferenceScheduler, SchedulerConfig, Served, ServeRequest
+from ._scheduler import ReferenceScheduler, SchedulerConfig, ServeRequest, ServedTotals
 from ._strategies import PCTStrategy, RandomStrategy, ReplayStrategy, Strategy
 
 DEFAULT_PCT_STEPS = 3000
@@ -401,7 +401,7 @@ def check_quiescent(hc: HiCache) -> None:
         raise QuiescenceError("not quiescent at the end: " + "; ".join(problems))
 
 
-def check_served(hc: HiCache, want: Served) -> None:
+def check_served(hc: HiCache, want: ServedTotals) -> None:
     """Once the cache is quiet, each tier's figures are what the scheduler's admissions looked up
     and were served (`ReferenceScheduler.served`): a host hit counts once the load-back it waited
     for landed (one that failed is no tier's hit); those of requests dropped before their loads
