@@ -4,7 +4,8 @@ The load stream copies a batch layer by layer and publishes each finished layer
 here; the forward pass calls `wait_layer(i)` before attention reads layer `i`.
 Progress lives in a bounded ring of `ring_size` batches, so the next batch's load
 can run while the forward pass still reads the previous one. A batch that fails
-makes every wait on it raise `LoadFailedError`: a failed copy is never "done".
+makes every wait on it raise `LoadFailedError`: a failed copy is never "done", not even
+once newer batches took its slot (the last `FAILED_REMEMBERED_MAX` failures are kept).
 
 On CUDA the load stream records one event per layer and `wait_layer` makes the
 caller's current stream wait on it: the host returns as soon as the event is
@@ -38,6 +39,12 @@ class _Slot:
     """A bit per layer a `wait_layer` returned for: on CUDA the waiter's stream reads it after its copy."""
 
 
+FAILED_REMEMBERED_MAX = 1024
+"""Failed batches a ring remembers past their slots (`LayerDoneRing.failure`): a read check
+refuses the pages of one of them however many batches began since, up to this many newer
+failures."""
+
+
 class LayerDoneRing:
     """Threaded implementation: a condition variable over `ring_size` slots."""
 
@@ -48,6 +55,9 @@ class LayerDoneRing:
         self.layers = layers
         self._slots = [_Slot() for _ in range(ring_size)]
         self._cond = threading.Condition()
+        self._failed: dict[int, str] = {}
+        """The last `FAILED_REMEMBERED_MAX` failed batches and why, kept past their ring slots:
+        a failed batch never lands, however many batches began since (`landed`, `failure`)."""
 
     # -- producer side (the load stream) ------------------------------------
 
@@ -86,6 +96,9 @@ class LayerDoneRing:
         """The batch failed: waiters on any of its layers raise `LoadFailedError`."""
         with self._cond:
             self._current(batch).failure = reason
+            self._failed[batch] = reason
+            if len(self._failed) > FAILED_REMEMBERED_MAX:
+                del self._failed[next(iter(self._failed))]
             self._cond.notify_all()
 
     # -- consumer side (the forward pass) -----------------------------------
@@ -119,17 +132,16 @@ class LayerDoneRing:
         with self._cond:
             slot = self._slots[batch % self.ring_size]
             if slot.batch != batch:
-                return slot.batch > batch
+                return slot.batch > batch and batch not in self._failed
             if slot.failure is not None or slot.layers_done <= layer:
                 return False
             event = slot.events[layer] if slot.events else None
             return event is None or bool(slot.waited >> layer & 1) or bool(event.query())
 
     def failure(self, batch: int) -> str | None:
-        """Why `batch` failed, if it did and its ring slot still holds it."""
+        """Why `batch` failed, if it did (and is among the last `FAILED_REMEMBERED_MAX` that failed)."""
         with self._cond:
-            slot = self._slots[batch % self.ring_size]
-            return slot.failure if slot.batch == batch else None
+            return self._failed.get(batch)
 
     def _ready(self, batch: int, layer: int) -> bool:
         slot = self._slots[batch % self.ring_size]

@@ -12,7 +12,8 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from hicache.actors import LoadFailedError
+from hicache.actors import LayerDoneRing, LoadFailedError
+from hicache.actors._layers import FAILED_REMEMBERED_MAX
 from hicache.runtime import AdmitResult, Config, HiCache, KVArgumentError, Request
 from hicache.runtime._kv_checks import LiveSlots
 
@@ -276,6 +277,48 @@ def test_a_read_of_a_load_back_that_failed_is_refused_and_its_pages_granted_agai
     for layer in range(hc.kv.layers):
         assert torch.equal(hc.kv.gather(layer, mine)[0], _kv_of(hc, [7] * 60, 0, layer))
     hc.abort([c.handle])
+
+
+def test_a_load_back_that_failed_is_refused_after_newer_batches_took_its_ring_slot(
+    open_deterministic: Callable[..., HiCache]
+) -> None:
+    """The progress ring holds `load_ring_size` batches: once a newer batch took a failed
+    batch's slot, the check took the failed batch for landed, and read its pages."""
+    hc = open_deterministic(faults=FailFirstLoads(), load_ring_size=1)
+    other = [9] * 13
+    _served(hc, "a", PROMPT)
+    _served(hc, "x", other)
+    hc.quiesce()
+    assert hc.evict_device(64) == 24  # both prefixes in host memory only
+    [b] = hc.admit([Request("b", PROMPT)])
+    failed = hc.start_loads()  # fails
+    [y] = hc.admit([Request("y", other)])
+    later = hc.start_loads()  # lands, in the ring's one slot
+    assert (b.host_hit, y.host_hit, later.batch) == (12, 12, failed.batch + 1)
+    later.wait_all()
+    why = (f"^slot {int(b.device_indices[0])} is in a prefix whose load-back from host memory failed \\(load batch "
+           f"{failed.batch}: injected: a load-back fails\\); its K/V is not valid: retract the requests that read it "
+           r"and admit them again \(Config\.check_kv_reads\)$")
+    for layer in range(hc.kv.layers):
+        with pytest.raises(KVArgumentError, match=why):
+            hc.kv.gather(layer, b.device_indices)
+        with pytest.raises(KVArgumentError, match=why):
+            hc.kv.check_read(layer, b.device_indices)
+        assert torch.equal(hc.kv.gather(layer, y.device_indices)[0], _kv_of(hc, other[:12], 0, layer))
+    hc.retract([b.handle])
+    hc.abort([y.handle])
+
+
+def test_the_ring_remembers_a_bounded_number_of_failed_batches_past_their_slots() -> None:
+    ring = LayerDoneRing(1, 2)
+    last = FAILED_REMEMBERED_MAX + 2
+    for batch in range(1, last + 1):
+        ring.begin(batch)
+        ring.fail(batch, f"failure {batch}")
+    ring.begin(last + 1)  # takes the one slot
+    assert ring.failure(last) == f"failure {last}" and not ring.landed(last, 0)
+    assert ring.failure(3) == "failure 3" and not ring.landed(3, 1)  # the oldest remembered
+    assert ring.failure(2) is None and ring.landed(2, 0)  # forgotten: FAILED_REMEMBERED_MAX newer failures
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is absent on this machine")
