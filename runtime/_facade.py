@@ -370,6 +370,9 @@ class HiCache:
         """Live requests admitted with a host hit since the last `start_loads` (or `quiesce`), and
         that hit: until then their prefix is not in their device slots, so a commit of theirs (KV
         computed over that prefix) is refused."""
+        self._loading: dict[str, tuple[int, int]] = {}
+        """Live requests whose host hit's load-back started, with the batch and that hit: a commit
+        of theirs is refused once the batch failed (the prefix never reached their device slots)."""
         self._ended: OrderedDict[str, str] = OrderedDict()
         self._pending: dict[int, Pending] = {}
         """Calls whose reply has not been applied (abandoned ones until their late reply comes)."""
@@ -513,6 +516,7 @@ class HiCache:
         for adm in reply.admissions:
             self._live.pop(adm.request_id, None)
             self._unloaded.pop(adm.request_id, None)
+            self._loading.pop(adm.request_id, None)
             if self._checks is not None:
                 self._checks.left(adm.request_id, adm.device.to_bytes(), "had its admission taken back")
         ends = tuple(
@@ -651,7 +655,7 @@ class HiCache:
         admission counts a prefix that an earlier load has not landed yet as a host hit."""
         with self._call():
             started = self._start_queued_loads(awaited=True)
-            self._unloaded.clear()
+            self._started_unloaded(started.batch)
             assert self.system.ring is not None
             return self.system.ring.waiter(started.batch)
 
@@ -858,7 +862,7 @@ class HiCache:
         if type(tokens) is not dict and not isinstance(tokens, Mapping):
             raise RequestError(f"commit must map request ids to tokens, got {type(tokens).__name__}")
         out = []
-        lives, unloaded = self._live, self._unloaded
+        lives, unloaded, loading = self._live, self._unloaded, self._loading
         for rid, toks in tokens.items():
             live = lives.get(rid) if type(rid) is str else None  # a live request's id is a valid one
             if live is None:
@@ -870,6 +874,8 @@ class HiCache:
                     "slots, so KV computed over them is wrong. Call start_loads() after admit() and "
                     "wait_layer(layer) before a layer reads the prefix; retract this request and admit it again"
                 )
+            if loading and rid in loading:
+                self._check_loaded(rid)
             m, data = 0, b""
             if live.follows_prompt():
                 m, data = check.prompt_continued(live.prompt.to_bytes(), live.along, toks) or (0, b"")
@@ -884,6 +890,18 @@ class HiCache:
             if n:
                 out.append((live, data, n, m))
         return out
+
+    def _check_loaded(self, rid: str) -> None:
+        """Refuse a commit of `rid` if the load-back of its host hit failed; forget it once it landed."""
+        batch, hit = self._loading[rid]
+        ring = self.system.ring
+        assert ring is not None
+        if (failure := ring.failure(batch)) is not None:
+            raise RequestError(
+                f"request {rid!r}: the load-back of its {hit} tokens from host memory failed (load batch {batch}: "
+                f"{failure}), so KV computed over them is wrong; retract this request and admit it again")
+        if ring.landed(batch, ring.layers - 1):
+            del self._loading[rid]
 
     def allocated(self, request_id: str) -> int:
         """Positions of a live request that have a slot (committed or not)."""
@@ -948,6 +966,7 @@ class HiCache:
                     self._checks.left(h.request_id, self._live[h.request_id].held(), _LEFT[reason])
                 del self._live[h.request_id]
                 self._unloaded.pop(h.request_id, None)
+                self._loading.pop(h.request_id, None)
                 if reason is not ReleaseReason.RETRACTED:
                     self._end(h.request_id, reason)
             return list(self._ask(ActorName.TREE, FinishRequests(op_id=self._op(), items=ends), Finished).entries)
@@ -1020,8 +1039,7 @@ class HiCache:
         A lost rank raises `RankLostError` instead, within the group's timeout."""
         with self._call():
             timeout_s = check.seconds("timeout_s", timeout_s)
-            self._start_queued_loads(awaited=False)
-            self._unloaded.clear()  # started, and waited for below
+            self._started_unloaded(self._start_queued_loads(awaited=False).batch)  # waited for below
             while True:
                 if self.group.size == 1:
                     self.system.quiesce(timeout_s)
@@ -1040,6 +1058,12 @@ class HiCache:
                 # is pending. The count is agreed state, so every rank leaves after as many syncs.
                 if not self.system.ask(ActorName.TREE, GetStatistics()).facts_pending:
                     return
+
+    def _started_unloaded(self, batch: int) -> None:
+        """The load-backs of the requests admitted with a host hit since the last start began, as `batch`."""
+        if self._unloaded:
+            self._loading.update((rid, (batch, hit)) for rid, hit in self._unloaded.items())
+            self._unloaded.clear()
 
     def _start_queued_loads(self, *, awaited: bool) -> LoadsStarted:
         """Start the load-backs admitted since the last start, as one batch: `start_loads`

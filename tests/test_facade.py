@@ -231,12 +231,13 @@ def test_caching_a_chunk_over_a_failed_load_back_is_a_clear_error_and_the_actors
     slots = hc.allocate({"b": 6})
     assert not isinstance(slots, Insufficient)
     assert isinstance(hc.allocate({"b": 1}), dict)  # from its last page: the device has not heard of it
-    hc.commit({"b": seq(7, 40)})
+    with pytest.raises(RequestError, match=r"^request 'b': the load-back of its 8 tokens from host memory failed"):
+        hc.commit({"b": seq(7, 40)})  # KV computed over a prefix that never loaded
     with pytest.raises(RequestError, match=r"\['b'\]: the cached prefix was lost to a failed load-back.*abort or retract"):
         hc.cache_unfinished([b.handle])
     hc.check_invariants()
-    [entry] = hc.retract([b.handle])  # the same handle still works: nothing changed, the slot and commits still to send
-    assert (entry.allocated, entry.committed, entry.freed) == (7, 7, 7)
+    [entry] = hc.retract([b.handle])  # the same handle still works: nothing changed, the slot still to send
+    assert (entry.allocated, entry.committed, entry.freed) == (7, 0, 7)
     s.settle()
     s.assert_quiet()
 

@@ -27,13 +27,14 @@ from hicache.runtime import (
     HiCache,
     Insufficient,
     KVArgumentError,
+    LoadFailedError,
     Request,
     RequestError,
     ThreadedRuntime,
 )
 from hicache.runtime.testing import DeterministicRuntime
 
-from conftest import make_runtime
+from conftest import FailFirstLoads, make_runtime
 
 
 def seq(n: int, start: int = 1) -> list[int]:
@@ -208,6 +209,33 @@ def test_a_commit_over_a_host_hit_whose_load_back_was_never_started_is_refused(c
     cache.commit({"c": [9]})
     cache.finish([c.handle])
     _quiet(cache)
+
+
+def test_a_commit_over_a_host_hit_whose_load_back_failed_is_refused(runtime_kind: str,
+                                                                    make_config: Callable[..., Config]) -> None:
+    """An engine that went on after `LoadFailedError` computed its KV over a prefix the load never
+    filled (its pages may already be another request's), and committing it cached that KV as
+    this prompt's. Refused, naming the fix; the request retracted and admitted again is served."""
+    with HiCache(make_config(), runtime=make_runtime(runtime_kind, faults=FailFirstLoads())) as hc:
+        b = _host_hit(hc, "b", seq(8))
+        waiter = hc.start_loads()
+        with pytest.raises(LoadFailedError):
+            waiter.wait_all()
+        hc.allocate({"b": 1})
+        for call in (lambda: hc.commit({"b": [9]}), lambda: hc.allocate({"b": 1}, commit={"b": [9]})):
+            with pytest.raises(RequestError, match=(
+                    rf"^request 'b': the load-back of its 8 tokens from host memory failed \(load batch "
+                    rf"{waiter.batch}: injected: a load-back fails\), so KV computed over them is wrong; retract "
+                    r"this request and admit it again$")):
+                call()
+        assert hc.committed_tokens("b") == seq(8) and hc.allocated("b") == 9  # the refused calls changed nothing
+        hc.retract([b.handle])
+        [b] = hc.admit([Request("b", seq(8))])
+        hc.start_loads().wait_all()
+        hc.allocate({"b": 1}, commit={})
+        hc.commit({"b": [9]})
+        hc.finish([b.handle])
+        _quiet(hc)
 
 
 def test_quiesce_starts_and_waits_for_the_load_backs_so_a_commit_after_it_is_taken(cache: HiCache) -> None:
