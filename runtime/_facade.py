@@ -293,6 +293,9 @@ def _past(parts: Sequence[Any], skip: int) -> tuple[int, int]:
     return i, skip
 
 
+_UNSTARTED = -1
+"""The load batch of a host hit whose load-back was not started yet (`HiCache._host_hits`)."""
+
 _LEFT = {ReleaseReason.FINISHED: "finished", ReleaseReason.ABORTED: "was aborted",
          ReleaseReason.RETRACTED: "was retracted"}
 """How a request let its pages go, as a refused write or read of one of them says (`check_kv_writes`,
@@ -366,13 +369,11 @@ class HiCache:
         """Queued requests with a storage prefetch in flight, and the host tokens reserved for it."""
         self._stored: dict[str, int] = {}
         """Tokens a settled prefetch brought from storage, until the request is admitted."""
-        self._unloaded: dict[str, int] = {}
-        """Live requests admitted with a host hit since the last `start_loads` (or `quiesce`), and
-        that hit: until then their prefix is not in their device slots, so a commit of theirs (KV
-        computed over that prefix) is refused."""
-        self._loading: dict[str, tuple[int, int]] = {}
-        """Live requests whose host hit's load-back started, with the batch and that hit: a commit
-        of theirs is refused once the batch failed (the prefix never reached their device slots)."""
+        self._host_hits: dict[str, tuple[int, int]] = {}
+        """Live requests admitted with a host hit whose load-back has not landed: its batch
+        (`_UNSTARTED` until `start_loads` or `quiesce` starts it) and the hit. A commit of theirs is
+        refused while the load is not started or once it failed: their prefix is not in their
+        device slots, so KV computed over it is wrong (`_check_loaded`)."""
         self._ended: OrderedDict[str, str] = OrderedDict()
         self._pending: dict[int, Pending] = {}
         """Calls whose reply has not been applied (abandoned ones until their late reply comes)."""
@@ -500,7 +501,7 @@ class HiCache:
         live.add_pages(adm.device)
         self._live[rid] = live
         if adm.host_hit:
-            self._unloaded[rid] = adm.host_hit
+            self._host_hits[rid] = (_UNSTARTED, adm.host_hit)
         return AdmitResult(rid, handle, self._slots(adm.device, cached), adm.device_hit, adm.host_hit,
                            adm.host_miss, adm.storage_hit)
 
@@ -515,8 +516,7 @@ class HiCache:
             self._checks.admitted(reply.loads)
         for adm in reply.admissions:
             self._live.pop(adm.request_id, None)
-            self._unloaded.pop(adm.request_id, None)
-            self._loading.pop(adm.request_id, None)
+            self._host_hits.pop(adm.request_id, None)
             if self._checks is not None:
                 self._checks.left(adm.request_id, adm.device.to_bytes(), "had its admission taken back")
         ends = tuple(
@@ -655,7 +655,6 @@ class HiCache:
         admission counts a prefix that an earlier load has not landed yet as a host hit."""
         with self._call():
             started = self._start_queued_loads(awaited=True)
-            self._started_unloaded(started.batch)
             assert self.system.ring is not None
             return self.system.ring.waiter(started.batch)
 
@@ -862,19 +861,12 @@ class HiCache:
         if type(tokens) is not dict and not isinstance(tokens, Mapping):
             raise RequestError(f"commit must map request ids to tokens, got {type(tokens).__name__}")
         out = []
-        lives, unloaded, loading = self._live, self._unloaded, self._loading
+        lives, host_hits = self._live, self._host_hits
         for rid, toks in tokens.items():
             live = lives.get(rid) if type(rid) is str else None  # a live request's id is a valid one
             if live is None:
                 live = self._req(check.request_id(rid, "a request id in commit"))
-            if unloaded and rid in unloaded:
-                raise RequestError(
-                    f"request {rid!r} was admitted with {unloaded[rid]} tokens to load back from host memory "
-                    "(host_hit), but start_loads() was not called since: those tokens are not in its device "
-                    "slots, so KV computed over them is wrong. Call start_loads() after admit() and "
-                    "wait_layer(layer) before a layer reads the prefix; retract this request and admit it again"
-                )
-            if loading and rid in loading:
+            if host_hits and rid in host_hits:
                 self._check_loaded(rid)
             m, data = 0, b""
             if live.follows_prompt():
@@ -892,8 +884,16 @@ class HiCache:
         return out
 
     def _check_loaded(self, rid: str) -> None:
-        """Refuse a commit of `rid` if the load-back of its host hit failed; forget it once it landed."""
-        batch, hit = self._loading[rid]
+        """Refuse a commit of `rid` if the load-back of its host hit was not started or failed;
+        forget it once it landed."""
+        batch, hit = self._host_hits[rid]
+        if batch == _UNSTARTED:
+            raise RequestError(
+                f"request {rid!r} was admitted with {hit} tokens to load back from host memory "
+                "(host_hit), but start_loads() was not called since: those tokens are not in its device "
+                "slots, so KV computed over them is wrong. Call start_loads() after admit() and "
+                "wait_layer(layer) before a layer reads the prefix; retract this request and admit it again"
+            )
         ring = self.system.ring
         assert ring is not None
         if (failure := ring.failure(batch)) is not None:
@@ -901,7 +901,7 @@ class HiCache:
                 f"request {rid!r}: the load-back of its {hit} tokens from host memory failed (load batch {batch}: "
                 f"{failure}), so KV computed over them is wrong; retract this request and admit it again")
         if ring.landed(batch, ring.layers - 1):
-            del self._loading[rid]
+            del self._host_hits[rid]
 
     def allocated(self, request_id: str) -> int:
         """Positions of a live request that have a slot (committed or not)."""
@@ -965,8 +965,7 @@ class HiCache:
                 if self._checks is not None:
                     self._checks.left(h.request_id, self._live[h.request_id].held(), _LEFT[reason])
                 del self._live[h.request_id]
-                self._unloaded.pop(h.request_id, None)
-                self._loading.pop(h.request_id, None)
+                self._host_hits.pop(h.request_id, None)
                 if reason is not ReleaseReason.RETRACTED:
                     self._end(h.request_id, reason)
             return list(self._ask(ActorName.TREE, FinishRequests(op_id=self._op(), items=ends), Finished).entries)
@@ -1039,7 +1038,7 @@ class HiCache:
         A lost rank raises `RankLostError` instead, within the group's timeout."""
         with self._call():
             timeout_s = check.seconds("timeout_s", timeout_s)
-            self._started_unloaded(self._start_queued_loads(awaited=False).batch)  # waited for below
+            self._start_queued_loads(awaited=False)  # waited for below
             while True:
                 if self.group.size == 1:
                     self.system.quiesce(timeout_s)
@@ -1059,12 +1058,6 @@ class HiCache:
                 if not self.system.ask(ActorName.TREE, GetStatistics()).facts_pending:
                     return
 
-    def _started_unloaded(self, batch: int) -> None:
-        """The load-backs of the requests admitted with a host hit since the last start began, as `batch`."""
-        if self._unloaded:
-            self._loading.update((rid, (batch, hit)) for rid, hit in self._unloaded.items())
-            self._unloaded.clear()
-
     def _start_queued_loads(self, *, awaited: bool) -> LoadsStarted:
         """Start the load-backs admitted since the last start, as one batch: `start_loads`
         (`awaited`: the forward pass waits on it), and `quiesce` and `close`, since a load lands
@@ -1072,6 +1065,10 @@ class HiCache:
         a batch: a later `start_loads` answers the waiter of a batch still in flight, and if it
         failed, that of a batch that fails too."""
         started = self.system.ask(ActorName.LOAD, StartLoads(awaited=awaited), timeout_s=self.reply_timeout_s)
+        hits = self._host_hits
+        for rid, (batch, hit) in hits.items():  # the requests admitted since: their loads are this batch
+            if batch == _UNSTARTED:
+                hits[rid] = (started.batch, hit)
         if self._checks is not None:
             self._checks.started(started.batch)
         return started
