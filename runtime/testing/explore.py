@@ -151,10 +151,7 @@ def _serve_workload(rt: DeterministicRuntime, seed: int, mut: Mutant | None) -> 
         ))
         sched.submit(synthetic_workload(seed, 12, cfg.page_size))
         sched.run(on_tick=lambda s: hc.check_invariants())
-        hc.quiesce()
-        hc.check_invariants()
-        check_quiescent(hc)
-        check_served(hc, sched.served)
+        _check_end(hc, sched)
 
 
 def _pressure(rt: DeterministicRuntime, seed: int, mut: Mutant | None) -> None:
@@ -175,10 +172,7 @@ def _pressure(rt: DeterministicRuntime, seed: int, mut: Mutant | None) -> None:
         sched.submit(synthetic_workload(seed, 16, cfg.page_size, blocks=4, blocks_per_prompt=3, tail_pages=3,
                                         outputs_max=6))
         sched.run(on_tick=lambda s: hc.check_invariants())
-        hc.quiesce()
-        hc.check_invariants()
-        check_quiescent(hc)
-        check_served(hc, sched.served)
+        _check_end(hc, sched)
 
 
 def _orphans(rt: DeterministicRuntime, seed: int, mut: Mutant | None) -> None:
@@ -201,10 +195,7 @@ def _orphans(rt: DeterministicRuntime, seed: int, mut: Mutant | None) -> None:
         sched.run(on_tick=lambda s: hc.check_invariants())
         sched.submit([ServeRequest(f"again-{r.request_id}", r.prompt, r.output_tokens) for r in work])
         sched.run(on_tick=lambda s: hc.check_invariants())
-        hc.quiesce()
-        hc.check_invariants()
-        check_quiescent(hc)
-        check_served(hc, sched.served)
+        _check_end(hc, sched)
 
 
 EXPLORE_MODEL_ID = "hicache-explore"
@@ -241,10 +232,7 @@ def _storage(rt: DeterministicRuntime, seed: int, mut: Mutant | None) -> None:
             hc.check_invariants()
             sched.submit([ServeRequest(f"again-{r.request_id}", r.prompt, r.output_tokens) for r in work])
             sched.run(on_tick=lambda s: hc.check_invariants())
-            hc.quiesce()
-            hc.check_invariants()
-            check_quiescent(hc)
-            check_served(hc, sched.served)
+            _check_end(hc, sched)
 
 
 def _misuse(rt: DeterministicRuntime, seed: int, mut: Mutant | None) -> None:
@@ -269,10 +257,7 @@ def _misuse(rt: DeterministicRuntime, seed: int, mut: Mutant | None) -> None:
 
         sched.submit(synthetic_workload(seed, 12, cfg.page_size))
         sched.run(on_tick=tick)
-        hc.quiesce()
-        hc.check_invariants()
-        check_quiescent(hc)
-        check_served(hc, sched.served)
+        _check_end(hc, sched)
 
 
 def _bad_calls(hc: HiCache, sched: ReferenceScheduler) -> list[Callable[[], Any]]:
@@ -399,6 +384,14 @@ def check_quiescent(hc: HiCache) -> None:
         problems.append(f"host: {held} slots held but the tree holds {s.tree.host_tokens}")
     if problems:
         raise QuiescenceError("not quiescent at the end: " + "; ".join(problems))
+
+
+def _check_end(hc: HiCache, sched: ReferenceScheduler) -> None:
+    """A scenario's end: the cache quiesced, then its invariants, quiescence and statistics checked."""
+    hc.quiesce()
+    hc.check_invariants()
+    check_quiescent(hc)
+    check_served(hc, sched.served)
 
 
 def check_served(hc: HiCache, want: ServedTotals) -> None:
