@@ -36,6 +36,7 @@ from typing import Any, Literal, overload
 
 import pykka
 import torch
+import xxhash
 from hicache.actors._logging import logger
 from hicache.actors._errors import InvariantError
 from hicache.actors._pages import SlotTable, new_pages
@@ -339,6 +340,8 @@ class HiCache:
         reply_timeout_s = check.seconds("reply_timeout_s", reply_timeout_s)
         self.config = config or Config()
         self.group: Group = group or SingleGroup()
+        self._noting = self.group.size > 1
+        """Calls go into a digest that the ranks' agreements compare (`_note`)."""
         if (self.group.size, self.group.rank) != (self.config.tp_size, self.config.tp_rank):
             raise ValueError(
                 f"the group is rank {self.group.rank} of {self.group.size} but the config says tp_rank="
@@ -364,6 +367,8 @@ class HiCache:
         self._reset()
 
     def _reset(self) -> None:
+        self._calls = 0
+        """With several ranks: a digest of the calls taken since the start, with their arguments."""
         self._live: dict[str, _Live] = {}
         self._prefetching: dict[str, int] = {}
         """Queued requests with a storage prefetch in flight, and the host tokens reserved for it."""
@@ -486,6 +491,8 @@ class HiCache:
             message = AdmitRequests(op_id=self._op(), items=tuple(items))
             reply = self._ask(ActorName.TREE, message, Admitted, late=lambda r: self._undo_admit(items, r))
             out = [self._admitted(item, adm) for item, adm in zip(items, reply.admissions, strict=True)]
+            if self._noting:
+                self._note_items(b"admit", items)
             if self._checks is not None:
                 self._checks.admitted(reply.loads)
             call.on_interrupt(lambda: self._undo_admit(items, reply))
@@ -560,6 +567,8 @@ class HiCache:
             message = PrefetchRequests(op_id=self._op(), items=tuple(items))
             reply = self._ask(ActorName.TREE, message, PrefetchesStarted, late=lambda r: self._undo_prefetch(items, r))
             started = self._prefetched(items, reply)
+            if self._noting:
+                self._note_items(b"prefetch", items)
             call.on_interrupt(lambda: self._terminate(started, PrefetchEnd.RETRACTED) if started else None)
             return {it.request_id: n for it, n in zip(items, reply.tokens, strict=True)}
 
@@ -587,7 +596,9 @@ class HiCache:
                 return {}
             local = self._ask(ActorName.TREE, PrefetchStates(op_id=self._op(), request_ids=tuple(ids)),
                               PrefetchReadiness).ready
-            agreed = agree(self.group, Agreement.READY, [int(x) for x in local])
+            if self._noting:
+                self._note(b"ready", *ids)
+            agreed = agree(self.group, Agreement.READY, [int(x) for x in local], calls=self._calls)
             go = [rid for rid, ok in zip(ids, agreed, strict=True) if ok]
             got = self._terminate([rid for rid in go if rid in self._prefetching], PrefetchEnd.BEST_EFFORT)
             return {rid: got.get(rid, 0) for rid in go}
@@ -622,6 +633,34 @@ class HiCache:
 
     # -- several ranks --------------------------------------------------------------------
 
+    def _note(self, kind: bytes, *parts: bytes | bytearray | memoryview | str | int) -> None:
+        """Take a call (its kind, then its arguments) into the digest of this rank's calls,
+        which the agreements of `sync`, `ready` and `quiesce` compare across the ranks (several
+        ranks only: `_group`). Each part is hashed whole, seeded with the digest so far."""
+        digest = self._calls
+        for part in (kind, *parts):
+            if type(part) is str:
+                part = part.encode()
+            elif type(part) is int:
+                part = part.to_bytes(8, "little", signed=True)
+            digest = xxhash.xxh3_64_intdigest(part, seed=digest)
+        self._calls = digest
+
+    def _note_items(self, kind: bytes, items: Sequence[AdmitItem]) -> None:
+        for it in items:
+            self._note(kind, it.request_id, it.namespace, it.tokens.to_bytes())
+
+    def _note_commits(self, kind: bytes, commits: list[tuple[_Live, bytes, int, int]]) -> None:
+        """`_note` each commit's request and token ids, before they are recorded: `m` ids that
+        continue the prompt (compared, not copied) and `data` the others are one stream."""
+        for live, data, n, m in commits:
+            self._note(kind, live.handle.request_id, n)
+            ids = xxhash.xxh3_64(seed=self._calls)
+            if m:
+                ids.update(memoryview(live.prompt.to_bytes())[8 * live.along : 8 * (live.along + m)])
+            ids.update(data)
+            self._calls = ids.intdigest()
+
     def sync(self) -> None:
         """Agree with the other ranks on rank-local outcomes and apply them (once per tick on
         every rank). With one rank the tree applies them as they arrive and this does nothing."""
@@ -632,7 +671,7 @@ class HiCache:
 
     def _sync(self) -> None:
         facts = self._ask(ActorName.TREE, ReportFacts(op_id=self._op()), LocalFacts)
-        counts = agree(self.group, Agreement.FACT_COUNTS, list(facts.known))
+        counts = agree(self.group, Agreement.FACT_COUNTS, list(facts.known), calls=self._calls)
         mine: list[int] = []
         at = 0
         for known, n in zip(facts.known, counts, strict=True):
@@ -654,6 +693,8 @@ class HiCache:
         With nothing queued, the waiter is that of the last batch still in flight, if any: an
         admission counts a prefix that an earlier load has not landed yet as a host hit."""
         with self._call():
+            if self._noting:
+                self._note(b"start_loads")
             started = self._start_queued_loads(awaited=True)
             assert self.system.ring is not None
             return self.system.ring.waiter(started.batch)
@@ -691,7 +732,11 @@ class HiCache:
             for rid in want:
                 if rid not in live:
                     self._req(rid)  # names why it is not live
-            self._record(self._commits({} if commit is None else commit))
+            commits = self._commits({} if commit is None else commit)
+            if self._noting:
+                self._note_commits(b"commit", commits)
+                self._note(b"allocate", int(flat), *(x for rid_n in want.items() for x in rid_n))
+            self._record(commits)
             if not want:
                 return torch.empty(0, dtype=torch.int64) if flat else {}
             p = self.config.page_size
@@ -832,7 +877,10 @@ class HiCache:
         """Record that the KV of these new tokens (per request, in order) is written. No
         message: the device learns of it with the next allocation, swap or release of the request."""
         with self._call():
-            self._record(self._commits(tokens))
+            commits = self._commits(tokens)
+            if self._noting:
+                self._note_commits(b"commit", commits)
+            self._record(commits)
 
     @staticmethod
     def _record(commits: list[tuple[_Live, bytes, int, int]]) -> None:
@@ -955,6 +1003,8 @@ class HiCache:
             if len(set(queued)) != len(queued):
                 raise RequestError(f"a request appears twice in one call: {queued}")
             hs = self._check_handles([r for r in items if not isinstance(r, str) or reason is ReleaseReason.FINISHED])
+            if self._noting:
+                self._note(b"leave", reason.value, *queued, *(x for h in hs for x in (h.request_id, h._token)))
             if queued:
                 self._terminate(queued, PrefetchEnd.RETRACTED if reason is ReleaseReason.RETRACTED
                                 else PrefetchEnd.ABORTED)
@@ -986,6 +1036,8 @@ class HiCache:
         tree's slots and move its lock. Returns the new handles (the old ones expire)."""
         with self._call():
             hs = self._check_handles(handles)
+            if self._noting:
+                self._note(b"cache_unfinished", *(x for h in hs for x in (h.request_id, h._token)))
             lives = [self._live[h.request_id] for h in hs]
             items = tuple(
                 CacheItem(request_id=h.request_id, handle=h._token, tokens=live.tokens_after_prefix(),
@@ -1049,7 +1101,7 @@ class HiCache:
                 except TimeoutError as err:  # the others are on their way to this agreement: leave with them
                     late = err
                 self._sync()
-                if not agree(self.group, Agreement.QUIESCED, [int(late is None)])[0]:
+                if not agree(self.group, Agreement.QUIESCED, [int(late is None)], calls=self._calls)[0]:
                     raise late or TimeoutError(
                         f"rank {self.group.rank} of {self.group.size}: another rank still had work in flight after "
                         f"{timeout_s:g} s; wait longer (timeout_s) or close(drain=False) to drop it")
@@ -1077,12 +1129,16 @@ class HiCache:
         """Free at least `tokens` device slots held by the cache if it can; returns how many."""
         with self._call():
             n = check.count("tokens", tokens, check.COUNT_MAX)
+            if self._noting:
+                self._note(b"evict_device", n)
             message = EvictDevice(op_id=self._op(), tokens=min(n, self.config.device_slots))
             return self._ask(ActorName.TREE, message, Evicted).device_tokens
 
     def evict_host(self, tokens: int) -> int:
         with self._call():
             n = check.count("tokens", tokens, check.COUNT_MAX)
+            if self._noting:
+                self._note(b"evict_host", n)
             message = EvictHost(op_id=self._op(), tokens=min(n, self.config.host_slots))
             return self._ask(ActorName.TREE, message, Evicted).host_tokens
 

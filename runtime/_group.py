@@ -28,6 +28,14 @@ that met another rank's collective of another call (its `sync`, or a lone rank's
 `start()` after a restart) with as many values would mix unrelated numbers. So the
 facade's agreements go through `agree`, which tags each with what it agrees on and
 raises `RankDivergenceError` on every rank when the tags differ.
+
+And the ranks must make the same calls between agreements: most calls (an admission, a
+commit, a finish) change a rank's cache with no collective, and a rank whose engine made
+another call there (a different commit, a request admitted on one rank only) would hold
+another tree from then on. So the facade keeps a digest of every call it took since it
+started, with its arguments, and `sync`, `ready` and `quiesce` compare it in the
+collective they make anyway: ranks whose calls differ raise `RankDivergenceError` on
+every rank at the next of them (once per tick, when the engine syncs every tick).
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ import datetime
 import enum
 import hashlib
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 import torch
 from hicache.messages import Config, ConfigError
@@ -87,20 +95,40 @@ class Agreement(enum.Enum):
     """`quiesce`: whether every rank's work landed within its timeout."""
 
 
-def agree(group: Group, about: Agreement, values: Sequence[int]) -> list[int]:
+CALLS_BITS: Final = 62
+"""Bits of the digest of a rank's calls that an agreement compares (`agree`'s `calls`)."""
+_HALF: Final = (1 << (CALLS_BITS // 2)) - 1
+
+
+def agree(group: Group, about: Agreement, values: Sequence[int], calls: int | None = None) -> list[int]:
     """`group.all_min(values)`, in the same collective as a check that every rank agrees on
-    the same thing (`about`); nothing added with one rank."""
+    the same thing (`about`) and, given `calls` (a digest of the calls each rank made since it
+    started, `CALLS_BITS` of it), that every rank made the same calls; nothing added with one
+    rank. A value `v` is the same on every rank exactly when the minimum of `v` is minus the
+    minimum of `-v`."""
     if group.size == 1:
         return group.all_min(values)
     tag = about.value
-    agreed = group.all_min([tag, -tag, *values])
+    head = [tag, -tag]
+    if calls is not None:
+        low, high = calls & _HALF, (calls >> (CALLS_BITS // 2)) & _HALF
+        head += [low, -low, high, -high]
+    agreed = group.all_min([*head, *values])
     if agreed[0] != -agreed[1]:
         raise RankDivergenceError(
             f"rank {group.rank} of {group.size}: its agreement on {about.name.lower().replace('_', ' ')} met "
             "another rank's agreement on something else; the ranks made different calls (every rank must make "
             "the agreeing calls, start, sync, ready, quiesce and the end of a prefetch, in the same order)"
         )
-    return agreed[2:]
+    if calls is not None and (agreed[2] != -agreed[3] or agreed[4] != -agreed[5]):
+        raise RankDivergenceError(
+            f"rank {group.rank} of {group.size}: at its agreement on {about.name.lower().replace('_', ' ')}, the "
+            "calls it made since it started differ from another rank's, so their caches differ: every rank must "
+            "make the same calls (admit, prefetch, ready, allocate, commit, finish, abort, retract, "
+            "cache_unfinished, start_loads, evict_device, evict_host) with the same arguments, in the same order; "
+            "close every rank and start them again together"
+        )
+    return agreed[len(head):]
 
 
 class SingleGroup:

@@ -401,3 +401,69 @@ def test_one_ranks_quiesce_timeout_is_every_ranks_and_the_group_stays_in_step() 
     assert r1 == ["still in flight after 1 s: 1 backups", {"q": 0}], r1
     assert r0 == ["rank 0 of 2: another rank still had work in flight after 1 s; wait longer (timeout_s) or "
                   "close(drain=False) to drop it", {"q": 0}], r0
+
+
+# Calls that change one rank's cache with no collective, made differently on one rank: the next
+# agreement (here `sync`; `ready` and `quiesce` alike) raises on every rank.
+_DIVERGING = {
+    "other tokens committed": lambda hc, rank: _admitted(hc, "b", list(range(50, 60)), [7 + rank]),
+    "a request admitted on one rank only": lambda hc, rank: _admitted(hc, "b", list(range(50, 60)), [7])
+    if rank == 0 else None,
+    "another count allocated": lambda hc, rank: hc.allocate({_admitted(hc, "b", list(range(50, 60)), None): 3 + rank}),
+    "a finish on one rank only": lambda hc, rank: hc.finish([hc.handle(_admitted(hc, "b", list(range(50, 60)), [7]))])
+    if rank == 0 else _admitted(hc, "b", list(range(50, 60)), [7]),
+    "an eviction on one rank only": lambda hc, rank: hc.evict_device(8) if rank == 1 else None,
+}
+
+
+def _admitted(hc: HiCache, rid: str, prompt: list[int], extra: list[int] | None) -> str:
+    """Admit `rid`, allocate and commit its prompt (then `extra` tokens, if any)."""
+    [res] = hc.admit([Request(rid, prompt)])
+    hc.allocate({rid: len(prompt) - res.cached_tokens + len(extra or [])})
+    hc.commit({rid: prompt[res.cached_tokens:] + (extra or [])})
+    return rid
+
+
+@pytest.mark.parametrize("how", _DIVERGING)
+def test_ranks_whose_local_calls_differ_raise_on_every_rank_at_the_next_agreement(how: str) -> None:
+    def run(group: Any, rank: int) -> Any:
+        hc = _served(group, rank)
+        try:
+            _DIVERGING[how](hc, rank)
+            hc.sync()
+            return "synced"
+        finally:
+            hc.close()
+
+    for rank, out in enumerate(_ThreadRanks(2).run(run)):
+        assert isinstance(out, RankDivergenceError), (rank, out)
+        assert str(out).startswith(f"rank {rank} of 2: at its agreement on fact counts, the calls it made since "
+                                   "it started differ from another rank's"), out
+        assert "\n" not in str(out)
+
+
+def test_ranks_making_the_same_calls_in_either_form_agree_and_a_restart_of_all_starts_afresh() -> None:
+    def run(group: Any, rank: int) -> Any:
+        hc = _served(group, rank)
+        try:
+            [res] = hc.admit([Request("b", list(range(1, 51)))])
+            if rank == 0:  # one round trip on this rank, a commit then an allocation on the other: the same calls
+                hc.allocate({"b": 10}, commit={"b": []})
+            else:
+                hc.commit({"b": []})
+                hc.allocate({"b": 10})
+            hc.commit({"b": list(range(41, 51))})
+            hc.quiesce()
+            out = [hc.ready(["b"]), hc.tree_digest()]
+            hc.finish([res.handle])
+            hc.sync()
+            hc.close()
+            hc.start()  # every rank together: the digests start again
+            _admitted(hc, "c", list(range(1, 9)), None)
+            hc.sync()
+            return out
+        finally:
+            hc.close()
+
+    r0, r1 = _ThreadRanks(2).run(run)
+    assert r0 == r1 and r0[0] == {"b": 0}, (r0, r1)
