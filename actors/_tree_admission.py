@@ -256,9 +256,7 @@ class Admissions:
             host_hit = sum(nd.tokens for nd in nodes if nd.id in loading)
             n.looked_up_tokens += len(p.item.tokens)
             n.device_hit_tokens += dev_hit
-            # The prefetched pages end the host part of the path (`host_hit + host_miss`), whose
-            # leading `host_hit` tokens load back: those of them that are the prefetch's.
-            storage_hit = min(host_hit, max(0, p.item.stored - p.host_miss))
+            storage_hit = self._storage_part(host_hit, p.item.stored, p.host_miss)
             if host_hit:  # served once the load of its deepest loading node lands (`loaded`)
                 load = self.loads[next(nd.op for nd in reversed(nodes) if nd.id in loading)]
                 load.hit_tokens += host_hit
@@ -270,6 +268,14 @@ class Admissions:
         filled = [nd.device for p in plans for nd in p.load_nodes]  # what `LoadKV` asked to fill
         loads = cat(filled) if filled else EMPTY
         self.s.emit(FACADE, Admitted(op_id=op_id, admissions=tuple(admissions), loads=loads))
+
+    @staticmethod
+    def _storage_part(host_hit: int, stored: int, host_miss: int) -> int:
+        """Of an admission's `host_hit`, the tokens its own prefetch read from storage (its L3
+        hit). The prefetched pages (`stored` tokens) end the host part of its path
+        (`host_hit + host_miss` tokens, pages in host memory before them), whose leading
+        `host_hit` tokens load back: those of them that are the prefetch's."""
+        return min(host_hit, max(0, stored - host_miss))
 
     def loads_started(self, ops: tuple[int, ...]) -> None:
         """The load stream started these load-backs' batch (a load that failed before its start

@@ -50,6 +50,8 @@ def test_every_mutant_is_caught_within_fifty_pct_schedules() -> None:
     ("insert-through-loads",
      r"which a load-back from host memory fills, but start_loads\(\) was not called|device residency is not prefix-closed"),
     ("host-hit-counted-at-admission", r"statistics differ from what the admissions were served: .* L2\+L3 hit"),
+    ("storage-hit-of-host-pages",
+     r"statistics differ from what the admissions were served: .* L3 hit (\d+);.* (?!\1)\d+ storage hit"),
     ("write-back-drops-tail", r"write_back would delete .* \(and lose its tail\)"),
     ("trim-before-served-slots", "slots taken from the pages it holds, which have .* free"),
     ("prefetcher-frees-slots", "freeing host slots is accepted only from the tree actor, got it from prefetch"),

@@ -316,6 +316,22 @@ class _HitsCountedOnAnswer(TreeActor):
         self.core.admission.__class__ = _HitsOnAnswer
 
 
+class _StoragePartOfAnyHost(Admissions):
+    """Counts an admission's host hit as its prefetch's up to the tokens the prefetch read, as
+    if the prefetched pages began the host part of its path: host pages above them that a
+    load-back quota loads alone count as L3 hits."""
+
+    @staticmethod
+    def _storage_part(host_hit: int, stored: int, host_miss: int) -> int:
+        return min(host_hit, stored)
+
+
+class _StorageHitOfHostPages(TreeActor):
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.core.admission.__class__ = _StoragePartOfAnyHost
+
+
 # -- write_back deletes a victim whose parent is not backed up ---------------------------------
 
 
@@ -548,6 +564,10 @@ MUTANTS: tuple[Mutant, ...] = (
            "when the tree answers the admission, not when its load-back lands",
            "a load-back that fails still counts as a hit, and the request admitted again counts a second one: "
            "L2's hit tokens exceed what was loaded", {ActorName.TREE: _HitsCountedOnAnswer}, "orphans"),
+    Mutant("storage-hit-of-host-pages", "an admission's L3 hit is its host hit up to the tokens its prefetch "
+           "read, wherever in the host part of its path those lie",
+           "when the load-back quota loads only the host pages above the prefetched ones, L3 is credited with "
+           "L2's tokens", {ActorName.TREE: _StorageHitOfHostPages}, "storage"),
     Mutant("write-back-drops-tail", "write_back deletes a victim whose parent is not backed up instead of writing "
            "the ancestors back with it", "a tail under a hot prefix is lost on every eviction instead of kept in host memory",
            {ActorName.TREE: _DropTail}),

@@ -141,7 +141,10 @@ class ServedTotals:
     """Host hits of the admissions whose load-backs the forward pass waited for and that landed
     (L2's hit tokens plus L3's): a load-back that failed served none."""
     storage_hit: int = 0
-    """Of `host_hit`, those the requests' own prefetches read (L3's hit tokens)."""
+    """Of `host_hit`, those the requests' own prefetches read (L3's hit tokens), as the
+    scheduler reckons them: of an admission's host hit (`host_hit + host_miss` tokens of its
+    path were in host memory, the pages its prefetch brought last), the part that is the
+    tokens `ready` reported its prefetch read, `min(host_hit, max(0, read - host_miss))`."""
     unseen_host_hit: int = 0
     """Host hits of admissions dropped before their load-backs started: whether those loads landed
     (a later batch starts them) nobody waited to see, so they may count or not."""
@@ -282,6 +285,8 @@ class ReferenceScheduler:
         self._awaited = (0, 0)
         """Host and storage hits of this tick's admissions, served once their load-backs land."""
         self._prefetch_tried: set[str] = set()
+        self._read: dict[str, int] = {}
+        """Tokens the settled prefetch of a queued request read (`ready`), until its next admission."""
         self._uncommitted: dict[str, array] = {}
         """Tokens computed last tick by requests still decoding: committed by this tick's allocation."""
 
@@ -384,6 +389,7 @@ class ReferenceScheduler:
         got = self.hc.ready([rid for rid in (_spec(w).request_id for w in window[:room]) if rid in prefetching])
         for rid, tokens in got.items():
             self.outcomes[rid].prefetched_tokens += tokens
+            self._read[rid] = tokens
         if self.config.abort_rate:
             doomed = [rid for rid in self.hc.prefetching if self._rng.random() < self.config.abort_rate]
             if doomed:
@@ -422,6 +428,8 @@ class ReferenceScheduler:
         served = self.served
         served.looked_up += sum(len(seq) - 1 for seq in seqs)
         served.device_hit += sum(res.device_hit for res in results)
+        storage = {res.request_id: min(res.host_hit, max(0, self._read.pop(res.request_id, 0) - res.host_miss))
+                   for res in results}
         for item, seq, res in zip(batch, seqs, results, strict=True):
             spec = _spec(item)
             outputs = 0 if isinstance(item, ServeRequest) else item.outputs
@@ -438,7 +446,7 @@ class ReferenceScheduler:
             if gone:
                 self.hc.abort([res.handle for _, res in gone])
                 served.unseen_host_hit += sum(res.host_hit for _, res in gone)
-                served.unseen_storage_hit += sum(res.storage_hit for _, res in gone)
+                served.unseen_storage_hit += sum(storage[res.request_id] for _, res in gone)
                 for item, _ in gone:
                     rid = _spec(item).request_id
                     del self.running[rid]
@@ -447,7 +455,7 @@ class ReferenceScheduler:
                 gone_ids = {res.request_id for _, res in gone}
                 results = [res for res in results if res.request_id not in gone_ids]
         if any(r.host_hit for r in results):
-            self._awaited = (sum(r.host_hit for r in results), sum(r.storage_hit for r in results))
+            self._awaited = (sum(r.host_hit for r in results), sum(storage[r.request_id] for r in results))
             if self.config.quiesce_rate and self._quiesce_rng.random() < self.config.quiesce_rate:
                 self.hc.quiesce()  # starts their load-backs, on which no forward pass waits
             return self.hc.start_loads()

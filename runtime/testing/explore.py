@@ -206,18 +206,21 @@ def _storage(rt: DeterministicRuntime, seed: int, mut: Mutant | None) -> None:
     """The workload on a host tier too small for it, with a file L3 in a fresh directory, twice:
     the first pass backs its pages up to storage, then L1 and L2 are emptied and the second pass
     prefetches them under the policy of the seed (reads delayed in virtual time, some failing),
-    aborting some prefetching requests."""
+    aborting some prefetching requests. On odd seeds an admission loads back at most one
+    block: under host pages that a request of the second pass wrote, the pages a prefetch
+    brought stay in host memory (its L3 hit is then less than what it read)."""
     rt.services.faults = SeededFaults(seed, transfer_fail_rate=0.0, host_exhausted_rate=0.0,
                                       storage_fail_rate=0.05, storage_delay_s=0.02)
     policy = list(PrefetchPolicy)[seed % 3]
     writes = (WritePolicy.WRITE_BACK, WritePolicy.WRITE_THROUGH_SELECTIVE, WritePolicy.WRITE_THROUGH)[seed // 3 % 3]
+    quota = {"load_back_quota_tokens": 8} if seed % 2 else {}
     with tempfile.TemporaryDirectory(prefix="hicache-explore-l3-") as tmp:
         cfg = Config(layers=2, kv_heads=1, head_dim=8, page_size=4, device_slots=4 * 16, host_slots=4 * 24,
                      load_back_min_tokens=4, transfer_pages_max=2, storage="file", storage_dir=tmp, write_policy=writes,
                      model_id=EXPLORE_MODEL_ID,
                      storage_batch_pages=2, storage_batch_mb=0, prefetch_threshold_pages=1, prefetch_policy=policy,
                      prefetch_timeout_base_s=0.01, prefetch_timeout_per_1k_s=0.5, prefetch_timeout_max_s=0.05,
-                     **CHECKED)
+                     **quota, **CHECKED)
         with HiCache(cfg, runtime=rt, actor_classes=mut.actor_classes if mut else None) as hc:
             sched = ReferenceScheduler(hc, SchedulerConfig(
                 max_running=3, prefill_tokens_per_tick=16, chunk_tokens=8, abort_rate=0.03, seed=seed,
