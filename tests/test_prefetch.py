@@ -769,6 +769,7 @@ def test_the_reference_scheduler_serves_a_second_instance_from_the_first_ones_st
     s = statistics_when(b.raw, quiet, "instance B's backups")
     assert s.tree.storage_hit_tokens == storage
     assert sb.model.verified_tokens >= storage
+    assert not sb._prefetch_tried and not sb._read  # the scheduler keeps nothing of a request it admitted
     assert s.tree.stored_tokens < stored  # B stores only the pages A had not
     assert_drained(b.raw)
 

@@ -285,6 +285,7 @@ class ReferenceScheduler:
         self._awaited = (0, 0)
         """Host and storage hits of this tick's admissions, served once their load-backs land."""
         self._prefetch_tried: set[str] = set()
+        """Queued requests whose prefetch was asked for (each once), until they are admitted or aborted."""
         self._read: dict[str, int] = {}
         """Tokens the settled prefetch of a queued request read (`ready`), until its next admission."""
         self._uncommitted: dict[str, array] = {}
@@ -397,6 +398,7 @@ class ReferenceScheduler:
                 self.waiting = deque(w for w in self.waiting if not (isinstance(w, ServeRequest) and w.request_id in doomed))
                 for rid in doomed:
                     self.outcomes[rid].aborted = True
+                    self._prefetch_tried.discard(rid)
 
     # -- admission -------------------------------------------------------------------------
 
@@ -436,6 +438,7 @@ class ReferenceScheduler:
             cached = res.cached_tokens
             run = _Running(spec, res.handle, seq, cached, 0, cached, None, outputs, self.ticks)
             self.running[spec.request_id] = run
+            self._prefetch_tried.discard(spec.request_id)
             out = self.outcomes[spec.request_id]
             if out.first_tick < 0:
                 out.first_tick = self.ticks
