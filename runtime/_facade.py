@@ -493,6 +493,8 @@ class HiCache:
             out = [self._admitted(item, adm) for item, adm in zip(items, reply.admissions, strict=True)]
             if self._noting:
                 self._note_items(b"admit", items)
+                self._note(b"admitted", *(x for r in out for x in (r.device_hit, r.host_hit, r.host_miss,
+                                                                     r.storage_hit)))
             if self._checks is not None:
                 self._checks.admitted(reply.loads)
             call.on_interrupt(lambda: self._undo_admit(items, reply))
@@ -569,6 +571,7 @@ class HiCache:
             started = self._prefetched(items, reply)
             if self._noting:
                 self._note_items(b"prefetch", items)
+                self._note(b"reserved", *reply.tokens)
             call.on_interrupt(lambda: self._terminate(started, PrefetchEnd.RETRACTED) if started else None)
             return {it.request_id: n for it, n in zip(items, reply.tokens, strict=True)}
 
@@ -634,9 +637,13 @@ class HiCache:
     # -- several ranks --------------------------------------------------------------------
 
     def _note(self, kind: bytes, *parts: bytes | bytearray | memoryview | str | int) -> None:
-        """Take a call (its kind, then its arguments) into the digest of this rank's calls,
-        which the agreements of `sync`, `ready` and `quiesce` compare across the ranks (several
-        ranks only: `_group`). Each part is hashed whole, seeded with the digest so far."""
+        """Take a call (its kind, then its arguments) or its answer into the digest of this
+        rank's calls, which the agreements of `sync`, `ready` and `quiesce` compare across the
+        ranks (several ranks only: `_group`). Each part is hashed whole, seeded with the digest
+        so far. The answers noted are those the agreed state decides, so ranks that made the
+        same calls give the same: the hits of an admission, a prefetch's reservation, whether an
+        allocation fell short, a finished request's ledger, the tokens an eviction freed (not
+        slot numbers)."""
         digest = self._calls
         for part in (kind, *parts):
             if type(part) is str:
@@ -757,6 +764,8 @@ class HiCache:
                 remote = want
                 reply = self._allocate(remote, trim=True)
             if isinstance(reply, SlotsInsufficient):
+                if self._noting:
+                    self._note(b"insufficient")
                 return Insufficient(requested_slots=reply.requested_slots, free_slots=reply.free_slots)
             parts = self._granted(reply, remote, to_caller=True)
             if len(remote) < len(want):  # in the demands' order, the served ones among the granted
@@ -1018,7 +1027,10 @@ class HiCache:
                 self._host_hits.pop(h.request_id, None)
                 if reason is not ReleaseReason.RETRACTED:
                     self._end(h.request_id, reason)
-            return list(self._ask(ActorName.TREE, FinishRequests(op_id=self._op(), items=ends), Finished).entries)
+            entries = list(self._ask(ActorName.TREE, FinishRequests(op_id=self._op(), items=ends), Finished).entries)
+            if self._noting:
+                self._note(b"left", *(x for e in entries for x in (e.allocated, e.committed, e.freed)))
+            return entries
 
     def _finish_item(self, h: CacheHandle, reason: ReleaseReason) -> FinishItem:
         live = self._live[h.request_id]
@@ -1132,7 +1144,10 @@ class HiCache:
             if self._noting:
                 self._note(b"evict_device", n)
             message = EvictDevice(op_id=self._op(), tokens=min(n, self.config.device_slots))
-            return self._ask(ActorName.TREE, message, Evicted).device_tokens
+            freed = self._ask(ActorName.TREE, message, Evicted).device_tokens
+            if self._noting:
+                self._note(b"evicted", freed)
+            return freed
 
     def evict_host(self, tokens: int) -> int:
         with self._call():
@@ -1140,7 +1155,10 @@ class HiCache:
             if self._noting:
                 self._note(b"evict_host", n)
             message = EvictHost(op_id=self._op(), tokens=min(n, self.config.host_slots))
-            return self._ask(ActorName.TREE, message, Evicted).host_tokens
+            freed = self._ask(ActorName.TREE, message, Evicted).host_tokens
+            if self._noting:
+                self._note(b"evicted", freed)
+            return freed
 
     def room(self) -> Room:
         """The device slots an allocation could get now, for admission control: free, evictable

@@ -33,9 +33,11 @@ And the ranks must make the same calls between agreements: most calls (an admiss
 commit, a finish) change a rank's cache with no collective, and a rank whose engine made
 another call there (a different commit, a request admitted on one rank only) would hold
 another tree from then on. So the facade keeps a digest of every call it took since it
-started, with its arguments, and `sync`, `ready` and `quiesce` compare it in the
-collective they make anyway: ranks whose calls differ raise `RankDivergenceError` on
-every rank at the next of them (once per tick, when the engine syncs every tick).
+started, with its arguments and the answers the agreed state decides (a cache that parted
+under the same calls answers differently), and `sync`, `ready` and `quiesce` compare it
+in the collective they make anyway: ranks whose calls or answers differ raise
+`RankDivergenceError` on every rank at the next of them (once per tick, when the engine
+syncs every tick).
 """
 
 from __future__ import annotations
@@ -123,10 +125,10 @@ def agree(group: Group, about: Agreement, values: Sequence[int], calls: int | No
     if calls is not None and (agreed[2] != -agreed[3] or agreed[4] != -agreed[5]):
         raise RankDivergenceError(
             f"rank {group.rank} of {group.size}: at its agreement on {about.name.lower().replace('_', ' ')}, the "
-            "calls it made since it started differ from another rank's, so their caches differ: every rank must "
-            "make the same calls (admit, prefetch, ready, allocate, commit, finish, abort, retract, "
-            "cache_unfinished, start_loads, evict_device, evict_host) with the same arguments, in the same order; "
-            "close every rank and start them again together"
+            "calls it made since it started differ from another rank's (or the cache's answers to them do), so "
+            "their caches differ: every rank must make the same calls (admit, prefetch, ready, allocate, commit, "
+            "finish, abort, retract, cache_unfinished, start_loads, evict_device, evict_host) with the same "
+            "arguments, in the same order; close every rank and start them again together"
         )
     return agreed[len(head):]
 

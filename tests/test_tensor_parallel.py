@@ -467,3 +467,27 @@ def test_ranks_making_the_same_calls_in_either_form_agree_and_a_restart_of_all_s
 
     r0, r1 = _ThreadRanks(2).run(run)
     assert r0 == r1 and r0[0] == {"b": 0}, (r0, r1)
+
+
+def test_ranks_whose_caches_answer_the_same_calls_differently_raise_on_every_rank() -> None:
+    """The digest takes the answers the agreed state decides too (an admission's hits, here):
+    a cache that parted from the others with no call that differs (a fault of its own, played
+    here by an eviction kept out of the digest) is caught at the next agreement."""
+    def run(group: Any, rank: int) -> Any:
+        hc = _served(group, rank)
+        try:
+            hc.quiesce()  # its write to host memory landed: the prompt is evictable
+            if rank == 1:
+                hc._noting = False
+                assert hc.evict_device(64) == 40  # the cached prompt goes from this rank's device memory only
+                hc._noting = True
+            [res] = hc.admit([Request("b", list(range(1, 41)))])  # the same call on both ranks
+            hits = res.device_hit
+            hc.sync()
+            return hits
+        finally:
+            hc.close()
+
+    for rank, out in enumerate(_ThreadRanks(2).run(run)):
+        assert isinstance(out, RankDivergenceError), (rank, out)
+        assert "the calls it made since it started differ" in str(out), out
