@@ -368,7 +368,8 @@ class HiCache:
 
     def _reset(self) -> None:
         self._calls = 0
-        """With several ranks: a digest of the calls taken since the start, with their arguments."""
+        """With several ranks: a digest of the calls taken since the start, with their arguments
+        and the answers the agreed state decides (`_note`)."""
         self._live: dict[str, _Live] = {}
         self._prefetching: dict[str, int] = {}
         """Queued requests with a storage prefetch in flight, and the host tokens reserved for it."""
