@@ -191,7 +191,8 @@ class Config:
     check_kv_reads: bool = _field(False, Switch(),
                                   "Refuse a K/V read (`DeviceKV.gather`, `page_table`, and `index` with "
                                   "`distinct=False`) of a slot no live request holds (a slot list kept past "
-                                  "`cache_unfinished` or its request's end, a free slot), and a `gather(layer, ...)` "
+                                  "`cache_unfinished` or its request's end, a free slot), a read made for a "
+                                  "`request_id` of a slot that request does not hold, and a `gather(layer, ...)` "
                                   "of a prefix whose load-back from host memory has not landed that layer (not "
                                   "waited for, or `start_loads` not called). For an engine's tests and staging: "
                                   "each checked index reads the live requests' pages again after they changed, and "

@@ -92,6 +92,10 @@ class _SlotCheck(Protocol):
         """Raise `KVArgumentError` unless layer `layer` of every one of `slots` has landed."""
         ...
 
+    def owned(self, rid: str, slots: torch.Tensor) -> None:
+        """Raise `KVArgumentError` unless request `rid` is live and holds every one of `slots`."""
+        ...
+
 
 class DeviceKV:
     """The device (L1) KV pool of a started `HiCache`, per layer (see the module docstring)."""
@@ -202,36 +206,54 @@ class DeviceKV:
         self._t[0, layer].index_copy_(0, idx.tensor, k)
         self._t[1, layer].index_copy_(0, idx.tensor, v)
 
-    def gather(self, layer: int, slots: torch.Tensor | SlotIndex) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(self, layer: int, slots: torch.Tensor | SlotIndex,
+               request_id: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer`'s K and V of `slots`, in their order: two `[n, kv_heads, head_dim]`
         tensors on the pool's device (a copy: attention without a paged kernel reads these).
         With `Config.check_kv_reads`, slots of a prefix loaded back from host memory are refused
-        until this layer of their load landed (`LayerWaiter.wait_layer`)."""
-        layer, idx = self._read(layer, slots)
+        until this layer of their load landed (`LayerWaiter.wait_layer`), and given the
+        `request_id` the slots are read for, slots of pages that request does not hold."""
+        layer, idx = self._read(layer, slots, request_id)
         both = self._t[:, layer].index_select(1, idx.tensor)
         return both[0], both[1]
 
-    def check_read(self, layer: int, slots: torch.Tensor | SlotIndex) -> None:
-        """What `gather(layer, slots)` checks, without the copy: for an engine whose paged kernel
-        reads layer `layer` of `k_pages` / `v_pages` in place through a block table. With
-        `Config.check_kv_reads`, call it before the kernel of each layer (on a `SlotIndex` made
-        once for the pass, `index(slots, distinct=False)`): it refuses slots no live request
-        holds and pages whose load-back has not landed that layer. Without it, only the
-        arguments are checked."""
-        self._read(layer, slots)
+    def check_read(self, layer: int, slots: torch.Tensor | SlotIndex, request_id: str | None = None) -> None:
+        """What `gather(layer, slots, request_id)` checks, without the copy: for an engine whose
+        paged kernel reads layer `layer` of `k_pages` / `v_pages` in place through a block table.
+        With `Config.check_kv_reads`, call it before the kernel of each layer (on a `SlotIndex`
+        made once for the pass, `index(slots, distinct=False)`): it refuses slots no live request
+        holds and pages whose load-back has not landed that layer (and, given a `request_id`,
+        pages that request does not hold). Without it, only the arguments are checked."""
+        self._read(layer, slots, request_id)
 
-    def _read(self, layer: int, slots: torch.Tensor | SlotIndex) -> tuple[int, SlotIndex]:
+    def _read(self, layer: int, slots: torch.Tensor | SlotIndex,
+              request_id: str | None = None) -> tuple[int, SlotIndex]:
         """The checked layer and index of a read (see `gather`)."""
         layer = self._layer(layer)
         idx = self.index(slots, distinct=False)
+        self._owned(request_id, idx)
         if idx.loads:  # only with check_kv_reads
             self._readable.landed(idx.tensor, idx.loads, layer)  # type: ignore[union-attr]
         return layer, idx
 
-    def page_table(self, slots: torch.Tensor) -> torch.Tensor:
+    def _owned(self, request_id: str | None, idx: SlotIndex) -> None:
+        """With `Config.check_kv_reads`, refuse a read for `request_id` (when given) of slots of
+        pages that request does not hold; a `request_id` that is no request id, always."""
+        if request_id is None:
+            return
+        if type(request_id) is not str or not request_id:
+            raise KVArgumentError(f"request_id must be a request's id (a non-empty str) or None, got "
+                                  f"{shown(request_id)}")
+        if self._readable is not None:
+            self._readable.owned(request_id, idx.tensor)
+
+    def page_table(self, slots: torch.Tensor, request_id: str | None = None) -> torch.Tensor:
         """The page of each page of positions of a request whose positions lie in `slots`
-        (as the facade gives them): its block-table row, int64 on CPU."""
-        idx = self.index(slots, distinct=False).tensor.cpu()
+        (as the facade gives them): its block-table row, int64 on CPU. With
+        `Config.check_kv_reads` and the `request_id`, slots of pages it does not hold are refused."""
+        index = self.index(slots, distinct=False)
+        self._owned(request_id, index)
+        idx = index.tensor.cpu()
         p = self.page_size
         pages = idx[::p] // p
         expect = pages.repeat_interleave(p)[: len(idx)] * p + torch.arange(len(idx)) % p

@@ -15,7 +15,9 @@ Reads. An engine reads wrong K/V, as silently, from a slot list kept too long (a
 request ended, a free slot), or from a prefix loaded back from host memory before the
 layer it reads landed. With `check_kv_reads`, a slot is readable when its page is one a
 live request holds, its cached prefix included; and `gather(layer, ...)` refuses a page a
-load-back fills until that layer of its batch landed. Which pages: an admission names the
+load-back fills until that layer of its batch landed. A read made for one request (the
+`request_id` of `gather`, `check_read`, `page_table`) takes only that request's pages: a
+block-table row kept too long, whose pages another request holds now, reads that one's K/V. Which pages: an admission names the
 pages it queued for load-back (`Admitted.loads`); the next `StartLoads` starts every queued
 one as one batch, whose number the facade learns from its reply. How far: the
 `LayerDoneRing` says, without blocking, whether a layer of a batch landed (batches run one
@@ -152,6 +154,33 @@ class LiveSlots:
         if _NOT_HELD in seen:
             self._refuse(slots, ok, write=False)
         return self.generation, tuple(b for b in seen if b)
+
+    def owned(self, rid: str, slots: torch.Tensor) -> None:
+        """Refuse `slots` (on the pool's device) unless request `rid` holds every one's page (its
+        cached prefix's, or one `allocate` gave it): what that request's attention may read."""
+        live = self._lives.get(rid)
+        if live is None:
+            raise KVArgumentError(f"request {rid!r} is not live (never admitted, or it ended): a read for a request "
+                                  f"is of a live one's slots (Config.check_kv_reads)")
+        held = Indices(live.held()).as_tensor().to(slots.device)
+        pages = slots // self._p if self._p > 1 else slots
+        ok = torch.isin(pages, held)
+        if not bool(ok.all()):
+            slot = int(slots[int(torch.argmin(ok.to(torch.uint8)))])
+            raise KVArgumentError(self._not_its(rid, slot))
+
+    def _not_its(self, rid: str, slot: int) -> str:
+        page = slot // self._p
+        other = next((r for r, live in self._lives.items() if r != rid and page in Indices(live.held()).tolist()),
+                     None)
+        if other is not None:
+            what = f"is request {other!r}'s"
+        else:
+            how = self._gone.get(page)
+            what = f"belongs to no live request ({how})" if how else "is free (no request holds its page)"
+        return (f"slot {slot} {what}, not request {rid!r}'s; a request reads only the slots of its own positions "
+                f"(its cached prefix's and those allocate() gave it): take them from slots({rid!r}) "
+                "(Config.check_kv_reads)")
 
     def landed(self, slots: torch.Tensor, loads: tuple[int, ...], layer: int) -> None:
         """Refuse a read of layer `layer` of `slots` (checked by `readable`, which found `loads`)

@@ -357,3 +357,63 @@ def test_the_check_is_off_by_default_and_then_the_same_reads_go_through(
     assert hc.kv._readable is None
     hc.start_loads().wait_all()
     hc.abort([adm.handle])
+
+
+# -- reads for one request ------------------------------------------------------------------------
+
+
+def _for_request(hc: HiCache, rid: str, slots: torch.Tensor) -> list[Callable[[], object]]:
+    """Every read of `slots` made for request `rid`: a block-table row, and each layer's gather and check."""
+    kv = hc.kv
+    calls: list[Callable[[], object]] = [lambda: kv.page_table(slots, request_id=rid)]
+    calls += [lambda layer=layer: kv.gather(layer, slots, request_id=rid) for layer in range(kv.layers)]
+    calls += [lambda layer=layer: kv.check_read(layer, slots, request_id=rid) for layer in range(kv.layers)]
+    return calls
+
+
+def test_a_read_for_a_request_takes_its_cached_prefix_and_own_slots_and_refuses_another_s(
+    open_cache: Callable[..., HiCache],
+) -> None:
+    """Two live requests share a cached prefix: each reads the prefix and its own pages for
+    itself; a row that names the other's page (a block table kept after its pages changed
+    hands) is refused, naming whose the slot is."""
+    hc = open_cache()
+    _served(hc, "a", PROMPT)
+    b_tokens, c_tokens = PROMPT[:12] + [1, 2, 3, 4], PROMPT[:12] + [5, 6, 7, 8]
+    [b, c] = hc.admit([Request("b", b_tokens[:-1]), Request("c", c_tokens[:-1])])
+    got = hc.allocate({"b": 4, "c": 4})
+    b_slots, c_slots = torch.cat([b.device_indices, got["b"]]), torch.cat([c.device_indices, got["c"]])
+    _write(hc, got["b"], b_tokens, 12)
+    _write(hc, got["c"], c_tokens, 12)
+    for rid, slots, tokens in (("b", b_slots, b_tokens), ("c", c_slots, c_tokens)):
+        for call in _for_request(hc, rid, slots):
+            call()
+        assert torch.equal(hc.kv.gather(1, slots, request_id=rid)[0], _kv_of(hc, tokens, 0, 1))
+    mixed = torch.cat([b.device_indices, got["c"]])  # b's prefix, then c's own page
+    for call in _for_request(hc, "b", mixed):
+        with pytest.raises(KVArgumentError, match="^" + re.escape(
+                f"slot {int(got['c'][0])} is request 'c''s, not request 'b''s; a request reads only the slots of "
+                "its own positions (its cached prefix's and those allocate() gave it): take them from "
+                "slots('b') (Config.check_kv_reads)") + "$"):
+            call()
+    hc.kv.gather(0, mixed)  # read for no request in particular: every slot is a live request's
+    with pytest.raises(KVArgumentError, match=r"^request 'z' is not live \(never admitted, or it ended\)"):
+        hc.kv.gather(0, b_slots, request_id="z")
+    hc.commit({"b": b_tokens[12:], "c": c_tokens[12:]})
+    hc.finish([b.handle, c.handle])
+
+
+@pytest.mark.parametrize("checked", [True, False], ids=["reads-checked", "unchecked"])
+def test_a_request_id_that_is_no_request_id_is_refused_in_one_line(open_cache: Callable[..., HiCache],
+                                                                   checked: bool) -> None:
+    hc = open_cache(check_kv_reads=checked, check_kv_writes=checked)
+    [adm] = hc.admit([Request("a", PROMPT[:-1])])
+    slots = hc.allocate({"a": 4})["a"]
+    for bad in (7, "", b"a"):
+        for call in _for_request(hc, bad, slots):  # type: ignore[arg-type]
+            with pytest.raises(KVArgumentError, match=r"^request_id must be a request's id \(a non-empty str\) or "
+                                                      r"None, got [^\n]*$"):
+                call()
+    if not checked:  # without the check, a read for a request is not looked at further
+        hc.kv.gather(0, slots, request_id="someone-else")
+    hc.abort([adm.handle])

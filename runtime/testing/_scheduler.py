@@ -237,8 +237,8 @@ class FakeModel:
             for run, slots, want, index in checks:
                 if kv is None:
                     got = self.hc.device_kv.read(slots, layer=layer)
-                else:  # `[2, 1, n, H, D]` on CPU, as `read` gives it
-                    got = torch.stack(kv.gather(layer, index)).unsqueeze(1).cpu()
+                else:  # `[2, 1, n, H, D]` on CPU, as `read` gives it; read for its own request only
+                    got = torch.stack(kv.gather(layer, index, request_id=run.spec.request_id)).unsqueeze(1).cpu()
                 self.oracle.compare(got, want[:, layer : layer + 1], slots, run.verify_from, first_layer=layer)
         for run, *_ in checks:
             self.verified_tokens += run.verify_to - run.verify_from
