@@ -84,9 +84,10 @@ class _Pass:
     """One forward pass of one request over the pool (what every `PoolCache` layer shares)."""
 
     def __init__(self, kv: DeviceKV, tokens: Sequence[int], start: int, slots: SlotIndex,
-                 new: SlotIndex, waiter: LayerWaiter | None, observer: KVObserver | None) -> None:
+                 new: SlotIndex, waiter: LayerWaiter | None, observer: KVObserver | None,
+                 request_id: str | None = None) -> None:
         self.kv, self.tokens, self.start, self.slots, self.new = kv, tokens, start, slots, new
-        self.waiter, self.observer = waiter, observer
+        self.waiter, self.observer, self.request_id = waiter, observer, request_id
 
     def update(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if key_states.shape[0] != 1 or key_states.shape[2] != len(self.new):
@@ -96,7 +97,7 @@ class _Pass:
             self.waiter.wait_layer(layer)  # its cached prefix may still be loading back
         k, v = key_states[0].transpose(0, 1), value_states[0].transpose(0, 1)
         self.kv.write(layer, self.new, k, v)
-        keys, values = self.kv.gather(layer, self.slots)
+        keys, values = self.kv.gather(layer, self.slots, request_id=self.request_id)
         if self.observer is not None:
             self.observer.wrote(layer, self.tokens, self.start, k, v)
             self.observer.read(layer, self.tokens, keys, values)
@@ -141,16 +142,19 @@ class _PoolLayer(CacheLayerMixin):
 class PoolCache(Cache):
     """A transformers `Cache` over the device pool for one forward pass of one request:
     positions before `start` of `tokens` are cached in `slots[:start]`, the pass computes
-    the rest into `slots[start:]`."""
+    the rest into `slots[start:]`. Given its `request_id`, the reads of each layer are checked
+    to be of that request's pages (with `Config.check_kv_reads`)."""
 
     def __init__(self, kv: DeviceKV, tokens: Sequence[int], start: int, slots: torch.Tensor,
-                 waiter: LayerWaiter | None = None, observer: KVObserver | None = None) -> None:
+                 waiter: LayerWaiter | None = None, observer: KVObserver | None = None,
+                 request_id: str | None = None) -> None:
         if not 0 <= start < len(tokens) or len(slots) != len(tokens):
             raise ModelRunnerError(f"a pass computes positions start..{len(tokens) - 1} with a slot for each of "
                                    f"the {len(tokens)}; got start={start} and {len(slots)} slots")
         # The new slots are distinct; the cached ones may meet them only when a load-back
         # failed and its pages were granted again, and then `wait_layer` raises before any write.
-        p = _Pass(kv, tokens, start, kv.index(slots, distinct=False), kv.index(slots[start:]), waiter, observer)
+        p = _Pass(kv, tokens, start, kv.index(slots, distinct=False), kv.index(slots[start:]), waiter, observer,
+                  request_id)
         super().__init__(layers=[_PoolLayer(p, i) for i in range(kv.layers)])
 
 
@@ -168,11 +172,11 @@ class ModelRunner:
     # -- one forward pass -----------------------------------------------------------------
 
     def compute(self, tokens: Sequence[int], start: int, slots: torch.Tensor,
-                waiter: LayerWaiter | None = None) -> torch.Tensor:
+                waiter: LayerWaiter | None = None, request_id: str | None = None) -> torch.Tensor:
         """Compute positions `start .. len(tokens) - 1` of `tokens` (their K/V into `slots[start:]`,
         attention over `slots`, one slot per position) and return the last position's logits,
-        `[vocab]` float32 on CPU."""
-        cache = PoolCache(self.cache.kv, tokens, start, slots, waiter, self.observer)
+        `[vocab]` float32 on CPU. `request_id`: the request they are (its reads checked, `PoolCache`)."""
+        cache = PoolCache(self.cache.kv, tokens, start, slots, waiter, self.observer, request_id)
         ids = torch.tensor([list(tokens[start:])], dtype=torch.int64, device=self.device)
         positions = torch.arange(start, len(tokens), device=self.device).unsqueeze(0)
         with torch.inference_mode():
@@ -185,7 +189,7 @@ class ModelRunner:
         out = {}
         for st in steps:
             end = st.start + st.count
-            logits = self.compute(st.tokens[:end], st.start, st.slots, waiter)
+            logits = self.compute(st.tokens[:end], st.start, st.slots, waiter, st.request_id)
             if end == len(st.tokens):
                 out[st.request_id] = int(logits.argmax())
         return out
@@ -240,7 +244,7 @@ class ModelRunner:
                 waiter = hc.start_loads() if admitted.host_hit else None
                 new = self._allocate(rid, {rid: len(prompt) - admitted.cached_tokens})
                 slots = torch.cat((admitted.device_indices, new))
-                return admitted, slots, self.compute(prompt, admitted.cached_tokens, slots, waiter)
+                return admitted, slots, self.compute(prompt, admitted.cached_tokens, slots, waiter, rid)
             except LoadFailedError:
                 hc.retract([hc.handle(rid)])
                 if attempt == LOAD_ATTEMPTS_MAX:
@@ -261,7 +265,7 @@ class ModelRunner:
                 slots = torch.cat((slots, new))
                 seq.append(tokens[-1])
                 written = [tokens[-1]]
-                rows.append(self.compute(seq, len(seq) - 1, slots))
+                rows.append(self.compute(seq, len(seq) - 1, slots, request_id=rid))
                 tokens.append(int(rows[-1].argmax()))
             hc.commit({rid: written})
             hc.finish([hc.handle(rid)])
