@@ -185,7 +185,8 @@ class Config:
     check_kv_writes: bool = _field(False, Switch(),
                                    "Refuse a K/V write (`DeviceKV.write`, and `DeviceKV.index` with `distinct=True`, "
                                    "an index for writing) into a slot no live request holds for its own positions: "
-                                   "a cached prefix (shared), a free slot, an ended request's. For an engine's tests "
+                                   "a cached prefix (shared), a free slot, an ended request's; and one made for a "
+                                   "`request_id` into a slot that request does not hold. For an engine's tests "
                                    "and staging: each checked index reads the live requests' pages again after they "
                                    "changed, and on CUDA waits for the device once; see docs/engine.md.")
     check_kv_reads: bool = _field(False, Switch(),

@@ -92,8 +92,9 @@ class _SlotCheck(Protocol):
         """Raise `KVArgumentError` unless layer `layer` of every one of `slots` has landed."""
         ...
 
-    def owned(self, rid: str, slots: torch.Tensor) -> None:
-        """Raise `KVArgumentError` unless request `rid` is live and holds every one of `slots`."""
+    def owned(self, rid: str, slots: torch.Tensor, *, write: bool) -> None:
+        """Raise `KVArgumentError` unless request `rid` is live and holds every one of `slots`
+        (for its own new positions, if `write`)."""
         ...
 
 
@@ -147,12 +148,20 @@ class DeviceKV:
 
     # -- a forward pass ------------------------------------------------------------------
 
-    def index(self, slots: torch.Tensor | SlotIndex, *, distinct: bool = True) -> SlotIndex:
+    def index(self, slots: torch.Tensor | SlotIndex, *, distinct: bool = True,
+              request_id: str | None = None) -> SlotIndex:
         """`slots` checked once (in range; with `distinct`, no slot twice) and put on the pool's
         device, for every layer's `write` or `gather` of a forward pass. With
         `Config.check_kv_writes`, `distinct` slots are also checked to be writable (index slots
         that are only read with `distinct=False`); with `Config.check_kv_reads`, slots indexed
-        otherwise are checked to be readable."""
+        otherwise are checked to be readable. Given the `request_id` they are for, they are
+        checked to be that request's too (its own new positions' pages for writing, any of
+        its pages for reading)."""
+        idx = self._index(slots, distinct)
+        self._owned(request_id, idx, write=distinct)
+        return idx
+
+    def _index(self, slots: torch.Tensor | SlotIndex, distinct: bool) -> SlotIndex:
         if type(distinct) is not bool:
             raise KVArgumentError(f"distinct must be True or False, got {shown(distinct)}")
         if isinstance(slots, SlotIndex):
@@ -187,11 +196,14 @@ class DeviceKV:
             return SlotIndex(placed, distinct, id(self._t), *self._readable.readable(placed))
         return SlotIndex(placed, distinct, id(self._t))
 
-    def write(self, layer: int, slots: torch.Tensor | SlotIndex, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(self, layer: int, slots: torch.Tensor | SlotIndex, k: torch.Tensor, v: torch.Tensor,
+              request_id: str | None = None) -> None:
         """Write layer `layer`'s K and V of new tokens (`[n, kv_heads, head_dim]` each, on the
-        pool's device, in its dtype) into their `n` slots."""
+        pool's device, in its dtype) into their `n` slots (with `Config.check_kv_writes` and the
+        `request_id` they are for, slots of pages that request does not hold for its own new
+        positions are refused)."""
         layer = self._layer(layer)
-        idx = self.index(slots)
+        idx = self.index(slots, request_id=request_id)
         n = len(idx)
         for name, x in (("k", k), ("v", v)):
             self._check_kv(name, x, n)
@@ -230,30 +242,29 @@ class DeviceKV:
               request_id: str | None = None) -> tuple[int, SlotIndex]:
         """The checked layer and index of a read (see `gather`)."""
         layer = self._layer(layer)
-        idx = self.index(slots, distinct=False)
-        self._owned(request_id, idx)
+        idx = self.index(slots, distinct=False, request_id=request_id)
         if idx.loads:  # only with check_kv_reads
             self._readable.landed(idx.tensor, idx.loads, layer)  # type: ignore[union-attr]
         return layer, idx
 
-    def _owned(self, request_id: str | None, idx: SlotIndex) -> None:
-        """With `Config.check_kv_reads`, refuse a read for `request_id` (when given) of slots of
-        pages that request does not hold; a `request_id` that is no request id, always."""
+    def _owned(self, request_id: str | None, idx: SlotIndex, *, write: bool) -> None:
+        """With the check of writes (`write`) or of reads on, refuse slots for `request_id` (when
+        given) of pages that request does not hold (for its own new positions, if `write`); a
+        `request_id` that is no request id, always."""
         if request_id is None:
             return
         if type(request_id) is not str or not request_id:
             raise KVArgumentError(f"request_id must be a request's id (a non-empty str) or None, got "
                                   f"{shown(request_id)}")
-        if self._readable is not None:
-            self._readable.owned(request_id, idx.tensor)
+        check = self._writable if write else self._readable
+        if check is not None:
+            check.owned(request_id, idx.tensor, write=write)
 
     def page_table(self, slots: torch.Tensor, request_id: str | None = None) -> torch.Tensor:
         """The page of each page of positions of a request whose positions lie in `slots`
         (as the facade gives them): its block-table row, int64 on CPU. With
         `Config.check_kv_reads` and the `request_id`, slots of pages it does not hold are refused."""
-        index = self.index(slots, distinct=False)
-        self._owned(request_id, index)
-        idx = index.tensor.cpu()
+        idx = self.index(slots, distinct=False, request_id=request_id).tensor.cpu()
         p = self.page_size
         pages = idx[::p] // p
         expect = pages.repeat_interleave(p)[: len(idx)] * p + torch.arange(len(idx)) % p

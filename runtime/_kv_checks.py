@@ -155,21 +155,24 @@ class LiveSlots:
             self._refuse(slots, ok, write=False)
         return self.generation, tuple(b for b in seen if b)
 
-    def owned(self, rid: str, slots: torch.Tensor) -> None:
-        """Refuse `slots` (on the pool's device) unless request `rid` holds every one's page (its
-        cached prefix's, or one `allocate` gave it): what that request's attention may read."""
+    def owned(self, rid: str, slots: torch.Tensor, *, write: bool) -> None:
+        """Refuse `slots` (on the pool's device) unless request `rid` holds every one's page:
+        for reading, its cached prefix's or one `allocate` gave it (what its attention may read);
+        for writing (`write`), one `allocate` gave it (its own new positions)."""
         live = self._lives.get(rid)
+        config = "check_kv_writes" if write else "check_kv_reads"
         if live is None:
-            raise KVArgumentError(f"request {rid!r} is not live (never admitted, or it ended): a read for a request "
-                                  f"is of a live one's slots (Config.check_kv_reads)")
-        held = Indices(live.held()).as_tensor().to(slots.device)
+            raise KVArgumentError(f"request {rid!r} is not live (never admitted, or it ended): a "
+                                  f"{'write' if write else 'read'} for a request is of a live one's slots "
+                                  f"(Config.{config})")
+        held = Indices(live.held()).as_tensor()[live.prefix // self._p if write else 0 :].to(slots.device)
         pages = slots // self._p if self._p > 1 else slots
         ok = torch.isin(pages, held)
         if not bool(ok.all()):
             slot = int(slots[int(torch.argmin(ok.to(torch.uint8)))])
-            raise KVArgumentError(self._not_its(rid, slot))
+            raise KVArgumentError(self._not_its(rid, slot, write))
 
-    def _not_its(self, rid: str, slot: int) -> str:
+    def _not_its(self, rid: str, slot: int, write: bool) -> str:
         page = slot // self._p
         other = next((r for r, live in self._lives.items() if r != rid and page in Indices(live.held()).tolist()),
                      None)
@@ -178,6 +181,10 @@ class LiveSlots:
         else:
             how = self._gone.get(page)
             what = f"belongs to no live request ({how})" if how else "is free (no request holds its page)"
+        if write:
+            return (f"slot {slot} {what}, not request {rid!r}'s; a request writes only into the slots allocate() "
+                    f"gave it for its new positions: take them from allocate() or slots({rid!r}) "
+                    "(Config.check_kv_writes)")
         return (f"slot {slot} {what}, not request {rid!r}'s; a request reads only the slots of its own positions "
                 f"(its cached prefix's and those allocate() gave it): take them from slots({rid!r}) "
                 "(Config.check_kv_reads)")

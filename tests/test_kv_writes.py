@@ -276,3 +276,50 @@ def test_the_mask_is_rebuilt_only_after_the_live_pages_changed(open_cache: Calla
     assert len(builds) == 1
     _write(hc, hc.allocate({"a": 3})["a"])  # a new page
     assert len(builds) == 2
+
+
+# -- writes for one request ---------------------------------------------------------------------
+
+
+def test_a_write_for_a_request_takes_its_own_new_pages_and_refuses_another_s(
+    open_cache: Callable[..., HiCache],
+) -> None:
+    """Two live requests: each writes its own new pages for itself; a write for one into the
+    other's new page (an output-slot row kept after its pages changed hands) is refused, naming
+    whose the slot is, and lands nothing. Without the request's id, both are live requests'
+    own pages: the general check lets it through."""
+    hc = open_cache()
+    [b, c] = hc.admit([Request("b", PROMPT[:-1]), Request("c", PROMPT[:-1])])
+    got = hc.allocate({"b": 4, "c": 4})
+    kv = hc.kv
+    x = torch.full((4, kv.kv_heads, kv.head_dim), 3.0, dtype=kv.dtype, device=kv.device)
+    kv.write(0, got["b"], x, x, request_id="b")
+    kv.index(got["c"], request_id="c")
+    before = hc.device_kv.tensor.clone()
+    refusal = "^" + re.escape(f"slot {int(got['c'][0])} is request 'c''s, not request 'b''s; a request writes only "
+                              "into the slots allocate() gave it for its new positions: take them from allocate() "
+                              "or slots('b') (Config.check_kv_writes)") + "$"
+    for call in (lambda: kv.write(1, got["c"], x, x, request_id="b"),
+                 lambda: kv.index(got["c"], request_id="b"),
+                 lambda: kv.write(1, kv.index(got["c"]), x, x, request_id="b")):
+        with pytest.raises(KVArgumentError, match=refusal):
+            call()
+    assert torch.equal(hc.device_kv.tensor, before), "a refused write changed the pool"
+    kv.write(1, got["c"], x, x)  # for no request in particular
+    with pytest.raises(KVArgumentError, match=r"^request 'z' is not live \(never admitted, or it ended\): a write"):
+        kv.write(0, got["b"], x, x, request_id="z")
+    hc.abort([b.handle, c.handle])
+
+
+def test_a_write_for_a_request_into_its_own_cached_prefix_is_refused_as_any_prefix_write(
+    open_cache: Callable[..., HiCache],
+) -> None:
+    hc = open_cache()
+    _served(hc, "a", PROMPT)
+    [adm] = hc.admit([Request("b", PROMPT)])
+    assert adm.device_hit == 12
+    slot = int(adm.device_indices[0])
+    with pytest.raises(KVArgumentError, match="^" + _line(slot, "is in the cached prefix of request 'b' (shared: "
+                                                          "other requests read it)", TODO_PREFIX) + "$"):
+        hc.kv.index(adm.device_indices[:4], request_id="b")
+    hc.abort([adm.handle])

@@ -96,7 +96,7 @@ class _Pass:
         if self.waiter is not None:
             self.waiter.wait_layer(layer)  # its cached prefix may still be loading back
         k, v = key_states[0].transpose(0, 1), value_states[0].transpose(0, 1)
-        self.kv.write(layer, self.new, k, v)
+        self.kv.write(layer, self.new, k, v, request_id=self.request_id)
         keys, values = self.kv.gather(layer, self.slots, request_id=self.request_id)
         if self.observer is not None:
             self.observer.wrote(layer, self.tokens, self.start, k, v)
@@ -142,8 +142,8 @@ class _PoolLayer(CacheLayerMixin):
 class PoolCache(Cache):
     """A transformers `Cache` over the device pool for one forward pass of one request:
     positions before `start` of `tokens` are cached in `slots[:start]`, the pass computes
-    the rest into `slots[start:]`. Given its `request_id`, the reads of each layer are checked
-    to be of that request's pages (with `Config.check_kv_reads`)."""
+    the rest into `slots[start:]`. Given its `request_id`, the writes and reads of each layer
+    are checked to be of that request's pages (with `Config.check_kv_writes`, `check_kv_reads`)."""
 
     def __init__(self, kv: DeviceKV, tokens: Sequence[int], start: int, slots: torch.Tensor,
                  waiter: LayerWaiter | None = None, observer: KVObserver | None = None,
@@ -153,8 +153,8 @@ class PoolCache(Cache):
                                    f"the {len(tokens)}; got start={start} and {len(slots)} slots")
         # The new slots are distinct; the cached ones may meet them only when a load-back
         # failed and its pages were granted again, and then `wait_layer` raises before any write.
-        p = _Pass(kv, tokens, start, kv.index(slots, distinct=False), kv.index(slots[start:]), waiter, observer,
-                  request_id)
+        p = _Pass(kv, tokens, start, kv.index(slots, distinct=False, request_id=request_id),
+                  kv.index(slots[start:], request_id=request_id), waiter, observer, request_id)
         super().__init__(layers=[_PoolLayer(p, i) for i in range(kv.layers)])
 
 

@@ -249,7 +249,7 @@ class FakeModel:
             end = st.start + st.count
             if self.kv:
                 if self.hc.config.check_kv_writes:
-                    self.hc.kv.index(st.slots[st.start :])
+                    self.hc.kv.index(st.slots[st.start :], request_id=run.spec.request_id)
                 run.hash_base = self.oracle.write(self.hc.device_kv, run.seq[:end], st.slots[st.start :],
                                                   start=st.start, base=run.hash_base)
                 self.written_tokens += st.count
