@@ -30,7 +30,9 @@ before anything lands. An engine whose own kernels write the pool indexes its ou
 slots this way to have them checked. With `Config.check_kv_reads`, slots read (`gather`,
 `page_table`, an index with `distinct=False`) must lie in pages a live request holds, and
 `gather(layer, ...)` refuses pages whose load-back from host memory has not landed that
-layer; nothing is read or returned then.
+layer; nothing is read or returned then. A call given the `request_id` its slots are for
+takes only that request's pages (its own new ones for a write): a row of slots kept after
+its pages changed hands is refused even when another live request holds them now.
 """
 
 from __future__ import annotations
