@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import time
 
 import pytest
@@ -135,6 +136,7 @@ def test_read_threads_outside_one_to_64_are_refused_with_the_range(capsys) -> No
     ({"mib": 2, "read_threads": 65}, "--read-threads must be in 1..64, got 65"),
     ({"mib": 2, "write_pages": 0}, "--write-pages 0: give at least 1"),
     ({"mib": 2, "backends": ("tape",)}, "unknown backend ['tape']"),
+    ({"mib": 2, "where": "/nonexistent/l3"}, "--dir /nonexistent/l3: not a writable directory"),
 ])
 def test_the_bench_refuses_what_cannot_run_as_a_usage_error_that_exits_2(capsys, kwargs, says) -> None:
     """Called from Python it raises `UsageError` (exit 2 through the command line), not
@@ -159,3 +161,27 @@ def test_the_command_lines_bounds_and_help_are_the_benchs(capsys) -> None:
         parse(["bench", "storage", "--help"])
     shown = " ".join(capsys.readouterr().out.split())
     assert f"at least {low} (one 2 MiB page)" in shown and f"storage_read_threads, 1..{high}:" in shown
+
+
+@pytest.mark.timeout(60)
+def test_dir_puts_the_file_backends_pages_on_the_file_system_given_and_names_it(capsys, tmp_path,
+                                                                               monkeypatch) -> None:
+    """The pages and the raw side's file go to a fresh directory in `--dir` (the file system
+    an L3 is to run on), which the report names with its type; nothing is left there."""
+    made: list[str] = []
+    real = _bench_storage.tempfile.TemporaryDirectory
+
+    def recording(*args, **kwargs):
+        made.append(kwargs.get("dir"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_bench_storage.tempfile, "TemporaryDirectory", recording)
+    assert main(["bench", "storage", "--mib", "2", "--backend", "file", "--dir", str(tmp_path), "--json"]) == 0
+    body = json.loads(capsys.readouterr().out)
+    assert made == [str(tmp_path)]
+    assert body["workload"]["file_dir"] == str(tmp_path)
+    kind, _, point = body["workload"]["file_system"].partition(" at ")
+    mounts = [line.split()[1:3] for line in open("/proc/self/mounts", encoding="utf-8")]
+    assert [point, kind] in mounts and os.path.realpath(tmp_path).startswith(point)
+    assert all(r["error"] == "" for r in body["results"])
+    assert list(tmp_path.iterdir()) == []  # the bench's directory went with it

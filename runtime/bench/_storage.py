@@ -1,7 +1,8 @@
 """`hicache bench storage`: reading and writing pages between each storage backend and a
 host buffer, against a raw read or write of the same bytes in the same run.
 
-For each backend (file, in a temporary directory; Mooncake Store, against a master this
+For each backend (file, in a temporary directory: the system's, or a fresh one in `--dir`,
+the file system an L3 is to run on, which the report names; Mooncake Store, against a master this
 bench starts on 127.0.0.1), each host layout and each page size (2 MiB: a 32-layer,
 8-KV-head, head_dim-128 fp16 model with 16-token pages; then 64 KiB and 2 KiB pages of
 smaller shapes), it times:
@@ -428,10 +429,12 @@ def _pages(page: str, mib: int) -> int:
     return max(1, (min(mib, SMALL_MIB_MAX) if page != "2MiB" else mib) * 2**20 // payload)
 
 
-def _storage_fields(kind: str, mib: int, stack: ExitStack) -> dict[str, Any]:
-    """The Config fields of `kind`'s storage; `stack` keeps it (directory, master) alive."""
+def _storage_fields(kind: str, mib: int, stack: ExitStack, where: str | None = None) -> dict[str, Any]:
+    """The Config fields of `kind`'s storage; `stack` keeps it (directory, master) alive. The file
+    backend's directory is a fresh one in `where` (None: the system's temporary directory)."""
     if kind == "file":
-        return {"storage": "file", "storage_dir": stack.enter_context(tempfile.TemporaryDirectory(prefix="hicache-"))}
+        return {"storage": "file",
+                "storage_dir": stack.enter_context(tempfile.TemporaryDirectory(prefix="hicache-", dir=where))}
     master = stack.enter_context(MooncakeMaster())
     # Every page size's pages and one write rep's, with room for the headers and the allocator.
     return {"storage": "mooncake", "mooncake_segment_mb": math.ceil(mib * 2.5 + 3 * SMALL_MIB_MAX) + 64,
@@ -440,7 +443,7 @@ def _storage_fields(kind: str, mib: int, stack: ExitStack) -> dict[str, Any]:
 
 def _run_backend(kind: str, mib: int, write_pages: int, step: Callable[[], None],
                  load_back: torch.device | None = None, read_threads: int | None = None,
-                 ) -> tuple[list[Result], list[LoadBack]]:
+                 where: str | None = None) -> tuple[list[Result], list[LoadBack]]:
     """Every layout and page size on one backend, then (given a device) the L3-hit path at
     each layout; error rows for what could not run."""
     results: list[Result] = []
@@ -448,7 +451,7 @@ def _run_backend(kind: str, mib: int, write_pages: int, step: Callable[[], None]
     cells = [(layout, page) for page in SHAPES for layout in LAYOUTS]
     try:
         with ExitStack() as stack:
-            fields = _storage_fields(kind, mib, stack)
+            fields = _storage_fields(kind, mib, stack, where)
             if read_threads is not None:
                 fields["storage_read_threads"] = read_threads
             if load_back is not None:
@@ -486,13 +489,34 @@ def _run_backend(kind: str, mib: int, write_pages: int, step: Callable[[], None]
 # -- the command -----------------------------------------------------------------------------
 
 
-def _table(results: list[Result], mib: int, write_pages: int, read_threads: int, machine: dict[str, object]) -> Table:
+def _file_system(path: str) -> str:
+    """`"<type> at <mount point>"` of the file system `path` lies on (Linux's mount table), or
+    "unknown" where there is none to read."""
+    real, best = os.path.realpath(path), ("", "unknown")
+    try:
+        with open("/proc/self/mounts", encoding="utf-8") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                point = fields[1].replace("\\040", " ")
+                inside = real == point or real.startswith(point.rstrip("/") + "/")
+                if inside and len(point) >= len(best[0]):
+                    best = (point, fields[2])
+    except OSError:
+        return "unknown"
+    return f"{best[1]} at {best[0]}" if best[0] else "unknown"
+
+
+def _table(results: list[Result], mib: int, write_pages: int, read_threads: int, machine: dict[str, object],
+           file_dir: str) -> Table:
     t = Table(
         title=f"storage: {mib} MiB of 2 MiB pages ({min(mib, SMALL_MIB_MAX)} MiB of smaller ones), reads of "
               f"storage_step_pages ({', '.join(f'{_step(p)} at {p}' for p in SHAPES)}) on {read_threads} "
               f"read thread(s) and writes of {write_pages} pages a call, median of {REPS}",
         caption=(f"{machine['cpu_count']} x {machine['cpu_model']}, {machine['memory_gib']} GiB, "
-                 f"torch {machine['torch']}; raw: the same stored bytes, unchecked, one host region"),
+                 f"torch {machine['torch']}; file pages in {file_dir} ({_file_system(file_dir)}); raw: the same "
+                 "stored bytes, unchecked, one host region"),
     )
     for col in ("backend", "layout", "page", "read GB/s", "raw", "ratio", "write GB/s", "raw", "ratio"):
         t.add_column(col, justify="left" if col in ("backend", "layout", "page") else "right")
@@ -517,8 +541,12 @@ def _load_back_table(paths: list[LoadBack], mib: int, machine: dict[str, object]
 
 
 def run_bench_storage(*, as_json: bool, mib: int, write_pages: int = WRITE_PAGES, backends: tuple[str, ...] = BACKENDS,
-                      load_back: bool = False, read_threads: int | None = None) -> int:
-    """`read_threads`: the backends' `storage_read_threads` (None: the default)."""
+                      load_back: bool = False, read_threads: int | None = None, where: str | None = None) -> int:
+    """`read_threads`: the backends' `storage_read_threads` (None: the default). `where`: the
+    directory the file backend's own directory is made in (None: the system's temporary one)."""
+    if where is not None and not (os.path.isdir(where) and os.access(where, os.W_OK | os.X_OK)):
+        raise UsageError(f"--dir {where}: not a writable directory; give an existing directory on the file system "
+                         "to measure (its L3 mount, say)")
     if mib < MIB_MIN:
         raise UsageError(f"--mib {mib}: give at least {MIB_MIN} (one 2 MiB page)")
     if write_pages < 1:
@@ -530,6 +558,7 @@ def run_bench_storage(*, as_json: bool, mib: int, write_pages: int = WRITE_PAGES
     unknown = [b for b in backends if b not in BACKENDS]
     if unknown or not backends:
         raise UsageError(f"unknown backend {unknown or backends}; choose from {BACKENDS}")
+    file_dir = os.path.abspath(where if where is not None else tempfile.gettempdir())
     kind = DeviceKind.CUDA if load_back and torch.cuda.is_available() else DeviceKind.CPU
     device = torch.device("cuda" if kind is DeviceKind.CUDA else "cpu") if load_back else None
     progress = progress_bar(as_json)
@@ -540,7 +569,7 @@ def run_bench_storage(*, as_json: bool, mib: int, write_pages: int = WRITE_PAGES
         task = progress.add_task("storage", total=len(backends) * per_backend)
         for name in backends:
             progress.update(task, description=name)
-            r, lb = _run_backend(name, mib, write_pages, lambda: progress.advance(task), device, threads)
+            r, lb = _run_backend(name, mib, write_pages, lambda: progress.advance(task), device, threads, where)
             results += r
             paths += lb
     machine = _machine(kind)
@@ -549,11 +578,11 @@ def run_bench_storage(*, as_json: bool, mib: int, write_pages: int = WRITE_PAGES
         "workload": {"shapes": SHAPES, "mib": mib, "small_mib": min(mib, SMALL_MIB_MAX),
                      "pages": {page: _pages(page, mib) for page in SHAPES},
                      "read_pages": {page: _step(page) for page in SHAPES}, "write_pages": write_pages,
-                     "read_threads": threads,
+                     "read_threads": threads, "file_dir": file_dir, "file_system": _file_system(file_dir),
                      "warmup": WARMUP, "reps": REPS},
         "results": [r.to_json() for r in results],
     }
-    table: Any = _table(results, mib, write_pages, threads, machine)
+    table: Any = _table(results, mib, write_pages, threads, machine, file_dir)
     if load_back:
         body["load_back"] = [r.to_json() for r in paths]
         table = Group(table, _load_back_table(paths, mib, machine))

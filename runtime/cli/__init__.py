@@ -205,6 +205,10 @@ def _bench_args(bench: argparse.ArgumentParser) -> None:
     st.add_argument("--read-threads", type=_number(int, 1, 64), default=None,
                     help="the backends' storage_read_threads, 1..64: threads that verify a read's large pages "
                          "together (default: Config's, 2)")
+    st.add_argument("--dir", default=None,
+                    help="the file backend's pages (and the raw side's file) go to a fresh directory in this "
+                         "existing, writable directory, the file system an L3 is to run on (default: the system's "
+                         "temporary directory)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -313,7 +317,7 @@ def _bench(args: argparse.Namespace) -> int:
     if args.bench == "storage":
         backends = ("file", "mooncake") if args.backend == "both" else (args.backend,)
         return int(run(as_json=args.json, mib=args.mib, write_pages=args.write_pages, backends=backends,
-                       load_back=args.load_back, read_threads=args.read_threads))
+                       load_back=args.load_back, read_threads=args.read_threads, where=args.dir))
     if args.bench == "trace":
         return int(run(as_json=args.json, quick=args.quick, requests=args.requests))
     return int(run(as_json=args.json, quick=args.quick))
