@@ -486,3 +486,18 @@ def test_ranks_making_the_same_calls_in_either_form_agree_and_a_restart_of_all_s
     r0, r1 = _ThreadRanks(2).run(run)
     assert r0 == r1 and r0[0] == {"b": 0}, (r0, r1)
 
+
+
+@pytest.mark.parametrize(("agreeing", "about"), [("ready", "ready"), ("quiesce", "fact counts")])
+def test_ready_and_quiesce_compare_the_ranks_calls_too(agreeing: str, about: str) -> None:
+    def run(group: Any, rank: int) -> Any:
+        hc = _served(group, rank)
+        try:
+            _DIVERGING["other tokens committed"](hc, rank)
+            return hc.ready(["q"]) if agreeing == "ready" else hc.quiesce()
+        finally:
+            hc.close()
+
+    for rank, out in enumerate(_every_rank_diverged(run)):
+        assert out.startswith(f"rank {rank} of 2: at its agreement on {about}, the calls it made since it started "
+                              "differ from another rank's"), out
