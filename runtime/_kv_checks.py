@@ -16,8 +16,10 @@ request ended, a free slot), or from a prefix loaded back from host memory befor
 layer it reads landed. With `check_kv_reads`, a slot is readable when its page is one a
 live request holds, its cached prefix included; and `gather(layer, ...)` refuses a page a
 load-back fills until that layer of its batch landed. A read made for one request (the
-`request_id` of `gather`, `check_read`, `page_table`) takes only that request's pages: a
-block-table row kept too long, whose pages another request holds now, reads that one's K/V. Which pages: an admission names the
+`request_id` of `gather`, `check_read`, `page_table`) takes only that request's pages, and
+a write made for one (`write`, `index`) only its own new pages: a row of slots kept too
+long, whose pages another request holds now, would read or overwrite that one's K/V.
+Which pages: an admission names the
 pages it queued for load-back (`Admitted.loads`); the next `StartLoads` starts every queued
 one as one batch, whose number the facade learns from its reply. How far: the
 `LayerDoneRing` says, without blocking, whether a layer of a batch landed (batches run one
@@ -174,13 +176,8 @@ class LiveSlots:
 
     def _not_its(self, rid: str, slot: int, write: bool) -> str:
         page = slot // self._p
-        other = next((r for r, live in self._lives.items() if r != rid and page in Indices(live.held()).tolist()),
-                     None)
-        if other is not None:
-            what = f"is request {other!r}'s"
-        else:
-            how = self._gone.get(page)
-            what = f"belongs to no live request ({how})" if how else "is free (no request holds its page)"
+        other = self._holder(page, besides=rid)
+        what = f"is request {other!r}'s" if other is not None else self._unheld(page)[0]
         if write:
             return (f"slot {slot} {what}, not request {rid!r}'s; a request writes only into the slots allocate() "
                     f"gave it for its new positions: take them from allocate() or slots({rid!r}) "
@@ -239,20 +236,25 @@ class LiveSlots:
     def _refusal(self, slot: int, write: bool) -> str:
         """What `slot` is, and what to do."""
         page = slot // self._p
-        if write and (rid := self._prefix_holder(page)) is not None:
+        if write and (rid := self._holder(page, prefix=True)) is not None:
             what, kind = f"is in the cached prefix of request {rid!r} (shared: other requests read it)", "prefix"
         else:
-            how = self._gone.get(page)
-            what, kind = (f"belongs to no live request ({how})", "gone") if how else \
-                ("is free (no request holds its page)", "free")
+            what, kind = self._unheld(page)
         if write:
             return f"slot {slot} {what}; {_WRITE_TODO[kind]} (Config.check_kv_writes)"
         return f"slot {slot} {what}; {_READ_TODO} (Config.check_kv_reads)"
 
-    def _prefix_holder(self, page: int) -> str | None:
-        """The first live request whose cached prefix holds `page`."""
+    def _unheld(self, page: int) -> tuple[str, str]:
+        """What a page no live request holds is, and its kind: "gone" (with how it left its
+        request) or "free"."""
+        how = self._gone.get(page)
+        return (f"belongs to no live request ({how})", "gone") if how else ("is free (no request holds its page)", "free")
+
+    def _holder(self, page: int, *, prefix: bool = False, besides: str | None = None) -> str | None:
+        """The first live request (other than `besides`) that holds `page` (in its cached prefix, if `prefix`)."""
         for rid, live in self._lives.items():
-            if page in Indices(live.held()).tolist()[: live.prefix // self._p]:
+            held = Indices(live.held()).tolist()
+            if rid != besides and page in (held[: live.prefix // self._p] if prefix else held):
                 return rid
         return None
 
@@ -265,7 +267,7 @@ class LiveSlots:
             if b is None or (b != _QUEUED and ring.landed(b, layer)):
                 continue
             if b == _QUEUED:
-                rid = self._prefix_holder(slot // self._p)
+                rid = self._holder(slot // self._p, prefix=True)
                 whose = f" of request {rid!r}" if rid is not None else ""
                 return (f"slot {slot} is in the cached prefix{whose}, which a load-back from host memory fills, "
                         "but start_loads() was not called since its admission, so nothing copies it; call "
