@@ -102,6 +102,18 @@ def test_the_unmutated_orphans_scenario_passes_twenty_seeds() -> None:
     assert report.deliveries > 20 * 100
 
 
+def test_a_tick_whose_loads_a_quiesce_ran_counts_them_unseen_when_its_waiter_fails_for_another() -> None:
+    """`orphans`, pct depth 5, seed 70161: a tick quiesces between admitting and `start_loads`, so
+    its admission's load-back runs (and lands) in the quiesce's batch; the waiter `start_loads`
+    gives next fails for a load of an admission dropped the tick before, refused as the queue
+    was full. The scheduler retracts the tick's requests, and the cache counts the landed host
+    hit, as its statistics say (a hit counts when its load-back lands): the scheduler saw neither
+    outcome, so it may count or not (`ServedTotals.unseen_host_hit`), and the end's statistics
+    check passes."""
+    result = run_schedule("orphans", 70161, "pct", 5)
+    assert not result.failed, result.error
+
+
 def test_a_failure_found_by_pct_replays_exactly_from_its_trace(tmp_path: Path) -> None:
     failing = next(r for r in (run_schedule("standard", s, "pct", 3, "backup-under-unbacked-parent")
                                for s in range(50)) if r.failed)
