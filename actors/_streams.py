@@ -258,7 +258,12 @@ class LoadStreamActor(HiActor):
         self._running: _LoadBatch | None = None
         self._next_batch = 1
         self._refused = ""
-        """The first load refused since the last start, and why: the next batch fails."""
+        """The first load refused since the last start, and why: the batch the next start makes
+        fails, whether a forward pass waits on it or not (the facade gives that batch to the
+        requests admitted since the last start, whose admissions answered the refused host hits)."""
+        self._unwaited = ""
+        """Why a batch no forward pass waited on failed, when no awaited batch was started behind
+        it: the next awaited batch fails (its forward pass may read what that batch was to load)."""
         self._cuda = _CudaStream(device_kv.device)
         self._n = _Counters()
 
@@ -277,9 +282,9 @@ class LoadStreamActor(HiActor):
 
     def _start(self, m: StartLoads) -> LoadsStarted:
         ops = self._queue.drain()
-        refused = ""
-        if m.awaited:  # a refusal fails a batch a forward pass waits on, not one that none does
-            refused, self._refused = self._refused, ""
+        refused, self._refused = self._refused, ""
+        if m.awaited and self._unwaited:  # an unawaited batch's failure reaches a forward pass
+            refused, self._unwaited = refused or self._unwaited, ""
         if not ops and not refused:  # a prefix an admission counted as a host hit may still be in a batch in flight
             last = self._started[-1] if self._started else self._running
             if last is not None and m.awaited:
@@ -340,7 +345,7 @@ class LoadStreamActor(HiActor):
             failed = f"load-back batch {run.batch}, which no forward pass waited on, failed: {reason}"
             later = next((r for r in self._started if r.awaited), None)
             if later is None:
-                self._refused = self._refused or failed
+                self._unwaited = self._unwaited or failed
             elif not later.refused:
                 later.refused = failed
         for op in run.ops:

@@ -102,14 +102,14 @@ def test_the_unmutated_orphans_scenario_passes_twenty_seeds() -> None:
     assert report.deliveries > 20 * 100
 
 
-def test_a_tick_whose_loads_a_quiesce_ran_counts_them_unseen_when_its_waiter_fails_for_another() -> None:
-    """`orphans`, pct depth 5, seed 70161: a tick quiesces between admitting and `start_loads`, so
-    its admission's load-back runs (and lands) in the quiesce's batch; the waiter `start_loads`
-    gives next fails for a load of an admission dropped the tick before, refused as the queue
-    was full. The scheduler retracts the tick's requests, and the cache counts the landed host
-    hit, as its statistics say (a hit counts when its load-back lands): the scheduler saw neither
-    outcome, so it may count or not (`ServedTotals.unseen_host_hit`), and the end's statistics
-    check passes."""
+def test_a_load_refused_before_a_quiesce_fails_the_quiesces_batch_and_the_statistics_agree() -> None:
+    """`orphans`, pct depth 5, seed 70161: a load is refused (the queue full) for an admission
+    dropped before its forward pass; the next tick quiesces between admitting and
+    `start_loads`. The refusal used to wait for a batch a forward pass waits on, so the
+    quiesce's batch landed (the admission's commit would have been taken) while the waiter
+    `start_loads` gave failed: the scheduler retracted a request whose load-back the cache
+    counted as served, and the end's statistics check failed. The refusal now fails the
+    batch the next start makes, the quiesce's."""
     result = run_schedule("orphans", 70161, "pct", 5)
     assert not result.failed, result.error
 

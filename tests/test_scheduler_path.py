@@ -755,6 +755,48 @@ def test_a_host_hit_whose_load_the_stream_refused_fails_the_batch_the_forward_pa
 
 
 @pytest.mark.parametrize("kind", ["threads", "deterministic"])
+def test_a_host_hit_whose_load_the_stream_refused_before_a_quiesce_is_not_committed_and_fails_the_waiter(
+        make_config: Callable[..., Config], oracle_for: Callable[[Config], Any], kind: str) -> None:
+    """As above, with a `quiesce()` between the admission and `start_loads`: the quiesce starts
+    the queued loads in a batch of its own, the one the facade gives the requests admitted
+    since. That batch must fail too: it used to land (the refusal waited for the next batch
+    a forward pass waits on), so the commit of the request whose load was refused was taken
+    over slots nothing loaded."""
+    config = make_config(device_pages=16, host_pages=64, transfer_queue_ops_max=1)
+    oracle = oracle_for(config)
+    with HiCache(config, runtime=make_runtime(kind, seed=3)) as hc:
+        first, second = seq(16, 10_000), seq(16, 20_000)
+        for rid, tokens in (("a", first), ("b", second)):
+            [adm] = hc.admit([Request(rid, tokens[:-1])])
+            oracle.write(hc.device_kv, tokens, hc.allocate({rid: 16})[rid])
+            hc.commit({rid: tokens})
+            hc.finish([adm.handle])
+            hc.quiesce()
+        hc.evict_device(hc.config.device_slots)
+        hc.device_kv.tensor.zero_()
+        [x] = hc.admit([Request("x", first + [7])])
+        hc.abort([x.handle])  # gone before its forward pass: its load stays queued
+        [y] = hc.admit([Request("y", second + [7])])
+        assert y.host_hit == 16 and hc.statistics().load.ops_failed == 1  # y's load refused
+        hc.quiesce()
+        assert isinstance(got := hc.allocate({"y": 1}), dict)
+        oracle.write(hc.device_kv, second + [7], got["y"], start=16)
+        with pytest.raises(RequestError, match="request 'y': the load-back of its 16 tokens from host memory "
+                                               "failed .*load .* was refused"):
+            hc.commit({"y": second[16:] + [7]})
+        with pytest.raises(LoadFailedError, match="which no forward pass waited on, failed: load .* was refused"):
+            hc.start_loads().wait_all(timeout_s=30)
+        hc.retract([y.handle])
+        hc.check_invariants()
+        [y] = hc.admit([Request("y", second + [7])])
+        assert y.host_hit == 16
+        hc.start_loads().wait_all(timeout_s=30)
+        oracle.verify(hc.device_kv, second, y.device_indices)
+        hc.finish([y.handle])
+        hc.check_invariants()
+
+
+@pytest.mark.parametrize("kind", ["threads", "deterministic"])
 def test_a_host_hit_whose_load_a_quiesce_started_and_which_failed_fails_the_forward_pass(
         make_config: Callable[..., Config], oracle_for: Callable[[Config], Any], kind: str) -> None:
     """`quiesce()` between an admission and `start_loads` starts the admitted load-back, and

@@ -146,11 +146,8 @@ class ServedTotals:
     path were in host memory, the pages its prefetch brought last), the part that is the
     tokens `ready` reported its prefetch read, `min(host_hit, max(0, read - host_miss))`."""
     unseen_host_hit: int = 0
-    """Host hits whose load-backs no forward pass saw land or fail, so they may count or not:
-    those of admissions dropped before their load-backs started (a later batch starts them), and
-    those of a tick whose `quiesce` started its load-backs in a batch of their own when the
-    waiter `start_loads` gave next then failed (that batch may fail for another admission's
-    refused load while theirs landed)."""
+    """Host hits of admissions dropped before their load-backs started: whether those loads landed
+    (a later batch starts them) nobody waited to see, so they may count or not."""
     unseen_storage_hit: int = 0
     """Of `unseen_host_hit`, those the requests' own prefetches read."""
 
@@ -287,9 +284,6 @@ class ReferenceScheduler:
         request's first admission only)."""
         self._awaited = (0, 0)
         """Host and storage hits of this tick's admissions, served once their load-backs land."""
-        self._quiesced = False
-        """Whether this tick's admissions had their load-backs started by a `quiesce` (a batch no
-        forward pass waits on) before `start_loads` handed the forward pass its waiter."""
         self._prefetch_tried: set[str] = set()
         """Queued requests whose prefetch was asked for (each once), until they are admitted or aborted."""
         self._read: dict[str, int] = {}
@@ -339,7 +333,6 @@ class ReferenceScheduler:
         self.hc.sync()
         self._prefetch()
         self._awaited = (0, 0)
-        self._quiesced = False
         waiter = self._admit()
         steps = self._plan()
         loaded = True
@@ -354,9 +347,6 @@ class ReferenceScheduler:
         if waiter is not None:  # a load may fail on one rank only: then every rank retracts
             loaded = bool(self.hc.group.all_min([int(loaded)])[0])
         if not loaded:
-            if self._quiesced:  # their loads ran in the quiesce's batch; the waiter's may fail for another's
-                self.served.unseen_host_hit += self._awaited[0]
-                self.served.unseen_storage_hit += self._awaited[1]
             self._retract_after_failed_load(steps)
             return
         self.served.host_hit += self._awaited[0]
@@ -471,7 +461,6 @@ class ReferenceScheduler:
             self._awaited = (sum(r.host_hit for r in results), sum(storage[r.request_id] for r in results))
             if self.config.quiesce_rate and self._quiesce_rng.random() < self.config.quiesce_rate:
                 self.hc.quiesce()  # starts their load-backs, on which no forward pass waits
-                self._quiesced = True
             return self.hc.start_loads()
         return None
 
