@@ -114,6 +114,16 @@ def test_a_load_refused_before_a_quiesce_fails_the_quiesces_batch_and_the_statis
     assert not result.failed, result.error
 
 
+def test_an_allocation_short_while_the_ticks_load_back_fails_is_tried_again_not_called_impossible() -> None:
+    """`orphans`, pct depth 5, seed 70367: the one running request's load-back (admitted this tick)
+    is refused and its batch fails while the tick's allocation runs, so the allocation comes up
+    short by pages that are free a moment later. The reference scheduler, with no request to
+    retract, used to call that a device pool too small for one step; it tries once more, and
+    the forward pass finds the failure and retracts the request."""
+    result = run_schedule("orphans", 70367, "pct", 5)
+    assert not result.failed, result.error
+
+
 def test_a_failure_found_by_pct_replays_exactly_from_its_trace(tmp_path: Path) -> None:
     failing = next(r for r in (run_schedule("standard", s, "pct", 3, "backup-under-unbacked-parent")
                                for s in range(50)) if r.failed)

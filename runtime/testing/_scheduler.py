@@ -479,6 +479,7 @@ class ReferenceScheduler:
             if left > 1:
                 budget -= n
             steps.append(ForwardStep(run, run.computed, n))
+        retried = False
         while steps:
             ahead = self.config.lookahead_slots
             want = {}
@@ -493,13 +494,20 @@ class ReferenceScheduler:
                 return steps
             victim = self._retraction_victim()
             if victim is None or len(self.running) == 1:  # alone, it would be admitted again as it is
-                tree = self.hc.statistics().tree
+                stats = self.hc.statistics()
+                tree = stats.tree
                 if tree.writes_in_flight or tree.loads_in_flight:
                     # With several ranks an eviction cannot wait for write-backs or the loads of
                     # requests that ended (their acks apply only at the next agreement): nothing
                     # computes this tick; the next one's `sync` applies them, frees or unlocks
                     # what they hold and plans again.
                     return []
+                if not retried and stats.device.free_slots + tree.evictable_tokens >= got.requested_slots:
+                    # The load-back this tick's admission started failed while the allocation ran
+                    # (its pages, locked then, are free now): the same allocation fits; the
+                    # forward pass then finds the failure and retracts the request.
+                    retried = True
+                    continue
                 raise RuntimeError(
                     f"the device pool cannot hold one step of request {steps[0].run.spec.request_id!r} "
                     f"({got.shortfall_slots} slots short after eviction); use a larger device_slots"
