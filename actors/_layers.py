@@ -103,8 +103,8 @@ class LayerDoneRing:
 
     # -- consumer side (the forward pass) -----------------------------------
 
-    def waiter(self, batch: int) -> LayerWaiter:
-        return LayerWaiter(self, batch)
+    def waiter(self, batch: int, after: tuple[int, ...] = ()) -> LayerWaiter:
+        return LayerWaiter(self, batch, after)
 
     def wait_layer(self, batch: int, layer: int, timeout_s: float | None = None) -> None:
         self.check_layer(layer)
@@ -163,14 +163,22 @@ class LayerDoneRing:
 
 @dataclass(frozen=True, slots=True)
 class LayerWaiter:
-    """What the forward pass holds for one load batch."""
+    """What the forward pass holds for one load batch: `batch`, and the earlier batches its
+    prefixes wait on too (`after`: admitted while those were in flight, a request counted
+    their pages as host hits). Batches run one after another, so once a layer of `batch` is
+    done every earlier batch has ended: the wait raises if any of them failed."""
 
     ring: LayerDoneRing
     batch: int
+    after: tuple[int, ...] = ()
 
     def wait_layer(self, layer: int, timeout_s: float | None = None) -> None:
         """Return when layer `layer` of this batch may be read; raise if the load failed."""
         self.ring.wait_layer(self.batch, layer, timeout_s)
+        for earlier in self.after:
+            if (why := self.ring.failure(earlier)) is not None:
+                raise LoadFailedError(f"load batch {earlier}, which a prefix loaded with batch {self.batch} "
+                                      f"waits on, failed: {why}")
 
     def wait_all(self, timeout_s: float | None = None) -> None:
         for layer in range(self.ring.layers):

@@ -256,7 +256,9 @@ def check_node(node: Node, page_size: int, unit: int) -> None:
         raise InvariantError(f"{where}: backed-up state without a full host copy")
     if node.state is NodeState.DEVICE and node.host is not None:
         raise InvariantError(f"{where}: not backed up but holds host pages")
-    if resident and not parent.is_root and parent.state not in RESIDENT:
+    if resident and node.state is not NodeState.LOADING and not parent.is_root and parent.state not in RESIDENT:
+        # (a LOADING node may sit under a host-only one whose own load failed as it ran: it goes
+        # back to host memory when its load ends, `Admissions.loaded`)
         raise InvariantError(f"{where}: device residency is not prefix-closed (parent {parent})")
     if node.state in BACKED and not parent.is_root and parent.state not in BACKED:
         raise InvariantError(f"{where}: backup is not prefix-closed (parent {parent})")

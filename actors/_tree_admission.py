@@ -59,15 +59,26 @@ class _Handle:
 
 
 @dataclass(slots=True)
+class _Served:
+    """An admission's host hit, counted as served (`host_hit_tokens`) once every load-back it
+    waits for has landed; never if one of them fails."""
+
+    ops: set[int]
+    """The load-backs still in flight that bring in the nodes of its prefix."""
+    host: int
+    storage: int
+    """Of `host`, the tokens the request's own storage prefetch read (`host_hit_storage_tokens`)."""
+    ok: bool = True
+    """No load-back it waits for failed so far."""
+
+
+@dataclass(slots=True)
 class _Load:
     nodes: list[Node]
     started: bool = False
     """The load stream started its batch (`LoadsStarted`): it lands without a further call."""
-    hit_tokens: int = 0
-    """Host hits of the admissions whose deepest loading node it loads: counted as served
-    (`host_hit_tokens`) when it lands, never when it fails."""
-    storage_tokens: int = 0
-    """Of those, the tokens the requests' own storage prefetches read (`host_hit_storage_tokens`)."""
+    served: list[_Served] = field(default_factory=list)
+    """The host hits of the admissions that wait for it (among others, maybe)."""
 
 
 @dataclass(slots=True)
@@ -159,13 +170,15 @@ class Admissions:
             self._holds.release(item.request_id)  # its lock holds what it uses from now on
             path = tree.match(item.namespace, item.tokens)
             planned = self._loads_planned  # the earlier plans' loads, after this match's splits
-            dev = [nd for nd in path if nd.state in RESIDENT or nd.id in planned]
-            rest = path[len(dev):]
+            k = 0  # the resident prefix (and what earlier plans load): the device's part of the path
+            while k < len(path) and (path[k].state in RESIDENT or path[k].id in planned):
+                k += 1
+            dev, rest = path[:k], path[k:]
             host_tokens = sum(nd.tokens for nd in rest)
             load: list[Node] = []
             if host_tokens >= self.s.config.load_back_min_tokens:
-                for nd in rest:
-                    if nd.tokens > quota:
+                for nd in rest:  # (a node still loading under a host-only one, whose load failed, ends it)
+                    if nd.tokens > quota or nd.state is not NodeState.HOST_ONLY:
                         break
                     load.append(nd)
                     quota -= nd.tokens
@@ -257,17 +270,23 @@ class Admissions:
             n.looked_up_tokens += len(p.item.tokens)
             n.device_hit_tokens += dev_hit
             storage_hit = self._storage_part(host_hit, p.item.stored, p.host_miss)
-            if host_hit:  # served once the load of its deepest loading node lands (`loaded`)
-                load = self.loads[next(nd.op for nd in reversed(nodes) if nd.id in loading)]
-                load.hit_tokens += host_hit
-                load.storage_tokens += storage_hit
+            waits: tuple[int, ...] = ()
+            if host_hit:  # served once the loads of its loading nodes land (`loaded`)
+                waits = tuple(sorted({nd.op for nd in nodes if nd.id in loading}))
+                self._await_served(_Served(set(waits), host_hit, storage_hit))
             admissions.append(Admission(
                 request_id=p.item.request_id, handle=p.handle, device=cat([nd.device for nd in nodes]),
                 device_hit=dev_hit, host_hit=host_hit, host_miss=p.host_miss, storage_hit=storage_hit,
+                waits=waits,
             ))
         filled = [nd.device for p in plans for nd in p.load_nodes]  # what `LoadKV` asked to fill
         loads = cat(filled) if filled else EMPTY
         self.s.emit(FACADE, Admitted(op_id=op_id, admissions=tuple(admissions), loads=loads))
+
+    def _await_served(self, served: _Served) -> None:
+        """Count `served` when the last of its load-backs lands (`loaded`)."""
+        for op in served.ops:
+            self.loads[op].served.append(served)
 
     @staticmethod
     def _storage_part(host_hit: int, stored: int, host_miss: int) -> int:
@@ -286,26 +305,59 @@ class Admissions:
                 load.started = True
 
     def loaded(self, op: int, value: int) -> None:
-        """The agreed outcome of load-back `op`: 1 landed (SYNCED), 0 failed (back to HOST_ONLY)."""
+        """The agreed outcome of load-back `op`: 1 landed (SYNCED), 0 failed (back to HOST_ONLY).
+
+        Device memory holds whole prefixes only. An engine that admits while a load-back runs
+        may load a node under one whose earlier load then fails: a node whose parent is not in
+        device memory when its own load lands goes back to HOST_ONLY, and a node whose load
+        fails (or goes back) takes the loaded nodes under it back to host memory with it. A
+        load with a node given back counts as failed for the host hits that wait on it."""
         s = self.s
         load = self.loads.pop(op)
-        device = cat([nd.device for nd in load.nodes])
-        for nd in load.nodes:
+        landed: list[Node] = []
+        back: list[Node] = []  # failed or given back: their device pages are freed
+        freed: list[Indices] = []
+        for nd in load.nodes:  # parents before children (each plan's nodes run down its path)
             nd.op = 0
-            if value:
+            parent = nd.parent
+            if value and (parent is None or parent.is_root or parent.state in RESIDENT):
                 s.tree.set_state(nd, NodeState.SYNCED)
+                landed.append(nd)
             else:
+                freed.append(nd.device)  # type: ignore[arg-type]
                 s.tree.fail_load(nd)
-        host = cat([nd.host for nd in load.nodes])
-        if value:
-            s.n.host_hit_tokens += load.hit_tokens
-            s.n.host_hit_storage_tokens += load.storage_tokens
-            s.emit(HOST, SetHostState(pages=host, state=HostSlotState.SYNCED))
-            s.emit(DEVICE, AdoptLoadedSlots(pages=device))
-        else:
-            s.emit(HOST, SetHostState(pages=host, state=HostSlotState.HOST_ONLY))
-            s.emit(DEVICE, FreeDeviceSlots(pages=device))
-        self._writes.op_landed(op, [] if value else load.nodes)  # an eviction waiting for it goes on
+                back.append(nd)
+        for nd in list(back):  # loaded nodes under a node given back: back too
+            self._give_back_under(nd, back, freed)
+        if landed:
+            s.emit(HOST, SetHostState(pages=cat([nd.host for nd in landed]), state=HostSlotState.SYNCED))
+            s.emit(DEVICE, AdoptLoadedSlots(pages=cat([nd.device for nd in landed])))
+        if back:
+            s.emit(HOST, SetHostState(pages=cat([nd.host for nd in back]), state=HostSlotState.HOST_ONLY))
+            s.emit(DEVICE, FreeDeviceSlots(pages=cat(freed)))
+        ok = not back
+        for served in load.served:
+            served.ops.discard(op)
+            served.ok = served.ok and ok
+            if not served.ops and served.ok:
+                s.n.host_hit_tokens += served.host
+                s.n.host_hit_storage_tokens += served.storage
+        self._writes.op_landed(op, back)  # an eviction waiting for it goes on
+
+    def _give_back_under(self, node: Node, back: list[Node], freed: list[Indices]) -> None:
+        """Take the SYNCED nodes under `node` (now host-only) back to host memory: loaded while
+        an ancestor's load still ran, which then failed. A LOADING one goes back when its load
+        ends (its parent is not in device memory then); nothing else resident can be there (an
+        insert stops at a node whose load has not landed)."""
+        stack = list(node.children.values())
+        while stack:
+            nd = stack.pop()
+            if nd.state is not NodeState.SYNCED:
+                continue
+            freed.append(nd.device)  # type: ignore[arg-type]
+            self.s.tree.evict_to_host(nd)
+            back.append(nd)
+            stack.extend(nd.children.values())
 
     # == release ===============================================================================
 

@@ -58,6 +58,10 @@ class Admission(Message):
     """Of `host_hit`, the tokens the request's own storage prefetch read (`AdmitItem.stored`);
     those pages end the host part of the match, so the ones left in host memory (`host_miss`)
     are not."""
+    waits: tuple[int, ...] = ()
+    """The load-backs (their op ids) its `host_hit` waits for: those that bring in the nodes of
+    its prefix still loading, queued by this admission or by earlier ones, started or not. The
+    facade makes the waiter `start_loads` gives fail when one of them fails."""
 
 
 @message(403)

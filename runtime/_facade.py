@@ -375,11 +375,18 @@ class HiCache:
         """Queued requests with a storage prefetch in flight, and the host tokens reserved for it."""
         self._stored: dict[str, int] = {}
         """Tokens a settled prefetch brought from storage, until the request is admitted."""
-        self._host_hits: dict[str, tuple[int, int]] = {}
+        self._host_hits: dict[str, tuple[int, int, tuple[int, ...]]] = {}
         """Live requests admitted with a host hit whose load-back has not landed: its batch
-        (`_UNSTARTED` until `start_loads` or `quiesce` starts it) and the hit. A commit of theirs is
-        refused while the load is not started or once it failed: their prefix is not in their
-        device slots, so KV computed over it is wrong (`_check_loaded`)."""
+        (`_UNSTARTED` until `start_loads` or `quiesce` starts it), the hit, and the batches started
+        before the admission that its prefix waits on too (pages an earlier load was bringing in).
+        A commit of theirs is refused while the load is not started or once one of them failed:
+        their prefix is not in their device slots, so KV computed over it is wrong (`_check_loaded`)."""
+        self._op_batches: dict[int, int] = {}
+        """The batch each load-back in flight was started in (`LoadsStarted.ops`), kept until it lands
+        (one that failed, as long as the layer ring remembers its failure)."""
+        self._await_after: set[int] = set()
+        """Earlier batches the requests given a batch since the last `start_loads` wait on: the
+        waiter the next one gives raises if any of them failed."""
         self._ended: OrderedDict[str, str] = OrderedDict()
         self._pending: dict[int, Pending] = {}
         """Calls whose reply has not been applied (abandoned ones until their late reply comes)."""
@@ -511,7 +518,8 @@ class HiCache:
         live.add_pages(adm.device)
         self._live[rid] = live
         if adm.host_hit:
-            self._host_hits[rid] = (_UNSTARTED, adm.host_hit)
+            started = self._op_batches
+            self._host_hits[rid] = (_UNSTARTED, adm.host_hit, tuple({started[op] for op in adm.waits if op in started}))
         return AdmitResult(rid, handle, self._slots(adm.device, cached), adm.device_hit, adm.host_hit,
                            adm.host_miss, adm.storage_hit)
 
@@ -699,13 +707,19 @@ class HiCache:
     def start_loads(self) -> LayerWaiter:
         """Start every queued load-back as one batch; the forward pass waits per layer on the result.
         With nothing queued, the waiter is that of the last batch still in flight, if any: an
-        admission counts a prefix that an earlier load has not landed yet as a host hit."""
+        admission counts a prefix that an earlier load has not landed yet as a host hit. The
+        waiter raises too if one of the earlier batches the requests admitted since wait on
+        failed (admitted while it was in flight: an engine that schedules the next batch
+        during a forward pass)."""
         with self._call():
             if self._noting:
                 self._note(b"start_loads")
             started = self._start_queued_loads(awaited=True)
             assert self.system.ring is not None
-            return self.system.ring.waiter(started.batch)
+            # Every earlier batch is started before it (or, with nothing queued, it is the last
+            # one in flight, or none is): once its layer is done they have all ended.
+            after, self._await_after = tuple(sorted(self._await_after - {started.batch})), set()
+            return self.system.ring.waiter(started.batch, after)
 
     # -- slots ------------------------------------------------------------------------
 
@@ -944,7 +958,7 @@ class HiCache:
     def _check_loaded(self, rid: str) -> None:
         """Refuse a commit of `rid` if the load-back of its host hit was not started or failed;
         forget it once it landed."""
-        batch, hit = self._host_hits[rid]
+        batch, hit, earlier = self._host_hits[rid]
         if batch == _UNSTARTED:
             raise RequestError(
                 f"request {rid!r} was admitted with {hit} tokens to load back from host memory "
@@ -954,11 +968,13 @@ class HiCache:
             )
         ring = self.system.ring
         assert ring is not None
-        if (failure := ring.failure(batch)) is not None:
-            raise RequestError(
-                f"request {rid!r}: the load-back of its {hit} tokens from host memory failed (load batch {batch}: "
-                f"{failure}), so KV computed over them is wrong; retract this request and admit it again")
-        if ring.landed(batch, ring.layers - 1):
+        for b in (batch, *earlier):
+            if (failure := ring.failure(b)) is not None:
+                raise RequestError(
+                    f"request {rid!r}: the load-back of its {hit} tokens from host memory failed (load batch {b}: "
+                    f"{failure}), so KV computed over them is wrong; retract this request and admit it again")
+        last = ring.layers - 1
+        if ring.landed(batch, last) and all(ring.landed(b, last) for b in earlier):
             del self._host_hits[rid]
 
     def allocated(self, request_id: str) -> int:
@@ -1130,10 +1146,19 @@ class HiCache:
         a batch: a later `start_loads` answers the waiter of a batch still in flight, and if it
         failed, that of a batch that fails too."""
         started = self.system.ask(ActorName.LOAD, StartLoads(awaited=awaited), timeout_s=self.reply_timeout_s)
-        hits = self._host_hits
-        for rid, (batch, hit) in hits.items():  # the requests admitted since: their loads are this batch
+        ring, ops = self.system.ring, self._op_batches
+        assert ring is not None
+        if ops:  # a landed load's pages are in device memory: nothing waits on it any more
+            last = ring.layers - 1
+            for op in [op for op, batch in ops.items() if ring.landed(batch, last)]:
+                del ops[op]
+        for op in started.ops:
+            ops[op] = started.batch
+        hits, after = self._host_hits, self._await_after
+        for rid, (batch, hit, earlier) in hits.items():  # the requests admitted since: their loads are this batch
             if batch == _UNSTARTED:
-                hits[rid] = (started.batch, hit)
+                hits[rid] = (started.batch, hit, earlier)
+                after.update(earlier)  # (a batch none waits on fails the next awaited one itself: the stream's rule)
         if self._checks is not None:
             self._checks.started(started.batch)
         return started

@@ -75,7 +75,7 @@ try:
 except ImportError:  # the `fast` extra is not installed: the same checksum, slower
     from zlib import crc32
 
-LOG_VERSION = 10
+LOG_VERSION = 11
 """10: an admission's reply names the device pages its load-backs fill (`Admitted.loads`). 9: a
 closed log ends with the mail its run sent and never delivered (`in_flight` lines), and
 replay expects exactly those sends past the last delivery. 8: storage keys are blake2b-128

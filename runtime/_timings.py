@@ -30,10 +30,10 @@ class TimedLayerWaiter(LayerWaiter):
 
     def wait_layer(self, layer: int, timeout_s: float | None = None) -> None:
         if self.batch == 0 or self.waits is None:  # nothing loads: no wait to count
-            return self.ring.wait_layer(self.batch, layer, timeout_s)
+            return LayerWaiter.wait_layer(self, layer, timeout_s)
         t0 = time.perf_counter()
         try:
-            self.ring.wait_layer(self.batch, layer, timeout_s)
+            LayerWaiter.wait_layer(self, layer, timeout_s)
         finally:
             self.waits.observe(time.perf_counter() - t0)
 
@@ -65,5 +65,5 @@ class FacadeTimings:
         return timed
 
 
-def _fields(waiter: LayerWaiter) -> tuple[Any, int]:
-    return waiter.ring, waiter.batch
+def _fields(waiter: LayerWaiter) -> tuple[Any, int, tuple[int, ...]]:
+    return waiter.ring, waiter.batch, waiter.after

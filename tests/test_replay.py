@@ -62,7 +62,7 @@ def test_every_delivery_is_one_json_line_with_a_re_decodable_body(threaded_log: 
     lines = _lines(threaded_log)
     header, rest = lines[0], lines[1:]
     blobs = _blobs(lines)
-    assert header["event"] == "header" and header["version"] == LOG_VERSION == 10
+    assert header["event"] == "header" and header["version"] == LOG_VERSION == 11
     assert [x["n"] for x in lines] == list(range(1, len(lines) + 1)) and lines[-1]["event"] == "end"
     assert header["config"]["page_size"] == 4 and "torch" in header["versions"]
     deliveries = [x for x in rest if x["event"] == "delivery"]
@@ -158,7 +158,7 @@ def _header_of_version(text: str, version: int, *, sealed: bool = True) -> str:
     (lambda text: text.replace('"event":"delivery"', '"event":"delivery" garbage', 1), r"line \d+: checksum mismatch"),
     (lambda text: _header_of_version(text, 99), r"line 1: log version 99 is not supported"),
     (lambda text: _header_of_version(text, 2, sealed=False),
-     r"line 1: log version 2 is not supported \(this hicache reads version 10; replay it with the hicache that wrote it"),
+     r"line 1: log version 2 is not supported \(this hicache reads version 11; replay it with the hicache that wrote it"),
     (lambda text: text.replace(f'"version":{LOG_VERSION}', '"version":99', 1),  # one byte changed, not resealed
      r"line 1: checksum mismatch: the line was changed or damaged"),
 ])

@@ -24,6 +24,7 @@ import hicache.actors._radix as radix_module
 import hicache.actors._radix_node as node_module
 from hicache.actors import NoFaults
 from hicache.messages import ActorName, SlotDemand, Tokens
+from hicache.messages.transfer import CopyLayer
 from hicache.runtime import (
     ActorFailedError,
     Config,
@@ -820,6 +821,60 @@ def test_a_host_hit_whose_load_a_quiesce_started_and_which_failed_fails_the_forw
         assert y.host_hit == 16
         hc.start_loads().wait_all(timeout_s=30)
         oracle.verify(hc.device_kv, tokens, y.device_indices)
+        hc.finish([y.handle])
+        hc.check_invariants()
+
+
+class _FailFirstLoadBatch(NoFaults):
+    """The first batch of the load stream fails; every other copy lands."""
+
+    def __init__(self) -> None:
+        self.batches = 0
+
+    def transfer_fault(self, stream: ActorName, op_ids: tuple[int, ...]) -> str | None:
+        if stream is ActorName.LOAD:
+            self.batches += 1
+            return "injected failure of the first load batch" if self.batches == 1 else None
+        return None
+
+
+@pytest.mark.parametrize("own_load", [True, False], ids=["own-load", "nothing-queued"])
+def test_a_request_admitted_while_an_earlier_load_back_runs_fails_when_that_load_fails(
+        make_config: Callable[..., Config], oracle_for: Callable[[Config], Any], gate: Any, own_load: bool) -> None:
+    """An engine that schedules the next batch while a forward pass runs admits y while x's
+    load-back is in flight: y's prefix is partly x's loading pages, a host hit. When x's batch
+    fails, y's waiter must fail too, whether y queued a load of its own (the rest of its
+    prefix: that batch lands, but under a prefix that is not in device memory, so the tree
+    gives it back) or had nothing to queue (its `start_loads` has no batch in flight to hand
+    out). y used to get a waiter that landed and have its commit taken, its prefix zeros; with
+    a load of its own, the tree then held device pages under a host-only node."""
+    config = make_config(device_pages=16, host_pages=64)
+    oracle = oracle_for(config)
+    with HiCache(config, runtime=make_runtime("threads", seed=3, faults=_FailFirstLoadBatch(), observe=gate)) as hc:
+        tokens = _prefix_in_host_memory_only(hc, oracle)
+        gate.hold(ActorName.LOAD, lambda m: isinstance(m, CopyLayer))  # x's batch waits for y's admission
+        [x] = hc.admit([Request("x", tokens[:16] + [7])])
+        assert x.host_hit == 16
+        x_loads = hc.start_loads()
+        y_tokens = tokens if own_load else tokens[:16]
+        [y] = hc.admit([Request("y", y_tokens + [8])])
+        assert (y.device_hit, y.host_hit) == (0, len(y_tokens))
+        gate.open()
+        with pytest.raises(LoadFailedError, match="injected failure of the first load batch"):
+            x_loads.wait_all(timeout_s=30)
+        y_loads = hc.start_loads()
+        with pytest.raises(LoadFailedError, match="injected failure of the first load batch"):
+            y_loads.wait_all(timeout_s=30)
+        got = hc.allocate({"y": 1})
+        assert isinstance(got, dict)
+        with pytest.raises(RequestError, match="request 'y': the load-back of its .* tokens from host memory failed"):
+            hc.commit({"y": [8]})
+        hc.retract([x.handle, y.handle])
+        hc.check_invariants()
+        [y] = hc.admit([Request("y", y_tokens + [8])])  # host memory still holds the prefix: it loads now
+        assert y.host_hit == len(y_tokens)
+        hc.start_loads().wait_all(timeout_s=30)
+        oracle.verify(hc.device_kv, y_tokens, y.device_indices)
         hc.finish([y.handle])
         hc.check_invariants()
 

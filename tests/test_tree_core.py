@@ -865,6 +865,93 @@ def test_a_failed_load_is_never_marked_done_and_the_request_can_leave(play: Call
     p.assert_idle()
 
 
+def test_a_load_that_lands_under_a_prefix_whose_earlier_load_failed_is_given_back(play: Callable[..., Player]) -> None:
+    """b is admitted while a's load of the prefix's first half runs (an engine scheduling the
+    next batch during a forward pass): b's host hit waits on that load and on its own of the
+    second half. a's load fails, b's lands: the second half would sit in device memory under a
+    host-only node, so it goes back to host memory too (its device pages freed, none adopted),
+    and b's host hit is no hit."""
+    p = play()
+    x = seq(16, 1)
+    _host_only(p, x)
+    [a] = p.admit(("a", x[:8] + [7]))
+    [b] = p.admit(("b", x + [7]))
+    assert (a.host_hit, b.host_hit) == (8, 16)
+    [first, second] = sorted(p.loads)
+    top, bottom = p.node(x[:8]), p.node(x)
+    assert top.state is bottom.state is S.LOADING and (top.op, bottom.op) == (first, second)
+    before = p.tree.statistics().host_hit_tokens
+    mark = len(p.sent)
+    del p.loads[first]
+    p.to_tree(ActorName.LOAD, LoadFailed(op_id=first, reason="failed by the test"))
+    p.pump()
+    load = p.loads.pop(second)
+    copy_kv(p.host.kv, pages_to_slots(load.host, P), p.device.kv, pages_to_slots(load.device, P))
+    p.to_tree(ActorName.LOAD, LoadDone(op_id=second, batch=2, slots=len(load.device) * P))
+    p.pump()
+    assert top.state is bottom.state is S.HOST_ONLY and bottom.device is None
+    assert p.sent_since(mark, AdoptLoadedSlots) == []
+    assert sorted(pg for m in p.sent_since(mark, FreeDeviceSlots) for pg in m.pages.tolist()) == sorted(b.pages)
+    assert p.tree.statistics().host_hit_tokens == before
+    assert p.device.counts()[PageOwner.LOADING] == 0
+    p.finish(a, reason=ReleaseReason.ABORTED)
+    p.finish(b, reason=ReleaseReason.ABORTED)
+    [again] = p.admit(("again", x + [7]))  # the host copy is intact: it loads now
+    assert again.host_hit == 16
+    p.complete_loads()
+    p.oracle.verify(p.device.kv, again.tokens, again.slots)
+    p.finish(again)
+    p.assert_idle()
+
+
+def test_a_failed_load_takes_the_nodes_loaded_under_it_since_back_to_host_memory(play: Callable[..., Player]) -> None:
+    """Loads of one prefix from three admissions made while the earlier loads ran: a loads the
+    top, b the middle; a's load fails, so c loads the top again (the middle, still loading
+    under a host-only node, and the bottom are c's host miss: it computes them). The middle
+    lands while c's load of the top runs, then that load fails: the middle goes back to host
+    memory with it, and none of the three host hits counts as served."""
+    p = play()
+    x = seq(24, 1)
+    _host_only(p, x)
+    before = p.tree.statistics().host_hit_tokens
+    [a] = p.admit(("a", x[:8] + [7]))
+    [b] = p.admit(("b", x[:16] + [7]))
+    [op_a, op_b] = sorted(p.loads)
+    top, mid = p.node(x[:8]), p.node(x[:16])
+
+    def end(op: int, *, fail: bool) -> None:
+        load = p.loads.pop(op)
+        if fail:
+            p.to_tree(ActorName.LOAD, LoadFailed(op_id=op, reason="failed by the test"))
+        else:
+            copy_kv(p.host.kv, pages_to_slots(load.host, P), p.device.kv, pages_to_slots(load.device, P))
+            p.to_tree(ActorName.LOAD, LoadDone(op_id=op, batch=op, slots=len(load.device) * P))
+        p.pump()
+
+    end(op_a, fail=True)
+    assert top.state is S.HOST_ONLY and mid.state is S.LOADING  # its load runs on, under a host-only node
+    [c] = p.admit(("c", x + [7]))
+    assert (c.device_hit, c.host_hit, c.host_miss) == (0, 8, 16)
+    [op_c] = sorted(set(p.loads) - {op_b})
+    bottom = p.node(x)
+    assert (top.state, mid.state, bottom.state) == (S.LOADING, S.LOADING, S.HOST_ONLY)
+    end(op_b, fail=False)
+    assert mid.state is S.SYNCED  # under a top that is loading again
+    mark = len(p.sent)
+    end(op_c, fail=True)
+    assert (top.state, mid.state, bottom.state) == (S.HOST_ONLY, S.HOST_ONLY, S.HOST_ONLY)
+    freed = sorted(pg for m in p.sent_since(mark, FreeDeviceSlots) for pg in m.pages.tolist())
+    assert freed == sorted(c.pages + b.pages[2:])  # c's top, and the middle, which b's load filled
+    assert p.tree.statistics().host_hit_tokens == before
+    for r in (a, b, c):
+        p.finish(r, reason=ReleaseReason.ABORTED)
+    [again] = p.admit(("again", x + [7]))
+    p.complete_loads()
+    p.oracle.verify(p.device.kv, again.tokens, again.slots)
+    p.finish(again)
+    p.assert_idle()
+
+
 def test_a_request_whose_load_failed_caches_nothing_of_its_own_when_it_finishes(play: Callable[..., Player]) -> None:
     p = play()
     x = seq(8, 1)

@@ -27,7 +27,7 @@ from hicache.actors import (
 )
 from hicache.actors._actor import HiActor
 from hicache.actors._pages import Pages, as_list
-from hicache.actors._tree_admission import Admissions, _Plan
+from hicache.actors._tree_admission import Admissions, _Plan, _Served
 from hicache.actors._tree_prefetch import PrefetchBook, _Prefetch
 from hicache.actors._tree_writes import WriteBack
 from hicache.messages import (
@@ -301,13 +301,9 @@ class _HitsOnAnswer(Admissions):
     admission: a load-back that then fails still counts as an L2 (or L3) hit, and the request
     admitted again to recompute the prefix counts a second one."""
 
-    def _reply_admitted(self, op_id: int, plans: list[_Plan]) -> None:
-        super()._reply_admitted(op_id, plans)
-        n = self.s.n
-        for load in self.loads.values():
-            n.host_hit_tokens += load.hit_tokens
-            n.host_hit_storage_tokens += load.storage_tokens
-            load.hit_tokens = load.storage_tokens = 0
+    def _await_served(self, served: _Served) -> None:
+        self.s.n.host_hit_tokens += served.host
+        self.s.n.host_hit_storage_tokens += served.storage
 
 
 class _HitsCountedOnAnswer(TreeActor):
