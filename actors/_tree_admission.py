@@ -252,6 +252,30 @@ class Admissions:
             p.host_miss += sum(nd.tokens for nd in dropped)
             p.device_nodes, p.load_nodes = keep, []
 
+    def _cut_at_lost(self, plans: list[_Plan]) -> None:
+        """End each plan's prefix before a node that left device memory since it was planned: a
+        node an earlier load-back was bringing in, whose load failed while this admission waited
+        for its load slots (an engine that admits during a forward pass). The rest of the match
+        is the request's host miss; its lock moves up to what is left; the loads this admission
+        queued for nodes below run on, and land or go back on their own (`loaded`)."""
+        tree = self.s.tree
+        for p in plans:
+            nodes = p.device_nodes + p.load_nodes
+            cut = next((i for i, nd in enumerate(nodes) if nd.state not in RESIDENT), len(nodes))
+            if cut == len(nodes):
+                continue
+            keep, dropped = nodes[:cut], nodes[cut:]
+            top = keep[-1] if keep else None
+            if top is not None:
+                tree.lock(top, +1)
+            tree.lock(dropped[-1], -1)
+            h = self.handles[p.handle]
+            h.node = top
+            h.prefix_tokens = sum(nd.tokens for nd in keep)
+            p.host_miss += sum(nd.tokens for nd in dropped)
+            k = min(cut, len(p.device_nodes))
+            p.device_nodes, p.load_nodes = keep[:k], keep[k:]
+
     @staticmethod
     def _loading(plans: list[_Plan]) -> set[int]:
         """The nodes the plans' requests must wait for (their host hits): loaded by this batch (for
@@ -262,6 +286,8 @@ class Admissions:
     def _reply_admitted(self, op_id: int, plans: list[_Plan]) -> None:
         n = self.s.n
         admissions = []
+        filled = [nd.device for p in plans for nd in p.load_nodes]  # what `LoadKV` asked to fill
+        self._cut_at_lost(plans)
         loading = self._loading(plans)
         for p in plans:
             nodes = p.device_nodes + p.load_nodes
@@ -279,7 +305,6 @@ class Admissions:
                 device_hit=dev_hit, host_hit=host_hit, host_miss=p.host_miss, storage_hit=storage_hit,
                 waits=waits,
             ))
-        filled = [nd.device for p in plans for nd in p.load_nodes]  # what `LoadKV` asked to fill
         loads = cat(filled) if filled else EMPTY
         self.s.emit(FACADE, Admitted(op_id=op_id, admissions=tuple(admissions), loads=loads))
 

@@ -36,7 +36,7 @@ def _refused(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
     (["explore", "--seeds", "-3"], "hicache explore: argument --seeds: -3 must be >= 1"),
     (["explore", "--seeds", "9" * 50], f"hicache explore: argument --seeds: {'9' * 50} is more than any count takes "
                                        "(at most 4611686018427387903)"),
-    (["explore", "--scenario", "nope"], "invalid choice: 'nope' (choose from 'standard', 'faults', 'misuse', 'pressure', 'orphans', 'storage')"),
+    (["explore", "--scenario", "nope"], "invalid choice: 'nope' (choose from 'standard', 'faults', 'misuse', 'pressure', 'orphans', 'overlap', 'storage')"),
     (["replay", "x.log", "--actor", "prefetch"], "hicache replay: argument --actor: invalid choice: 'prefetch'"),
     (["soak", "--every-s", "0"], "hicache soak: argument --every-s: 0 must be >= 1e-12"),
     (["bench", "storage", "--mib", "0"], "hicache bench storage: argument --mib: 0 must be >= 2"),
@@ -101,7 +101,7 @@ def test_help_shows_defaults_and_choices(capsys: pytest.CaptureFixture[str]) -> 
     with pytest.raises(SystemExit):
         main(["explore", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "{standard,faults,misuse,pressure,orphans,storage}" in text and "(default: standard)" in text
+    assert "{standard,faults,misuse,pressure,orphans,overlap,storage}" in text and "(default: standard)" in text
     assert "(default: 100)" in text and "--json print one JSON object --out" in text  # no default shown for a flag
     with pytest.raises(SystemExit):
         main(["demo", "--help"])

@@ -49,6 +49,7 @@ def test_every_mutant_is_caught_within_fifty_pct_schedules() -> None:
     ("unawaited-load-failure-lost", "is in a prefix whose load-back from host memory failed"),
     ("insert-through-loads",
      r"which a load-back from host memory fills, but start_loads\(\) was not called|device residency is not prefix-closed"),
+    ("waits-own-load-only", "is in a prefix whose load-back from host memory failed"),
     ("host-hit-counted-at-admission", r"statistics differ from what the admissions were served: .* L2\+L3 hit"),
     ("storage-hit-of-host-pages",
      r"statistics differ from what the admissions were served: .* L3 hit (\d+);.* (?!\1)\d+ storage hit"),
@@ -93,6 +94,14 @@ def test_the_unmutated_pressure_scenario_passes_forty_seeds() -> None:
     report = explore("pressure", strategy="pct", seeds=range(40))
     assert report.failures == [], report.failures[0].error
     assert report.deliveries > 40 * 100
+
+
+def test_the_unmutated_overlap_scenario_passes_forty_seeds_under_pct_and_random() -> None:
+    """An overlap scheduler (admissions during half the forward passes) with failing copy batches."""
+    for strategy in ("pct", "random"):
+        report = explore("overlap", strategy=strategy, seeds=range(20))
+        assert report.failures == [], report.failures[0].error
+        assert report.deliveries > 20 * 100
 
 
 def test_the_unmutated_orphans_scenario_passes_twenty_seeds() -> None:

@@ -18,7 +18,7 @@ from typing import Any, Final, NoReturn
 
 from .._usage import UsageError
 
-SCENARIOS: Final = ("standard", "faults", "misuse", "pressure", "orphans", "storage")
+SCENARIOS: Final = ("standard", "faults", "misuse", "pressure", "orphans", "overlap", "storage")
 """`hicache explore --scenario` values (a test keeps them equal to `explore.SCENARIOS`)."""
 REPLAYABLE: Final = ("tree", "device", "host", "write", "load")
 WRITE_POLICIES: Final = ("write_through", "write_through_selective", "write_back")

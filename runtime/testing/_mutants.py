@@ -9,7 +9,7 @@ no `Config` field selects them, so production cannot run one.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from hicache.actors import (
@@ -32,6 +32,7 @@ from hicache.actors._tree_prefetch import PrefetchBook, _Prefetch
 from hicache.actors._tree_writes import WriteBack
 from hicache.messages import (
     ActorName,
+    Admitted,
     AdmitRequests,
     AllocateSlots,
     FreeHostSlots,
@@ -291,6 +292,30 @@ class _LoadingAsDevice(TreeActor):
     def __init__(self, **kw: Any) -> None:
         super().__init__(**kw)
         self.core.admission.__class__ = _BatchLoadsOnly
+
+
+# -- an admission that waits only on its own load ---------------------------------------------
+
+
+class _OwnLoadsOnly(Admissions):
+    """Tells the facade as an admission's waits only the load it queued itself: a prefix whose
+    upper pages an earlier batch is still loading when the admission comes (an overlap
+    scheduler's) is waited on through the admission's own batch alone, which lands when that
+    earlier one fails."""
+
+    def _reply_admitted(self, op_id: int, plans: list[_Plan]) -> None:
+        super()._reply_admitted(op_id, plans)
+        to, reply = self.s.outbox[-1]
+        assert isinstance(reply, Admitted), reply
+        own = [tuple(sorted({nd.op for nd in p.load_nodes})) for p in plans]
+        self.s.outbox[-1] = (to, replace(reply, admissions=tuple(
+            replace(a, waits=tuple(op for op in a.waits if op in mine)) for a, mine in zip(reply.admissions, own))))
+
+
+class _WaitsOwnLoadsOnly(TreeActor):
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.core.admission.__class__ = _OwnLoadsOnly
 
 
 # -- a host hit counted when the admission is answered, not when its load-back lands ------------
@@ -556,6 +581,10 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("insert-through-loads", "a request's insert takes the pages of a node whose load-back has not landed for "
            "its own KV", "a running request reads pages nothing loaded; a failed load leaves device nodes under a "
            "host-only one", {ActorName.TREE: _InsertThroughLoads}, "orphans"),
+    Mutant("waits-own-load-only", "an admission names only its own load-back as what its host hit waits for, "
+           "not the earlier batch still loading the upper part of its prefix",
+           "under an overlap scheduler the forward pass reads a prefix whose earlier load failed, through a waiter "
+           "that landed", {ActorName.TREE: _WaitsOwnLoadsOnly}, "overlap"),
     Mutant("host-hit-counted-at-admission", "an admission's host hit (L2's, and its storage part L3's) counted "
            "when the tree answers the admission, not when its load-back lands",
            "a load-back that fails still counts as a hit, and the request admitted again counts a second one: "

@@ -82,6 +82,12 @@ class SchedulerConfig:
     settle (`quiesce()`) between admitting and starting them, as an engine draining before a
     checkpoint does (tests): the quiesce starts those loads, and the forward pass then waits
     on what `start_loads` gives. Drawn from a generator of its own (the abort draws stay)."""
+    overlap_rate: float = 0.0
+    """Chance per tick that the scheduler admits the next tick's requests while this tick's
+    forward pass runs, after this tick's load-backs started and before it waits on them, as
+    an overlap scheduler does (tests): their prefixes may be pages those loads are still
+    bringing in, and their own load-backs start with the next tick's. Drawn from a generator
+    of its own."""
 
     def __post_init__(self) -> None:
         for name in ("max_running", "prefill_tokens_per_tick", "chunk_tokens"):
@@ -93,7 +99,7 @@ class SchedulerConfig:
             raise ValueError(f"SchedulerConfig.device_budget_ratio must be > 0, got {self.device_budget_ratio}")
         if self.tick_s < 0:
             raise ValueError(f"SchedulerConfig.tick_s must be >= 0, got {self.tick_s}")
-        for name in ("abort_rate", "quiesce_rate"):
+        for name in ("abort_rate", "quiesce_rate", "overlap_rate"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"SchedulerConfig.{name} must be in [0, 1], got {getattr(self, name)}")
 
@@ -146,8 +152,10 @@ class ServedTotals:
     path were in host memory, the pages its prefetch brought last), the part that is the
     tokens `ready` reported its prefetch read, `min(host_hit, max(0, read - host_miss))`."""
     unseen_host_hit: int = 0
-    """Host hits of admissions dropped before their load-backs started: whether those loads landed
-    (a later batch starts them) nobody waited to see, so they may count or not."""
+    """Host hits whose load-backs no forward pass saw land or fail, so they may count or not: those
+    of admissions dropped before their load-backs started (a later batch starts them), and those
+    of a tick with requests admitted during the last forward pass (`overlap_rate`) whose waiter
+    failed (it may have failed for an earlier batch that only those wait on)."""
     unseen_storage_hit: int = 0
     """Of `unseen_host_hit`, those the requests' own prefetches read."""
 
@@ -274,6 +282,7 @@ class ReferenceScheduler:
         self.model: StepModel = model if model is not None else FakeModel(hc, self.config.verify)
         self._rng = random.Random(f"scheduler:{self.config.seed}")
         self._quiesce_rng = random.Random(f"scheduler-quiesce:{self.config.seed}")
+        self._overlap_rng = random.Random(f"scheduler-overlap:{self.config.seed}")
         self.waiting: deque[ServeRequest | _Running] = deque()
         self.running: dict[str, _Running] = {}
         self.outcomes: dict[str, Outcome] = {}
@@ -284,6 +293,13 @@ class ReferenceScheduler:
         request's first admission only)."""
         self._awaited = (0, 0)
         """Host and storage hits of this tick's admissions, served once their load-backs land."""
+        self._early = (0, 0)
+        """Host and storage hits of the requests admitted during the last tick's forward pass
+        (`overlap_rate`): their load-backs start, and are waited for, with this tick's."""
+        self._awaited_early = (0, 0)
+        """Of `_awaited`, those of the requests admitted early. If the tick's waiter fails with some,
+        the failure may be an earlier batch's that only they wait on, while this tick's batch (and
+        their loads in it) landed: nobody saw which, so the tick's host hits may count or not."""
         self._prefetch_tried: set[str] = set()
         """Queued requests whose prefetch was asked for (each once), until they are admitted or aborted."""
         self._read: dict[str, int] = {}
@@ -332,9 +348,12 @@ class ReferenceScheduler:
         self.ticks += 1
         self.hc.sync()
         self._prefetch()
-        self._awaited = (0, 0)
+        self._awaited = self._awaited_early = self._early
+        self._early = (0, 0)
         waiter = self._admit()
         steps = self._plan()
+        if self.config.overlap_rate and self._overlap_rng.random() < self.config.overlap_rate:
+            self._admit(early=True)  # the next tick's requests, while this tick's forward pass runs
         loaded = True
         nxt: dict[str, int] = {}
         try:
@@ -347,6 +366,9 @@ class ReferenceScheduler:
         if waiter is not None:  # a load may fail on one rank only: then every rank retracts
             loaded = bool(self.hc.group.all_min([int(loaded)])[0])
         if not loaded:
+            if self._awaited_early[0]:  # the waiter may have failed for an earlier batch only they wait on
+                self.served.unseen_host_hit += self._awaited[0]
+                self.served.unseen_storage_hit += self._awaited[1]
             self._retract_after_failed_load(steps)
             return
         self.served.host_hit += self._awaited[0]
@@ -402,7 +424,11 @@ class ReferenceScheduler:
 
     # -- admission -------------------------------------------------------------------------
 
-    def _admit(self) -> LayerWaiter | None:
+    def _admit(self, *, early: bool = False) -> LayerWaiter | None:
+        """Admit what fits from the queue, then start the load-backs of the host hits (this
+        tick's and those admitted early): the waiter the forward pass waits on. `early`: the
+        next tick's admissions, made during this tick's forward pass; their loads start with
+        the next tick's."""
         room = self.config.max_running - len(self.running)
         budget = self.config.prefill_tokens_per_tick
         memory = int(self.hc.config.device_slots * self.config.device_budget_ratio)
@@ -423,7 +449,7 @@ class ReferenceScheduler:
             memory -= whole
             room -= 1
         if not batch:
-            return None
+            return None if early else self._start_awaited_loads()
         seqs = [_token_array(item.prompt) if isinstance(item, ServeRequest) else item.seq for item in batch]
         results = self.hc.admit([Request(_spec(item).request_id, seq[:-1], _spec(item).namespace)
                                  for item, seq in zip(batch, seqs, strict=True)])
@@ -436,14 +462,14 @@ class ReferenceScheduler:
             spec = _spec(item)
             outputs = 0 if isinstance(item, ServeRequest) else item.outputs
             cached = res.cached_tokens
-            run = _Running(spec, res.handle, seq, cached, 0, cached, None, outputs, self.ticks)
+            run = _Running(spec, res.handle, seq, cached, 0, cached, None, outputs, self.ticks + early)
             self.running[spec.request_id] = run
             self._prefetch_tried.discard(spec.request_id)
             out = self.outcomes[spec.request_id]
             if out.first_tick < 0:
                 out.first_tick = self.ticks
                 out.device_hit, out.host_hit, out.storage_hit = res.device_hit, res.host_hit, res.storage_hit
-        if self.config.abort_rate:  # gone before its forward pass: its load-backs were never started
+        if self.config.abort_rate and not early:  # gone before its forward pass: its load-backs were never started
             gone = [(item, res) for item, res in zip(batch, results, strict=True)
                     if self._rng.random() < self.config.abort_rate]
             if gone:
@@ -457,12 +483,20 @@ class ReferenceScheduler:
                     self.outcomes[rid].aborted = True
                 gone_ids = {res.request_id for _, res in gone}
                 results = [res for res in results if res.request_id not in gone_ids]
-        if any(r.host_hit for r in results):
-            self._awaited = (sum(r.host_hit for r in results), sum(storage[r.request_id] for r in results))
-            if self.config.quiesce_rate and self._quiesce_rng.random() < self.config.quiesce_rate:
-                self.hc.quiesce()  # starts their load-backs, on which no forward pass waits
-            return self.hc.start_loads()
-        return None
+        hits = (sum(r.host_hit for r in results), sum(storage[r.request_id] for r in results))
+        if early:
+            self._early = (self._early[0] + hits[0], self._early[1] + hits[1])
+            return None
+        self._awaited = (self._awaited[0] + hits[0], self._awaited[1] + hits[1])
+        return self._start_awaited_loads()
+
+    def _start_awaited_loads(self) -> LayerWaiter | None:
+        """`start_loads` when this tick's admissions (and those admitted early) have host hits."""
+        if not self._awaited[0]:
+            return None
+        if self.config.quiesce_rate and self._quiesce_rng.random() < self.config.quiesce_rate:
+            self.hc.quiesce()  # starts their load-backs, on which no forward pass waits
+        return self.hc.start_loads()
 
     # -- one tick of work --------------------------------------------------------------------
 
@@ -543,8 +577,9 @@ class ReferenceScheduler:
             for run in to_finish:
                 del self.running[run.spec.request_id]
                 self.outcomes[run.spec.request_id].finished = True
-        if self.config.abort_rate:
-            doomed = [r for r in self.running.values() if self._rng.random() < self.config.abort_rate]
+        if self.config.abort_rate:  # (not those admitted during this forward pass for the next tick)
+            doomed = [r for r in self.running.values()
+                      if r.admitted_at <= self.ticks and self._rng.random() < self.config.abort_rate]
             if doomed:
                 self.hc.abort([r.handle for r in doomed])
                 for run in doomed:

@@ -198,6 +198,31 @@ def _orphans(rt: DeterministicRuntime, seed: int, mut: Mutant | None) -> None:
         _check_end(hc, sched)
 
 
+def _overlap(rt: DeterministicRuntime, seed: int, mut: Mutant | None) -> None:
+    """The orphans' workload (short prompts on shared prefixes, host-only between turns) under an
+    overlap scheduler: half the ticks admit the next tick's requests while the forward pass
+    runs, so their prefixes are often pages this tick's load-backs are still bringing in, and
+    12% of copy batches fail. Write_through or write_back by the seed."""
+    rt.services.faults = SeededFaults(seed, transfer_fail_rate=0.12, host_exhausted_rate=0.0)
+    policy = (WritePolicy.WRITE_THROUGH, WritePolicy.WRITE_BACK)[seed % 2]
+    cfg = Config(layers=2, kv_heads=1, head_dim=8, page_size=2, device_slots=2 * 16, host_slots=2 * 40,
+                 write_policy=policy, load_back_min_tokens=1, **CHECKED)
+    with HiCache(cfg, runtime=rt, actor_classes=mut.actor_classes if mut else None) as hc:
+        sched = ReferenceScheduler(hc, SchedulerConfig(
+            max_running=5, prefill_tokens_per_tick=8, chunk_tokens=4, abort_rate=0.04, seed=seed,
+            device_budget_ratio=2.0, overlap_rate=0.5,
+        ))
+        work = synthetic_workload(seed, 16, cfg.page_size, blocks=2, blocks_per_prompt=4, tail_pages=1, outputs_max=3)
+        sched.submit(work)
+        sched.run(on_tick=lambda s: hc.check_invariants())
+        hc.quiesce()
+        hc.evict_device(cfg.device_slots)  # the second turn finds the prefixes in host memory only
+        hc.check_invariants()
+        sched.submit([ServeRequest(f"again-{r.request_id}", r.prompt, r.output_tokens) for r in work])
+        sched.run(on_tick=lambda s: hc.check_invariants())
+        _check_end(hc, sched)
+
+
 EXPLORE_MODEL_ID = "hicache-explore"
 """The model the storage scenario's KV is of (the reference scheduler's fingerprints): what its keys name."""
 
@@ -353,6 +378,13 @@ SCENARIOS: dict[str, Scenario] = {
         "admission: load-backs nobody started hold the load queue (one operation), the next one is refused, "
         "and running requests cache prefixes those loads bring in",
         _orphans,
+    ),
+    "overlap": Scenario(
+        "overlap",
+        "16 requests on 16 device pages, served twice (host-only in between) by a scheduler that admits "
+        "the next tick's requests during half the forward passes, with 12% of copy batches failing: "
+        "prefixes that a load-back still in flight brings in, waited on by the next tick",
+        _overlap,
     ),
     "storage": Scenario(
         "storage",
