@@ -209,7 +209,7 @@ class Admissions:
                 return
             self._forget_plans()
             self._give_up_loads(adm)
-            self._reply_admitted(adm.facade_op, adm.plans)
+            self._reply_admitted(adm.facade_op, adm.plans, waited=True)
             self._admit_deferred()
             return
         nodes = [nd for p in adm.plans for nd in p.load_nodes]
@@ -226,7 +226,7 @@ class Admissions:
         s.emit(HOST, SetHostState(pages=host, state=HostSlotState.LOADING))
         s.emit(LOAD, LoadKV(op_id=load_op, host=host, device=device))
         self._forget_plans()
-        self._reply_admitted(adm.facade_op, adm.plans)
+        self._reply_admitted(adm.facade_op, adm.plans, waited=True)
         self._admit_deferred()
 
     def _retry_load_slots(self, load_op: int) -> None:
@@ -237,9 +237,13 @@ class Admissions:
     def _give_up_loads(self, adm: _Admission) -> None:
         tree = self.s.tree
         for p in adm.plans:
-            # Nodes another plan of the batch was to load sit in device_nodes, still host-only.
-            keep = [nd for nd in p.device_nodes if nd.state in RESIDENT]
-            dropped = p.device_nodes[len(keep):] + p.load_nodes
+            # Nodes another plan of the batch was to load sit in device_nodes, still host-only (and
+            # a node an earlier load was bringing in may have left device memory meanwhile).
+            k = 0
+            while k < len(p.device_nodes) and p.device_nodes[k].state in RESIDENT:
+                k += 1
+            keep = p.device_nodes[:k]
+            dropped = p.device_nodes[k:] + p.load_nodes
             if not dropped:
                 continue
             top = keep[-1] if keep else None
@@ -283,11 +287,14 @@ class Admissions:
         before `start_loads`, which has not started it yet)."""
         return {nd.id for p in plans for nd in p.device_nodes + p.load_nodes if nd.state is NodeState.LOADING}
 
-    def _reply_admitted(self, op_id: int, plans: list[_Plan]) -> None:
+    def _reply_admitted(self, op_id: int, plans: list[_Plan], *, waited: bool = False) -> None:
+        """Answer the admission. `waited`: it waited for its load slots, time in which a node of
+        its prefix that an earlier load was bringing in may have left device memory (`_cut_at_lost`)."""
         n = self.s.n
         admissions = []
         filled = [nd.device for p in plans for nd in p.load_nodes]  # what `LoadKV` asked to fill
-        self._cut_at_lost(plans)
+        if waited:
+            self._cut_at_lost(plans)
         loading = self._loading(plans)
         for p in plans:
             nodes = p.device_nodes + p.load_nodes

@@ -303,8 +303,8 @@ class _OwnLoadsOnly(Admissions):
     scheduler's) is waited on through the admission's own batch alone, which lands when that
     earlier one fails."""
 
-    def _reply_admitted(self, op_id: int, plans: list[_Plan]) -> None:
-        super()._reply_admitted(op_id, plans)
+    def _reply_admitted(self, op_id: int, plans: list[_Plan], *, waited: bool = False) -> None:
+        super()._reply_admitted(op_id, plans, waited=waited)
         to, reply = self.s.outbox[-1]
         assert isinstance(reply, Admitted), reply
         own = [tuple(sorted({nd.op for nd in p.load_nodes})) for p in plans]
