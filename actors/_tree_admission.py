@@ -235,26 +235,13 @@ class Admissions:
         self.s.emit(DEVICE, AllocateLoadSlots(op_id=load_op, tokens=total))
 
     def _give_up_loads(self, adm: _Admission) -> None:
-        tree = self.s.tree
         for p in adm.plans:
             # Nodes another plan of the batch was to load sit in device_nodes, still host-only (and
             # a node an earlier load was bringing in may have left device memory meanwhile).
             k = 0
             while k < len(p.device_nodes) and p.device_nodes[k].state in RESIDENT:
                 k += 1
-            keep = p.device_nodes[:k]
-            dropped = p.device_nodes[k:] + p.load_nodes
-            if not dropped:
-                continue
-            top = keep[-1] if keep else None
-            if top is not None:
-                tree.lock(top, +1)
-            tree.lock(dropped[-1], -1)
-            h = self.handles[p.handle]
-            h.node = top
-            h.prefix_tokens = sum(nd.tokens for nd in keep)
-            p.host_miss += sum(nd.tokens for nd in dropped)
-            p.device_nodes, p.load_nodes = keep, []
+            self._end_plan_at(p, k)
 
     def _cut_at_lost(self, plans: list[_Plan]) -> None:
         """End each plan's prefix before a node that left device memory since it was planned: a
@@ -262,23 +249,28 @@ class Admissions:
         for its load slots (an engine that admits during a forward pass). The rest of the match
         is the request's host miss; its lock moves up to what is left; the loads this admission
         queued for nodes below run on, and land or go back on their own (`loaded`)."""
-        tree = self.s.tree
         for p in plans:
             nodes = p.device_nodes + p.load_nodes
-            cut = next((i for i, nd in enumerate(nodes) if nd.state not in RESIDENT), len(nodes))
-            if cut == len(nodes):
-                continue
-            keep, dropped = nodes[:cut], nodes[cut:]
-            top = keep[-1] if keep else None
-            if top is not None:
-                tree.lock(top, +1)
-            tree.lock(dropped[-1], -1)
-            h = self.handles[p.handle]
-            h.node = top
-            h.prefix_tokens = sum(nd.tokens for nd in keep)
-            p.host_miss += sum(nd.tokens for nd in dropped)
-            k = min(cut, len(p.device_nodes))
-            p.device_nodes, p.load_nodes = keep[:k], keep[k:]
+            self._end_plan_at(p, next((i for i, nd in enumerate(nodes) if nd.state not in RESIDENT), len(nodes)))
+
+    def _end_plan_at(self, p: _Plan, cut: int) -> None:
+        """Keep the first `cut` nodes of a plan's prefix (its device nodes, then those it loads):
+        the rest is its host miss, and its lock moves up to the last node kept."""
+        nodes = p.device_nodes + p.load_nodes
+        keep, dropped = nodes[:cut], nodes[cut:]
+        if not dropped:
+            return
+        tree = self.s.tree
+        top = keep[-1] if keep else None
+        if top is not None:
+            tree.lock(top, +1)
+        tree.lock(dropped[-1], -1)
+        h = self.handles[p.handle]
+        h.node = top
+        h.prefix_tokens = sum(nd.tokens for nd in keep)
+        p.host_miss += sum(nd.tokens for nd in dropped)
+        k = min(cut, len(p.device_nodes))
+        p.device_nodes, p.load_nodes = keep[:k], keep[k:]
 
     @staticmethod
     def _loading(plans: list[_Plan]) -> set[int]:

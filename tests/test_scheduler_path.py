@@ -701,6 +701,21 @@ def _prefix_in_host_memory_only(hc: HiCache, oracle: Any, n: int = 48) -> list[i
     return tokens
 
 
+def _two_prefixes_in_host_memory_only(hc: HiCache, oracle: Any) -> tuple[list[int], list[int]]:
+    """Two prefixes of 16 tokens as `_prefix_in_host_memory_only` makes one, each written
+    through on its own (the write queue may hold one operation: a second would be refused)."""
+    first, second = seq(16, 10_000), seq(16, 20_000)
+    for rid, tokens in (("a", first), ("b", second)):
+        [adm] = hc.admit([Request(rid, tokens[:-1])])
+        oracle.write(hc.device_kv, tokens, hc.allocate({rid: 16})[rid])
+        hc.commit({rid: tokens})
+        hc.finish([adm.handle])
+        hc.quiesce()
+    hc.evict_device(hc.config.device_slots)
+    hc.device_kv.tensor.zero_()
+    return first, second
+
+
 def test_a_prefix_whose_load_was_never_started_is_a_host_hit_for_the_next_request(
         make_config: Callable[..., Config], oracle_for: Callable[[Config], Any]) -> None:
     """A request admitted with a load-back leaves before `start_loads` (an engine drops it before
@@ -722,74 +737,37 @@ def test_a_prefix_whose_load_was_never_started_is_a_host_hit_for_the_next_reques
 
 
 @pytest.mark.parametrize("kind", ["threads", "deterministic"])
-def test_a_host_hit_whose_load_the_stream_refused_fails_the_batch_the_forward_pass_waits_on(
-        make_config: Callable[..., Config], oracle_for: Callable[[Config], Any], kind: str) -> None:
+@pytest.mark.parametrize("quiesce", [False, True], ids=["start-loads", "quiesce-first"])
+def test_a_host_hit_whose_load_the_stream_refused_fails_the_batch_the_next_start_makes(
+        make_config: Callable[..., Config], oracle_for: Callable[[Config], Any], kind: str, quiesce: bool) -> None:
     """A load the stream refuses (its queue full: a load of a request that left before
     `start_loads` holds the one place) comes after its admission answered a host hit. The
-    waiter `start_loads` gives must fail, or the forward pass reads slots nothing loaded."""
+    waiter `start_loads` gives must fail, or the forward pass reads slots nothing loaded.
+    With a `quiesce()` between the admission and `start_loads`, the quiesce starts the queued
+    loads in a batch of its own, the one the facade gives the requests admitted since: that
+    batch must fail too. It used to land (the refusal waited for the next batch a forward
+    pass waits on), so the commit of the request whose load was refused was taken over slots
+    nothing loaded."""
     config = make_config(device_pages=16, host_pages=64, transfer_queue_ops_max=1)
     oracle = oracle_for(config)
     with HiCache(config, runtime=make_runtime(kind, seed=3)) as hc:
-        first, second = seq(16, 10_000), seq(16, 20_000)
-        for rid, tokens in (("a", first), ("b", second)):
-            [adm] = hc.admit([Request(rid, tokens[:-1])])
-            oracle.write(hc.device_kv, tokens, hc.allocate({rid: 16})[rid])
-            hc.commit({rid: tokens})
-            hc.finish([adm.handle])
-            hc.quiesce()  # the write queue holds one operation too: a second write in it would be refused
-        hc.evict_device(hc.config.device_slots)
-        hc.device_kv.tensor.zero_()
-        [x] = hc.admit([Request("x", first + [7])])
-        hc.abort([x.handle])  # gone before its forward pass: its load stays queued
-        [y] = hc.admit([Request("y", second + [7])])
-        assert y.host_hit == 16
-        with pytest.raises(LoadFailedError, match="refused"):
-            hc.start_loads().wait_all(timeout_s=30)
-        hc.retract([y.handle])
-        hc.check_invariants()
-        [y] = hc.admit([Request("y", second + [7])])  # admitted again: this time it loads
-        assert y.host_hit == 16
-        hc.start_loads().wait_all(timeout_s=30)
-        oracle.verify(hc.device_kv, second, y.device_indices)
-        hc.finish([y.handle])
-        hc.check_invariants()
-
-
-@pytest.mark.parametrize("kind", ["threads", "deterministic"])
-def test_a_host_hit_whose_load_the_stream_refused_before_a_quiesce_is_not_committed_and_fails_the_waiter(
-        make_config: Callable[..., Config], oracle_for: Callable[[Config], Any], kind: str) -> None:
-    """As above, with a `quiesce()` between the admission and `start_loads`: the quiesce starts
-    the queued loads in a batch of its own, the one the facade gives the requests admitted
-    since. That batch must fail too: it used to land (the refusal waited for the next batch
-    a forward pass waits on), so the commit of the request whose load was refused was taken
-    over slots nothing loaded."""
-    config = make_config(device_pages=16, host_pages=64, transfer_queue_ops_max=1)
-    oracle = oracle_for(config)
-    with HiCache(config, runtime=make_runtime(kind, seed=3)) as hc:
-        first, second = seq(16, 10_000), seq(16, 20_000)
-        for rid, tokens in (("a", first), ("b", second)):
-            [adm] = hc.admit([Request(rid, tokens[:-1])])
-            oracle.write(hc.device_kv, tokens, hc.allocate({rid: 16})[rid])
-            hc.commit({rid: tokens})
-            hc.finish([adm.handle])
-            hc.quiesce()
-        hc.evict_device(hc.config.device_slots)
-        hc.device_kv.tensor.zero_()
+        first, second = _two_prefixes_in_host_memory_only(hc, oracle)
         [x] = hc.admit([Request("x", first + [7])])
         hc.abort([x.handle])  # gone before its forward pass: its load stays queued
         [y] = hc.admit([Request("y", second + [7])])
         assert y.host_hit == 16 and hc.statistics().load.ops_failed == 1  # y's load refused
-        hc.quiesce()
-        assert isinstance(got := hc.allocate({"y": 1}), dict)
-        oracle.write(hc.device_kv, second + [7], got["y"], start=16)
-        with pytest.raises(RequestError, match="request 'y': the load-back of its 16 tokens from host memory "
-                                               "failed .*load .* was refused"):
-            hc.commit({"y": second[16:] + [7]})
-        with pytest.raises(LoadFailedError, match="which no forward pass waited on, failed: load .* was refused"):
+        if quiesce:
+            hc.quiesce()
+            assert isinstance(got := hc.allocate({"y": 1}), dict)
+            oracle.write(hc.device_kv, second + [7], got["y"], start=16)
+            with pytest.raises(RequestError, match="request 'y': the load-back of its 16 tokens from host memory "
+                                                   "failed .*load .* was refused"):
+                hc.commit({"y": second[16:] + [7]})
+        with pytest.raises(LoadFailedError, match="load .* was refused"):
             hc.start_loads().wait_all(timeout_s=30)
         hc.retract([y.handle])
         hc.check_invariants()
-        [y] = hc.admit([Request("y", second + [7])])
+        [y] = hc.admit([Request("y", second + [7])])  # admitted again: this time it loads
         assert y.host_hit == 16
         hc.start_loads().wait_all(timeout_s=30)
         oracle.verify(hc.device_kv, second, y.device_indices)
