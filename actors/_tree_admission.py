@@ -58,6 +58,14 @@ class _Handle:
     """Positions below this hold the tree's slots, not the request's own."""
 
 
+def _resident_run(nodes: list[Node]) -> int:
+    """How many of `nodes` (a path's, from the top) are in device memory before the first that is not."""
+    k = 0
+    while k < len(nodes) and nodes[k].state in RESIDENT:
+        k += 1
+    return k
+
+
 @dataclass(slots=True)
 class _Served:
     """An admission's host hit, counted as served (`host_hit_tokens`) once every load-back it
@@ -238,10 +246,7 @@ class Admissions:
         for p in adm.plans:
             # Nodes another plan of the batch was to load sit in device_nodes, still host-only (and
             # a node an earlier load was bringing in may have left device memory meanwhile).
-            k = 0
-            while k < len(p.device_nodes) and p.device_nodes[k].state in RESIDENT:
-                k += 1
-            self._end_plan_at(p, k)
+            self._end_plan_at(p, _resident_run(p.device_nodes))
 
     def _cut_at_lost(self, plans: list[_Plan]) -> None:
         """End each plan's prefix before a node that left device memory since it was planned: a
@@ -250,8 +255,7 @@ class Admissions:
         is the request's host miss; its lock moves up to what is left; the loads this admission
         queued for nodes below run on, and land or go back on their own (`loaded`)."""
         for p in plans:
-            nodes = p.device_nodes + p.load_nodes
-            self._end_plan_at(p, next((i for i, nd in enumerate(nodes) if nd.state not in RESIDENT), len(nodes)))
+            self._end_plan_at(p, _resident_run(p.device_nodes + p.load_nodes))
 
     def _end_plan_at(self, p: _Plan, cut: int) -> None:
         """Keep the first `cut` nodes of a plan's prefix (its device nodes, then those it loads):
