@@ -10,8 +10,10 @@ storage prefetch, some given up by id while it runs), their slots allocated in o
 (per request or as one flat tensor), prefills committed in pieces, decode steps that
 allocate and commit in one call, `cache_unfinished`, finish, abort and retract of one or
 two requests a call, device and host eviction, restarts, and calls a scheduler must not
-make (each a one-line `RequestError` that changes nothing). Token ids come in every
-accepted form. The KV of every position is the fingerprint oracle's, written into the
+make (each a one-line `RequestError` that changes nothing). About half the seeds of one
+instance overlap admissions as an overlap scheduler does: each admission comes while the
+last one's load-backs are in flight, and may hit the pages they load. Token ids come in
+every accepted form. The KV of every position is the fingerprint oracle's, written into the
 slots the cache handed out; every cached prefix an admission reports is read back from
 device memory and compared with it, whichever tier it came from, and so is a request's
 committed prefix after `cache_unfinished`, in the slots the cache then reports. After each
@@ -66,6 +68,17 @@ class _Truth:
     storage_hit: int = 0
 
 
+@dataclass
+class _Admission:
+    """The requests of one `admit` call, as admitted, and the waiter of their load-backs."""
+
+    rids: list[str]
+    prompts: list[list[int]]
+    spaces: list[str]
+    admitted: list[Any]
+    waiter: Any = None
+
+
 class _Run:
     """One seed's calls and the scheduler-side state they need."""
 
@@ -115,6 +128,13 @@ class _Run:
         self.retracted: list[str] = []
         self.turns: list[tuple[list[int], str]] = []
         """The committed tokens of finished requests, which a later admission may continue."""
+        self.overlap = random.Random(seed * 11 + 5)
+        """The overlapped run's own choices (so that the other seeds' calls stay as they were)."""
+        self.overlapped = self.overlap.random() < 0.5 and like is None and not storage_max_bytes
+        # (the two instances over one bounded directory call as before: their seeds are those
+        # whose calls make the bound evict)
+        self.pending: _Admission | None = None
+        """An overlapped run's last admission, whose forward pass runs until the next one."""
         self.made = 0
         self.verified = 0
         self.truth = _Truth()
@@ -151,9 +171,41 @@ class _Run:
         st["committed"] = upto
 
     def admit(self, cache: HiCache, step: int, k: int) -> None:
-        """`k` requests admitted in one call (some after a prefetch from storage), their slots
+        """`k` requests admitted in one call (some after a prefetch from storage), their
+        load-backs started, waited for and their cached prefixes read back, their slots
         allocated in one call (per request, or as one flat tensor) and the first piece of each
-        prefill committed in one call."""
+        prefill committed in one call.
+
+        An overlapped run admits them while the last admission's forward pass runs, as an
+        overlap scheduler does: that admission's load-backs are in flight, and the new
+        requests may hit what they are loading. Their own loads start before or after that
+        forward pass waits for its loads, and they wait for theirs at the next admission (or
+        at a quiesce, a restart, the end)."""
+        admission = self.admission(cache, step, k)
+        if not self.overlapped:
+            if admission is not None:
+                admission.waiter = cache.start_loads()
+                self.served(cache, step, admission)
+            return
+        earlier, self.pending = self.pending, None
+        if admission is not None and earlier is not None and self.overlap.random() < 0.5:
+            admission.waiter = cache.start_loads()  # started while the earlier forward pass runs
+        if earlier is not None:
+            self.served(cache, step, earlier)
+        if admission is not None:
+            if admission.waiter is None:
+                admission.waiter = cache.start_loads()
+            self.pending = admission
+
+    def end_pending(self, cache: HiCache, step: int) -> None:
+        """The forward pass of an overlapped run's last admission, before a call that needs
+        every admission settled."""
+        if self.pending is not None:
+            earlier, self.pending = self.pending, None
+            self.served(cache, step, earlier)
+
+    def admission(self, cache: HiCache, step: int, k: int) -> _Admission | None:
+        """`k` requests chosen (new, retracted ones, next turns; some prefetched) and admitted."""
         rng = self.rng
         rids: list[str] = []
         prompts: list[list[int]] = []
@@ -185,12 +237,20 @@ class _Run:
             prompts.append(ids)
             spaces.append(ns)
         if not rids:
-            return
+            return None
         admitted = cache.admit([Request(rid, self.tokens(ids[:-1]), ns) for rid, ids, ns in zip(rids, prompts, spaces)])
         self.truth.looked_up += sum(len(ids) - 1 for ids in prompts)
         self.truth.device_hit += sum(adm.device_hit for adm in admitted)
+        return _Admission(rids, prompts, spaces, admitted)
+
+    def served(self, cache: HiCache, step: int, admission: _Admission) -> None:
+        """An admission's load-backs waited for (a failed one retracts it) and its cached
+        prefixes read back; its slots allocated and the first piece of each prefill committed."""
+        rng = self.rng
+        rids, prompts, spaces, admitted = admission.rids, admission.prompts, admission.spaces, admission.admitted
+        assert admission.waiter is not None
         try:
-            cache.start_loads().wait_all()
+            admission.waiter.wait_all()
         except LoadFailedError:  # the tree dropped what did not load: retract, and admit again later
             cache.retract([adm.handle for adm in admitted])
             self.retracted += rids
@@ -305,6 +365,7 @@ class _Run:
             self.finish(cache)
 
     def finish(self, cache: HiCache) -> None:
+        self.end_pending(cache, STEPS)
         for st in self.live.values():
             cache.finish([st["handle"]])
         self.live.clear()
@@ -340,6 +401,7 @@ class _Run:
         elif op < 0.9:
             self.misuse(cache, step)
         elif op < 0.915:  # a restart: a fresh L1 and L2 over the same storage (a new log)
+            self.end_pending(cache, step)
             for st in self.live.values():
                 (cache.finish if rng.random() < 0.5 else cache.abort)([st["handle"]])
             self.live.clear()
@@ -349,6 +411,7 @@ class _Run:
             self.counted.clear()  # a cache started again counts from zero
             self.truth = _Truth()
         else:
+            self.end_pending(cache, step)
             cache.quiesce()
             self.check_hits(cache, step)
             if rng.random() < 0.3:
